@@ -1,0 +1,148 @@
+//! Map keys and values shared by the BPF programs and the agent.
+//!
+//! Every type is `#[repr(C)]` and `bytemuck::Pod`, so the compiler refuses hidden padding: padding
+//! is spelled out as fields that must stay zero (hash maps compare keys byte by byte).
+//! Fields in network byte order say so in their type (`Be16`, `Be32`).
+#![no_std]
+
+use bytemuck::{Pod, Zeroable};
+
+/// A `u16` stored in network byte order.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct Be16(u16);
+
+impl Be16 {
+    pub const fn new(host: u16) -> Self {
+        Self(host.to_be())
+    }
+    /// Wraps a value that is already in network byte order (as read from a packet).
+    pub const fn from_raw(raw: u16) -> Self {
+        Self(raw)
+    }
+    pub const fn get(self) -> u16 {
+        u16::from_be(self.0)
+    }
+    pub const fn raw(self) -> u16 {
+        self.0
+    }
+}
+
+/// A `u32` (an IPv4 address) stored in network byte order.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct Be32(u32);
+
+impl Be32 {
+    pub const fn new(host: u32) -> Self {
+        Self(host.to_be())
+    }
+    pub const fn from_raw(raw: u32) -> Self {
+        Self(raw)
+    }
+    pub const fn get(self) -> u32 {
+        u32::from_be(self.0)
+    }
+    pub const fn raw(self) -> u32 {
+        self.0
+    }
+    pub const fn from_octets(o: [u8; 4]) -> Self {
+        Self(u32::from_ne_bytes(o))
+    }
+    pub const fn octets(self) -> [u8; 4] {
+        self.0.to_ne_bytes()
+    }
+}
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Names of the maps, as pinned under the agent's bpffs directory.
+pub const MAP_SERVICES: &str = "SERVICES";
+pub const MAP_BACKENDS: &str = "BACKENDS";
+pub const MAP_CONNTRACK: &str = "CONNTRACK";
+
+/// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);
+/// slots 1..=count hold one backend id each (after Cilium's `lb4_key`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct ServiceKey {
+    pub addr: Be32,
+    pub port: Be16,
+    pub slot: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+impl ServiceKey {
+    pub const fn new(addr: Be32, port: Be16, proto: u8, slot: u16) -> Self {
+        Self { addr, port, slot, proto, pad: [0; 3] }
+    }
+}
+
+/// Value of the services map. In slot 0: `count` (and `flags`, none defined yet); in slot n:
+/// `backend_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct ServiceValue {
+    pub backend_id: u32,
+    pub count: u16,
+    pub flags: u16,
+}
+
+/// A backend: where a service's traffic is sent. Keyed by a `u32` id in the backends map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct Backend {
+    pub addr: Be32,
+    pub port: Be16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// A flow's 5-tuple as it appears in a packet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct CtKey {
+    pub saddr: Be32,
+    pub daddr: Be32,
+    pub sport: Be16,
+    pub dport: Be16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+/// Conntrack entry direction: a client's packets to the service address, or the backend's replies.
+pub const CT_FORWARD: u8 = 1;
+pub const CT_REPLY: u8 = 2;
+
+/// A conntrack entry. Each flow has two: the forward entry (keyed by client -> service address)
+/// names the backend; the reply entry (keyed by backend -> client) names the service address the
+/// reply must appear to come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct CtValue {
+    /// Forward: the chosen backend. Reply: the backend the flow was sent to.
+    pub backend_id: u32,
+    /// The service address and port the client used: what replies are rewritten to.
+    pub vip: Be32,
+    pub vport: Be16,
+    /// [`CT_FORWARD`] or [`CT_REPLY`].
+    pub direction: u8,
+    pub pad: [u8; 5],
+    /// `bpf_ktime_get_ns()` of the last packet seen in this direction.
+    pub last_seen_ns: u64,
+    /// Packets seen in this direction (not atomic: a statistic, not an accounting record).
+    pub packets: u64,
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+    // SAFETY: all of these are `bytemuck::Pod`: no padding, every bit pattern valid.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtValue {}
+}

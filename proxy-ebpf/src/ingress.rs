@@ -1,0 +1,98 @@
+//! Packets leaving a pod: a packet to a service address is sent to a backend (DNAT). The first
+//! packet of a flow picks a backend at random and records the choice in conntrack; later packets
+//! follow that record while its backend exists.
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    programs::TcContext,
+};
+use proxy_common::{Backend, CT_FORWARD, CT_REPLY, CtKey, CtValue, ServiceKey, ServiceValue};
+
+use crate::{
+    maps::{BACKENDS, CONNTRACK, SERVICES},
+    packet::{self, End, Error},
+};
+
+#[inline(always)]
+pub fn try_ingress(ctx: &TcContext) -> Result<(), Error> {
+    let Some(flow) = packet::parse(ctx) else {
+        return Ok(());
+    };
+    let key = flow.key;
+    let svc_key = ServiceKey::new(key.daddr, key.dport, key.proto, 0);
+    // SAFETY: services values are plain data; the agent replaces them whole.
+    let Some(svc) = (unsafe { SERVICES.get(&svc_key) }).copied() else {
+        return Ok(()); // not a service: untouched
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let backend = match established(&key, now) {
+        Some(backend) => backend,
+        None => {
+            // A service without endpoints passes untouched for now (kube-proxy rejects such
+            // packets with ICMP; that comes with the reject issue).
+            let Some((backend_id, backend)) = select_backend(&svc_key, &svc) else {
+                return Ok(());
+            };
+            record_flow(&key, backend_id, &backend, now);
+            backend
+        }
+    };
+    flow.rewrite(ctx, End::Destination, backend.addr, backend.port)
+}
+
+/// The backend of a flow already in conntrack, if that backend still exists.
+#[inline(always)]
+fn established(key: &CtKey, now: u64) -> Option<Backend> {
+    let entry = CONNTRACK.get_ptr_mut(key)?;
+    // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
+    // entry, which the direction and backend checks below reject or the backend lookup corrects.
+    let entry = unsafe { &mut *entry };
+    if entry.direction != CT_FORWARD {
+        return None;
+    }
+    let backend = unsafe { BACKENDS.get(&entry.backend_id) }.copied()?;
+    entry.last_seen_ns = now;
+    entry.packets += 1;
+    Some(backend)
+}
+
+#[inline(always)]
+fn select_backend(svc_key: &ServiceKey, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    if svc.count == 0 {
+        return None;
+    }
+    let slot = (unsafe { bpf_get_prandom_u32() } % svc.count as u32) as u16 + 1;
+    let slot_key = ServiceKey::new(svc_key.addr, svc_key.port, svc_key.proto, slot);
+    let backend_id = unsafe { SERVICES.get(&slot_key) }?.backend_id;
+    let backend = unsafe { BACKENDS.get(&backend_id) }.copied()?;
+    Some((backend_id, backend))
+}
+
+/// Records both directions of a new flow: the reply entry first, so that no reply can arrive
+/// before the record that reverse-NATs it.
+#[inline(always)]
+fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64) {
+    let reply_key = CtKey {
+        saddr: backend.addr,
+        daddr: key.saddr,
+        sport: backend.port,
+        dport: key.sport,
+        proto: key.proto,
+        pad: [0; 3],
+    };
+    let mut value = CtValue {
+        backend_id,
+        vip: key.daddr,
+        vport: key.dport,
+        direction: CT_REPLY,
+        pad: [0; 5],
+        last_seen_ns: now,
+        packets: 0,
+    };
+    // LRU inserts make room by evicting the least recently used flow; a failure here (memory
+    // pressure) only means the next packet of this flow picks a backend again.
+    let _ = CONNTRACK.insert(&reply_key, &value, BPF_ANY as u64);
+    value.direction = CT_FORWARD;
+    value.packets = 1;
+    let _ = CONNTRACK.insert(key, &value, BPF_ANY as u64);
+}

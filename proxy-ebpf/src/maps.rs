@@ -1,0 +1,22 @@
+//! The maps, pinned by name so they outlive the agent and the inspect CLI can read them. The sizes
+//! here are defaults; the agent sets the real ones at load time (`--bpf-*-max` flags).
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    macros::map,
+    maps::{HashMap, LruHashMap},
+};
+use proxy_common::{Backend, CtKey, CtValue, ServiceKey, ServiceValue};
+
+/// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
+/// nodes use a small part of it.
+#[map(name = "SERVICES")]
+pub static SERVICES: HashMap<ServiceKey, ServiceValue> =
+    HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+#[map(name = "BACKENDS")]
+pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+/// Two entries a flow. LRU: when full, the least recently used flows are forgotten (and their
+/// next packet picks a backend again) rather than new flows failing.
+#[map(name = "CONNTRACK")]
+pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(1 << 21, 0);

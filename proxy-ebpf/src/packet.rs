@@ -1,0 +1,134 @@
+//! Parsing the headers the programs need, and rewriting an address and port with both checksums
+//! updated incrementally.
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    programs::TcContext,
+};
+use proxy_common::{Be16, Be32, CtKey, IPPROTO_TCP, IPPROTO_UDP};
+
+/// A helper call failed after the packet may have been partly rewritten.
+pub struct Error;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
+pub const IP_DADDR_OFF: usize = ETH_HLEN + 16;
+/// More-fragments flag and fragment offset.
+const IP_FRAG_MASK: u16 = 0x3fff;
+
+/// An IPv4 TCP or UDP packet's flow, and where its L4 header starts.
+pub struct Flow {
+    pub key: CtKey,
+    l4_off: usize,
+}
+
+/// Longest header run the programs read: Ethernet, IPv4 with options, a TCP header.
+const MAX_HDR: usize = ETH_HLEN + 60 + 20;
+const IPV4_MIN: usize = ETH_HLEN + 20;
+
+/// Reads a `T` at `p`. Callers have compared `p + size_of::<T>()` with data_end.
+#[inline(always)]
+unsafe fn read<T: Copy>(p: usize) -> T {
+    // SAFETY: bounds checked by the caller; packet data has no alignment guarantee.
+    unsafe { (p as *const T).read_unaligned() }
+}
+
+/// Reads the 5-tuple of an unfragmented IPv4 TCP/UDP packet. `None` for anything else, including
+/// malformed or truncated headers: such packets are not ours to rewrite and pass untouched.
+///
+/// Bounds are checked twice, each as a plain comparison of packet pointers with data_end, the
+/// form the verifier follows: once for the fixed headers, once for the L4 header behind the
+/// variable-length IP header.
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Option<Flow> {
+    // Headers can sit partly outside the linear data (GRO, some drivers): pull them in once.
+    let wanted = core::cmp::min(ctx.len() as usize, MAX_HDR);
+    if ctx.data() + wanted > ctx.data_end() {
+        ctx.pull_data(wanted as u32).ok()?;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + IPV4_MIN > end {
+        return None;
+    }
+    let eth_proto = Be16::from_raw(unsafe { read::<u16>(data + 12) });
+    if eth_proto.get() != ETH_P_IP {
+        return None;
+    }
+    let ip = data + ETH_HLEN;
+    let ver_ihl: u8 = unsafe { read(ip) };
+    let ihl = ((ver_ihl & 0x0f) as usize) * 4;
+    if ver_ihl >> 4 != 4 || ihl < 20 {
+        return None;
+    }
+    let tot_len = Be16::from_raw(unsafe { read::<u16>(ip + 2) }).get() as usize;
+    let frag = Be16::from_raw(unsafe { read::<u16>(ip + 6) }).get();
+    // A later fragment has no ports; a first fragment's later pieces would miss the rewrite.
+    if frag & IP_FRAG_MASK != 0 {
+        return None;
+    }
+    let l4_proto: u8 = unsafe { read(ip + 9) };
+    let saddr = Be32::from_raw(unsafe { read::<u32>(ip + 12) });
+    let daddr = Be32::from_raw(unsafe { read::<u32>(ip + 16) });
+    let l4_hdr_len = match l4_proto {
+        IPPROTO_TCP => 20,
+        IPPROTO_UDP => 8,
+        _ => return None,
+    };
+    // The IP header must claim at least the L4 header, and the packet must hold what it claims.
+    if tot_len < ihl + l4_hdr_len || (ctx.len() as usize) < ETH_HLEN + tot_len {
+        return None;
+    }
+    let l4 = ip + ihl;
+    // The whole L4 header (checksum included) must be in the linear data we rewrite.
+    if l4 + l4_hdr_len > end {
+        return None;
+    }
+    let key = CtKey {
+        saddr,
+        daddr,
+        sport: Be16::from_raw(unsafe { read::<u16>(l4) }),
+        dport: Be16::from_raw(unsafe { read::<u16>(l4 + 2) }),
+        proto: l4_proto,
+        pad: [0; 3],
+    };
+    Some(Flow { key, l4_off: ETH_HLEN + ihl })
+}
+
+/// Which end of the flow a rewrite changes.
+#[derive(Clone, Copy)]
+pub enum End {
+    Source,
+    Destination,
+}
+
+impl Flow {
+    /// Rewrites the source or destination address and port, updating the IP header checksum and
+    /// the TCP/UDP checksum (whose pseudo-header covers the addresses). A UDP checksum of zero
+    /// means "none" and stays zero.
+    #[inline(always)]
+    pub fn rewrite(&self, ctx: &TcContext, end: End, addr: Be32, port: Be16) -> Result<(), Error> {
+        let (old_addr, old_port, addr_off, port_off) = match end {
+            End::Source => (self.key.saddr, self.key.sport, IP_SADDR_OFF, self.l4_off),
+            End::Destination => (self.key.daddr, self.key.dport, IP_DADDR_OFF, self.l4_off + 2),
+        };
+        let (csum_off, l4_flags) = if self.key.proto == IPPROTO_TCP {
+            (self.l4_off + 16, 0)
+        } else {
+            (self.l4_off + 6, BPF_F_MARK_MANGLED_0 as u64)
+        };
+        if old_addr != addr {
+            let (from, to) = (old_addr.raw() as u64, addr.raw() as u64);
+            ctx.l4_csum_replace(csum_off, from, to, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)
+                .map_err(|_| Error)?;
+            ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4).map_err(|_| Error)?;
+            ctx.store(addr_off, &addr.raw(), 0).map_err(|_| Error)?;
+        }
+        if old_port != port {
+            let (from, to) = (old_port.raw() as u64, port.raw() as u64);
+            ctx.l4_csum_replace(csum_off, from, to, l4_flags | 2).map_err(|_| Error)?;
+            ctx.store(port_off, &port.raw(), 0).map_err(|_| Error)?;
+        }
+        Ok(())
+    }
+}

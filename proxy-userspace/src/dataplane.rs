@@ -1,0 +1,26 @@
+//! The one contract every proxy mode implements: make the node serve the desired state.
+use std::collections::BTreeSet;
+
+use crate::model::{DesiredState, ServicePortName};
+
+/// Which service ports a sync must look at.
+#[derive(Clone, Copy, Debug)]
+pub enum Scope<'a> {
+    /// Everything: the first sync, periodic resyncs, and retries after a failure. Also removes
+    /// whatever the mode finds programmed that the state does not name.
+    All,
+    /// Only these service ports changed since the last successful sync.
+    Changed(&'a BTreeSet<ServicePortName>),
+}
+
+pub trait Dataplane: Send {
+    /// Programs the node so that the service ports in `scope` behave as `state` says. An error
+    /// leaves the rest programmed; the caller retries with [`Scope::All`].
+    fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()>;
+
+    /// Periodic work that does not depend on the state (the agent calls it about once a
+    /// second), such as attaching to the interfaces of pods that appeared.
+    fn housekeeping(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,176 @@
+//! `proxy-userspace inspect`: reads the pinned maps (while the agent runs or after it stopped)
+//! and prints them as a table for people or JSON for scripts.
+use std::{fmt::Write as _, net::Ipv4Addr, path::Path};
+
+use anyhow::Context;
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use proxy_common::{
+    Backend, Be32, CT_FORWARD, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_BACKENDS,
+    MAP_CONNTRACK, MAP_SERVICES, ServiceKey, ServiceValue,
+};
+use serde::Serialize;
+
+pub fn proto_name(proto: u8) -> &'static str {
+    match proto {
+        IPPROTO_TCP => "TCP",
+        IPPROTO_UDP => "UDP",
+        132 => "SCTP",
+        _ => "?",
+    }
+}
+
+fn ip(addr: Be32) -> Ipv4Addr {
+    Ipv4Addr::from(addr.octets())
+}
+
+/// One service address with its backends, in slot order.
+#[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ServiceRow {
+    pub address: String,
+    pub protocol: &'static str,
+    pub backends: Vec<BackendRow>,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord, Clone)]
+pub struct BackendRow {
+    pub id: u32,
+    pub address: String,
+    pub protocol: &'static str,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+pub struct FlowRow {
+    pub direction: &'static str,
+    pub protocol: &'static str,
+    pub source: String,
+    pub destination: String,
+    /// The service address the flow was sent to.
+    pub service: String,
+    pub backend_id: u32,
+    pub packets: u64,
+    pub idle_seconds: f64,
+}
+
+fn open(pin_dir: &Path, name: &str) -> anyhow::Result<MapData> {
+    let path = pin_dir.join(name);
+    MapData::from_pin(&path).with_context(|| {
+        format!(
+            "cannot open the pinned map {}: is the agent running (or has it run) with \
+             --bpf-pin-dir {}? Reading pinned maps needs root or CAP_BPF",
+            path.display(),
+            pin_dir.display()
+        )
+    })
+}
+
+pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
+    let map: BpfHashMap<_, u32, Backend> = Map::HashMap(open(pin_dir, MAP_BACKENDS)?).try_into()?;
+    let mut rows = Vec::new();
+    for entry in map.iter() {
+        let (id, b) = entry?;
+        rows.push(backend_row(id, &b));
+    }
+    rows.sort();
+    Ok(rows)
+}
+
+fn backend_row(id: u32, b: &Backend) -> BackendRow {
+    BackendRow { id, address: format!("{}:{}", ip(b.addr), b.port.get()), protocol: proto_name(b.proto) }
+}
+
+pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
+    let svc: BpfHashMap<_, ServiceKey, ServiceValue> =
+        Map::HashMap(open(pin_dir, MAP_SERVICES)?).try_into()?;
+    let be: BpfHashMap<_, u32, Backend> = Map::HashMap(open(pin_dir, MAP_BACKENDS)?).try_into()?;
+    let mut rows = Vec::new();
+    for key in svc.keys() {
+        let key = key?;
+        if key.slot != 0 {
+            continue;
+        }
+        // The agent may rewrite a service while we read it: a slot that vanished is skipped.
+        let Ok(head) = svc.get(&key, 0) else { continue };
+        let mut backends = Vec::new();
+        for slot in 1..=head.count {
+            let Ok(v) = svc.get(&ServiceKey { slot, ..key }, 0) else { continue };
+            match be.get(&v.backend_id, 0) {
+                Ok(b) => backends.push(backend_row(v.backend_id, &b)),
+                Err(_) => backends.push(BackendRow {
+                    id: v.backend_id,
+                    address: "(missing)".into(),
+                    protocol: proto_name(key.proto),
+                }),
+            }
+        }
+        rows.push(ServiceRow {
+            address: format!("{}:{}", ip(key.addr), key.port.get()),
+            protocol: proto_name(key.proto),
+            backends,
+        });
+    }
+    rows.sort();
+    Ok(rows)
+}
+
+pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
+    let ct: BpfHashMap<_, CtKey, CtValue> =
+        Map::LruHashMap(open(pin_dir, MAP_CONNTRACK)?).try_into()?;
+    let now = monotonic_ns();
+    let mut rows = Vec::new();
+    for entry in ct.iter() {
+        let (k, v) = entry?;
+        rows.push(FlowRow {
+            direction: if v.direction == CT_FORWARD { "forward" } else { "reply" },
+            protocol: proto_name(k.proto),
+            source: format!("{}:{}", ip(k.saddr), k.sport.get()),
+            destination: format!("{}:{}", ip(k.daddr), k.dport.get()),
+            service: format!("{}:{}", ip(v.vip), v.vport.get()),
+            backend_id: v.backend_id,
+            packets: v.packets,
+            idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
+        });
+    }
+    rows.sort_by(|a, b| (&a.service, &a.source, a.direction).cmp(&(&b.service, &b.source, b.direction)));
+    Ok(rows)
+}
+
+/// The clock bpf_ktime_get_ns() reads.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+pub fn services_table(rows: &[ServiceRow]) -> String {
+    let mut out = format!("{:<24} {:<5} {}\n", "SERVICE", "PROTO", "BACKENDS (id address)");
+    for r in rows {
+        let list: Vec<String> = r.backends.iter().map(|b| format!("{} {}", b.id, b.address)).collect();
+        let list = if list.is_empty() { "(none)".to_owned() } else { list.join(", ") };
+        let _ = writeln!(out, "{:<24} {:<5} {}", r.address, r.protocol, list);
+    }
+    out
+}
+
+pub fn backends_table(rows: &[BackendRow]) -> String {
+    let mut out = format!("{:>8} {:<24} {}\n", "ID", "ADDRESS", "PROTO");
+    for r in rows {
+        let _ = writeln!(out, "{:>8} {:<24} {}", r.id, r.address, r.protocol);
+    }
+    out
+}
+
+pub fn conntrack_table(rows: &[FlowRow]) -> String {
+    let mut out = format!(
+        "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8}\n",
+        "DIR", "PROTO", "SOURCE", "DESTINATION", "SERVICE", "BACKEND", "PACKETS", "IDLE(s)"
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8.1}",
+            r.direction, r.protocol, r.source, r.destination, r.service, r.backend_id, r.packets, r.idle_seconds
+        );
+    }
+    out
+}

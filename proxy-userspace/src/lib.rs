@@ -1,0 +1,10 @@
+//! The agent: desired state, its sources, and the dataplanes that program it.
+pub mod agent;
+pub mod dataplane;
+pub mod duration;
+pub mod ebpf;
+pub mod inspect;
+pub mod manifest;
+pub mod model;
+pub mod runner;
+pub mod source;

@@ -1,0 +1,141 @@
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use proxy_userspace::{
+    agent::{self, AgentConfig},
+    duration::parse_duration,
+    ebpf::{EbpfDataplane, MapSizes},
+    inspect,
+};
+
+/// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
+#[derive(Parser)]
+#[command(version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Program this node so that Services reach their endpoints.
+    Agent(AgentArgs),
+    /// Print what the datapath's pinned maps hold.
+    Inspect(InspectArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ProxyMode {
+    /// tc programs with BPF maps.
+    Ebpf,
+}
+
+const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-proxy-ebpf";
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// Which proxy mode to use (kube-proxy's flag).
+    #[arg(long, value_enum, default_value = "ebpf")]
+    proxy_mode: ProxyMode,
+    /// A file of Kubernetes YAML (Services and EndpointSlices; multi-document or a List),
+    /// watched for changes.
+    #[arg(long)]
+    manifest: PathBuf,
+    /// The minimum interval between syncs: changes arriving faster are batched (kube-proxy's flag).
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    min_sync_period: Duration,
+    /// The interval of full resyncs (kube-proxy's flag).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    sync_period: Duration,
+    /// bpffs directory where the maps are pinned (mounted if it is not on bpffs).
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    bpf_pin_dir: PathBuf,
+    /// Interfaces facing pods, by name (`*` matches any run; comma-separated patterns).
+    #[arg(long, default_value = "veth*,cali*,lxc*,cni*")]
+    pod_interfaces: String,
+    /// Size of the services map (one entry per service port and one per backend of each).
+    #[arg(long, default_value_t = MapSizes::default().services)]
+    bpf_services_max: u32,
+    /// Size of the backends map (one entry per distinct endpoint address, port and protocol).
+    #[arg(long, default_value_t = MapSizes::default().backends)]
+    bpf_backends_max: u32,
+    /// Size of the conntrack map (two entries per flow; the least recently used are evicted).
+    #[arg(long, default_value_t = MapSizes::default().conntrack)]
+    bpf_ct_max: u32,
+}
+
+#[derive(clap::Args)]
+struct InspectArgs {
+    #[arg(value_enum)]
+    what: InspectWhat,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    bpf_pin_dir: PathBuf,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum InspectWhat {
+    Services,
+    Backends,
+    Conntrack,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Agent(args) => run_agent(args),
+        Command::Inspect(args) => run_inspect(args),
+    }
+}
+
+fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let dataplane = match args.proxy_mode {
+            ProxyMode::Ebpf => {
+                let sizes = MapSizes {
+                    services: args.bpf_services_max,
+                    backends: args.bpf_backends_max,
+                    conntrack: args.bpf_ct_max,
+                };
+                let mut dp = EbpfDataplane::new(&args.bpf_pin_dir, sizes, &args.pod_interfaces)?;
+                proxy_userspace::ebpf::spawn_bpf_logger(dp.ebpf_mut());
+                tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
+                Box::new(dp)
+            }
+        };
+        let config = AgentConfig {
+            manifest: args.manifest,
+            min_sync_period: args.min_sync_period,
+            sync_period: args.sync_period,
+        };
+        agent::run(config, dataplane).await
+    })
+}
+
+fn run_inspect(args: InspectArgs) -> anyhow::Result<()> {
+    let dir = &args.bpf_pin_dir;
+    let out = match (args.what, args.json) {
+        (InspectWhat::Services, false) => inspect::services_table(&inspect::services(dir)?),
+        (InspectWhat::Services, true) => serde_json::to_string_pretty(&inspect::services(dir)?)?,
+        (InspectWhat::Backends, false) => inspect::backends_table(&inspect::backends(dir)?),
+        (InspectWhat::Backends, true) => serde_json::to_string_pretty(&inspect::backends(dir)?)?,
+        (InspectWhat::Conntrack, false) => inspect::conntrack_table(&inspect::conntrack(dir)?),
+        (InspectWhat::Conntrack, true) => serde_json::to_string_pretty(&inspect::conntrack(dir)?)?,
+    };
+    println!("{}", out.trim_end());
+    Ok(())
+}

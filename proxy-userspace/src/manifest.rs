@@ -1,0 +1,511 @@
+//! Manifest files: ordinary Kubernetes YAML (or JSON), as written by hand or printed by
+//! `kubectl get -o yaml`.
+//!
+//! A file may hold several documents (`---`), `kind: List` objects with `items` (also
+//! ServiceList, EndpointSliceList...), or JSON values. Services and EndpointSlices are kept, other
+//! kinds are counted and skipped. One broken object does not spoil the rest; only a file that is
+//! not YAML at all is rejected as a whole, because then nothing in it can be trusted.
+
+use std::fmt;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_yaml::Value;
+
+use crate::model::NamespacedName;
+
+/// Where objects without `metadata.namespace` go, as with `kubectl apply`.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+#[derive(Clone, Debug, PartialEq)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "824 against 432 bytes, next to the heap data both hold; boxing would not pay"
+)]
+pub enum Object {
+    Service(Service),
+    EndpointSlice(EndpointSlice),
+}
+
+impl Object {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Object::Service(_) => "Service",
+            Object::EndpointSlice(_) => "EndpointSlice",
+        }
+    }
+
+    /// The object's namespace and name; the namespace defaults to "default".
+    pub fn key(&self) -> NamespacedName {
+        let meta = self.metadata();
+        NamespacedName::new(
+            meta.namespace
+                .as_deref()
+                .filter(|ns| !ns.is_empty())
+                .unwrap_or(DEFAULT_NAMESPACE),
+            meta.name.clone().unwrap_or_default(),
+        )
+    }
+
+    pub fn metadata(&self) -> &ObjectMeta {
+        match self {
+            Object::Service(svc) => &svc.metadata,
+            Object::EndpointSlice(slice) => &slice.metadata,
+        }
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        match self {
+            Object::Service(svc) => &mut svc.metadata,
+            Object::EndpointSlice(slice) => &mut slice.metadata,
+        }
+    }
+}
+
+impl fmt::Display for Object {
+    /// "Service demo/web", as in error messages.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.kind(), self.key())
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Manifest {
+    /// In file order, namespaces filled in.
+    pub objects: Vec<Object>,
+    /// Documents that are not usable; the objects above are unaffected.
+    pub errors: Vec<ManifestError>,
+    /// Objects of other kinds (Deployments...), which are not ours to program.
+    pub ignored: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// The text is not YAML (or JSON): nothing in it should be applied.
+    #[error("not valid YAML: {0}")]
+    Syntax(String),
+    /// One document, or one item of a list, is not a usable object.
+    #[error("{}", describe_object_error(.document, .path, .object, .message))]
+    Object {
+        /// 1-based, counting `---` separated documents (or JSON values).
+        document: usize,
+        /// Inside the document, such as "items[3]"; empty for the document itself.
+        path: String,
+        /// "Service demo/web", when the kind and name could be read.
+        object: Option<String>,
+        message: String,
+    },
+}
+
+fn describe_object_error(
+    document: &usize,
+    path: &str,
+    object: &Option<String>,
+    message: &str,
+) -> String {
+    let mut text = format!("document {document}");
+    if !path.is_empty() {
+        text.push_str(", ");
+        text.push_str(path);
+    }
+    if let Some(object) = object {
+        text.push_str(&format!(" ({object})"));
+    }
+    format!("{text}: {message}")
+}
+
+/// Parses a manifest. Errs only when the text as a whole cannot be read.
+pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
+    let documents = read_documents(text)?;
+    let mut parser = Parser {
+        text,
+        from_yaml: documents.is_yaml,
+        manifest: Manifest::default(),
+    };
+    for (index, value) in documents.values.into_iter().enumerate() {
+        parser.add(index, "", value, None);
+    }
+    Ok(parser.manifest)
+}
+
+struct Documents {
+    values: Vec<Value>,
+    /// False when the text was read as a JSON stream.
+    is_yaml: bool,
+}
+
+fn looks_like_json(text: &str) -> bool {
+    text.trim_start().starts_with(['{', '['])
+}
+
+fn read_documents(text: &str) -> Result<Documents, ManifestError> {
+    // JSON is read as JSON first: it may be indented with tabs, which YAML forbids.
+    if looks_like_json(text) {
+        let json: Result<Vec<serde_json::Value>, _> = serde_json::Deserializer::from_str(text)
+            .into_iter()
+            .collect();
+        if let Ok(json) = json {
+            let values = json
+                .iter()
+                .map(serde_yaml::to_value)
+                .collect::<Result<_, _>>()
+                .map_err(|e| ManifestError::Syntax(e.to_string()))?;
+            return Ok(Documents {
+                values,
+                is_yaml: false,
+            });
+        }
+    }
+    let values = serde_yaml::Deserializer::from_str(text)
+        .map(Value::deserialize)
+        .collect::<Result<_, _>>()
+        .map_err(|e| ManifestError::Syntax(e.to_string()))?;
+    Ok(Documents {
+        values,
+        is_yaml: true,
+    })
+}
+
+struct Parser<'a> {
+    text: &'a str,
+    from_yaml: bool,
+    manifest: Manifest,
+}
+
+impl Parser<'_> {
+    /// Adds document `index` (or the item at `path` inside it). Items of a typed list such as
+    /// ServiceList may omit their kind, as the API server's list responses do: `item_kind`.
+    fn add(&mut self, index: usize, path: &str, value: Value, item_kind: Option<&str>) {
+        let error = |object: Option<String>, message: String| ManifestError::Object {
+            document: index + 1,
+            path: path.to_owned(),
+            object,
+            message,
+        };
+        // An empty document, as a trailing `---` makes.
+        if value.is_null() {
+            return;
+        }
+        if !value.is_mapping() {
+            let message = "not a Kubernetes object (expected a mapping with apiVersion and kind)";
+            self.manifest.errors.push(error(None, message.to_owned()));
+            return;
+        }
+        let kind = value.get("kind").and_then(Value::as_str).or(item_kind);
+        let Some(kind) = kind.map(str::to_owned) else {
+            let message = "has no kind";
+            self.manifest.errors.push(error(None, message.to_owned()));
+            return;
+        };
+        let object = match kind.as_str() {
+            "Service" => self.deserialize(index, path, value, &kind, Object::Service),
+            "EndpointSlice" => self.deserialize(index, path, value, &kind, Object::EndpointSlice),
+            // `kubectl get -o yaml` prints a List; typed lists (ServiceList...) look the same.
+            list if list.ends_with("List") => {
+                match value.get("items") {
+                    None | Some(Value::Null) => {}
+                    Some(Value::Sequence(items)) => {
+                        for (i, item) in items.iter().enumerate() {
+                            let item_path = if path.is_empty() {
+                                format!("items[{i}]")
+                            } else {
+                                format!("{path}.items[{i}]")
+                            };
+                            let item_kind = list.strip_suffix("List").filter(|k| !k.is_empty());
+                            self.add(index, &item_path, item.clone(), item_kind);
+                        }
+                    }
+                    Some(_) => {
+                        let message = "items is not a list".to_owned();
+                        self.manifest.errors.push(error(Some(kind), message));
+                    }
+                }
+                return;
+            }
+            _ => {
+                self.manifest.ignored += 1;
+                return;
+            }
+        };
+        match object {
+            Ok(mut object) => {
+                let meta = object.metadata_mut();
+                if meta.namespace.as_deref().is_none_or(str::is_empty) {
+                    meta.namespace = Some(DEFAULT_NAMESPACE.to_owned());
+                }
+                self.manifest.objects.push(object);
+            }
+            Err((object, message)) => self.manifest.errors.push(error(Some(object), message)),
+        }
+    }
+
+    /// Deserializes one object; on failure returns its "Kind ns/name" and what is wrong.
+    fn deserialize<T: DeserializeOwned>(
+        &self,
+        index: usize,
+        path: &str,
+        value: Value,
+        kind: &str,
+        wrap: fn(T) -> Object,
+    ) -> Result<Object, (String, String)> {
+        let name = describe(&value, kind);
+        match T::deserialize(&value) {
+            Ok(object) => Ok(wrap(object)),
+            Err(e) => {
+                let message = self
+                    .located::<T>(index, path)
+                    .or_else(|| error_with_field::<T>(&value))
+                    .unwrap_or_else(|| e.to_string());
+                Err((name, message))
+            }
+        }
+    }
+
+    /// The error of deserializing document `index` straight from the text, which says at which
+    /// line. Only whole YAML documents can be found again this way.
+    fn located<T: DeserializeOwned>(&self, index: usize, path: &str) -> Option<String> {
+        if !self.from_yaml || !path.is_empty() {
+            return None;
+        }
+        let document = serde_yaml::Deserializer::from_str(self.text).nth(index)?;
+        T::deserialize(document).err().map(|e| e.to_string())
+    }
+}
+
+/// Errors from a Value name no field; reading the value back from text gives the field's path.
+/// The line is that of the re-printed text, which means nothing to the user, so it is cut off.
+fn error_with_field<T: DeserializeOwned>(value: &Value) -> Option<String> {
+    let text = serde_yaml::to_string(value).ok()?;
+    let error = serde_yaml::from_str::<T>(&text).err()?;
+    let message = error.to_string();
+    let Some(location) = error.location() else {
+        return Some(message);
+    };
+    let suffix = format!(" at line {} column {}", location.line(), location.column());
+    Some(message.strip_suffix(&suffix).unwrap_or(&message).to_owned())
+}
+
+/// "Service demo/web" from an object that may not deserialize.
+fn describe(value: &Value, kind: &str) -> String {
+    let meta = value.get("metadata");
+    let field = |name: &str| meta.and_then(|m| m.get(name)).and_then(Value::as_str);
+    let namespace = field("namespace")
+        .filter(|ns| !ns.is_empty())
+        .unwrap_or(DEFAULT_NAMESPACE);
+    let name = field("name").unwrap_or("<no name>");
+    format!("{kind} {namespace}/{name}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(manifest: &Manifest) -> Vec<String> {
+        manifest.objects.iter().map(ToString::to_string).collect()
+    }
+
+    fn errors(manifest: &Manifest) -> Vec<String> {
+        manifest.errors.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn multi_document_yaml() {
+        let manifest = parse(
+            "
+# leading comment
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+endpoints: [{addresses: [10.244.1.11]}]
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web}
+---
+",
+        )
+        .unwrap();
+        assert_eq!(
+            keys(&manifest),
+            ["Service demo/web", "EndpointSlice default/web-abc"]
+        );
+        assert_eq!(manifest.ignored, 1);
+        assert!(manifest.errors.is_empty());
+        // The default namespace is written into the object, not only into its key.
+        assert_eq!(
+            manifest.objects[1].metadata().namespace.as_deref(),
+            Some("default")
+        );
+        assert_eq!(manifest.objects[0].kind(), "Service");
+    }
+
+    #[test]
+    fn lists() {
+        let manifest = parse(
+            "
+apiVersion: v1
+kind: List
+metadata: {resourceVersion: ''}
+items:
+- apiVersion: v1
+  kind: Service
+  metadata: {name: a, namespace: demo}
+- apiVersion: v1
+  kind: ConfigMap
+  metadata: {name: c}
+---
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata: {name: b}
+  spec: {clusterIP: 10.96.0.2}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSliceList
+items: []
+",
+        )
+        .unwrap();
+        // ServiceList items may omit kind, as in the API server's own list responses.
+        assert_eq!(keys(&manifest), ["Service demo/a", "Service default/b"]);
+        assert_eq!(manifest.ignored, 1);
+        assert!(manifest.errors.is_empty());
+    }
+
+    #[test]
+    fn json() {
+        let manifest = parse(
+            "{\n\t\"apiVersion\": \"v1\",\n\t\"kind\": \"List\",\n\t\"items\": [\n\t\t{\"apiVersion\": \"v1\", \"kind\": \"Service\", \"metadata\": {\"name\": \"web\", \"namespace\": \"demo\"}, \"spec\": {\"clusterIP\": \"10.96.0.10\", \"ports\": [{\"port\": 80}]}}\n\t]\n}\n{\"kind\": \"Service\", \"metadata\": {\"name\": \"second\"}}",
+        )
+        .unwrap();
+        assert_eq!(
+            keys(&manifest),
+            ["Service demo/web", "Service default/second"]
+        );
+        assert!(manifest.errors.is_empty());
+        // A YAML flow mapping is not JSON but is still read.
+        let manifest = parse("{kind: Service, metadata: {name: flow}}").unwrap();
+        assert_eq!(keys(&manifest), ["Service default/flow"]);
+    }
+
+    #[test]
+    fn bad_documents_do_not_spoil_the_rest() {
+        let text = "\
+apiVersion: v1
+kind: Service
+metadata: {name: bad-port, namespace: demo}
+spec:
+  ports:
+  - port: eighty
+---
+apiVersion: v1
+kind: Service
+metadata: {name: good, namespace: demo}
+---
+- just
+- a list
+---
+metadata: {name: kindless}
+---
+apiVersion: discovery.k8s.io/v1beta1
+kind: EndpointSlice
+metadata: {name: old-api}
+---
+kind: List
+items:
+- kind: EndpointSlice
+  metadata: {name: in-list}
+  addressType: [IPv4]
+";
+        let manifest = parse(text).unwrap();
+        assert_eq!(keys(&manifest), ["Service demo/good"]);
+        let errors = errors(&manifest);
+        assert_eq!(
+            errors,
+            [
+                r#"document 1 (Service demo/bad-port): spec.ports[0].port: invalid type: string "eighty", expected i32 at line 6 column 11"#,
+                "document 3: not a Kubernetes object (expected a mapping with apiVersion and kind)",
+                "document 4: has no kind",
+                r#"document 5 (EndpointSlice default/old-api): invalid value: string "discovery.k8s.io/v1beta1", expected discovery.k8s.io/v1 at line 17 column 1"#,
+                "document 6, items[0] (EndpointSlice default/in-list): addressType: invalid type: sequence, expected a string",
+            ]
+        );
+    }
+
+    #[test]
+    fn syntax_errors_reject_the_whole_file() {
+        let err = parse("kind: Service\nmetadata: {name: web\n---\nkind: Service\n").unwrap_err();
+        assert!(matches!(err, ManifestError::Syntax(_)), "{err}");
+        assert!(err.to_string().contains("line"), "{err}");
+        let err = parse("kind: Service\n  bad: indent\n").unwrap_err();
+        assert!(matches!(err, ManifestError::Syntax(_)), "{err}");
+    }
+
+    #[test]
+    fn empty_files() {
+        for text in ["", "\n", "# nothing yet\n", "---\n", "---\n---\n"] {
+            let manifest = parse(text).unwrap();
+            assert_eq!(manifest, Manifest::default(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn the_example_manifest_is_valid() {
+        let manifest = parse(include_str!("../../examples/services.yaml")).unwrap();
+        assert!(manifest.errors.is_empty(), "{:#?}", manifest.errors);
+        assert_eq!(manifest.ignored, 0);
+        let mut tracker = crate::model::ChangeTracker::new();
+        for object in &manifest.objects {
+            match object {
+                Object::Service(svc) => tracker.update_service(svc),
+                Object::EndpointSlice(slice) => tracker.update_slice(slice),
+            }
+            .unwrap();
+        }
+        let mut state = crate::model::DesiredState::default();
+        let changed: Vec<String> = tracker
+            .apply(&mut state)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            changed,
+            ["demo/dns-like:dns", "demo/remote", "demo/web:http"]
+        );
+        let endpoints: Vec<String> = state
+            .endpoints
+            .iter()
+            .map(|(spn, eps)| {
+                let eps: Vec<String> = eps
+                    .iter()
+                    .map(|ep| format!("{}:{}", ep.ip, ep.port))
+                    .collect();
+                format!(
+                    "{spn} {:?} -> {}",
+                    state.services[spn].cluster_ips,
+                    eps.join(",")
+                )
+            })
+            .collect();
+        assert_eq!(
+            endpoints,
+            [
+                "demo/dns-like:dns [10.96.0.20] -> 10.244.1.11:8080,10.244.2.11:8080",
+                "demo/remote [10.96.0.30] -> 10.244.2.11:8080",
+                "demo/web:http [10.96.0.10] -> 10.244.1.11:8080,10.244.1.12:8080,10.244.1.13:8080",
+            ]
+        );
+    }
+}

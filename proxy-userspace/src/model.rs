@@ -1,0 +1,1393 @@
+//! Desired state and change tracking.
+//!
+//! Sources (the manifest file, the Kubernetes API) report Services and EndpointSlices one object at
+//! a time; [`ChangeTracker`] turns them into per-port desired state and remembers which services
+//! changed, so a dataplane sync only touches what changed. This follows kube-proxy's
+//! `ServiceChangeTracker` / `EndpointsChangeTracker`: for each service with pending changes we keep
+//! its inputs as last applied (`previous`) next to the live ones (`current`), and a change that
+//! returns a service to its applied inputs is dropped.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+/// Links an EndpointSlice to the Service it belongs to (in the slice's namespace).
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Objects with this label are handled by another proxy, as kube-proxy's informers filter them out.
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Set on the EndpointSlices of headless services, which kube-proxy's informers also filter out.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+/// kube-apiserver's default for `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
+/// The largest affinity timeout the API accepts (1 day).
+const MAX_AFFINITY_TIMEOUT: i32 = 86400;
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NamespacedName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl NamespacedName {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for NamespacedName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// The IP protocol number, as it appears in the IP header.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+
+    /// The protocol of an optional API field, which the API server defaults to TCP.
+    fn parse_or_tcp(value: Option<&str>) -> Result<Self, String> {
+        value.map_or(Ok(Protocol::Tcp), str::parse)
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        })
+    }
+}
+
+impl FromStr for Protocol {
+    type Err = String;
+
+    /// Accepts the API's spelling only: "tcp" is rejected by the API server too.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "TCP" => Ok(Protocol::Tcp),
+            "UDP" => Ok(Protocol::Udp),
+            "SCTP" => Ok(Protocol::Sctp),
+            _ => Err(format!("protocol {s:?} is not TCP, UDP or SCTP")),
+        }
+    }
+}
+
+/// One port of one service: the unit that is programmed.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub service: NamespacedName,
+    /// The port's name; "" for the single unnamed port a service may have.
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl ServicePortName {
+    pub fn new(service: NamespacedName, port: impl Into<String>, protocol: Protocol) -> Self {
+        Self {
+            service,
+            port: port.into(),
+            protocol,
+        }
+    }
+
+    /// The smallest name of `service`'s ports, to range over them in a sorted map.
+    fn first_of(service: &NamespacedName) -> Self {
+        Self::new(service.clone(), String::new(), Protocol::Tcp)
+    }
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}", self.service)
+        } else {
+            write!(f, "{}:{}", self.service, self.port)
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum TargetPort {
+    Number(u16),
+    /// A container port name; resolved per endpoint through the EndpointSlice port of the same name.
+    Name(String),
+}
+
+impl fmt::Display for TargetPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TargetPort::Number(n) => write!(f, "{n}"),
+            TargetPort::Name(name) => f.write_str(name),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    /// spec.clusterIPs (or spec.clusterIP), primary family first.
+    pub cluster_ips: Vec<IpAddr>,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub target_port: TargetPort,
+    pub node_port: Option<u16>,
+    pub external_ips: Vec<IpAddr>,
+    /// status.loadBalancer.ingress[].ip (hostname-only entries carry no address to program).
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// Some(seconds) when sessionAffinity is ClientIP.
+    pub session_affinity_timeout: Option<u32>,
+    /// externalTrafficPolicy is Local and the service is reachable from outside the cluster.
+    pub external_traffic_local: bool,
+    /// internalTrafficPolicy is Local.
+    pub internal_traffic_local: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Endpoint {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+}
+
+/// What the dataplane should program.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DesiredState {
+    pub services: BTreeMap<ServicePortName, ServicePort>,
+    /// Endpoints of the ports in `services`, sorted and de-duplicated by (ip, port). A port
+    /// without endpoints has no entry.
+    pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+}
+
+impl DesiredState {
+    /// All endpoints of `spn`, ready or not (empty when it has none).
+    pub fn endpoints_of(&self, spn: &ServicePortName) -> &[Endpoint] {
+        self.endpoints.get(spn).map_or(&[], Vec::as_slice)
+    }
+
+    /// The endpoints of `spn` that should receive new connections.
+    pub fn ready_endpoints<'a>(
+        &'a self,
+        spn: &ServicePortName,
+    ) -> impl Iterator<Item = &'a Endpoint> + use<'a> {
+        self.endpoints_of(spn).iter().filter(|ep| ep.ready)
+    }
+}
+
+/// An object that cannot be programmed. The tracker keeps the last valid version of it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{kind} {}: {reason}", show_key(key))]
+pub struct InvalidObject {
+    pub kind: &'static str,
+    /// The object's namespace and name; the name is empty when that is what is wrong.
+    pub key: NamespacedName,
+    pub reason: String,
+}
+
+fn show_key(key: &NamespacedName) -> String {
+    if key.name.is_empty() {
+        format!("{}/<no name>", key.namespace)
+    } else {
+        key.to_string()
+    }
+}
+
+/// Why `svc` is not proxied, or None if it is. Such services are valid: the tracker treats them as
+/// absent, as kube-proxy does.
+pub fn service_skip_reason(svc: &Service) -> Option<&'static str> {
+    let labels = svc.metadata.labels.as_ref();
+    if labels.is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL)) {
+        return Some(
+            "it is labelled service.kubernetes.io/service-proxy-name (another proxy owns it)",
+        );
+    }
+    let Some(spec) = &svc.spec else {
+        return Some("it has no spec");
+    };
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return Some("it is of type ExternalName (a DNS alias)");
+    }
+    match cluster_ip_strings(spec).first().map(String::as_str) {
+        None | Some("") => Some("it has no cluster IP"),
+        Some("None") => Some("it is headless (clusterIP: None)"),
+        Some(_) => None,
+    }
+}
+
+/// spec.clusterIPs when set, else spec.clusterIP: older objects only have the latter.
+fn cluster_ip_strings(spec: &k8s_openapi::api::core::v1::ServiceSpec) -> Vec<String> {
+    match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => ips.clone(),
+        _ => spec.cluster_ip.iter().cloned().collect(),
+    }
+}
+
+/// The ports of one service, as parsed from the Service object.
+type ServiceInfo = BTreeMap<ServicePortName, ServicePort>;
+
+/// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
+/// that comparing two versions says whether anything programmable changed.
+#[derive(Debug, PartialEq, Eq)]
+struct SliceInfo {
+    service: NamespacedName,
+    ports: Vec<SlicePort>,
+    endpoints: Vec<SliceEndpoint>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct SlicePort {
+    name: String,
+    protocol: Protocol,
+    port: u16,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct SliceEndpoint {
+    ip: IpAddr,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    node_name: Option<String>,
+    zone: Option<String>,
+}
+
+/// Everything one service's desired state is computed from. Cloning is cheap (reference counts).
+#[derive(Debug, PartialEq)]
+struct Inputs {
+    service: Option<Arc<ServiceInfo>>,
+    slices: Vec<(NamespacedName, Arc<SliceInfo>)>,
+}
+
+/// Tracks Services and EndpointSlices and the services changed since the last [`apply`].
+///
+/// [`apply`]: ChangeTracker::apply
+#[derive(Debug, Default)]
+pub struct ChangeTracker {
+    /// Proxied services; skipped ones (headless, ExternalName...) are absent.
+    services: HashMap<NamespacedName, Arc<ServiceInfo>>,
+    /// Keyed by the slice's own namespace/name.
+    slices: HashMap<NamespacedName, Arc<SliceInfo>>,
+    /// Owner service -> its slices. Slices may arrive before their service, so an entry can exist
+    /// without a service.
+    slices_by_service: HashMap<NamespacedName, BTreeSet<NamespacedName>>,
+    /// Services with changes not yet applied -> their inputs as last applied (`previous`); the
+    /// live maps above are `current`.
+    pending: HashMap<NamespacedName, Inputs>,
+}
+
+impl ChangeTracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records the latest version of a Service. A service that is not proxied (see
+    /// [`service_skip_reason`]) counts as deleted.
+    pub fn update_service(&mut self, svc: &Service) -> Result<(), InvalidObject> {
+        let key = object_key("Service", &svc.metadata)?;
+        let info = parse_service(&key, svc).map_err(|reason| InvalidObject {
+            kind: "Service",
+            key: key.clone(),
+            reason,
+        })?;
+        self.change(&key, |t| match info {
+            Some(info) => t.services.insert(key.clone(), Arc::new(info)),
+            None => t.services.remove(&key),
+        });
+        Ok(())
+    }
+
+    pub fn delete_service(&mut self, key: &NamespacedName) {
+        if self.services.contains_key(key) {
+            self.change(key, |t| t.services.remove(key));
+        }
+    }
+
+    /// Records the latest version of an EndpointSlice. Slices of headless services, slices for
+    /// another proxy and FQDN slices count as deleted.
+    pub fn update_slice(&mut self, slice: &EndpointSlice) -> Result<(), InvalidObject> {
+        let key = object_key("EndpointSlice", &slice.metadata)?;
+        let info = parse_slice(&key, slice).map_err(|reason| InvalidObject {
+            kind: "EndpointSlice",
+            key: key.clone(),
+            reason,
+        })?;
+        let Some(info) = info else {
+            self.delete_slice(&key);
+            return Ok(());
+        };
+        let owner = info.service.clone();
+        let old_owner = self
+            .slices
+            .get(&key)
+            .map(|old| old.service.clone())
+            .filter(|old| *old != owner);
+        // A relabelled slice leaves its old service: both services change.
+        if let Some(old_owner) = &old_owner {
+            self.change(old_owner, |t| t.unlink_slice(old_owner, &key));
+        }
+        self.change(&owner, |t| {
+            t.slices_by_service
+                .entry(owner.clone())
+                .or_default()
+                .insert(key.clone());
+            t.slices.insert(key.clone(), Arc::new(info));
+        });
+        Ok(())
+    }
+
+    /// Forgets the slice named `key` (its own namespace/name).
+    pub fn delete_slice(&mut self, key: &NamespacedName) {
+        let Some(owner) = self.slices.get(key).map(|s| s.service.clone()) else {
+            return;
+        };
+        self.change(&owner, |t| {
+            t.unlink_slice(&owner, key);
+            t.slices.remove(key);
+        });
+    }
+
+    /// True when some service's inputs differ from those last applied. [`apply`] may still report
+    /// nothing when the difference does not reach the desired state (an endpoint moved from one
+    /// slice to another, say).
+    ///
+    /// [`apply`]: ChangeTracker::apply
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Applies pending changes to `state`; returns every ServicePortName whose service port or
+    /// endpoints changed (added, modified or removed). Changes that cancel out (A->B->A) are
+    /// dropped. The work is proportional to the changed services, not to all of them.
+    pub fn apply(&mut self, state: &mut DesiredState) -> BTreeSet<ServicePortName> {
+        let mut changed = BTreeSet::new();
+        for service in std::mem::take(&mut self.pending).into_keys() {
+            let (ports, endpoints) = self.render(&service);
+            // `state` holds what was applied last: diffing against it (rather than against the
+            // saved inputs) keeps `state` exact whatever it held before.
+            sync_range(&mut state.services, &service, ports, &mut changed);
+            sync_range(&mut state.endpoints, &service, endpoints, &mut changed);
+        }
+        changed
+    }
+
+    /// Runs `mutate` as a change to `service`: saves its applied inputs the first time it changes,
+    /// and drops the pending entry when the change brings it back to them.
+    fn change<R>(&mut self, service: &NamespacedName, mutate: impl FnOnce(&mut Self) -> R) {
+        if !self.pending.contains_key(service) {
+            let previous = self.inputs(service);
+            self.pending.insert(service.clone(), previous);
+        }
+        mutate(self);
+        let current = self.inputs(service);
+        if self.pending.get(service) == Some(&current) {
+            self.pending.remove(service);
+        }
+    }
+
+    fn unlink_slice(&mut self, owner: &NamespacedName, slice: &NamespacedName) {
+        if let Some(slices) = self.slices_by_service.get_mut(owner) {
+            slices.remove(slice);
+            if slices.is_empty() {
+                self.slices_by_service.remove(owner);
+            }
+        }
+    }
+
+    fn inputs(&self, service: &NamespacedName) -> Inputs {
+        Inputs {
+            service: self.services.get(service).cloned(),
+            slices: self
+                .slices_by_service
+                .get(service)
+                .into_iter()
+                .flatten()
+                .map(|name| (name.clone(), Arc::clone(&self.slices[name])))
+                .collect(),
+        }
+    }
+
+    /// The desired state of one service: its ports, and for each port the endpoints of every
+    /// slice port with the same name and protocol (this is how named target ports resolve: the
+    /// slice carries the number each endpoint uses).
+    fn render(
+        &self,
+        service: &NamespacedName,
+    ) -> (ServiceInfo, BTreeMap<ServicePortName, Vec<Endpoint>>) {
+        let Some(ports) = self.services.get(service) else {
+            return Default::default();
+        };
+        let mut endpoints: BTreeMap<ServicePortName, Vec<Endpoint>> = BTreeMap::new();
+        for slice_name in self.slices_by_service.get(service).into_iter().flatten() {
+            let slice = &self.slices[slice_name];
+            for slice_port in &slice.ports {
+                let spn = ServicePortName::new(
+                    service.clone(),
+                    slice_port.name.clone(),
+                    slice_port.protocol,
+                );
+                if !ports.contains_key(&spn) {
+                    continue;
+                }
+                endpoints
+                    .entry(spn)
+                    .or_default()
+                    .extend(slice.endpoints.iter().map(|ep| Endpoint {
+                        ip: ep.ip,
+                        port: slice_port.port,
+                        ready: ep.ready,
+                        serving: ep.serving,
+                        terminating: ep.terminating,
+                        node_name: ep.node_name.clone(),
+                        zone: ep.zone.clone(),
+                    }));
+            }
+        }
+        endpoints.retain(|_, eps| {
+            dedup_endpoints(eps);
+            !eps.is_empty()
+        });
+        ((**ports).clone(), endpoints)
+    }
+}
+
+/// Sorts by (ip, port) and keeps one of each. An endpoint can be listed twice (briefly, while the
+/// EndpointSlice controller moves it between slices); the copy that can take traffic wins, so a
+/// move never drops a working endpoint.
+fn dedup_endpoints(eps: &mut Vec<Endpoint>) {
+    eps.sort_by(|a, b| {
+        (a.ip, a.port)
+            .cmp(&(b.ip, b.port))
+            .then(b.ready.cmp(&a.ready))
+            .then(b.serving.cmp(&a.serving))
+            .then(a.terminating.cmp(&b.terminating))
+            .then_with(|| a.cmp(b))
+    });
+    eps.dedup_by(|later, kept| (later.ip, later.port) == (kept.ip, kept.port));
+}
+
+/// Makes `service`'s entries in `map` equal to `wanted`, recording the keys that changed.
+fn sync_range<V: PartialEq>(
+    map: &mut BTreeMap<ServicePortName, V>,
+    service: &NamespacedName,
+    mut wanted: BTreeMap<ServicePortName, V>,
+    changed: &mut BTreeSet<ServicePortName>,
+) {
+    let stale: Vec<ServicePortName> = map
+        .range(ServicePortName::first_of(service)..)
+        .take_while(|(spn, _)| spn.service == *service)
+        .filter(|(spn, _)| !wanted.contains_key(*spn))
+        .map(|(spn, _)| spn.clone())
+        .collect();
+    for spn in stale {
+        map.remove(&spn);
+        changed.insert(spn);
+    }
+    while let Some((spn, value)) = wanted.pop_first() {
+        if map.get(&spn) != Some(&value) {
+            map.insert(spn.clone(), value);
+            changed.insert(spn);
+        }
+    }
+}
+
+fn object_key(kind: &'static str, meta: &ObjectMeta) -> Result<NamespacedName, InvalidObject> {
+    let key = NamespacedName::new(
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
+    );
+    let missing = if key.name.is_empty() {
+        "metadata.name"
+    } else if key.namespace.is_empty() {
+        "metadata.namespace"
+    } else {
+        return Ok(key);
+    };
+    Err(InvalidObject {
+        kind,
+        key,
+        reason: format!("{missing} is missing"),
+    })
+}
+
+fn parse_ip(field: &str, value: &str) -> Result<IpAddr, String> {
+    value
+        .parse()
+        .map_err(|_| format!("{field}: {value:?} is not an IP address"))
+}
+
+fn parse_ips<'a>(
+    field: &str,
+    values: impl IntoIterator<Item = &'a String>,
+) -> Result<Vec<IpAddr>, String> {
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(i, value)| parse_ip(&format!("{field}[{i}]"), value))
+        .collect()
+}
+
+fn port_number(field: &str, value: i32) -> Result<u16, String> {
+    u16::try_from(value)
+        .ok()
+        .filter(|&port| port != 0)
+        .ok_or_else(|| format!("{field} {value} is not in 1..=65535"))
+}
+
+/// The service's ports, or None when it is not proxied.
+fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceInfo>, String> {
+    if service_skip_reason(svc).is_some() {
+        return Ok(None);
+    }
+    let Some(spec) = &svc.spec else {
+        return Ok(None);
+    };
+    let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
+    if !matches!(type_, "ClusterIP" | "NodePort" | "LoadBalancer") {
+        return Err(format!(
+            "spec.type {type_:?} is not ClusterIP, NodePort, LoadBalancer or ExternalName"
+        ));
+    }
+    let cluster_ips = match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => parse_ips("spec.clusterIPs", ips)?,
+        _ => cluster_ip_strings(spec)
+            .iter()
+            .map(|ip| parse_ip("spec.clusterIP", ip))
+            .collect::<Result<_, _>>()?,
+    };
+    let external_ips = parse_ips("spec.externalIPs", spec.external_ips.iter().flatten())?;
+    let load_balancer_ips = svc
+        .status
+        .as_ref()
+        .and_then(|status| status.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .filter_map(|(i, ingress)| Some((i, ingress.ip.as_ref()?)))
+        .map(|(i, ip)| parse_ip(&format!("status.loadBalancer.ingress[{i}].ip"), ip))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let session_affinity_timeout = match spec.session_affinity.as_deref() {
+        None | Some("None") => None,
+        Some("ClientIP") => {
+            let timeout = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|config| config.client_ip.as_ref())
+                .and_then(|client_ip| client_ip.timeout_seconds);
+            match timeout {
+                None => Some(DEFAULT_AFFINITY_TIMEOUT),
+                Some(t @ 1..=MAX_AFFINITY_TIMEOUT) => Some(t as u32),
+                Some(t) => {
+                    return Err(format!(
+                        "spec.sessionAffinityConfig.clientIP.timeoutSeconds {t} is not in 1..={MAX_AFFINITY_TIMEOUT}"
+                    ));
+                }
+            }
+        }
+        Some(other) => {
+            return Err(format!(
+                "spec.sessionAffinity {other:?} is not None or ClientIP"
+            ));
+        }
+    };
+    // As kube-proxy: the external policy only matters for traffic that can come from outside.
+    let externally_reachable = type_ != "ClusterIP" || !external_ips.is_empty();
+    let external_traffic_local = externally_reachable
+        && traffic_policy("spec.externalTrafficPolicy", &spec.external_traffic_policy)?;
+    let internal_traffic_local =
+        traffic_policy("spec.internalTrafficPolicy", &spec.internal_traffic_policy)?;
+
+    let mut ports = ServiceInfo::new();
+    for (i, port) in spec.ports.iter().flatten().enumerate() {
+        let name = port.name.clone().unwrap_or_default();
+        let at = if name.is_empty() {
+            format!("spec.ports[{i}]")
+        } else {
+            format!("spec.ports[{i}] ({name:?})")
+        };
+        let number = port_number(&format!("{at}: port"), port.port)?;
+        let protocol =
+            Protocol::parse_or_tcp(port.protocol.as_deref()).map_err(|e| format!("{at}: {e}"))?;
+        let target_port = match &port.target_port {
+            // The API server defaults targetPort to port.
+            None | Some(IntOrString::Int(0)) => TargetPort::Number(number),
+            Some(IntOrString::Int(n)) => {
+                TargetPort::Number(port_number(&format!("{at}: targetPort"), *n)?)
+            }
+            Some(IntOrString::String(s)) if s.is_empty() => TargetPort::Number(number),
+            // A quoted number would silently become a port name that no endpoint has.
+            Some(IntOrString::String(s)) if s.bytes().all(|b| b.is_ascii_digit()) => {
+                return Err(format!(
+                    "{at}: targetPort {s:?} is a string; write the number without quotes, or use a port name"
+                ));
+            }
+            Some(IntOrString::String(s)) => TargetPort::Name(s.clone()),
+        };
+        let node_port = match port.node_port {
+            None | Some(0) => None,
+            Some(n) if type_ == "ClusterIP" => {
+                return Err(format!(
+                    "{at}: nodePort {n} is set but spec.type is ClusterIP (only NodePort and LoadBalancer services have node ports)"
+                ));
+            }
+            Some(n) => Some(port_number(&format!("{at}: nodePort"), n)?),
+        };
+        let spn = ServicePortName::new(key.clone(), name, protocol);
+        if ports.contains_key(&spn) {
+            return Err(format!(
+                "{at}: another port has the same name and protocol ({protocol})"
+            ));
+        }
+        ports.insert(
+            spn,
+            ServicePort {
+                cluster_ips: cluster_ips.clone(),
+                port: number,
+                protocol,
+                target_port,
+                node_port,
+                external_ips: external_ips.clone(),
+                load_balancer_ips: load_balancer_ips.clone(),
+                session_affinity_timeout,
+                external_traffic_local,
+                internal_traffic_local,
+            },
+        );
+    }
+    Ok(Some(ports))
+}
+
+/// True for "Local"; unset means "Cluster".
+fn traffic_policy(field: &str, value: &Option<String>) -> Result<bool, String> {
+    match value.as_deref() {
+        None | Some("Cluster") => Ok(false),
+        Some("Local") => Ok(true),
+        Some(other) => Err(format!("{field} {other:?} is not Cluster or Local")),
+    }
+}
+
+/// The slice's programmable content, or None when it must not be proxied.
+fn parse_slice(key: &NamespacedName, slice: &EndpointSlice) -> Result<Option<SliceInfo>, String> {
+    let labels = slice.metadata.labels.clone().unwrap_or_default();
+    if labels.contains_key(SERVICE_PROXY_NAME_LABEL) || labels.contains_key(HEADLESS_LABEL) {
+        return Ok(None);
+    }
+    let service = match labels.get(SERVICE_NAME_LABEL) {
+        Some(name) if !name.is_empty() => NamespacedName::new(key.namespace.clone(), name.clone()),
+        _ => {
+            return Err(format!(
+                "metadata.labels has no {SERVICE_NAME_LABEL}, so it belongs to no Service"
+            ));
+        }
+    };
+    let want_v4 = match slice.address_type.as_str() {
+        "IPv4" => true,
+        "IPv6" => false,
+        // Names cannot be programmed into a dataplane; kube-proxy ignores them too.
+        "FQDN" => return Ok(None),
+        "" => return Err("addressType is missing (IPv4, IPv6 or FQDN)".to_owned()),
+        other => return Err(format!("addressType {other:?} is not IPv4, IPv6 or FQDN")),
+    };
+
+    let mut ports = Vec::new();
+    for (i, port) in slice.ports.iter().flatten().enumerate() {
+        let at = format!("ports[{i}]");
+        // No number means "all ports" in the API; kube-proxy skips such ports, and so do we.
+        let Some(number) = port.port else { continue };
+        ports.push(SlicePort {
+            name: port.name.clone().unwrap_or_default(),
+            protocol: Protocol::parse_or_tcp(port.protocol.as_deref())
+                .map_err(|e| format!("{at}: {e}"))?,
+            port: port_number(&format!("{at}: port"), number)?,
+        });
+    }
+
+    let mut endpoints = Vec::new();
+    for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
+        let at = format!("endpoints[{i}]");
+        // The API defines no meaning for addresses after the first, and kube-proxy ignores them.
+        let Some(address) = ep.addresses.first() else {
+            return Err(format!("{at}: addresses is empty"));
+        };
+        let ip = parse_ip(&format!("{at}.addresses[0]"), address)?;
+        if ip.is_ipv4() != want_v4 {
+            return Err(format!(
+                "{at}.addresses[0]: {ip} does not match addressType {}",
+                slice.address_type
+            ));
+        }
+        let conditions = ep.conditions.clone().unwrap_or_default();
+        // Unset: ready means true; serving follows ready (an endpoint marked not ready is not
+        // assumed to serve); terminating means false.
+        let ready = conditions.ready.unwrap_or(true);
+        endpoints.push(SliceEndpoint {
+            ip,
+            ready,
+            serving: conditions.serving.unwrap_or(ready),
+            terminating: conditions.terminating.unwrap_or(false),
+            node_name: ep.node_name.clone(),
+            zone: ep.zone.clone(),
+        });
+    }
+    Ok(Some(SliceInfo {
+        service,
+        ports,
+        endpoints,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(yaml: &str) -> Service {
+        serde_yaml::from_str(yaml).expect("test Service must deserialize")
+    }
+
+    fn slice(yaml: &str) -> EndpointSlice {
+        serde_yaml::from_str(yaml).expect("test EndpointSlice must deserialize")
+    }
+
+    fn nn(ns: &str, name: &str) -> NamespacedName {
+        NamespacedName::new(ns, name)
+    }
+
+    fn spn(name: &str, port: &str, protocol: Protocol) -> ServicePortName {
+        ServicePortName::new(nn("default", name), port, protocol)
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    const WEB: &str = "
+metadata: {name: web, namespace: default}
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - {name: http, port: 80, targetPort: http}
+  - {name: metrics, port: 9090, protocol: TCP, targetPort: 9091}
+";
+
+    /// A slice of default/`service` with port "http" 8080/TCP; `endpoints` is YAML for its
+    /// endpoints list.
+    fn slice_of(service: &str, name: &str, address_type: &str, endpoints: &str) -> EndpointSlice {
+        slice(&format!(
+            "
+metadata:
+  name: {name}
+  namespace: default
+  labels: {{kubernetes.io/service-name: {service}}}
+addressType: {address_type}
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+endpoints: {endpoints}
+"
+        ))
+    }
+
+    fn web_slice(name: &str, ips: &[&str]) -> EndpointSlice {
+        let endpoints: Vec<String> = ips
+            .iter()
+            .map(|ip| format!("{{addresses: [\"{ip}\"]}}"))
+            .collect();
+        slice_of("web", name, "IPv4", &format!("[{}]", endpoints.join(", ")))
+    }
+
+    fn applied(tracker: &mut ChangeTracker, state: &mut DesiredState) -> Vec<String> {
+        tracker
+            .apply(state)
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    fn endpoint_ips(state: &DesiredState, spn: &ServicePortName) -> Vec<String> {
+        state
+            .endpoints_of(spn)
+            .iter()
+            .map(|ep| format!("{}:{}", ep.ip, ep.port))
+            .collect()
+    }
+
+    #[test]
+    fn display() {
+        assert_eq!(
+            spn("web", "http", Protocol::Tcp).to_string(),
+            "default/web:http"
+        );
+        assert_eq!(spn("web", "", Protocol::Udp).to_string(), "default/web");
+        assert_eq!(Protocol::Sctp.to_string(), "SCTP");
+        assert_eq!(Protocol::Udp.number(), 17);
+    }
+
+    #[test]
+    fn add_update_delete_service() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        assert!(tracker.has_pending());
+        assert_eq!(
+            applied(&mut tracker, &mut state),
+            ["default/web:http", "default/web:metrics"]
+        );
+        assert!(!tracker.has_pending());
+        let http = &state.services[&spn("web", "http", Protocol::Tcp)];
+        assert_eq!(http.cluster_ips, [ip("10.96.0.10")]);
+        assert_eq!(http.port, 80);
+        assert_eq!(http.target_port, TargetPort::Name("http".into()));
+        assert_eq!(http.session_affinity_timeout, None);
+        let metrics = &state.services[&spn("web", "metrics", Protocol::Tcp)];
+        assert_eq!(metrics.target_port, TargetPort::Number(9091));
+
+        // Changing one port reports only that port.
+        tracker
+            .update_service(&service(&WEB.replace("port: 9090", "port: 9100")))
+            .unwrap();
+        assert_eq!(applied(&mut tracker, &mut state), ["default/web:metrics"]);
+        assert_eq!(
+            state.services[&spn("web", "metrics", Protocol::Tcp)].port,
+            9100
+        );
+
+        tracker.delete_service(&nn("default", "web"));
+        assert_eq!(
+            applied(&mut tracker, &mut state),
+            ["default/web:http", "default/web:metrics"]
+        );
+        assert_eq!(state, DesiredState::default());
+        // Deleting what is not there is no change.
+        tracker.delete_service(&nn("default", "web"));
+        assert!(!tracker.has_pending());
+    }
+
+    #[test]
+    fn service_fields() {
+        let svc = service(
+            "
+metadata: {name: lb, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.5
+  clusterIPs: [10.96.0.5, 'fd00::5']
+  externalIPs: [192.0.2.50]
+  externalTrafficPolicy: Local
+  internalTrafficPolicy: Local
+  sessionAffinity: ClientIP
+  ports:
+  - {port: 53, protocol: UDP, nodePort: 30053}
+status:
+  loadBalancer:
+    ingress: [{ip: 203.0.113.7}, {hostname: lb.example.com}]
+",
+        );
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&svc).unwrap();
+        tracker.apply(&mut state);
+        let port = &state.services[&spn("lb", "", Protocol::Udp)];
+        assert_eq!(port.cluster_ips, [ip("10.96.0.5"), ip("fd00::5")]);
+        assert_eq!(port.target_port, TargetPort::Number(53));
+        assert_eq!(port.node_port, Some(30053));
+        assert_eq!(port.external_ips, [ip("192.0.2.50")]);
+        assert_eq!(port.load_balancer_ips, [ip("203.0.113.7")]);
+        assert_eq!(
+            port.session_affinity_timeout,
+            Some(DEFAULT_AFFINITY_TIMEOUT)
+        );
+        assert!(port.external_traffic_local);
+        assert!(port.internal_traffic_local);
+
+        // externalTrafficPolicy means nothing for a service nothing outside can reach.
+        let cluster_only = service(
+            "
+metadata: {name: internal, namespace: default}
+spec: {clusterIP: 10.96.0.6, externalTrafficPolicy: Local, ports: [{port: 80}]}
+",
+        );
+        tracker.update_service(&cluster_only).unwrap();
+        tracker.apply(&mut state);
+        assert!(!state.services[&spn("internal", "", Protocol::Tcp)].external_traffic_local);
+    }
+
+    #[test]
+    fn cancelling_changes_are_dropped() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.11"]))
+            .unwrap();
+        tracker.apply(&mut state);
+
+        // A -> B -> A.
+        tracker
+            .update_service(&service(&WEB.replace("10.96.0.10", "10.96.0.11")))
+            .unwrap();
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.12"]))
+            .unwrap();
+        assert!(tracker.has_pending());
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.11"]))
+            .unwrap();
+        assert!(!tracker.has_pending());
+        assert!(tracker.apply(&mut state).is_empty());
+
+        // Add then delete before any apply.
+        tracker
+            .update_slice(&web_slice("web-2", &["10.244.1.13"]))
+            .unwrap();
+        tracker.delete_slice(&nn("default", "web-2"));
+        assert!(!tracker.has_pending());
+
+        // An endpoint moving between slices changes no port.
+        tracker
+            .update_slice(&web_slice("web-2", &["10.244.1.11"]))
+            .unwrap();
+        tracker.delete_slice(&nn("default", "web-1"));
+        assert!(tracker.has_pending());
+        assert!(tracker.apply(&mut state).is_empty());
+        assert_eq!(
+            endpoint_ips(&state, &spn("web", "http", Protocol::Tcp)),
+            ["10.244.1.11:8080"]
+        );
+    }
+
+    #[test]
+    fn services_that_are_not_proxied() {
+        let cases = [
+            ("headless", "spec: {clusterIP: None, ports: [{port: 80}]}"),
+            ("no-ip", "spec: {ports: [{port: 80}]}"),
+            (
+                "alias",
+                "spec: {type: ExternalName, externalName: example.com, ports: [{port: 80}]}",
+            ),
+            (
+                "other-proxy",
+                "  labels: {service.kubernetes.io/service-proxy-name: foo}\nspec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}",
+            ),
+        ];
+        for (name, rest) in cases {
+            let svc = service(&format!(
+                "metadata:\n  name: {name}\n  namespace: default\n{rest}"
+            ));
+            assert!(service_skip_reason(&svc).is_some(), "{name}");
+            let mut tracker = ChangeTracker::new();
+            tracker.update_service(&svc).unwrap();
+            assert!(!tracker.has_pending(), "{name} must not be proxied");
+        }
+
+        // A proxied service that becomes headless is removed.
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker.apply(&mut state);
+        tracker
+            .update_service(&service(&WEB.replace("10.96.0.10", "None")))
+            .unwrap();
+        assert_eq!(applied(&mut tracker, &mut state).len(), 2);
+        assert!(state.services.is_empty());
+    }
+
+    #[test]
+    fn slices_are_merged_and_deduplicated() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker.apply(&mut state);
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.12", "10.244.1.11"]))
+            .unwrap();
+        tracker
+            .update_slice(&web_slice("web-2", &["10.244.1.11", "10.244.2.11"]))
+            .unwrap();
+        assert_eq!(applied(&mut tracker, &mut state), ["default/web:http"]);
+        let http = spn("web", "http", Protocol::Tcp);
+        assert_eq!(
+            endpoint_ips(&state, &http),
+            ["10.244.1.11:8080", "10.244.1.12:8080", "10.244.2.11:8080"]
+        );
+        assert_eq!(state.ready_endpoints(&http).count(), 3);
+        // "metrics" has no slice port of that name, so no endpoints.
+        assert!(
+            state
+                .endpoints_of(&spn("web", "metrics", Protocol::Tcp))
+                .is_empty()
+        );
+
+        // Removing one copy of the duplicate keeps the endpoint.
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.12"]))
+            .unwrap();
+        assert!(tracker.apply(&mut state).is_empty());
+        tracker.delete_slice(&nn("default", "web-2"));
+        assert_eq!(applied(&mut tracker, &mut state), ["default/web:http"]);
+        assert_eq!(endpoint_ips(&state, &http), ["10.244.1.12:8080"]);
+    }
+
+    #[test]
+    fn duplicate_prefers_the_ready_copy() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        let not_ready = "[{addresses: [10.244.1.11], conditions: {ready: false}}]";
+        tracker
+            .update_slice(&slice_of("web", "web-1", "IPv4", not_ready))
+            .unwrap();
+        tracker
+            .update_slice(&web_slice("web-2", &["10.244.1.11"]))
+            .unwrap();
+        tracker.apply(&mut state);
+        let eps = state.endpoints_of(&spn("web", "http", Protocol::Tcp));
+        assert_eq!(eps.len(), 1);
+        assert!(eps[0].ready);
+    }
+
+    #[test]
+    fn slices_before_their_service() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.11"]))
+            .unwrap();
+        assert!(tracker.apply(&mut state).is_empty());
+        assert!(state.endpoints.is_empty());
+        tracker.update_service(&service(WEB)).unwrap();
+        assert_eq!(
+            applied(&mut tracker, &mut state),
+            ["default/web:http", "default/web:metrics"]
+        );
+        assert_eq!(
+            endpoint_ips(&state, &spn("web", "http", Protocol::Tcp)),
+            ["10.244.1.11:8080"]
+        );
+        // Deleting the service removes its endpoints from the state but not from the tracker.
+        tracker.delete_service(&nn("default", "web"));
+        tracker.apply(&mut state);
+        assert_eq!(state, DesiredState::default());
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker.apply(&mut state);
+        assert_eq!(state.endpoints.len(), 1);
+    }
+
+    #[test]
+    fn slice_changes_owner() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_service(&service(
+                &WEB.replace("name: web", "name: api")
+                    .replace("10.96.0.10", "10.96.0.11"),
+            ))
+            .unwrap();
+        tracker
+            .update_slice(&web_slice("shared", &["10.244.1.11"]))
+            .unwrap();
+        tracker.apply(&mut state);
+        assert_eq!(state.endpoints.len(), 1);
+
+        let relabelled = slice_of("api", "shared", "IPv4", "[{addresses: [10.244.1.11]}]");
+        tracker.update_slice(&relabelled).unwrap();
+        assert_eq!(
+            applied(&mut tracker, &mut state),
+            ["default/api:http", "default/web:http"]
+        );
+        assert_eq!(
+            endpoint_ips(&state, &spn("api", "http", Protocol::Tcp)),
+            ["10.244.1.11:8080"]
+        );
+        assert!(
+            state
+                .endpoints_of(&spn("web", "http", Protocol::Tcp))
+                .is_empty()
+        );
+
+        // Deleting it now affects the new owner only.
+        tracker.delete_slice(&nn("default", "shared"));
+        assert_eq!(applied(&mut tracker, &mut state), ["default/api:http"]);
+        assert!(state.endpoints.is_empty());
+    }
+
+    #[test]
+    fn named_ports_resolve_per_slice() {
+        // Two pod versions name the same port differently numbered: each slice carries its own.
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker
+            .update_service(&service(
+                "
+metadata: {name: dns, namespace: default}
+spec:
+  clusterIP: 10.96.0.20
+  ports:
+  - {name: dns, port: 53, protocol: UDP, targetPort: dns}
+  - {name: dns-tcp, port: 53, protocol: TCP, targetPort: dns-tcp}
+",
+            ))
+            .unwrap();
+        for (name, ip, port) in [("v1", "10.244.1.11", 5353), ("v2", "10.244.1.12", 8053)] {
+            tracker
+                .update_slice(&slice(&format!(
+                    "
+metadata: {{name: dns-{name}, namespace: default, labels: {{kubernetes.io/service-name: dns}}}}
+addressType: IPv4
+ports:
+- {{name: dns, port: {port}, protocol: UDP}}
+- {{name: dns-tcp, port: {port}, protocol: TCP}}
+- {{name: dns, port: 1, protocol: TCP}}
+endpoints: [{{addresses: [{ip}]}}]
+"
+                )))
+                .unwrap();
+        }
+        tracker.apply(&mut state);
+        let udp = spn("dns", "dns", Protocol::Udp);
+        assert_eq!(
+            endpoint_ips(&state, &udp),
+            ["10.244.1.11:5353", "10.244.1.12:8053"]
+        );
+        // The TCP port named "dns" matches no service port (wrong protocol) and is ignored.
+        assert_eq!(
+            endpoint_ips(&state, &spn("dns", "dns-tcp", Protocol::Tcp)),
+            ["10.244.1.11:5353", "10.244.1.12:8053"]
+        );
+        assert_eq!(state.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn invalid_objects_keep_the_previous_version() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.11"]))
+            .unwrap();
+        tracker.apply(&mut state);
+        let before = state.clone();
+
+        let bad_services = [
+            (
+                WEB.replace("port: 9090", "port: 0"),
+                r#"Service default/web: spec.ports[1] ("metrics"): port 0 is not in 1..=65535"#,
+            ),
+            (
+                WEB.replace("10.96.0.10", "10.96.0.300"),
+                r#"Service default/web: spec.clusterIP: "10.96.0.300" is not an IP address"#,
+            ),
+            (
+                WEB.replace("protocol: TCP", "protocol: tcp"),
+                r#"Service default/web: spec.ports[1] ("metrics"): protocol "tcp" is not TCP, UDP or SCTP"#,
+            ),
+            (
+                WEB.replace("targetPort: 9091", "targetPort: '9091'"),
+                r#"Service default/web: spec.ports[1] ("metrics"): targetPort "9091" is a string; write the number without quotes, or use a port name"#,
+            ),
+            (
+                WEB.replace("name: web, ", ""),
+                "Service default/<no name>: metadata.name is missing",
+            ),
+            (
+                WEB.replace(", namespace: default", ""),
+                "Service /web: metadata.namespace is missing",
+            ),
+        ];
+        for (yaml, message) in bad_services {
+            let err = tracker.update_service(&service(&yaml)).unwrap_err();
+            assert_eq!(err.to_string(), message);
+        }
+
+        let good = "
+metadata:
+  name: web-1
+  namespace: default
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints: [{addresses: ['10.244.1.11']}]
+";
+        let bad_slices = [
+            (
+                good.replace("10.244.1.11", "10.244.1.x"),
+                r#"EndpointSlice default/web-1: endpoints[0].addresses[0]: "10.244.1.x" is not an IP address"#,
+            ),
+            (
+                good.replace("10.244.1.11", "fd00::1"),
+                "EndpointSlice default/web-1: endpoints[0].addresses[0]: fd00::1 does not match addressType IPv4",
+            ),
+            (
+                good.replace("port: 8080", "port: 70000"),
+                "EndpointSlice default/web-1: ports[0]: port 70000 is not in 1..=65535",
+            ),
+            (
+                good.replace("kubernetes.io/service-name", "app"),
+                "EndpointSlice default/web-1: metadata.labels has no kubernetes.io/service-name, so it belongs to no Service",
+            ),
+            (
+                good.replace("IPv4", "IPv5"),
+                r#"EndpointSlice default/web-1: addressType "IPv5" is not IPv4, IPv6 or FQDN"#,
+            ),
+        ];
+        for (yaml, message) in bad_slices {
+            let err = tracker.update_slice(&slice(&yaml)).unwrap_err();
+            assert_eq!(err.to_string(), message);
+        }
+        assert!(!tracker.has_pending());
+        assert!(tracker.apply(&mut state).is_empty());
+        assert_eq!(state, before);
+    }
+
+    #[test]
+    fn condition_defaults() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_slice(&slice(
+                "
+metadata: {name: web-1, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: [10.244.1.11]
+  nodeName: node1
+  zone: zone-a
+- addresses: [10.244.1.12]
+  conditions: {ready: false}
+- addresses: [10.244.1.13]
+  conditions: {ready: false, serving: true, terminating: true}
+",
+            ))
+            .unwrap();
+        tracker.apply(&mut state);
+        let http = spn("web", "http", Protocol::Tcp);
+        let eps = state.endpoints_of(&http);
+        assert_eq!(
+            eps[0],
+            Endpoint {
+                ip: ip("10.244.1.11"),
+                port: 8080,
+                ready: true,
+                serving: true,
+                terminating: false,
+                node_name: Some("node1".into()),
+                zone: Some("zone-a".into()),
+            }
+        );
+        assert_eq!(
+            (eps[1].ready, eps[1].serving, eps[1].terminating),
+            (false, false, false)
+        );
+        assert_eq!(
+            (eps[2].ready, eps[2].serving, eps[2].terminating),
+            (false, true, true)
+        );
+        let ready: Vec<_> = state.ready_endpoints(&http).map(|ep| ep.ip).collect();
+        assert_eq!(ready, [ip("10.244.1.11")]);
+    }
+
+    #[test]
+    fn ipv6_slices_are_kept_and_fqdn_ignored() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_slice(&web_slice("web-v4", &["10.244.1.11"]))
+            .unwrap();
+        let v6 = slice_of(
+            "web",
+            "web-v6",
+            "IPv6",
+            "[{addresses: ['fd00:10:244:1::11']}]",
+        );
+        tracker.update_slice(&v6).unwrap();
+        let fqdn = slice_of(
+            "web",
+            "web-fqdn",
+            "FQDN",
+            "[{addresses: [web.example.com]}]",
+        );
+        tracker.update_slice(&fqdn).unwrap();
+        tracker.apply(&mut state);
+        assert_eq!(
+            endpoint_ips(&state, &spn("web", "http", Protocol::Tcp)),
+            ["10.244.1.11:8080", "fd00:10:244:1::11:8080"]
+        );
+    }
+
+    #[test]
+    fn headless_slices_are_ignored() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_slice(&web_slice("web-1", &["10.244.1.11"]))
+            .unwrap();
+        tracker.apply(&mut state);
+        let headless = slice(
+            "
+metadata:
+  name: web-1
+  namespace: default
+  labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ''}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints: [{addresses: [10.244.1.11]}]
+",
+        );
+        tracker.update_slice(&headless).unwrap();
+        assert_eq!(applied(&mut tracker, &mut state), ["default/web:http"]);
+        assert!(state.endpoints.is_empty());
+    }
+
+    #[test]
+    fn apply_repairs_a_fresh_state() {
+        // apply diffs against the state it is given, so a rebuilt state gets everything changed.
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker.apply(&mut state);
+        state.services.insert(
+            spn("web", "stale", Protocol::Tcp),
+            state.services[&spn("web", "http", Protocol::Tcp)].clone(),
+        );
+        tracker
+            .update_service(&service(&WEB.replace("port: 9090", "port: 9100")))
+            .unwrap();
+        assert_eq!(
+            applied(&mut tracker, &mut state),
+            ["default/web:metrics", "default/web:stale"]
+        );
+        assert_eq!(state.services.len(), 2);
+    }
+}

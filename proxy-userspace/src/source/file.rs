@@ -1,0 +1,586 @@
+//! The manifest-file source: Services and EndpointSlices from a YAML file, reloaded on change.
+//!
+//! Each load is compared with the previous one and only the difference reaches the change
+//! tracker, so editing one object touches one service. The file's directory is watched rather
+//! than the file, because editors and Kubernetes ConfigMap volumes replace files by renaming
+//! over them (ConfigMap volumes swap a `..data` symlink), which leaves an inode watch on the old
+//! file. Reading follows symlinks, but only changes in the file's own directory are seen: a link
+//! into another directory (other than a ConfigMap's `..data`) is not watched there. A file that
+//! cannot be read or parsed after the first load changes nothing: the last good state stays
+//! programmed until the file is fixed.
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use notify::event::{AccessKind, AccessMode, EventKind};
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::{Instant, timeout_at};
+
+use crate::manifest::{self, Manifest, Object};
+use crate::model::{ChangeTracker, NamespacedName, service_skip_reason};
+use crate::runner::SyncHandle;
+
+/// How long the directory must stay quiet before a reload: one save is often several events
+/// (truncate, writes, close, rename).
+const DEBOUNCE: Duration = Duration::from_millis(100);
+/// A reload happens this long after the first event at the latest, even if writes keep coming.
+const MAX_DEBOUNCE: Duration = Duration::from_secs(1);
+/// The entry a ConfigMap volume swaps to publish new content.
+const CONFIGMAP_DATA: &str = "..data";
+
+/// Loads `path` into `tracker`, requests a sync, and reports `synced` once the first load is
+/// applied; then reloads whenever the file changes. Returns only on error: the first load failing,
+/// or the watcher or the tracker breaking.
+pub async fn run(
+    path: PathBuf,
+    tracker: Arc<Mutex<ChangeTracker>>,
+    sync: SyncHandle,
+    synced: oneshot::Sender<()>,
+) -> anyhow::Result<()> {
+    let Some(file_name) = path.file_name().map(OsStr::to_owned) else {
+        bail!("the manifest path {} does not name a file", path.display());
+    };
+    // Watch before the first read, so that a change made during it is not missed.
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |event| {
+        // The receiver only goes away when this source stops.
+        let _ = events_tx.send(event);
+    })
+    .context("creating a watcher for the manifest file")?;
+    let dir = watched_dir(&path);
+    watcher
+        .watch(&dir, RecursiveMode::NonRecursive)
+        .with_context(|| format!("watching {} for changes to the manifest", dir.display()))?;
+
+    let mut source = FileSource::new(path);
+    let text = tokio::fs::read_to_string(&source.path).await.with_context(|| {
+        format!(
+            "cannot read the manifest {}: create it (examples/services.yaml shows the format) or give the agent the right path",
+            source.path.display()
+        )
+    })?;
+    let manifest = manifest::parse(&text).with_context(|| {
+        format!(
+            "the manifest {} is unreadable, so nothing was programmed; fix it and start again",
+            source.path.display()
+        )
+    })?;
+    source.apply(manifest, &tracker)?;
+    // Even an empty first load must reach the dataplane: it clears what an earlier run left.
+    sync.request();
+    // The receiver may have stopped waiting; the source keeps running either way.
+    let _ = synced.send(());
+
+    loop {
+        let event = events
+            .recv()
+            .await
+            .ok_or_else(|| anyhow!("the manifest watcher stopped"))?;
+        if !concerns(&event, &file_name) {
+            continue;
+        }
+        settle(&mut events).await;
+        if source.reload(&tracker).await? {
+            sync.request();
+        }
+    }
+}
+
+/// The directory holding `path` ("." for a bare file name).
+fn watched_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Whether a directory event may have changed the manifest.
+fn concerns(event: &notify::Result<notify::Event>, file_name: &OsStr) -> bool {
+    let event = match event {
+        Ok(event) => event,
+        Err(e) => {
+            // Possibly missed events (a full inotify queue): reloading is always safe.
+            tracing::warn!("manifest watcher: {e}; reloading to be safe");
+            return true;
+        }
+    };
+    match event.kind {
+        // Opening and reading the file (as we do) change nothing; closing a written one does.
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => {}
+        EventKind::Access(_) => return false,
+        _ => {}
+    }
+    // An event without paths is a request to rescan.
+    event.paths.is_empty()
+        || event.paths.iter().any(|p| {
+            p.file_name()
+                .is_some_and(|name| name == file_name || name == CONFIGMAP_DATA)
+        })
+}
+
+/// Waits until no event has arrived for DEBOUNCE, or MAX_DEBOUNCE has passed.
+async fn settle(events: &mut mpsc::UnboundedReceiver<notify::Result<notify::Event>>) {
+    let latest = Instant::now() + MAX_DEBOUNCE;
+    loop {
+        let quiet = (Instant::now() + DEBOUNCE).min(latest);
+        match timeout_at(quiet, events.recv()).await {
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => return,
+        }
+    }
+}
+
+type ObjectKey = (&'static str, NamespacedName);
+
+/// What one load did, for the log line and for tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct LoadStats {
+    objects: usize,
+    /// Objects added, changed or removed since the previous load.
+    changed: usize,
+    /// Unusable documents and invalid objects, each logged.
+    errors: usize,
+}
+
+struct FileSource {
+    path: PathBuf,
+    /// The objects of the last load, as written in the file (invalid ones included: the tracker
+    /// kept their previous valid version, and they are not retried until they change).
+    snapshot: BTreeMap<ObjectKey, Object>,
+}
+
+impl FileSource {
+    fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            snapshot: BTreeMap::new(),
+        }
+    }
+
+    /// Reads the file again. A file that cannot be read or parsed is logged and changes nothing.
+    /// Returns whether the tracker has changes to sync.
+    async fn reload(&mut self, tracker: &Mutex<ChangeTracker>) -> anyhow::Result<bool> {
+        let path = self.path.display();
+        let text = match tokio::fs::read_to_string(&self.path).await {
+            Ok(text) => text,
+            Err(e) => {
+                tracing::warn!(
+                    "cannot read the manifest {path}: {e}; keeping the services loaded before"
+                );
+                return Ok(false);
+            }
+        };
+        let manifest = match manifest::parse(&text) {
+            Ok(manifest) => manifest,
+            Err(e) => {
+                tracing::warn!(
+                    "the manifest {path} is unreadable ({e}); keeping the services loaded before"
+                );
+                return Ok(false);
+            }
+        };
+        self.apply(manifest, tracker)?;
+        Ok(lock(tracker)?.has_pending())
+    }
+
+    /// Feeds the tracker the difference between `manifest` and the previous load.
+    fn apply(
+        &mut self,
+        manifest: Manifest,
+        tracker: &Mutex<ChangeTracker>,
+    ) -> anyhow::Result<LoadStats> {
+        let path = self.path.display();
+        let mut errors = manifest.errors.len();
+        for error in &manifest.errors {
+            tracing::warn!("{path}: {error}; skipped");
+        }
+        let mut next = BTreeMap::new();
+        for object in manifest.objects {
+            let key = (object.kind(), object.key());
+            if next.contains_key(&key) {
+                // As with `kubectl apply`, the later definition wins.
+                tracing::warn!("{path}: {object} is defined twice; using the last definition");
+            }
+            next.insert(key, object);
+        }
+        let mut changed = 0;
+        let mut tracker = lock(tracker)?;
+        for (key, object) in &next {
+            if self.snapshot.get(key) == Some(object) {
+                continue;
+            }
+            changed += 1;
+            let result = match object {
+                Object::Service(svc) => {
+                    if let Some(reason) = service_skip_reason(svc) {
+                        tracing::info!("{path}: {object} is not proxied: {reason}");
+                    }
+                    tracker.update_service(svc)
+                }
+                Object::EndpointSlice(slice) => tracker.update_slice(slice),
+            };
+            if let Err(invalid) = result {
+                errors += 1;
+                tracing::warn!("{path}: {invalid}; this version is not applied");
+            }
+        }
+        for (key, object) in &self.snapshot {
+            if next.contains_key(key) {
+                continue;
+            }
+            changed += 1;
+            match object {
+                Object::Service(_) => tracker.delete_service(&key.1),
+                Object::EndpointSlice(_) => tracker.delete_slice(&key.1),
+            }
+        }
+        drop(tracker);
+        let stats = LoadStats {
+            objects: next.len(),
+            changed,
+            errors,
+        };
+        self.snapshot = next;
+        tracing::info!(
+            objects = stats.objects,
+            changed = stats.changed,
+            errors = stats.errors,
+            ignored = manifest.ignored,
+            "loaded the manifest {path}"
+        );
+        Ok(stats)
+    }
+}
+
+fn lock(
+    tracker: &Mutex<ChangeTracker>,
+) -> anyhow::Result<std::sync::MutexGuard<'_, ChangeTracker>> {
+    tracker
+        .lock()
+        .map_err(|_| anyhow!("the change tracker is unusable: a thread panicked while holding it"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::model::{DesiredState, Protocol, ServicePortName};
+    use crate::runner::{RunnerConfig, SyncRunner};
+
+    /// A directory under the system temp dir, removed on drop (also after a failed assertion).
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(test: &str) -> Self {
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let dir = std::env::temp_dir().join(format!(
+                "proxy-userspace-{test}-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("creating a temp dir");
+            TempDir(dir)
+        }
+
+        fn path(&self, name: &str) -> PathBuf {
+            self.0.join(name)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A manifest with one service per (name, cluster IP, backend IPs).
+    fn manifest(services: &[(&str, &str, &[&str])]) -> String {
+        let mut text = String::new();
+        for (name, cluster_ip, backends) in services {
+            let endpoints: Vec<String> = backends
+                .iter()
+                .map(|ip| format!("{{addresses: [{ip}]}}"))
+                .collect();
+            text.push_str(&format!(
+                "---
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: demo}}
+spec: {{clusterIP: {cluster_ip}, ports: [{{name: http, port: 80, targetPort: http}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints: [{}]
+",
+                endpoints.join(", ")
+            ));
+        }
+        text
+    }
+
+    /// "name -> ip:port,..." for every service port with endpoints.
+    fn summary(state: &DesiredState) -> Vec<String> {
+        state
+            .services
+            .keys()
+            .map(|spn| {
+                let eps: Vec<String> = state
+                    .endpoints_of(spn)
+                    .iter()
+                    .map(|ep| format!("{}:{}", ep.ip, ep.port))
+                    .collect();
+                format!("{spn} -> {}", eps.join(","))
+            })
+            .collect()
+    }
+
+    /// The source wired to a real runner whose syncs publish the applied state.
+    struct Harness {
+        tracker: Arc<Mutex<ChangeTracker>>,
+        states: mpsc::UnboundedReceiver<DesiredState>,
+        source: tokio::task::JoinHandle<anyhow::Result<()>>,
+        synced: oneshot::Receiver<()>,
+    }
+
+    impl Harness {
+        fn start(path: PathBuf) -> Self {
+            let tracker = Arc::new(Mutex::new(ChangeTracker::new()));
+            let (runner, handle) = SyncRunner::new(RunnerConfig {
+                min_interval: Duration::ZERO,
+                max_interval: Duration::from_secs(3600),
+                retry_interval: Duration::from_secs(1),
+            });
+            let (states_tx, states) = mpsc::unbounded_channel();
+            let synced_tracker = Arc::clone(&tracker);
+            let mut state = DesiredState::default();
+            tokio::spawn(runner.run(move || {
+                synced_tracker.lock().unwrap().apply(&mut state);
+                let _ = states_tx.send(state.clone());
+                Ok(())
+            }));
+            let (synced_tx, synced) = oneshot::channel();
+            let source = tokio::spawn(run(path, Arc::clone(&tracker), handle, synced_tx));
+            Harness {
+                tracker,
+                states,
+                source,
+                synced,
+            }
+        }
+
+        /// Waits for a sync whose state matches `want`.
+        async fn expect(&mut self, want: &[&str]) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut last = Vec::new();
+            while let Ok(Some(state)) = timeout_at(deadline, self.states.recv()).await {
+                last = summary(&state);
+                if last == want {
+                    return;
+                }
+            }
+            panic!("no sync produced {want:#?}; the last one had {last:#?}");
+        }
+    }
+
+    fn write_atomically(path: &Path, text: &str) {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+    }
+
+    const WEB: (&str, &str, &[&str]) = ("web", "10.96.0.10", &["10.244.1.11", "10.244.1.12"]);
+    const WEB_SCALED: (&str, &str, &[&str]) = ("web", "10.96.0.10", &["10.244.1.11"]);
+    const API: (&str, &str, &[&str]) = ("api", "10.96.0.20", &["10.244.2.11"]);
+
+    #[tokio::test]
+    async fn initial_load_then_edit_in_place() {
+        let dir = TempDir::new("edit");
+        let path = dir.path("services.yaml");
+        std::fs::write(&path, manifest(&[WEB])).unwrap();
+        let mut harness = Harness::start(path.clone());
+        (&mut harness.synced)
+            .await
+            .expect("the first load must be reported");
+        harness
+            .expect(&["demo/web:http -> 10.244.1.11:8080,10.244.1.12:8080"])
+            .await;
+
+        std::fs::write(&path, manifest(&[WEB_SCALED, API])).unwrap();
+        harness
+            .expect(&[
+                "demo/api:http -> 10.244.2.11:8080",
+                "demo/web:http -> 10.244.1.11:8080",
+            ])
+            .await;
+    }
+
+    #[tokio::test]
+    async fn atomic_rename_and_removal() {
+        let dir = TempDir::new("rename");
+        let path = dir.path("services.yaml");
+        std::fs::write(&path, manifest(&[WEB, API])).unwrap();
+        let mut harness = Harness::start(path.clone());
+        harness
+            .expect(&[
+                "demo/api:http -> 10.244.2.11:8080",
+                "demo/web:http -> 10.244.1.11:8080,10.244.1.12:8080",
+            ])
+            .await;
+
+        // Removing objects from the file deletes them.
+        write_atomically(&path, &manifest(&[API]));
+        harness.expect(&["demo/api:http -> 10.244.2.11:8080"]).await;
+        write_atomically(&path, &manifest(&[WEB_SCALED, API]));
+        harness
+            .expect(&[
+                "demo/api:http -> 10.244.2.11:8080",
+                "demo/web:http -> 10.244.1.11:8080",
+            ])
+            .await;
+    }
+
+    #[tokio::test]
+    async fn configmap_volume_update() {
+        // The layout kubelet's atomic writer makes: the file is a symlink through `..data`,
+        // and an update swaps `..data` to a new directory.
+        use std::os::unix::fs::symlink;
+        let dir = TempDir::new("configmap");
+        std::fs::create_dir(dir.path("..v1")).unwrap();
+        std::fs::write(dir.path("..v1/services.yaml"), manifest(&[WEB])).unwrap();
+        symlink("..v1", dir.path("..data")).unwrap();
+        symlink("..data/services.yaml", dir.path("services.yaml")).unwrap();
+        let mut harness = Harness::start(dir.path("services.yaml"));
+        harness
+            .expect(&["demo/web:http -> 10.244.1.11:8080,10.244.1.12:8080"])
+            .await;
+
+        std::fs::create_dir(dir.path("..v2")).unwrap();
+        std::fs::write(dir.path("..v2/services.yaml"), manifest(&[API])).unwrap();
+        symlink("..v2", dir.path("..data_tmp")).unwrap();
+        std::fs::rename(dir.path("..data_tmp"), dir.path("..data")).unwrap();
+        std::fs::remove_dir_all(dir.path("..v1")).unwrap();
+        harness.expect(&["demo/api:http -> 10.244.2.11:8080"]).await;
+    }
+
+    #[tokio::test]
+    async fn broken_file_keeps_the_state() {
+        let dir = TempDir::new("broken");
+        let path = dir.path("services.yaml");
+        std::fs::write(&path, manifest(&[WEB])).unwrap();
+        let mut harness = Harness::start(path.clone());
+        let web = ["demo/web:http -> 10.244.1.11:8080,10.244.1.12:8080"];
+        harness.expect(&web).await;
+
+        write_atomically(&path, "kind: Service\nmetadata: {name: web\n");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        std::fs::remove_file(&path).unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(!harness.tracker.lock().unwrap().has_pending());
+        assert!(harness.states.try_recv().is_err(), "nothing to sync");
+        assert!(!harness.source.is_finished(), "the source keeps watching");
+
+        // Fixing the file resumes the updates.
+        write_atomically(&path, &manifest(&[WEB, API]));
+        harness
+            .expect(&[
+                "demo/api:http -> 10.244.2.11:8080",
+                "demo/web:http -> 10.244.1.11:8080,10.244.1.12:8080",
+            ])
+            .await;
+    }
+
+    #[tokio::test]
+    async fn first_load_errors_say_what_to_do() {
+        let dir = TempDir::new("missing");
+        let harness = Harness::start(dir.path("absent.yaml"));
+        let err = harness.source.await.unwrap().unwrap_err();
+        assert!(
+            format!("{err:#}").contains("create it (examples/services.yaml shows the format)"),
+            "{err:#}"
+        );
+        assert!(harness.synced.await.is_err(), "never reported as synced");
+
+        let path = dir.path("broken.yaml");
+        std::fs::write(&path, "kind: [Service\n").unwrap();
+        let harness = Harness::start(path);
+        let err = harness.source.await.unwrap().unwrap_err();
+        assert!(
+            format!("{err:#}").contains("unreadable, so nothing was programmed"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn only_differences_reach_the_tracker() {
+        let tracker = Mutex::new(ChangeTracker::new());
+        let mut source = FileSource::new(PathBuf::from("test.yaml"));
+        let load = |source: &mut FileSource, text: &str| {
+            source
+                .apply(manifest::parse(text).unwrap(), &tracker)
+                .unwrap()
+        };
+        let mut state = DesiredState::default();
+
+        let stats = load(&mut source, &manifest(&[WEB, API]));
+        assert_eq!(
+            stats,
+            LoadStats {
+                objects: 4,
+                changed: 4,
+                errors: 0
+            }
+        );
+        tracker.lock().unwrap().apply(&mut state);
+
+        // The same content again changes nothing.
+        let stats = load(&mut source, &manifest(&[WEB, API]));
+        assert_eq!(stats.changed, 0);
+        assert!(!tracker.lock().unwrap().has_pending());
+
+        // An invalid version is reported and the previous one stays programmed; removing the
+        // object later still deletes it.
+        let bad = manifest(&[WEB, API]).replace("10.96.0.20", "10.96.0.999");
+        let stats = load(&mut source, &bad);
+        assert_eq!(
+            stats,
+            LoadStats {
+                objects: 4,
+                changed: 1,
+                errors: 1
+            }
+        );
+        assert!(!tracker.lock().unwrap().has_pending());
+        let stats = load(&mut source, &manifest(&[WEB]));
+        assert_eq!(stats.changed, 2);
+        let changed = tracker.lock().unwrap().apply(&mut state);
+        assert_eq!(
+            changed.into_iter().collect::<Vec<_>>(),
+            [ServicePortName::new(
+                NamespacedName::new("demo", "api"),
+                "http",
+                Protocol::Tcp
+            )]
+        );
+        assert_eq!(
+            summary(&state),
+            ["demo/web:http -> 10.244.1.11:8080,10.244.1.12:8080"]
+        );
+
+        // A duplicate: the last definition wins.
+        let twice = format!("{}{}", manifest(&[WEB]), manifest(&[WEB_SCALED]));
+        let stats = load(&mut source, &twice);
+        assert_eq!(stats.objects, 2);
+        tracker.lock().unwrap().apply(&mut state);
+        assert_eq!(summary(&state), ["demo/web:http -> 10.244.1.11:8080"]);
+    }
+}

@@ -1,0 +1,145 @@
+//! The agent as a process in a sandbox node, on a manifest file, with its maps on a private
+//! bpffs; and editing that manifest the way an operator would.
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use proxy_userspace::{
+    inspect,
+    manifest::{self, Object},
+};
+
+use crate::{HOST_IF_PATTERN, Sandbox, find_bin, programs::PrivateBpffs};
+
+pub const AGENT_BIN_ENV: &str = "PROXY_USERSPACE_BIN";
+
+pub fn agent_bin() -> Result<PathBuf> {
+    find_bin("proxy-userspace", AGENT_BIN_ENV)
+}
+
+/// A running agent. Its process belongs to the sandbox (stopped when the sandbox drops).
+pub struct AgentRun {
+    pub pid: u32,
+    pub manifest: PathBuf,
+    pub log: PathBuf,
+    pub bpffs: PrivateBpffs,
+    dir: PathBuf,
+}
+
+impl AgentRun {
+    /// Starts `proxy-userspace agent` in `node` on a copy of `manifest_text`, and waits until
+    /// the datapath maps hold at least `expect_services` service addresses.
+    pub fn start(sandbox: &mut Sandbox, node: &str, manifest_text: &str, expect_services: usize) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("{}-agent", sandbox.prefix));
+        std::fs::create_dir_all(&dir)?;
+        let manifest = dir.join("services.yaml");
+        std::fs::write(&manifest, manifest_text)?;
+        let log = dir.join("agent.log");
+        let bpffs = PrivateBpffs::new()?;
+        let mut cmd = Command::new(agent_bin()?);
+        cmd.args(["agent", "--proxy-mode", "ebpf", "--min-sync-period", "0s"])
+            .arg("--manifest")
+            .arg(&manifest)
+            .arg("--bpf-pin-dir")
+            .arg(bpffs.path())
+            .args(["--pod-interfaces", HOST_IF_PATTERN])
+            // Small maps: tests run side by side.
+            .args(["--bpf-services-max", "4096", "--bpf-backends-max", "4096", "--bpf-ct-max", "16384"])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?);
+        let ns = crate::Netns::open(&sandbox.node(node).name);
+        let pid = sandbox.spawn(&ns, cmd)?;
+        let run = Self { pid, manifest, log, bpffs, dir };
+        run.wait_for(sandbox, "the first sync", |rows| rows.len() >= expect_services)?;
+        Ok(run)
+    }
+
+    /// Polls the pinned services until `ok` holds (10 s at most), checking the agent lives.
+    pub fn wait_for(
+        &self,
+        sandbox: &mut Sandbox,
+        what: &str,
+        ok: impl Fn(&[inspect::ServiceRow]) -> bool,
+    ) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(child) = sandbox.child(self.pid) {
+                if let Some(status) = child.try_wait()? {
+                    bail!("the agent exited ({status}) before {what}:\n{}", self.log_text());
+                }
+            }
+            if let Ok(rows) = inspect::services(self.bpffs.path()) {
+                if ok(&rows) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("timed out waiting for {what}; agent log:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Runs `proxy-userspace inspect <what> [extra]` against this agent's maps.
+    pub fn inspect_cli(&self, what: &str, extra: &[&str]) -> Result<String> {
+        let out = Command::new(agent_bin()?)
+            .args(["inspect", what])
+            .args(extra)
+            .arg("--bpf-pin-dir")
+            .arg(self.bpffs.path())
+            .output()?;
+        if !out.status.success() {
+            bail!("inspect {what} failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    }
+}
+
+impl Drop for AgentRun {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Rewrites a manifest file through `edit`, replacing it by an atomic rename (as editors and
+/// ConfigMap volumes do).
+pub fn edit_manifest(path: &Path, edit: impl FnOnce(&mut Vec<Object>)) -> Result<()> {
+    let text = std::fs::read_to_string(path)?;
+    let mut objects = manifest::parse(&text).context("parsing the manifest")?.objects;
+    edit(&mut objects);
+    let mut out = String::new();
+    for object in &objects {
+        out.push_str("---\n");
+        out.push_str(&match object {
+            Object::Service(s) => serde_yaml::to_string(s)?,
+            Object::EndpointSlice(s) => serde_yaml::to_string(s)?,
+        });
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, out)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// Removes the endpoint with address `ip` from every EndpointSlice of service `name`.
+pub fn remove_endpoint(objects: &mut [Object], name: &str, ip: &str) {
+    for object in objects {
+        if let Object::EndpointSlice(slice) = object {
+            let owner = slice.metadata.labels.as_ref().and_then(|l| l.get("kubernetes.io/service-name"));
+            if owner.map(String::as_str) == Some(name) {
+                if let Some(endpoints) = slice.endpoints.as_mut() {
+                    endpoints.retain(|e| !e.addresses.iter().any(|a| a == ip));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! The backend server of the sandbox pods: answers with its name over TCP and UDP.
+//!
+//! `sandbox-backend --name be1 --port 8080`
+//! - UDP: replies `<name>\n` to each datagram.
+//! - TCP: if the first line is an HTTP request, answers `HTTP/1.1 200 OK` with body
+//!   `<name>\n` and closes (so curl works); otherwise answers `<name>\n` to each line until
+//!   EOF (so nc works and one connection can ask many times).
+//! - A request `whoami` (UDP datagram, TCP line or HTTP path `/whoami`) gets
+//!   `<name> <client ip>:<client port>` instead: the source address the backend sees.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "Sandbox backend: answers with its name over TCP and UDP")]
+struct Args {
+    /// The name to answer with (the pod name).
+    #[arg(long)]
+    name: String,
+    /// TCP and UDP port.
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Address to bind (`::` for dual stack).
+    #[arg(long, default_value = "0.0.0.0")]
+    bind: IpAddr,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let addr = SocketAddr::new(args.bind, args.port);
+    // UDP first: once TCP accepts connections, both are ready.
+    let udp = UdpSocket::bind(addr).with_context(|| format!("bind UDP {addr}"))?;
+    let tcp = TcpListener::bind(addr).with_context(|| format!("bind TCP {addr}"))?;
+    let name: &'static str = Box::leak(args.name.into_boxed_str());
+
+    std::thread::spawn(move || serve_udp(udp, name));
+    for stream in tcp.incoming() {
+        match stream {
+            Ok(stream) => {
+                std::thread::spawn(move || {
+                    let _ = serve_tcp(stream, name);
+                });
+            }
+            Err(e) => eprintln!("sandbox-backend {name}: accept: {e}"),
+        }
+    }
+    Ok(())
+}
+
+fn answer(name: &str, request: &[u8], peer: SocketAddr) -> String {
+    if request.trim_ascii() == b"whoami" {
+        format!("{name} {}\n", canonical(peer))
+    } else {
+        format!("{name}\n")
+    }
+}
+
+/// Shows IPv4-mapped IPv6 peers (dual-stack sockets) as IPv4.
+fn canonical(peer: SocketAddr) -> SocketAddr {
+    SocketAddr::new(peer.ip().to_canonical(), peer.port())
+}
+
+fn serve_udp(socket: UdpSocket, name: &str) {
+    let mut buf = vec![0u8; 65536];
+    loop {
+        match socket.recv_from(&mut buf) {
+            Ok((n, peer)) => {
+                if let Err(e) = socket.send_to(answer(name, &buf[..n], peer).as_bytes(), peer) {
+                    eprintln!("sandbox-backend {name}: UDP reply to {peer}: {e}");
+                }
+            }
+            Err(e) => eprintln!("sandbox-backend {name}: UDP receive: {e}"),
+        }
+    }
+}
+
+const HTTP_METHODS: &[&[u8]] = &[
+    b"GET ",
+    b"HEAD ",
+    b"POST ",
+    b"PUT ",
+    b"DELETE ",
+    b"OPTIONS ",
+    b"PATCH ",
+];
+
+fn serve_tcp(mut stream: TcpStream, name: &str) -> std::io::Result<()> {
+    let peer = stream.peer_addr()?;
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = Vec::new();
+    if reader.read_until(b'\n', &mut line)? == 0 {
+        return Ok(());
+    }
+    if HTTP_METHODS.iter().any(|m| line.starts_with(m)) {
+        return serve_http(stream, reader, &line, name, peer);
+    }
+    loop {
+        stream.write_all(answer(name, &line, peer).as_bytes())?;
+        line.clear();
+        if reader.read_until(b'\n', &mut line)? == 0 {
+            return Ok(());
+        }
+    }
+}
+
+fn serve_http(
+    mut stream: TcpStream,
+    mut reader: BufReader<TcpStream>,
+    request_line: &[u8],
+    name: &str,
+    peer: SocketAddr,
+) -> std::io::Result<()> {
+    let request_line = String::from_utf8_lossy(request_line);
+    let mut parts = request_line.split_whitespace();
+    let method = parts.next().unwrap_or_default();
+    let path = parts.next().unwrap_or("/");
+    // Headers up to the empty line; keep Content-Length to drain a request body.
+    let mut content_length = 0usize;
+    let mut header = Vec::new();
+    loop {
+        header.clear();
+        if reader.read_until(b'\n', &mut header)? == 0 {
+            break;
+        }
+        let text = String::from_utf8_lossy(&header);
+        let text = text.trim();
+        if text.is_empty() {
+            break;
+        }
+        if let Some((key, value)) = text.split_once(':')
+            && key.trim().eq_ignore_ascii_case("content-length")
+        {
+            content_length = value.trim().parse().unwrap_or(0);
+        }
+    }
+    std::io::copy(
+        &mut (&mut reader).take(content_length as u64),
+        &mut std::io::sink(),
+    )?;
+
+    let body = answer(name, path.trim_start_matches('/').as_bytes(), peer);
+    let mut response = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    if method != "HEAD" {
+        response.push_str(&body);
+    }
+    stream.write_all(response.as_bytes())?;
+    stream.shutdown(std::net::Shutdown::Write)
+}

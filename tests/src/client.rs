@@ -1,0 +1,135 @@
+//! Clients that run inside a namespace, each with a timeout and a clear error.
+
+use std::io::{BufRead, BufReader, ErrorKind, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+use crate::Netns;
+
+/// How long a client waits to connect and for each reply.
+pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn io_context(e: std::io::Error, what: &str) -> anyhow::Error {
+    match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+            anyhow::anyhow!("{what}: timed out after {CLIENT_TIMEOUT:?}")
+        }
+        _ => anyhow::Error::new(e).context(what.to_string()),
+    }
+}
+
+fn with_newline(msg: &str) -> String {
+    if msg.ends_with('\n') {
+        msg.to_string()
+    } else {
+        format!("{msg}\n")
+    }
+}
+
+fn tcp_connect(addr: SocketAddr) -> Result<(TcpStream, BufReader<TcpStream>)> {
+    let stream =
+        TcpStream::connect_timeout(&addr, CLIENT_TIMEOUT).map_err(|e| io_context(e, "connect"))?;
+    stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+    stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+    stream.set_nodelay(true)?;
+    let reader = BufReader::new(stream.try_clone()?);
+    Ok((stream, reader))
+}
+
+fn tcp_exchange(
+    stream: &mut TcpStream,
+    reader: &mut BufReader<TcpStream>,
+    msg: &str,
+) -> Result<String> {
+    stream
+        .write_all(with_newline(msg).as_bytes())
+        .map_err(|e| io_context(e, "send"))?;
+    let mut reply = Vec::new();
+    reader
+        .read_until(b'\n', &mut reply)
+        .map_err(|e| io_context(e, "read reply"))?;
+    if reply.is_empty() {
+        bail!("connection closed without a reply");
+    }
+    Ok(String::from_utf8_lossy(&reply).trim_end().to_string())
+}
+
+/// One TCP connection from inside `from`: sends `msg` as a line, returns the reply line
+/// (a sandbox backend answers with its pod name; `whoami` gets "<name> <client ip:port>").
+pub fn tcp_request(from: &Netns, addr: SocketAddr, msg: &str) -> Result<String> {
+    from.try_run(|| {
+        let (mut stream, mut reader) = tcp_connect(addr)?;
+        tcp_exchange(&mut stream, &mut reader, msg)
+    })
+    .and_then(|r| r)
+    .with_context(|| format!("TCP {addr} from {}", from.name))
+}
+
+/// One TCP connection from inside `from`, `lines` request lines, one reply line each
+/// (to show that a flow sticks to one backend).
+pub fn tcp_session(from: &Netns, addr: SocketAddr, lines: usize) -> Result<Vec<String>> {
+    from.try_run(|| {
+        let (mut stream, mut reader) = tcp_connect(addr)?;
+        (0..lines)
+            .map(|i| {
+                tcp_exchange(&mut stream, &mut reader, &format!("request {i}"))
+                    .with_context(|| format!("request {} of {lines}", i + 1))
+            })
+            .collect()
+    })
+    .and_then(|r| r)
+    .with_context(|| format!("TCP session {addr} from {}", from.name))
+}
+
+fn udp_socket(addr: SocketAddr) -> Result<UdpSocket> {
+    let bind: SocketAddr = if addr.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = UdpSocket::bind(bind).context("bind")?;
+    // Connected: replies from any other source (e.g. a backend address that was not
+    // reverse-NATed back to the service address) are dropped, and show up as a timeout.
+    socket.connect(addr).context("connect")?;
+    socket.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+    Ok(socket)
+}
+
+fn udp_exchange(socket: &UdpSocket, msg: &str) -> Result<String> {
+    socket
+        .send(with_newline(msg).as_bytes())
+        .map_err(|e| io_context(e, "send"))?;
+    let mut buf = [0u8; 65536];
+    let n = socket.recv(&mut buf).map_err(|e| match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => anyhow::anyhow!(
+            "no reply within {CLIENT_TIMEOUT:?} (a reply from another source address \
+             than the one sent to is dropped by the connected socket)"
+        ),
+        _ => anyhow::Error::new(e).context("receive"),
+    })?;
+    Ok(String::from_utf8_lossy(&buf[..n]).trim_end().to_string())
+}
+
+/// One UDP datagram from inside `from`; returns the reply.
+pub fn udp_request(from: &Netns, addr: SocketAddr, msg: &str) -> Result<String> {
+    from.try_run(|| udp_exchange(&udp_socket(addr)?, msg))
+        .and_then(|r| r)
+        .with_context(|| format!("UDP {addr} from {}", from.name))
+}
+
+/// `n` datagrams from one socket (same source port), one reply each.
+pub fn udp_session(from: &Netns, addr: SocketAddr, n: usize) -> Result<Vec<String>> {
+    from.try_run(|| {
+        let socket = udp_socket(addr)?;
+        (0..n)
+            .map(|i| {
+                udp_exchange(&socket, &format!("request {i}"))
+                    .with_context(|| format!("datagram {} of {n}", i + 1))
+            })
+            .collect()
+    })
+    .and_then(|r| r)
+    .with_context(|| format!("UDP session {addr} from {}", from.name))
+}

@@ -1,0 +1,175 @@
+//! Crafting and checking IPv4 TCP/UDP frames for BPF_PROG_TEST_RUN.
+use std::net::Ipv4Addr;
+
+pub const ETH_HLEN: usize = 14;
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+
+/// What a crafted frame carries.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    /// IPv4 options (a multiple of 4 bytes).
+    pub ip_options: Vec<u8>,
+    pub payload: Vec<u8>,
+    /// TCP flags byte (SYN = 0x02, ACK = 0x10).
+    pub tcp_flags: u8,
+    /// For UDP: send a zero checksum ("no checksum").
+    pub udp_zero_checksum: bool,
+}
+
+impl Spec {
+    pub fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Self {
+        Self {
+            src,
+            dst,
+            sport,
+            dport,
+            proto: TCP,
+            ip_options: Vec::new(),
+            payload: b"hello".to_vec(),
+            tcp_flags: 0x02,
+            udp_zero_checksum: false,
+        }
+    }
+
+    pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Self {
+        Self { proto: UDP, tcp_flags: 0, ..Self::tcp(src, sport, dst, dport) }
+    }
+
+    /// The frame: Ethernet, IPv4 and TCP/UDP, with correct checksums.
+    pub fn build(&self) -> Vec<u8> {
+        assert!(self.ip_options.len() % 4 == 0 && self.ip_options.len() <= 40);
+        let ihl = 20 + self.ip_options.len();
+        let l4_len = if self.proto == TCP { 20 } else { 8 } + self.payload.len();
+        let mut f = vec![0u8; ETH_HLEN + ihl + l4_len];
+        f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
+        f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        let ip = &mut f[ETH_HLEN..];
+        ip[0] = 0x40 | (ihl / 4) as u8;
+        ip[2..4].copy_from_slice(&((ihl + l4_len) as u16).to_be_bytes());
+        ip[4..6].copy_from_slice(&0x1234u16.to_be_bytes());
+        ip[6] = 0x40; // don't fragment
+        ip[8] = 64;
+        ip[9] = self.proto;
+        ip[12..16].copy_from_slice(&self.src.octets());
+        ip[16..20].copy_from_slice(&self.dst.octets());
+        ip[20..ihl].copy_from_slice(&self.ip_options);
+        let l4 = &mut ip[ihl..];
+        l4[0..2].copy_from_slice(&self.sport.to_be_bytes());
+        l4[2..4].copy_from_slice(&self.dport.to_be_bytes());
+        if self.proto == TCP {
+            l4[4..8].copy_from_slice(&1000u32.to_be_bytes());
+            l4[12] = 5 << 4;
+            l4[13] = self.tcp_flags;
+            l4[14..16].copy_from_slice(&65535u16.to_be_bytes());
+            l4[20..].copy_from_slice(&self.payload);
+        } else {
+            l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+            l4[8..].copy_from_slice(&self.payload);
+        }
+        fix_checksums(&mut f);
+        if self.proto == UDP && self.udp_zero_checksum {
+            let off = ETH_HLEN + ihl + 6;
+            f[off..off + 2].copy_from_slice(&[0, 0]);
+        }
+        f
+    }
+}
+
+fn sum16(data: &[u8], mut acc: u32) -> u32 {
+    for chunk in data.chunks(2) {
+        let word = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { (chunk[0] as u16) << 8 };
+        acc += word as u32;
+    }
+    acc
+}
+
+fn fold(mut acc: u32) -> u16 {
+    while acc >> 16 != 0 {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    !(acc as u16)
+}
+
+fn ihl(frame: &[u8]) -> usize {
+    ((frame[ETH_HLEN] & 0x0f) as usize) * 4
+}
+
+/// The IPv4 header checksum that the frame's header should carry.
+pub fn ip_checksum(frame: &[u8]) -> u16 {
+    let mut hdr = frame[ETH_HLEN..ETH_HLEN + ihl(frame)].to_vec();
+    hdr[10] = 0;
+    hdr[11] = 0;
+    fold(sum16(&hdr, 0))
+}
+
+/// The TCP/UDP checksum that the frame's L4 header should carry (over the pseudo-header).
+pub fn l4_checksum(frame: &[u8]) -> u16 {
+    let ip = &frame[ETH_HLEN..];
+    let ihl = ihl(frame);
+    let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    let proto = ip[9];
+    let mut seg = ip[ihl..total].to_vec();
+    let csum_off = if proto == TCP { 16 } else { 6 };
+    seg[csum_off] = 0;
+    seg[csum_off + 1] = 0;
+    let mut pseudo = Vec::with_capacity(12);
+    pseudo.extend_from_slice(&ip[12..20]);
+    pseudo.extend_from_slice(&[0, proto]);
+    pseudo.extend_from_slice(&(seg.len() as u16).to_be_bytes());
+    let c = fold(sum16(&seg, sum16(&pseudo, 0)));
+    // UDP sends an all-zero result as all ones (zero means "no checksum").
+    if proto == UDP && c == 0 { 0xffff } else { c }
+}
+
+fn fix_checksums(f: &mut [u8]) {
+    let ip = ip_checksum(f);
+    f[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&ip.to_be_bytes());
+    let off = ETH_HLEN + ihl(f) + if f[ETH_HLEN + 9] == TCP { 16 } else { 6 };
+    let l4 = l4_checksum(f);
+    f[off..off + 2].copy_from_slice(&l4.to_be_bytes());
+}
+
+/// The fields a test checks after the program ran.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Seen {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    /// The checksums as carried in the frame.
+    pub ip_csum: u16,
+    pub l4_csum: u16,
+}
+
+pub fn read(frame: &[u8]) -> Seen {
+    let ip = &frame[ETH_HLEN..];
+    let l4 = &ip[ihl(frame)..];
+    let csum_off = if ip[9] == TCP { 16 } else { 6 };
+    Seen {
+        src: Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]),
+        dst: Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]),
+        sport: u16::from_be_bytes([l4[0], l4[1]]),
+        dport: u16::from_be_bytes([l4[2], l4[3]]),
+        ip_csum: u16::from_be_bytes([ip[10], ip[11]]),
+        l4_csum: u16::from_be_bytes([l4[csum_off], l4[csum_off + 1]]),
+    }
+}
+
+/// Panics unless both checksums in `frame` are what a full recomputation gives (a UDP zero
+/// checksum is accepted when `udp_zero` says the sender used none).
+pub fn assert_checksums(frame: &[u8], udp_zero: bool) {
+    let seen = read(frame);
+    assert_eq!(seen.ip_csum, ip_checksum(frame), "IPv4 header checksum wrong");
+    if udp_zero {
+        assert_eq!(seen.l4_csum, 0, "a zero UDP checksum must stay zero");
+    } else {
+        assert_eq!(seen.l4_csum, l4_checksum(frame), "L4 checksum wrong");
+    }
+}

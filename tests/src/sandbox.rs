@@ -1,0 +1,538 @@
+//! The two-node cluster in network namespaces (see DESIGN.md, "The sandbox").
+
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Once;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+
+use crate::netns::{NETNS_DIR, Netns, describe, ip_batches, run, run_parallel};
+
+/// Every namespace the sandbox creates is named `pxt<pid>-<counter>-<role>`.
+pub const NS_PREFIX: &str = "pxt";
+/// The external client's address on the node network.
+pub const EXT_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 100);
+pub const NODE1_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 11);
+pub const NODE2_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 12);
+/// The node network (the bridge in the fabric namespace).
+pub const NODE_CIDR: &str = "192.0.2.0/24";
+/// Pod addresses of all nodes; node N has 10.244.N.0/24.
+pub const POD_CIDR: &str = "10.244.0.0/16";
+/// The Service (ClusterIP) range.
+pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// Node-side pod interfaces are named `veth-<pod>`; the agent's interface pattern.
+pub const HOST_IF_PATTERN: &str = "veth-*";
+/// The node's interface on the node network (in each node namespace).
+pub const NODE_IF: &str = "eth0";
+/// The port the tests conventionally run the backends on.
+pub const BACKEND_PORT: u16 = 8080;
+/// Environment variable that overrides where `sandbox-backend` is found.
+pub const BACKEND_BIN_ENV: &str = "SANDBOX_BACKEND_BIN";
+
+/// (pod name, node number, last octet): node N's pods are 10.244.N.x.
+const PODS: &[(&str, u8, u8)] = &[
+    ("client", 1, 10),
+    ("be1", 1, 11),
+    ("be2", 1, 12),
+    ("be3", 1, 13),
+    ("be4", 2, 11),
+];
+
+/// A pod: its own namespace, wired to its node by a veth pair (routed, Calico-like).
+#[derive(Debug)]
+pub struct Pod {
+    pub name: String,
+    pub ns: Netns,
+    pub ip: Ipv4Addr,
+    /// "node1" or "node2".
+    pub node: String,
+    /// The node-side veth (in the node's namespace), `veth-<pod>`: where tc programs go.
+    pub host_if: String,
+    /// The pod's default gateway, 10.244.N.1 (the address of `host_if`).
+    pub gateway: Ipv4Addr,
+}
+
+impl Pod {
+    pub fn addr(&self, port: u16) -> SocketAddr {
+        (self.ip, port).into()
+    }
+}
+
+struct Proc {
+    label: String,
+    /// Backend server of this pod (killed by `stop_backend`).
+    backend_of: Option<String>,
+    child: Child,
+    /// SIGTERM first (and some time to clean up) instead of SIGKILL.
+    graceful: bool,
+}
+
+/// The whole cluster. Dropping it kills every process it started, then deletes its
+/// namespaces (also while unwinding from a panic).
+pub struct Sandbox {
+    /// `pxt<pid>-<counter>`: the prefix of every namespace of this sandbox.
+    pub prefix: String,
+    pub ext: Netns,
+    pub fabric: Netns,
+    pub node1: Netns,
+    pub node2: Netns,
+    pub pods: Vec<Pod>,
+    procs: Vec<Proc>,
+    backend_bin: Option<PathBuf>,
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+impl Sandbox {
+    /// Builds the whole topology (about 9 namespaces); takes some tens of milliseconds.
+    pub fn build() -> Result<Sandbox> {
+        static CLEANUP: Once = Once::new();
+        CLEANUP.call_once(cleanup_stale);
+
+        let prefix = format!(
+            "{NS_PREFIX}{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        let name = |role: &str| format!("{prefix}-{role}");
+        // Owned handles first: whatever gets created is deleted if a later step fails.
+        let sb = Sandbox {
+            ext: Netns::adopt(&name("ext")),
+            fabric: Netns::adopt(&name("fabric")),
+            node1: Netns::adopt(&name("node1")),
+            node2: Netns::adopt(&name("node2")),
+            pods: PODS
+                .iter()
+                .map(|&(pod, node, octet)| Pod {
+                    name: pod.to_string(),
+                    ns: Netns::adopt(&name(pod)),
+                    ip: Ipv4Addr::new(10, 244, node, octet),
+                    node: format!("node{node}"),
+                    host_if: format!("veth-{pod}"),
+                    gateway: Ipv4Addr::new(10, 244, node, 1),
+                })
+                .collect(),
+            prefix,
+            procs: Vec::new(),
+            backend_bin: None,
+        };
+        sb.wire()
+            .with_context(|| format!("build sandbox {}", sb.prefix))?;
+        Ok(sb)
+    }
+
+    fn all_ns(&self) -> impl Iterator<Item = &Netns> {
+        [&self.ext, &self.fabric, &self.node1, &self.node2]
+            .into_iter()
+            .chain(self.pods.iter().map(|p| &p.ns))
+    }
+
+    fn wire(&self) -> Result<()> {
+        // 1. The namespaces, in one `ip` process.
+        let adds = self
+            .all_ns()
+            .map(|ns| format!("netns add {}", ns.name))
+            .collect();
+        ip_batches(&[(None, adds)])?;
+
+        // 2. Sysctls, before any interface exists (new interfaces copy `default`).
+        let common = [
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+            "net.ipv6.conf.all.accept_dad=0",
+            "net.ipv6.conf.default.accept_dad=0",
+            "net.ipv6.conf.default.router_solicitations=0",
+        ];
+        let sysctls = self
+            .all_ns()
+            .map(|ns| {
+                let mut cmd = ns.cmd("sysctl");
+                cmd.args(["-q", "-w"]).args(common);
+                if ns.name == self.node1.name || ns.name == self.node2.name {
+                    cmd.arg("net.ipv4.ip_forward=1");
+                }
+                cmd
+            })
+            .collect();
+        run_parallel(sysctls)?;
+
+        // 3. Links, made from the namespace that keeps the host side, peers created
+        // straight into their own namespace.
+        let mut fabric = vec![
+            "link set lo up".to_string(),
+            "link add br0 type bridge".to_string(),
+            "link set br0 up".to_string(),
+        ];
+        for ns in [&self.node1, &self.node2, &self.ext] {
+            let role = &ns.name[self.prefix.len() + 1..];
+            fabric.push(format!(
+                "link add fab-{role} type veth peer name {NODE_IF} netns {}",
+                ns.name
+            ));
+            fabric.push(format!("link set fab-{role} master br0 up"));
+        }
+        let mut node_links = [Vec::new(), Vec::new()];
+        for pod in &self.pods {
+            let lines = &mut node_links[if pod.node == "node1" { 0 } else { 1 }];
+            let (hif, pns) = (&pod.host_if, &pod.ns.name);
+            lines.push(format!(
+                "link add {hif} type veth peer name eth0 netns {pns}"
+            ));
+            lines.push(format!("link set {hif} up"));
+            lines.push(format!("addr add {}/32 dev {hif}", pod.gateway));
+            lines.push(format!("route add {}/32 dev {hif} scope link", pod.ip));
+        }
+        let [n1, n2] = node_links;
+        ip_batches(&[
+            (Some(&self.fabric.name), fabric),
+            (Some(&self.node1.name), n1),
+            (Some(&self.node2.name), n2),
+        ])?;
+
+        // 4. Addresses and routes on the far ends.
+        let node = |ip: Ipv4Addr, other_pods: &str, other_ip: Ipv4Addr| {
+            vec![
+                "link set lo up".to_string(),
+                format!("addr add {ip}/24 dev {NODE_IF}"),
+                format!("link set {NODE_IF} up"),
+                format!("route add {other_pods} via {other_ip}"),
+            ]
+        };
+        let mut batches = vec![
+            (
+                Some(self.node1.name.as_str()),
+                node(NODE1_IP, "10.244.2.0/24", NODE2_IP),
+            ),
+            (
+                Some(self.node2.name.as_str()),
+                node(NODE2_IP, "10.244.1.0/24", NODE1_IP),
+            ),
+            (
+                Some(self.ext.name.as_str()),
+                vec![
+                    "link set lo up".to_string(),
+                    format!("addr add {EXT_IP}/24 dev {NODE_IF}"),
+                    format!("link set {NODE_IF} up"),
+                    format!("route add {SERVICE_CIDR} via {NODE1_IP}"),
+                    format!("route add {POD_CIDR} via {NODE1_IP}"),
+                ],
+            ),
+        ];
+        for pod in &self.pods {
+            batches.push((
+                Some(pod.ns.name.as_str()),
+                vec![
+                    "link set lo up".to_string(),
+                    format!("addr add {}/32 dev eth0", pod.ip),
+                    "link set eth0 up".to_string(),
+                    format!("route add {} dev eth0 scope link", pod.gateway),
+                    format!("route add default via {} dev eth0", pod.gateway),
+                ],
+            ));
+        }
+        ip_batches(&batches)
+    }
+
+    /// The pod named `name`; panics if there is none.
+    pub fn pod(&self, name: &str) -> &Pod {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod {name:?} in the sandbox"))
+    }
+
+    /// The backend pods (all but `client`).
+    pub fn backends(&self) -> impl Iterator<Item = &Pod> {
+        self.pods.iter().filter(|p| p.name != "client")
+    }
+
+    /// The namespace of "node1" or "node2"; panics otherwise.
+    pub fn node(&self, name: &str) -> &Netns {
+        match name {
+            "node1" => &self.node1,
+            "node2" => &self.node2,
+            _ => panic!("no node {name:?} in the sandbox"),
+        }
+    }
+
+    /// The node-network address of "node1" or "node2".
+    pub fn node_ip(name: &str) -> Ipv4Addr {
+        match name {
+            "node1" => NODE1_IP,
+            "node2" => NODE2_IP,
+            _ => panic!("no node {name:?} in the sandbox"),
+        }
+    }
+
+    /// The node-side pod interfaces of a node (`veth-<pod>`).
+    pub fn host_ifs(&self, node: &str) -> Vec<&str> {
+        self.pods
+            .iter()
+            .filter(|p| p.node == node)
+            .map(|p| p.host_if.as_str())
+            .collect()
+    }
+
+    /// Uses this `sandbox-backend` binary instead of looking for one (see [`backend_bin`]).
+    pub fn set_backend_bin(&mut self, path: impl Into<PathBuf>) {
+        self.backend_bin = Some(path.into());
+    }
+
+    /// Starts the backend server in every pod except `client`, each answering with its pod
+    /// name on `port` (TCP and UDP); returns once all are listening. Killed on drop.
+    pub fn start_backends(&mut self, port: u16) -> Result<()> {
+        let names: Vec<String> = self.backends().map(|p| p.name.clone()).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        self.start_backends_on(&names, port)
+    }
+
+    /// Starts the backend server in one pod (e.g. again after [`Sandbox::stop_backend`]).
+    pub fn start_backend(&mut self, pod: &str, port: u16) -> Result<()> {
+        self.start_backends_on(&[pod], port)
+    }
+
+    fn start_backends_on(&mut self, pods: &[&str], port: u16) -> Result<()> {
+        let bin = match &self.backend_bin {
+            Some(bin) => bin.clone(),
+            None => backend_bin()?,
+        };
+        let mut started = Vec::new();
+        for &name in pods {
+            let pod = self.pod(name);
+            let mut cmd = Command::new(&bin);
+            cmd.args(["--name", name, "--port", &port.to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null());
+            pod.ns.enter(&mut cmd)?;
+            let child = cmd
+                .spawn()
+                .with_context(|| format!("start `{}` in {}", describe(&cmd), pod.ns.name))?;
+            started.push(self.procs.len());
+            self.procs.push(Proc {
+                label: format!("sandbox-backend {name}:{port}"),
+                backend_of: Some(name.to_string()),
+                child,
+                graceful: false,
+            });
+        }
+        // Wait until every one accepts connections (it binds UDP before TCP).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for i in started {
+            let pod = self.procs[i].backend_of.clone().expect("backend");
+            let ns = &self.pods.iter().find(|p| p.name == pod).expect("pod").ns;
+            loop {
+                if let Some(status) = self.procs[i].child.try_wait()? {
+                    bail!("{} in {} exited: {status}", self.procs[i].label, ns.name);
+                }
+                let up = ns.try_run(|| {
+                    TcpStream::connect_timeout(
+                        &(Ipv4Addr::LOCALHOST, port).into(),
+                        Duration::from_millis(200),
+                    )
+                    .is_ok()
+                })?;
+                if up {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "{} in {} is not listening after 10 s",
+                        self.procs[i].label,
+                        ns.name
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills the backend server(s) of one pod.
+    pub fn stop_backend(&mut self, pod: &str) {
+        let (stop, keep) = std::mem::take(&mut self.procs)
+            .into_iter()
+            .partition(|p| p.backend_of.as_deref() == Some(pod));
+        self.procs = keep;
+        stop_all(stop);
+    }
+
+    /// Runs `cmd` (a plain command, e.g. the agent) inside `ns` (entered with setns, so
+    /// the host's mounts such as /sys/fs/bpf stay visible) and keeps it; it is stopped on
+    /// drop (SIGTERM, then SIGKILL after 5 s). Returns its pid.
+    pub fn spawn(&mut self, ns: &Netns, mut cmd: Command) -> Result<u32> {
+        ns.enter(&mut cmd)?;
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("start `{}` in {}", describe(&cmd), ns.name))?;
+        let pid = child.id();
+        self.procs.push(Proc {
+            label: describe(&cmd),
+            backend_of: None,
+            child,
+            graceful: true,
+        });
+        Ok(pid)
+    }
+
+    /// The child started by [`Sandbox::spawn`] (e.g. to take its stdout or poll it).
+    pub fn child(&mut self, pid: u32) -> Option<&mut Child> {
+        self.procs
+            .iter_mut()
+            .find(|p| p.child.id() == pid)
+            .map(|p| &mut p.child)
+    }
+
+    /// Stops a spawned process now (SIGTERM, SIGKILL after 5 s) and returns how it ended.
+    pub fn stop(&mut self, pid: u32) -> Result<ExitStatus> {
+        let i = self
+            .procs
+            .iter()
+            .position(|p| p.child.id() == pid)
+            .ok_or_else(|| anyhow!("no process {pid} in the sandbox"))?;
+        let mut proc = self.procs.remove(i);
+        terminate(&mut proc);
+        Ok(reap(&mut proc, Instant::now() + Duration::from_secs(5)))
+    }
+}
+
+fn terminate(proc: &mut Proc) {
+    if proc.graceful {
+        // SAFETY: plain kill(2) on our own child, which has not been reaped yet.
+        unsafe { libc::kill(proc.child.id() as libc::pid_t, libc::SIGTERM) };
+    } else {
+        let _ = proc.child.kill();
+    }
+}
+
+/// Waits for `proc` until `deadline`, then SIGKILLs it.
+fn reap(proc: &mut Proc, deadline: Instant) -> ExitStatus {
+    loop {
+        match proc.child.try_wait() {
+            Ok(Some(status)) => return status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            _ => {
+                eprintln!("sandbox: killing `{}` (did not exit)", proc.label);
+                let _ = proc.child.kill();
+                return proc
+                    .child
+                    .wait()
+                    .unwrap_or_else(|_| std::os::unix::process::ExitStatusExt::from_raw(0));
+            }
+        }
+    }
+}
+
+fn stop_all(mut procs: Vec<Proc>) {
+    procs.iter_mut().for_each(terminate);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for proc in &mut procs {
+        reap(proc, deadline);
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        stop_all(std::mem::take(&mut self.procs));
+        // One `ip` for all namespaces; whatever survives is retried by each Netns's drop.
+        let dels: Vec<String> = self
+            .all_ns()
+            .filter(|ns| ns.exists())
+            .map(|ns| format!("netns del {}", ns.name))
+            .collect();
+        if !dels.is_empty() {
+            let mut cmd = Command::new("ip");
+            cmd.args(["-force", "-batch", "-"]);
+            if let Ok(child) = crate::netns::spawn_with_input(&mut cmd, &dels.join("\n")) {
+                let _ = child.wait_with_output();
+            }
+        }
+        let mut all: Vec<&mut Netns> = vec![
+            &mut self.ext,
+            &mut self.fabric,
+            &mut self.node1,
+            &mut self.node2,
+        ];
+        all.extend(self.pods.iter_mut().map(|p| &mut p.ns));
+        for ns in all {
+            if !ns.exists() {
+                ns.disarm();
+            }
+        }
+    }
+}
+
+/// Deletes namespaces left behind by sandboxes of processes that no longer exist
+/// (`pxt<pid>-...` with no /proc/<pid>), e.g. after a test binary was killed.
+pub fn cleanup_stale() {
+    let Ok(entries) = std::fs::read_dir(NETNS_DIR) else {
+        return;
+    };
+    let stale: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| {
+            let Some(rest) = name.strip_prefix(NS_PREFIX) else {
+                return false;
+            };
+            let Some((pid, _)) = rest.split_once('-') else {
+                return false;
+            };
+            !pid.is_empty()
+                && pid.bytes().all(|b| b.is_ascii_digit())
+                && !Path::new("/proc").join(pid).exists()
+        })
+        .map(|name| format!("netns del {name}"))
+        .collect();
+    if !stale.is_empty() {
+        let mut cmd = Command::new("ip");
+        cmd.args(["-force", "-batch", "-"]);
+        if let Ok(child) = crate::netns::spawn_with_input(&mut cmd, &stale.join("\n")) {
+            let _ = child.wait_with_output();
+        }
+    }
+}
+
+/// Finds the `sandbox-backend` binary (see [`find_bin`]).
+pub fn backend_bin() -> Result<PathBuf> {
+    find_bin("sandbox-backend", BACKEND_BIN_ENV)
+}
+
+/// Finds one of the workspace's binaries: `$<env>` if set, else next to the current
+/// executable (target/<profile>/), or one directory up for test executables in deps/.
+pub fn find_bin(name: &str, env: &str) -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os(env) {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!("{env}={} does not exist", path.display());
+        }
+        return Ok(path);
+    }
+    let exe = std::env::current_exe().context("current_exe")?;
+    let mut tried = Vec::new();
+    let mut dir = exe.parent();
+    for _ in 0..2 {
+        let Some(d) = dir else { break };
+        let candidate = d.join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+        tried.push(candidate.display().to_string());
+        dir = d.parent();
+    }
+    bail!(
+        "{name} not found (tried {}); run `cargo build --workspace --bins` or set {env}",
+        tried.join(", ")
+    )
+}
+
+/// Runs `ip netns list` and returns the names (first column).
+pub fn netns_list() -> Result<Vec<String>> {
+    let out = run(Command::new("ip").args(["netns", "list"]))?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect())
+}

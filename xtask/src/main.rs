@@ -1,0 +1,240 @@
+//! Developer commands: `cargo xtask <command>`. Each one does the set-up it needs first.
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what the project needs (Debian packages, rust-src, bpf-linker); quick when done.
+    Setup,
+    /// Build the BPF programs (proxy-ebpf) with the nightly toolchain.
+    BuildEbpf,
+    /// Set up, build, and run every test (unit, BPF program, sandbox end to end), then lint.
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Format check and clippy with warnings as errors.
+    Lint,
+    /// Start the sandbox cluster and the agent, and show Services at work.
+    Demo,
+    /// Run a benchmark (`datapath`: the tc program under BPF_PROG_TEST_RUN).
+    Bench {
+        #[arg(default_value = "datapath")]
+        which: String,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+/// Debian packages the tests, the demo and the sandbox use.
+const DEB_PACKAGES: &[&str] = &[
+    "iproute2", "iptables", "nftables", "ipset", "conntrack", "curl", "netcat-openbsd",
+    "procps", "kmod",
+];
+const NIGHTLY: &str = "nightly";
+
+fn main() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    env::set_current_dir(&root)?;
+    match Cli::parse().command {
+        Cmd::Setup => setup(),
+        Cmd::BuildEbpf => {
+            setup()?;
+            build_ebpf(&root)
+        }
+        Cmd::Test { args } => {
+            setup()?;
+            build_ebpf(&root)?;
+            step("building the workspace");
+            cargo(&["build", "--workspace", "--bins"])?;
+            step("running the tests");
+            let mut test = vec!["test", "--workspace"];
+            test.extend(args.iter().map(String::as_str));
+            cargo(&test)?;
+            lint()
+        }
+        Cmd::Lint => lint(),
+        Cmd::Demo => {
+            setup()?;
+            build_ebpf(&root)?;
+            step("building the agent and the sandbox");
+            cargo(&["build", "--release", "--workspace", "--bins"])?;
+            run(&mut Command::new(root.join("target/release/demo")))
+        }
+        Cmd::Bench { which, args } => {
+            setup()?;
+            build_ebpf(&root)?;
+            step("building the benchmarks (release)");
+            cargo(&["build", "--release", "--workspace", "--bins"])?;
+            let mut cmd = Command::new(root.join("target/release/bench"));
+            cmd.arg(which).args(args);
+            run(&mut cmd)
+        }
+    }
+}
+
+fn step(what: &str) {
+    eprintln!("\x1b[1m==> {what}\x1b[0m");
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn cargo(args: &[&str]) -> anyhow::Result<()> {
+    let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(args);
+    run(&mut cmd)
+}
+
+fn lint() -> anyhow::Result<()> {
+    step("checking formatting and clippy");
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    let mut ebpf = Command::new("cargo");
+    ebpf.args(["+nightly", "fmt", "--check"]).current_dir("proxy-ebpf");
+    run(&mut ebpf)
+}
+
+fn build_ebpf(root: &Path) -> anyhow::Result<()> {
+    step("building the BPF programs (proxy-ebpf, nightly, bpfel-unknown-none)");
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        &format!("+{NIGHTLY}"),
+        "build",
+        "--release",
+        "-Z",
+        "build-std=core",
+        "--target",
+        "bpfel-unknown-none",
+    ])
+    .current_dir(root.join("proxy-ebpf"))
+    // Variables the outer (stable) cargo sets would confuse the nightly build.
+    .env_remove("RUSTUP_TOOLCHAIN")
+    .env_remove("RUSTC")
+    .env_remove("RUSTDOC")
+    .env_remove("CARGO");
+    run(&mut cmd)
+}
+
+fn setup() -> anyhow::Result<()> {
+    let started = Instant::now();
+    install_debian_packages()?;
+    install_rust_src()?;
+    install_bpf_linker()?;
+    if started.elapsed().as_secs() > 2 {
+        step(&format!("set-up done in {:.0?}", started.elapsed()));
+    }
+    Ok(())
+}
+
+fn install_debian_packages() -> anyhow::Result<()> {
+    let missing: Vec<&str> = DEB_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            !Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    step(&format!("installing Debian packages: {}", missing.join(" ")));
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("installing {} needs root: run `sudo apt-get install {}`", missing.join(" "), missing.join(" "));
+    }
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    let mut install = Command::new("apt-get");
+    install
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive");
+    run(&mut install)
+}
+
+fn install_rust_src() -> anyhow::Result<()> {
+    let installed = Command::new("rustup")
+        .args(["component", "list", "--installed", "--toolchain", NIGHTLY])
+        .output()
+        .context("running rustup: is rustup installed?")?;
+    if String::from_utf8_lossy(&installed.stdout).lines().any(|l| l.starts_with("rust-src")) {
+        return Ok(());
+    }
+    step("adding rust-src to the nightly toolchain (the BPF build compiles core)");
+    run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))
+}
+
+/// bpf-linker links the BPF object with the nightly's own LLVM: it is built against that
+/// libLLVM through a prefix folder of two symlinks, which must outlive the install (the
+/// binary's runpath points there), so it lives in CARGO_HOME.
+fn install_bpf_linker() -> anyhow::Result<()> {
+    let works = Command::new("bpf-linker")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("0.13"));
+    if works {
+        return Ok(());
+    }
+    step("building bpf-linker 0.13 against the nightly's LLVM (about 2 minutes, once)");
+    let sysroot = Command::new("rustc").args([&format!("+{NIGHTLY}"), "--print", "sysroot"]).output()?;
+    let sysroot = PathBuf::from(String::from_utf8(sysroot.stdout)?.trim());
+    let lib_dir = sysroot.join("lib");
+    let llvm = std::fs::read_dir(&lib_dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so."))
+        .with_context(|| format!("no libLLVM.so.* in {}", lib_dir.display()))?;
+    let major = llvm
+        .trim_start_matches("libLLVM.so.")
+        .split('.')
+        .next()
+        .context("unexpected libLLVM file name")?
+        .to_owned();
+    let cargo_home = env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .context("neither CARGO_HOME nor HOME is set")?;
+    let prefix = cargo_home.join("bpf-linker-llvm");
+    let prefix_lib = prefix.join("lib");
+    std::fs::create_dir_all(&prefix_lib)?;
+    for link in ["libLLVM.so".to_owned(), llvm.clone()] {
+        let at = prefix_lib.join(link);
+        let _ = std::fs::remove_file(&at);
+        std::os::unix::fs::symlink(lib_dir.join(&llvm), &at)?;
+    }
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "install",
+        "bpf-linker",
+        "--version",
+        "^0.13",
+        "--force",
+        "--no-default-features",
+        "--features",
+        &format!("llvm-{major}"),
+    ])
+    .env("LLVM_PREFIX", &prefix);
+    run(&mut cmd)
+}
