@@ -76,7 +76,13 @@ pub struct ServiceKey {
 
 impl ServiceKey {
     pub const fn new(addr: Be32, port: Be16, proto: u8, slot: u16) -> Self {
-        Self { addr, port, slot, proto, pad: [0; 3] }
+        Self {
+            addr,
+            port,
+            slot,
+            proto,
+            pad: [0; 3],
+        }
     }
 }
 

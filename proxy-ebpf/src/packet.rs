@@ -92,7 +92,10 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
         proto: l4_proto,
         pad: [0; 3],
     };
-    Some(Flow { key, l4_off: ETH_HLEN + ihl })
+    Some(Flow {
+        key,
+        l4_off: ETH_HLEN + ihl,
+    })
 }
 
 /// Which end of the flow a rewrite changes.
@@ -110,7 +113,12 @@ impl Flow {
     pub fn rewrite(&self, ctx: &TcContext, end: End, addr: Be32, port: Be16) -> Result<(), Error> {
         let (old_addr, old_port, addr_off, port_off) = match end {
             End::Source => (self.key.saddr, self.key.sport, IP_SADDR_OFF, self.l4_off),
-            End::Destination => (self.key.daddr, self.key.dport, IP_DADDR_OFF, self.l4_off + 2),
+            End::Destination => (
+                self.key.daddr,
+                self.key.dport,
+                IP_DADDR_OFF,
+                self.l4_off + 2,
+            ),
         };
         let (csum_off, l4_flags) = if self.key.proto == IPPROTO_TCP {
             (self.l4_off + 16, 0)
@@ -121,12 +129,14 @@ impl Flow {
             let (from, to) = (old_addr.raw() as u64, addr.raw() as u64);
             ctx.l4_csum_replace(csum_off, from, to, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)
                 .map_err(|_| Error)?;
-            ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4).map_err(|_| Error)?;
+            ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4)
+                .map_err(|_| Error)?;
             ctx.store(addr_off, &addr.raw(), 0).map_err(|_| Error)?;
         }
         if old_port != port {
             let (from, to) = (old_port.raw() as u64, port.raw() as u64);
-            ctx.l4_csum_replace(csum_off, from, to, l4_flags | 2).map_err(|_| Error)?;
+            ctx.l4_csum_replace(csum_off, from, to, l4_flags | 2)
+                .map_err(|_| Error)?;
             ctx.store(port_off, &port.raw(), 0).map_err(|_| Error)?;
         }
         Ok(())

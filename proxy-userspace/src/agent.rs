@@ -64,7 +64,11 @@ pub async fn run(config: AgentConfig, dataplane: Box<dyn Dataplane>) -> anyhow::
     let mut full = true;
     let sync = move || {
         let changed = tracker.lock().unwrap().apply(&mut state);
-        let scope = if full || changed.is_empty() { Scope::All } else { Scope::Changed(&changed) };
+        let scope = if full || changed.is_empty() {
+            Scope::All
+        } else {
+            Scope::Changed(&changed)
+        };
         let started = Instant::now();
         let result = dataplane.lock().unwrap().sync(&state, scope);
         let elapsed = started.elapsed();

@@ -12,10 +12,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let mut total = Duration::ZERO;
     let mut rest = s;
     while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(rest.len());
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(rest.len());
         let value: f64 = rest[..digits].parse().map_err(|_| err())?;
         rest = &rest[digits..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
         let seconds = match &rest[..unit_len] {
             "ns" => 1e-9,
             "us" | "µs" => 1e-6,

@@ -75,7 +75,11 @@ pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
 }
 
 fn backend_row(id: u32, b: &Backend) -> BackendRow {
-    BackendRow { id, address: format!("{}:{}", ip(b.addr), b.port.get()), protocol: proto_name(b.proto) }
+    BackendRow {
+        id,
+        address: format!("{}:{}", ip(b.addr), b.port.get()),
+        protocol: proto_name(b.proto),
+    }
 }
 
 pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
@@ -92,7 +96,9 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
         let Ok(head) = svc.get(&key, 0) else { continue };
         let mut backends = Vec::new();
         for slot in 1..=head.count {
-            let Ok(v) = svc.get(&ServiceKey { slot, ..key }, 0) else { continue };
+            let Ok(v) = svc.get(&ServiceKey { slot, ..key }, 0) else {
+                continue;
+            };
             match be.get(&v.backend_id, 0) {
                 Ok(b) => backends.push(backend_row(v.backend_id, &b)),
                 Err(_) => backends.push(BackendRow {
@@ -120,7 +126,11 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
     for entry in ct.iter() {
         let (k, v) = entry?;
         rows.push(FlowRow {
-            direction: if v.direction == CT_FORWARD { "forward" } else { "reply" },
+            direction: if v.direction == CT_FORWARD {
+                "forward"
+            } else {
+                "reply"
+            },
             protocol: proto_name(k.proto),
             source: format!("{}:{}", ip(k.saddr), k.sport.get()),
             destination: format!("{}:{}", ip(k.daddr), k.dport.get()),
@@ -130,23 +140,39 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
         });
     }
-    rows.sort_by(|a, b| (&a.service, &a.source, a.direction).cmp(&(&b.service, &b.source, b.direction)));
+    rows.sort_by(|a, b| {
+        (&a.service, &a.source, a.direction).cmp(&(&b.service, &b.source, b.direction))
+    });
     Ok(rows)
 }
 
 /// The clock bpf_ktime_get_ns() reads.
 fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid out pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 pub fn services_table(rows: &[ServiceRow]) -> String {
-    let mut out = format!("{:<24} {:<5} {}\n", "SERVICE", "PROTO", "BACKENDS (id address)");
+    let mut out = format!(
+        "{:<24} {:<5} {}\n",
+        "SERVICE", "PROTO", "BACKENDS (id address)"
+    );
     for r in rows {
-        let list: Vec<String> = r.backends.iter().map(|b| format!("{} {}", b.id, b.address)).collect();
-        let list = if list.is_empty() { "(none)".to_owned() } else { list.join(", ") };
+        let list: Vec<String> = r
+            .backends
+            .iter()
+            .map(|b| format!("{} {}", b.id, b.address))
+            .collect();
+        let list = if list.is_empty() {
+            "(none)".to_owned()
+        } else {
+            list.join(", ")
+        };
         let _ = writeln!(out, "{:<24} {:<5} {}", r.address, r.protocol, list);
     }
     out
@@ -169,7 +195,14 @@ pub fn conntrack_table(rows: &[FlowRow]) -> String {
         let _ = writeln!(
             out,
             "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8.1}",
-            r.direction, r.protocol, r.source, r.destination, r.service, r.backend_id, r.packets, r.idle_seconds
+            r.direction,
+            r.protocol,
+            r.source,
+            r.destination,
+            r.service,
+            r.backend_id,
+            r.packets,
+            r.idle_seconds
         );
     }
     out

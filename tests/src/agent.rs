@@ -32,7 +32,12 @@ pub struct AgentRun {
 impl AgentRun {
     /// Starts `proxy-userspace agent` in `node` on a copy of `manifest_text`, and waits until
     /// the datapath maps hold at least `expect_services` service addresses.
-    pub fn start(sandbox: &mut Sandbox, node: &str, manifest_text: &str, expect_services: usize) -> Result<Self> {
+    pub fn start(
+        sandbox: &mut Sandbox,
+        node: &str,
+        manifest_text: &str,
+        expect_services: usize,
+    ) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("{}-agent", sandbox.prefix));
         std::fs::create_dir_all(&dir)?;
         let manifest = dir.join("services.yaml");
@@ -47,15 +52,30 @@ impl AgentRun {
             .arg(bpffs.path())
             .args(["--pod-interfaces", HOST_IF_PATTERN])
             // Small maps: tests run side by side.
-            .args(["--bpf-services-max", "4096", "--bpf-backends-max", "4096", "--bpf-ct-max", "16384"])
+            .args([
+                "--bpf-services-max",
+                "4096",
+                "--bpf-backends-max",
+                "4096",
+                "--bpf-ct-max",
+                "16384",
+            ])
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log)?);
         let ns = crate::Netns::open(&sandbox.node(node).name);
         let pid = sandbox.spawn(&ns, cmd)?;
-        let run = Self { pid, manifest, log, bpffs, dir };
-        run.wait_for(sandbox, "the first sync", |rows| rows.len() >= expect_services)?;
+        let run = Self {
+            pid,
+            manifest,
+            log,
+            bpffs,
+            dir,
+        };
+        run.wait_for(sandbox, "the first sync", |rows| {
+            rows.len() >= expect_services
+        })?;
         Ok(run)
     }
 
@@ -70,7 +90,10 @@ impl AgentRun {
         loop {
             if let Some(child) = sandbox.child(self.pid) {
                 if let Some(status) = child.try_wait()? {
-                    bail!("the agent exited ({status}) before {what}:\n{}", self.log_text());
+                    bail!(
+                        "the agent exited ({status}) before {what}:\n{}",
+                        self.log_text()
+                    );
                 }
             }
             if let Ok(rows) = inspect::services(self.bpffs.path()) {
@@ -79,7 +102,10 @@ impl AgentRun {
                 }
             }
             if Instant::now() > deadline {
-                bail!("timed out waiting for {what}; agent log:\n{}", self.log_text());
+                bail!(
+                    "timed out waiting for {what}; agent log:\n{}",
+                    self.log_text()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -98,7 +124,10 @@ impl AgentRun {
             .arg(self.bpffs.path())
             .output()?;
         if !out.status.success() {
-            bail!("inspect {what} failed: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "inspect {what} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(String::from_utf8(out.stdout)?)
     }
@@ -114,7 +143,9 @@ impl Drop for AgentRun {
 /// ConfigMap volumes do).
 pub fn edit_manifest(path: &Path, edit: impl FnOnce(&mut Vec<Object>)) -> Result<()> {
     let text = std::fs::read_to_string(path)?;
-    let mut objects = manifest::parse(&text).context("parsing the manifest")?.objects;
+    let mut objects = manifest::parse(&text)
+        .context("parsing the manifest")?
+        .objects;
     edit(&mut objects);
     let mut out = String::new();
     for object in &objects {
@@ -134,7 +165,11 @@ pub fn edit_manifest(path: &Path, edit: impl FnOnce(&mut Vec<Object>)) -> Result
 pub fn remove_endpoint(objects: &mut [Object], name: &str, ip: &str) {
     for object in objects {
         if let Object::EndpointSlice(slice) = object {
-            let owner = slice.metadata.labels.as_ref().and_then(|l| l.get("kubernetes.io/service-name"));
+            let owner = slice
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("kubernetes.io/service-name"));
             if owner.map(String::as_str) == Some(name) {
                 if let Some(endpoints) = slice.endpoints.as_mut() {
                     endpoints.retain(|e| !e.addresses.iter().any(|a| a == ip));

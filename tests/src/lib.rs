@@ -26,7 +26,8 @@ pub use client::{CLIENT_TIMEOUT, tcp_request, tcp_session, udp_request, udp_sess
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{
     BACKEND_BIN_ENV, BACKEND_PORT, EXT_IP, HOST_IF_PATTERN, NODE_CIDR, NODE_IF, NODE1_IP, NODE2_IP,
-    NS_PREFIX, POD_CIDR, Pod, SERVICE_CIDR, Sandbox, backend_bin, cleanup_stale, find_bin, netns_list,
+    NS_PREFIX, POD_CIDR, Pod, SERVICE_CIDR, Sandbox, backend_bin, cleanup_stale, find_bin,
+    netns_list,
 };
 
 /// Set to 1 to make [`privileged`] fail the test instead of skipping it (for CI).

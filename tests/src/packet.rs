@@ -38,7 +38,11 @@ impl Spec {
     }
 
     pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Self {
-        Self { proto: UDP, tcp_flags: 0, ..Self::tcp(src, sport, dst, dport) }
+        Self {
+            proto: UDP,
+            tcp_flags: 0,
+            ..Self::tcp(src, sport, dst, dport)
+        }
     }
 
     /// The frame: Ethernet, IPv4 and TCP/UDP, with correct checksums.
@@ -84,7 +88,11 @@ impl Spec {
 
 fn sum16(data: &[u8], mut acc: u32) -> u32 {
     for chunk in data.chunks(2) {
-        let word = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { (chunk[0] as u16) << 8 };
+        let word = if chunk.len() == 2 {
+            u16::from_be_bytes([chunk[0], chunk[1]])
+        } else {
+            (chunk[0] as u16) << 8
+        };
         acc += word as u32;
     }
     acc
@@ -166,7 +174,11 @@ pub fn read(frame: &[u8]) -> Seen {
 /// checksum is accepted when `udp_zero` says the sender used none).
 pub fn assert_checksums(frame: &[u8], udp_zero: bool) {
     let seen = read(frame);
-    assert_eq!(seen.ip_csum, ip_checksum(frame), "IPv4 header checksum wrong");
+    assert_eq!(
+        seen.ip_csum,
+        ip_checksum(frame),
+        "IPv4 header checksum wrong"
+    );
     if udp_zero {
         assert_eq!(seen.l4_csum, 0, "a zero UDP checksum must stay zero");
     } else {

@@ -15,7 +15,9 @@ use aya::{
 use proxy_userspace::{
     dataplane::Scope,
     ebpf::{self, MapSizes, ServiceMaps, bpffs},
-    model::{DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName, TargetPort},
+    model::{
+        DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName, TargetPort,
+    },
 };
 
 /// A bpffs mounted on a fresh temporary directory, unmounted and removed on drop.
@@ -73,11 +75,21 @@ impl Programs {
     }
 
     fn prog(&self, name: &str) -> &SchedClassifier {
-        self.ebpf.program(name).expect("program in the object").try_into().expect("a tc program")
+        self.ebpf
+            .program(name)
+            .expect("program in the object")
+            .try_into()
+            .expect("a tc program")
     }
 
     /// Runs `prog` once on `frame`: the verdict and the frame as the program left it.
     pub fn run(&self, prog: &str, frame: &[u8]) -> (u32, Vec<u8>) {
+        let (verdict, out, _) = self.run_timed(prog, frame);
+        (verdict, out)
+    }
+
+    /// [`Programs::run`], also returning how long the run took in the kernel.
+    pub fn run_timed(&self, prog: &str, frame: &[u8]) -> (u32, Vec<u8>, Duration) {
         let mut out = vec![0u8; frame.len() + 256];
         let result = self
             .prog(prog)
@@ -90,7 +102,7 @@ impl Programs {
             .with_context(|| format!("BPF_PROG_TEST_RUN of {prog}"))
             .unwrap();
         out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        (result.return_value, out, result.duration)
     }
 
     /// Runs `prog` `repeat` times on `frame` in the kernel; the mean time per run.

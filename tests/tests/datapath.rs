@@ -20,7 +20,11 @@ const BE1: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
 const BE2: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 12);
 const BE3: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 11);
 
-const SMALL: MapSizes = MapSizes { services: 1024, backends: 1024, conntrack: 4096 };
+const SMALL: MapSizes = MapSizes {
+    services: 1024,
+    backends: 1024,
+    conntrack: 4096,
+};
 
 fn setup(test: &str, endpoints: &[(Ipv4Addr, u16)]) -> Option<(Programs, DesiredState)> {
     if !privileged(test) {
@@ -29,7 +33,16 @@ fn setup(test: &str, endpoints: &[(Ipv4Addr, u16)]) -> Option<(Programs, Desired
     let mut p = Programs::load(SMALL).expect("loading the BPF programs");
     let mut state = DesiredState::default();
     for (name, proto) in [("web", Protocol::Tcp), ("dns", Protocol::Udp)] {
-        add_service(&mut state, &Svc { name, vip: VIP, port: 80, protocol: proto, endpoints });
+        add_service(
+            &mut state,
+            &Svc {
+                name,
+                vip: VIP,
+                port: 80,
+                protocol: proto,
+                endpoints,
+            },
+        );
     }
     p.program(&state).expect("programming the maps");
     Some((p, state))
@@ -42,7 +55,11 @@ fn dnat(p: &Programs, spec: &Spec) -> packet::Seen {
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(out.len(), frame.len(), "length must not change");
     let seen = packet::read(&out);
-    assert_eq!((seen.src, seen.sport), (spec.src, spec.sport), "source must not change");
+    assert_eq!(
+        (seen.src, seen.sport),
+        (spec.src, spec.sport),
+        "source must not change"
+    );
     assert_ne!(seen.dst, spec.dst, "destination must be rewritten");
     packet::assert_checksums(&out, spec.udp_zero_checksum);
     // Nothing but addresses, ports and checksums may change.
@@ -51,7 +68,8 @@ fn dnat(p: &Programs, spec: &Spec) -> packet::Seen {
         let rewritable = (ETH_HLEN + 10..ETH_HLEN + 12).contains(&i)
             || (ETH_HLEN + 16..ETH_HLEN + 20).contains(&i)
             || (csum_off..csum_off + 2).contains(&i)
-            || (ETH_HLEN + 20 + spec.ip_options.len() + 2..ETH_HLEN + 24 + spec.ip_options.len()).contains(&i);
+            || (ETH_HLEN + 20 + spec.ip_options.len() + 2..ETH_HLEN + 24 + spec.ip_options.len())
+                .contains(&i);
         assert!(rewritable || a == b, "byte {i} changed ({a:#x} -> {b:#x})");
     }
     seen
@@ -65,42 +83,76 @@ fn untouched(p: &Programs, prog: &str, frame: &[u8]) {
 
 #[test]
 fn tcp_syn_to_vip_is_dnated_with_valid_checksums() {
-    let Some((p, _)) = setup("tcp_syn_to_vip_is_dnated_with_valid_checksums", &[(BE1, 8080)]) else {
+    let Some((p, _)) = setup(
+        "tcp_syn_to_vip_is_dnated_with_valid_checksums",
+        &[(BE1, 8080)],
+    ) else {
         return;
     };
     let seen = dnat(&p, &Spec::tcp(CLIENT, 40000, VIP, 80));
     assert_eq!((seen.dst, seen.dport), (BE1, 8080));
     // An ACK of the same flow goes to the same place.
-    let ack = Spec { tcp_flags: 0x10, ..Spec::tcp(CLIENT, 40000, VIP, 80) };
+    let ack = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(CLIENT, 40000, VIP, 80)
+    };
     assert_eq!(dnat(&p, &ack).dst, BE1);
 }
 
 #[test]
 fn replies_are_reverse_nated() {
-    let Some((p, _)) = setup("replies_are_reverse_nated", &[(BE1, 8080)]) else { return };
-    for spec in [Spec::tcp(CLIENT, 40001, VIP, 80), Spec::udp(CLIENT, 40001, VIP, 80)] {
+    let Some((p, _)) = setup("replies_are_reverse_nated", &[(BE1, 8080)]) else {
+        return;
+    };
+    for spec in [
+        Spec::tcp(CLIENT, 40001, VIP, 80),
+        Spec::udp(CLIENT, 40001, VIP, 80),
+    ] {
         dnat(&p, &spec);
-        let reply = Spec { tcp_flags: 0x12, ..spec.clone() };
-        let reply = Spec { src: BE1, sport: 8080, dst: CLIENT, dport: 40001, ..reply };
+        let reply = Spec {
+            tcp_flags: 0x12,
+            ..spec.clone()
+        };
+        let reply = Spec {
+            src: BE1,
+            sport: 8080,
+            dst: CLIENT,
+            dport: 40001,
+            ..reply
+        };
         let frame = reply.build();
         let (verdict, out) = p.run("tc_egress", &frame);
         assert_eq!(verdict, TC_ACT_OK);
         let seen = packet::read(&out);
-        assert_eq!((seen.src, seen.sport, seen.dst, seen.dport), (VIP, 80, CLIENT, 40001));
+        assert_eq!(
+            (seen.src, seen.sport, seen.dst, seen.dport),
+            (VIP, 80, CLIENT, 40001)
+        );
         packet::assert_checksums(&out, false);
     }
 }
 
 #[test]
 fn udp_checksums_including_zero() {
-    let Some((p, _)) = setup("udp_checksums_including_zero", &[(BE1, 5353)]) else { return };
+    let Some((p, _)) = setup("udp_checksums_including_zero", &[(BE1, 5353)]) else {
+        return;
+    };
     let seen = dnat(&p, &Spec::udp(CLIENT, 41000, VIP, 80));
     assert_eq!((seen.dst, seen.dport), (BE1, 5353));
-    let zero = Spec { udp_zero_checksum: true, ..Spec::udp(CLIENT, 41001, VIP, 80) };
+    let zero = Spec {
+        udp_zero_checksum: true,
+        ..Spec::udp(CLIENT, 41001, VIP, 80)
+    };
     let seen = dnat(&p, &zero);
     assert_eq!((seen.dst, seen.dport, seen.l4_csum), (BE1, 5353, 0));
     // The reply with no checksum keeps none.
-    let reply = Spec { src: BE1, sport: 5353, dst: CLIENT, dport: 41001, ..zero };
+    let reply = Spec {
+        src: BE1,
+        sport: 5353,
+        dst: CLIENT,
+        dport: 41001,
+        ..zero
+    };
     let (_, out) = p.run("tc_egress", &reply.build());
     assert_eq!(packet::read(&out).src, VIP);
     packet::assert_checksums(&out, true);
@@ -108,12 +160,17 @@ fn udp_checksums_including_zero() {
 
 #[test]
 fn ip_options_are_handled() {
-    let Some((p, _)) = setup("ip_options_are_handled", &[(BE1, 8080)]) else { return };
+    let Some((p, _)) = setup("ip_options_are_handled", &[(BE1, 8080)]) else {
+        return;
+    };
     for words in 1..=10 {
         // NOPs, then an end-of-options byte.
         let mut options = vec![1u8; words * 4];
         *options.last_mut().unwrap() = 0;
-        let spec = Spec { ip_options: options, ..Spec::tcp(CLIENT, 42000 + words as u16, VIP, 80) };
+        let spec = Spec {
+            ip_options: options,
+            ..Spec::tcp(CLIENT, 42000 + words as u16, VIP, 80)
+        };
         assert_eq!(dnat(&p, &spec).dst, BE1, "{words} option words");
     }
 }
@@ -121,36 +178,58 @@ fn ip_options_are_handled() {
 #[test]
 fn a_flow_sticks_and_new_flows_spread() {
     let eps = [(BE1, 8080), (BE2, 8080), (BE3, 8080)];
-    let Some((p, _)) = setup("a_flow_sticks_and_new_flows_spread", &eps) else { return };
+    let Some((p, _)) = setup("a_flow_sticks_and_new_flows_spread", &eps) else {
+        return;
+    };
     for proto in [TCP, UDP] {
         let mut chosen = BTreeSet::new();
         for sport in 43000..43060 {
-            let spec = Spec { proto, ..Spec::tcp(CLIENT, sport, VIP, 80) };
+            let spec = Spec {
+                proto,
+                ..Spec::tcp(CLIENT, sport, VIP, 80)
+            };
             let first = dnat(&p, &spec).dst;
             for _ in 0..5 {
-                assert_eq!(dnat(&p, &spec).dst, first, "flow {sport}/{proto} changed backend");
+                assert_eq!(
+                    dnat(&p, &spec).dst,
+                    first,
+                    "flow {sport}/{proto} changed backend"
+                );
             }
             chosen.insert(first);
         }
-        assert_eq!(chosen, BTreeSet::from([BE1, BE2, BE3]), "60 flows should reach all 3 backends");
+        assert_eq!(
+            chosen,
+            BTreeSet::from([BE1, BE2, BE3]),
+            "60 flows should reach all 3 backends"
+        );
     }
 }
 
 #[test]
 fn non_service_traffic_passes_untouched() {
-    let Some((p, _)) = setup("non_service_traffic_passes_untouched", &[(BE1, 8080)]) else { return };
+    let Some((p, _)) = setup("non_service_traffic_passes_untouched", &[(BE1, 8080)]) else {
+        return;
+    };
     for spec in [
-        Spec::tcp(CLIENT, 40000, BE2, 80),                 // not a VIP
-        Spec::tcp(CLIENT, 40000, VIP, 81),                 // the VIP, another port
+        Spec::tcp(CLIENT, 40000, BE2, 80), // not a VIP
+        Spec::tcp(CLIENT, 40000, VIP, 81), // the VIP, another port
         Spec::udp(CLIENT, 40000, Ipv4Addr::new(8, 8, 8, 8), 53),
-        Spec { proto: UDP, ..Spec::tcp(CLIENT, 40000, VIP, 443) },
+        Spec {
+            proto: UDP,
+            ..Spec::tcp(CLIENT, 40000, VIP, 443)
+        },
     ] {
         let frame = spec.build();
         untouched(&p, "tc_ingress", &frame);
         untouched(&p, "tc_egress", &frame);
     }
     // A reply-shaped packet with no flow behind it.
-    untouched(&p, "tc_egress", &Spec::tcp(BE1, 8080, CLIENT, 40000).build());
+    untouched(
+        &p,
+        "tc_egress",
+        &Spec::tcp(BE1, 8080, CLIENT, 40000).build(),
+    );
     // Not IPv4 (an ARP frame).
     let mut arp = vec![0u8; 60];
     arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
@@ -159,7 +238,10 @@ fn non_service_traffic_passes_untouched() {
 
 #[test]
 fn malformed_and_truncated_frames_pass_untouched() {
-    let Some((p, _)) = setup("malformed_and_truncated_frames_pass_untouched", &[(BE1, 8080)]) else {
+    let Some((p, _)) = setup(
+        "malformed_and_truncated_frames_pass_untouched",
+        &[(BE1, 8080)],
+    ) else {
         return;
     };
     let good = Spec::tcp(CLIENT, 40000, VIP, 80).build();
@@ -181,24 +263,41 @@ fn malformed_and_truncated_frames_pass_untouched() {
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("IHL below 5", mutate(&|f| f[ETH_HLEN] = 0x44)),
         ("IHL beyond the packet", mutate(&|f| f[ETH_HLEN] = 0x4f)),
-        ("IP version 6 in an IPv4 frame", mutate(&|f| f[ETH_HLEN] = 0x65)),
-        ("total length below the headers", mutate(&|f| f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&30u16.to_be_bytes()))),
-        ("total length beyond the frame", mutate(&|f| f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&1500u16.to_be_bytes()))),
-        ("first fragment (more fragments)", mutate(&|f| f[ETH_HLEN + 6] = 0x20)),
+        (
+            "IP version 6 in an IPv4 frame",
+            mutate(&|f| f[ETH_HLEN] = 0x65),
+        ),
+        (
+            "total length below the headers",
+            mutate(&|f| f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&30u16.to_be_bytes())),
+        ),
+        (
+            "total length beyond the frame",
+            mutate(&|f| f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&1500u16.to_be_bytes())),
+        ),
+        (
+            "first fragment (more fragments)",
+            mutate(&|f| f[ETH_HLEN + 6] = 0x20),
+        ),
         ("later fragment", mutate(&|f| f[ETH_HLEN + 7] = 0x10)),
         ("ICMP to the VIP", mutate(&|f| f[ETH_HLEN + 9] = 1)),
     ];
     for (what, frame) in cases {
         let (verdict, out) = p.run("tc_ingress", &frame);
-        assert_eq!((verdict, &out), (TC_ACT_OK, &frame), "{what}: must pass untouched");
+        assert_eq!(
+            (verdict, &out),
+            (TC_ACT_OK, &frame),
+            "{what}: must pass untouched"
+        );
     }
 }
 
 #[test]
 fn endpoint_changes_apply_to_established_flows_only_when_their_backend_goes() {
-    let Some((mut p, mut state)) =
-        setup("endpoint_changes_apply_to_established_flows_only_when_their_backend_goes", &[(BE1, 8080), (BE2, 8080)])
-    else {
+    let Some((mut p, mut state)) = setup(
+        "endpoint_changes_apply_to_established_flows_only_when_their_backend_goes",
+        &[(BE1, 8080), (BE2, 8080)],
+    ) else {
         return;
     };
     // Find a flow on BE1 and one on BE2.
@@ -209,8 +308,19 @@ fn endpoint_changes_apply_to_established_flows_only_when_their_backend_goes() {
     }
     let (on_be1, on_be2) = (on[&BE1].clone(), on[&BE2].clone());
     // BE1 leaves: its flow moves to BE2, the BE2 flow stays, new flows go to BE2 only.
-    let web = add_service(&mut state, &Svc { name: "web", vip: VIP, port: 80, protocol: Protocol::Tcp, endpoints: &[(BE2, 8080)] });
-    p.maps.sync(&state, Scope::Changed(&BTreeSet::from([web.clone()]))).unwrap();
+    let web = add_service(
+        &mut state,
+        &Svc {
+            name: "web",
+            vip: VIP,
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: &[(BE2, 8080)],
+        },
+    );
+    p.maps
+        .sync(&state, Scope::Changed(&BTreeSet::from([web.clone()])))
+        .unwrap();
     assert_eq!(dnat(&p, &on_be1).dst, BE2);
     assert_eq!(dnat(&p, &on_be2).dst, BE2);
     for sport in 45000..45020 {
@@ -219,22 +329,27 @@ fn endpoint_changes_apply_to_established_flows_only_when_their_backend_goes() {
     // The service goes away: even established flows pass untouched (the VIP is not routed).
     state.services.remove(&web);
     state.endpoints.remove(&web);
-    p.maps.sync(&state, Scope::Changed(&BTreeSet::from([web]))).unwrap();
+    p.maps
+        .sync(&state, Scope::Changed(&BTreeSet::from([web])))
+        .unwrap();
     untouched(&p, "tc_ingress", &on_be2.build());
     untouched(&p, "tc_ingress", &Spec::tcp(CLIENT, 46000, VIP, 80).build());
 }
 
 #[test]
 fn service_without_endpoints_passes() {
-    let Some((p, _)) = setup("service_without_endpoints_passes", &[]) else { return };
+    let Some((p, _)) = setup("service_without_endpoints_passes", &[]) else {
+        return;
+    };
     untouched(&p, "tc_ingress", &Spec::tcp(CLIENT, 40000, VIP, 80).build());
 }
 
 #[test]
 fn maps_hold_what_inspect_shows_and_survive_a_restart() {
-    let Some((mut p, mut state)) =
-        setup("maps_hold_what_inspect_shows_and_survive_a_restart", &[(BE1, 8080), (BE2, 8080)])
-    else {
+    let Some((mut p, mut state)) = setup(
+        "maps_hold_what_inspect_shows_and_survive_a_restart",
+        &[(BE1, 8080), (BE2, 8080)],
+    ) else {
         return;
     };
     let shown = inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
@@ -249,15 +364,38 @@ fn maps_hold_what_inspect_shows_and_survive_a_restart() {
     let mut reloaded = proxy_userspace::ebpf::load(p.bpffs.path(), SMALL).unwrap();
     p.maps = ServiceMaps::take_from(&mut reloaded).unwrap();
     state.services.retain(|k, _| k.protocol == Protocol::Tcp);
-    add_service(&mut state, &Svc { name: "web", vip: VIP, port: 80, protocol: Protocol::Tcp, endpoints: &[(BE2, 8080), (BE3, 8080)] });
+    add_service(
+        &mut state,
+        &Svc {
+            name: "web",
+            vip: VIP,
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: &[(BE2, 8080), (BE3, 8080)],
+        },
+    );
     p.maps.sync(&state, Scope::All).unwrap();
     let rows = inspect::services(p.bpffs.path()).unwrap();
     assert_eq!(rows.len(), 1, "{rows:?}");
-    let ids: Vec<(u32, String)> = rows[0].backends.iter().map(|b| (b.id, b.address.clone())).collect();
+    let ids: Vec<(u32, String)> = rows[0]
+        .backends
+        .iter()
+        .map(|b| (b.id, b.address.clone()))
+        .collect();
     // Ids are given in service-port order (default/dns before default/web), and kept.
-    assert_eq!(ids, vec![(4, "10.244.1.12:8080".to_owned()), (5, "10.244.2.11:8080".to_owned())]);
+    assert_eq!(
+        ids,
+        vec![
+            (4, "10.244.1.12:8080".to_owned()),
+            (5, "10.244.2.11:8080".to_owned())
+        ]
+    );
     let backends = inspect::backends(p.bpffs.path()).unwrap();
-    assert_eq!(backends.len(), 2, "unused backends must be deleted: {backends:?}");
+    assert_eq!(
+        backends.len(),
+        2,
+        "unused backends must be deleted: {backends:?}"
+    );
 }
 
 #[test]
@@ -265,15 +403,52 @@ fn a_full_map_fails_clearly_and_keeps_the_rest() {
     if !privileged("a_full_map_fails_clearly_and_keeps_the_rest") {
         return;
     }
-    let mut p = Programs::load(MapSizes { services: 8, backends: 64, conntrack: 64 }).unwrap();
+    let mut p = Programs::load(MapSizes {
+        services: 8,
+        backends: 64,
+        conntrack: 64,
+    })
+    .unwrap();
     let mut state = DesiredState::default();
-    let eps: Vec<(Ipv4Addr, u16)> = (1..=3).map(|i| (Ipv4Addr::new(10, 244, 1, i), 80)).collect();
-    add_service(&mut state, &Svc { name: "a", vip: Ipv4Addr::new(10, 96, 0, 1), port: 80, protocol: Protocol::Tcp, endpoints: &eps });
-    let many: Vec<(Ipv4Addr, u16)> = (1..=10).map(|i| (Ipv4Addr::new(10, 244, 2, i), 80)).collect();
-    add_service(&mut state, &Svc { name: "b", vip: Ipv4Addr::new(10, 96, 0, 2), port: 80, protocol: Protocol::Tcp, endpoints: &many });
-    let err = p.program(&state).expect_err("11 slots cannot fit next to 4 in 8").to_string();
-    assert!(err.contains("services map full") && err.contains("--bpf-services-max"), "{err}");
+    let eps: Vec<(Ipv4Addr, u16)> = (1..=3)
+        .map(|i| (Ipv4Addr::new(10, 244, 1, i), 80))
+        .collect();
+    add_service(
+        &mut state,
+        &Svc {
+            name: "a",
+            vip: Ipv4Addr::new(10, 96, 0, 1),
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: &eps,
+        },
+    );
+    let many: Vec<(Ipv4Addr, u16)> = (1..=10)
+        .map(|i| (Ipv4Addr::new(10, 244, 2, i), 80))
+        .collect();
+    add_service(
+        &mut state,
+        &Svc {
+            name: "b",
+            vip: Ipv4Addr::new(10, 96, 0, 2),
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: &many,
+        },
+    );
+    let err = p
+        .program(&state)
+        .expect_err("11 slots cannot fit next to 4 in 8")
+        .to_string();
+    assert!(
+        err.contains("services map full") && err.contains("--bpf-services-max"),
+        "{err}"
+    );
     let rows = inspect::services(p.bpffs.path()).unwrap();
-    assert_eq!(rows.len(), 1, "service a must still be programmed: {rows:?}");
+    assert_eq!(
+        rows.len(),
+        1,
+        "service a must still be programmed: {rows:?}"
+    );
     assert_eq!(rows[0].address, "10.96.0.1:80");
 }

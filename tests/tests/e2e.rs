@@ -22,7 +22,9 @@ fn cluster(test: &str) -> Option<(Sandbox, AgentRun)> {
         return None;
     }
     let mut sandbox = Sandbox::build().expect("building the sandbox");
-    sandbox.start_backends(BACKEND_PORT).expect("starting the backends");
+    sandbox
+        .start_backends(BACKEND_PORT)
+        .expect("starting the backends");
     let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("starting the agent");
     Some((sandbox, agent))
 }
@@ -32,8 +34,14 @@ fn spread(sandbox: &Sandbox, addr: SocketAddr, udp: bool, n: usize) -> BTreeSet<
     let client = &sandbox.pod("client").ns;
     (0..n)
         .map(|i| {
-            let r = if udp { udp_request(client, addr, "hi") } else { tcp_request(client, addr, "hi") };
-            r.unwrap_or_else(|e| panic!("request {i} to {addr}: {e:#}")).trim().to_owned()
+            let r = if udp {
+                udp_request(client, addr, "hi")
+            } else {
+                tcp_request(client, addr, "hi")
+            };
+            r.unwrap_or_else(|e| panic!("request {i} to {addr}: {e:#}"))
+                .trim()
+                .to_owned()
         })
         .collect()
 }
@@ -47,24 +55,43 @@ fn tcp_and_udp_reach_every_backend_and_flows_stick() {
     let Some((sandbox, agent)) = cluster("tcp_and_udp_reach_every_backend_and_flows_stick") else {
         return;
     };
-    assert_eq!(spread(&sandbox, WEB, false, 40), set(&["be1", "be2", "be3"]), "{}", agent.log_text());
+    assert_eq!(
+        spread(&sandbox, WEB, false, 40),
+        set(&["be1", "be2", "be3"]),
+        "{}",
+        agent.log_text()
+    );
     assert_eq!(spread(&sandbox, DNS, true, 40), set(&["be1", "be4"]));
     // Across nodes: be4 lives on node2.
     assert_eq!(spread(&sandbox, REMOTE, false, 5), set(&["be4"]));
     let client = &sandbox.pod("client").ns;
     for _ in 0..5 {
         let replies = tcp_session(client, WEB, 10).unwrap();
-        assert!(replies.windows(2).all(|w| w[0] == w[1]), "a TCP connection moved: {replies:?}");
+        assert!(
+            replies.windows(2).all(|w| w[0] == w[1]),
+            "a TCP connection moved: {replies:?}"
+        );
         let replies = udp_session(client, DNS, 10).unwrap();
-        assert!(replies.windows(2).all(|w| w[0] == w[1]), "a UDP flow moved: {replies:?}");
+        assert!(
+            replies.windows(2).all(|w| w[0] == w[1]),
+            "a UDP flow moved: {replies:?}"
+        );
     }
     // inspect, as people and scripts read it, while the agent runs.
     let table = agent.inspect_cli("services", &[]).unwrap();
-    assert!(table.contains("10.96.0.10:80") && table.contains("10.244.1.13:8080"), "{table}");
+    assert!(
+        table.contains("10.96.0.10:80") && table.contains("10.244.1.13:8080"),
+        "{table}"
+    );
     let json: serde_json::Value =
         serde_json::from_str(&agent.inspect_cli("conntrack", &["--json"]).unwrap()).unwrap();
     let flows = json.as_array().unwrap();
-    assert!(flows.iter().any(|f| f["service"] == "10.96.0.20:53" && f["protocol"] == "UDP"), "{json}");
+    assert!(
+        flows
+            .iter()
+            .any(|f| f["service"] == "10.96.0.20:53" && f["protocol"] == "UDP"),
+        "{json}"
+    );
     assert!(flows.iter().any(|f| f["direction"] == "reply"));
 }
 
@@ -78,22 +105,38 @@ fn endpoint_and_service_changes_apply_live() {
     let client = proxy_tests::Netns::open(&client);
     let before = udp_session(&client, DNS, 3).unwrap();
 
-    edit_manifest(&agent.manifest, |objects| remove_endpoint(objects, "web", "10.244.1.11")).unwrap();
+    edit_manifest(&agent.manifest, |objects| {
+        remove_endpoint(objects, "web", "10.244.1.11")
+    })
+    .unwrap();
     agent
         .wait_for(&mut sandbox, "be1 leaving web", |rows| {
-            rows.iter().any(|r| r.address == "10.96.0.10:80" && r.backends.len() == 2)
+            rows.iter()
+                .any(|r| r.address == "10.96.0.10:80" && r.backends.len() == 2)
         })
         .unwrap();
     assert_eq!(spread(&sandbox, WEB, false, 30), set(&["be2", "be3"]));
-    assert_eq!(spread(&sandbox, DNS, true, 30), set(&["be1", "be4"]), "dns-like must be untouched");
+    assert_eq!(
+        spread(&sandbox, DNS, true, 30),
+        set(&["be1", "be4"]),
+        "dns-like must be untouched"
+    );
     let _ = before;
 
     // The Service goes away: its address stops answering.
-    edit_manifest(&agent.manifest, |objects| objects.retain(|o| o.key().name != "remote")).unwrap();
+    edit_manifest(&agent.manifest, |objects| {
+        objects.retain(|o| o.key().name != "remote")
+    })
+    .unwrap();
     agent
-        .wait_for(&mut sandbox, "remote deleted", |rows| !rows.iter().any(|r| r.address == "10.96.0.30:80"))
+        .wait_for(&mut sandbox, "remote deleted", |rows| {
+            !rows.iter().any(|r| r.address == "10.96.0.30:80")
+        })
         .unwrap();
-    assert!(tcp_request(&client, REMOTE, "hi").is_err(), "a deleted service must not answer");
+    assert!(
+        tcp_request(&client, REMOTE, "hi").is_err(),
+        "a deleted service must not answer"
+    );
 
     // An endpoint comes back (the whole example again, replaced by rename).
     let started = Instant::now();
@@ -101,12 +144,16 @@ fn endpoint_and_service_changes_apply_live() {
     std::fs::rename(agent.manifest.with_extension("new"), &agent.manifest).unwrap();
     agent
         .wait_for(&mut sandbox, "the example restored", |rows| {
-            rows.iter().any(|r| r.address == "10.96.0.10:80" && r.backends.len() == 3)
+            rows.iter()
+                .any(|r| r.address == "10.96.0.10:80" && r.backends.len() == 3)
                 && rows.iter().any(|r| r.address == "10.96.0.30:80")
         })
         .unwrap();
     assert!(started.elapsed() < Duration::from_secs(5));
-    assert_eq!(spread(&sandbox, WEB, false, 40), set(&["be1", "be2", "be3"]));
+    assert_eq!(
+        spread(&sandbox, WEB, false, 40),
+        set(&["be1", "be2", "be3"])
+    );
     assert_eq!(spread(&sandbox, REMOTE, false, 3), set(&["be4"]));
 }
 
@@ -126,14 +173,24 @@ fn inspect_works_after_the_agent_stopped_and_bad_input_is_skipped() {
     std::fs::rename(agent.manifest.with_extension("new"), &agent.manifest).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !agent.log_text().contains("broken") {
-        assert!(Instant::now() < deadline, "the invalid Service was not reported:\n{}", agent.log_text());
+        assert!(
+            Instant::now() < deadline,
+            "the invalid Service was not reported:\n{}",
+            agent.log_text()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(spread(&sandbox, WEB, false, 30), set(&["be1", "be2", "be3"]));
+    assert_eq!(
+        spread(&sandbox, WEB, false, 30),
+        set(&["be1", "be2", "be3"])
+    );
 
     sandbox.stop(agent.pid).unwrap();
     let table = agent.inspect_cli("services", &[]).unwrap();
-    assert!(table.contains("10.96.0.30:80") && !table.contains("10.96.0.99"), "{table}");
+    assert!(
+        table.contains("10.96.0.30:80") && !table.contains("10.96.0.99"),
+        "{table}"
+    );
     let backends = agent.inspect_cli("backends", &["--json"]).unwrap();
     let backends: serde_json::Value = serde_json::from_str(&backends).unwrap();
     assert_eq!(backends.as_array().unwrap().len(), 6, "{backends}");

@@ -42,13 +42,23 @@ enum Cmd {
 
 /// Debian packages the tests, the demo and the sandbox use.
 const DEB_PACKAGES: &[&str] = &[
-    "iproute2", "iptables", "nftables", "ipset", "conntrack", "curl", "netcat-openbsd",
-    "procps", "kmod",
+    "iproute2",
+    "iptables",
+    "nftables",
+    "ipset",
+    "conntrack",
+    "curl",
+    "netcat-openbsd",
+    "procps",
+    "kmod",
 ];
 const NIGHTLY: &str = "nightly";
 
 fn main() -> anyhow::Result<()> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
     env::set_current_dir(&root)?;
     match Cli::parse().command {
         Cmd::Setup => setup(),
@@ -108,9 +118,17 @@ fn cargo(args: &[&str]) -> anyhow::Result<()> {
 fn lint() -> anyhow::Result<()> {
     step("checking formatting and clippy");
     cargo(&["fmt", "--all", "--check"])?;
-    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
     let mut ebpf = Command::new("cargo");
-    ebpf.args(["+nightly", "fmt", "--check"]).current_dir("proxy-ebpf");
+    ebpf.args(["+nightly", "fmt", "--check"])
+        .current_dir("proxy-ebpf");
     run(&mut ebpf)
 }
 
@@ -160,10 +178,17 @@ fn install_debian_packages() -> anyhow::Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    step(&format!("installing Debian packages: {}", missing.join(" ")));
+    step(&format!(
+        "installing Debian packages: {}",
+        missing.join(" ")
+    ));
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("installing {} needs root: run `sudo apt-get install {}`", missing.join(" "), missing.join(" "));
+        bail!(
+            "installing {} needs root: run `sudo apt-get install {}`",
+            missing.join(" "),
+            missing.join(" ")
+        );
     }
     run(Command::new("apt-get").args(["update", "-qq"]))?;
     let mut install = Command::new("apt-get");
@@ -179,7 +204,10 @@ fn install_rust_src() -> anyhow::Result<()> {
         .args(["component", "list", "--installed", "--toolchain", NIGHTLY])
         .output()
         .context("running rustup: is rustup installed?")?;
-    if String::from_utf8_lossy(&installed.stdout).lines().any(|l| l.starts_with("rust-src")) {
+    if String::from_utf8_lossy(&installed.stdout)
+        .lines()
+        .any(|l| l.starts_with("rust-src"))
+    {
         return Ok(());
     }
     step("adding rust-src to the nightly toolchain (the BPF build compiles core)");
@@ -198,7 +226,9 @@ fn install_bpf_linker() -> anyhow::Result<()> {
         return Ok(());
     }
     step("building bpf-linker 0.13 against the nightly's LLVM (about 2 minutes, once)");
-    let sysroot = Command::new("rustc").args([&format!("+{NIGHTLY}"), "--print", "sysroot"]).output()?;
+    let sysroot = Command::new("rustc")
+        .args([&format!("+{NIGHTLY}"), "--print", "sysroot"])
+        .output()?;
     let sysroot = PathBuf::from(String::from_utf8(sysroot.stdout)?.trim());
     let lib_dir = sysroot.join("lib");
     let llvm = std::fs::read_dir(&lib_dir)?

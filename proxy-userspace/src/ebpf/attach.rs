@@ -18,15 +18,21 @@ pub struct Attacher {
 
 impl Attacher {
     pub fn new(pattern: &str) -> Self {
-        Self { pattern: pattern.to_owned(), attached: HashMap::new() }
+        Self {
+            pattern: pattern.to_owned(),
+            attached: HashMap::new(),
+        }
     }
 
     /// Attaches both programs to every matching interface not yet attached. Interfaces that
     /// went away are forgotten (the kernel removed their programs with them).
     pub fn scan(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
-        let present: HashMap<String, u32> =
-            interfaces()?.into_iter().filter(|(name, _)| glob_match(&self.pattern, name)).collect();
-        self.attached.retain(|name, index| present.get(name) == Some(index));
+        let present: HashMap<String, u32> = interfaces()?
+            .into_iter()
+            .filter(|(name, _)| glob_match(&self.pattern, name))
+            .collect();
+        self.attached
+            .retain(|name, index| present.get(name) == Some(index));
         for (name, index) in present {
             if self.attached.contains_key(&name) {
                 continue;
@@ -49,9 +55,14 @@ fn attach(ebpf: &mut Ebpf, interface: &str) -> anyhow::Result<()> {
     if let Err(e) = tc::qdisc_add_clsact(interface) {
         tracing::debug!(interface, "clsact qdisc not added (may exist already): {e}");
     }
-    for (name, attach_type) in [(PROG_INGRESS, TcAttachType::Ingress), (PROG_EGRESS, TcAttachType::Egress)] {
-        let prog: &mut SchedClassifier =
-            ebpf.program_mut(name).context("program missing")?.try_into()?;
+    for (name, attach_type) in [
+        (PROG_INGRESS, TcAttachType::Ingress),
+        (PROG_EGRESS, TcAttachType::Egress),
+    ] {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .context("program missing")?
+            .try_into()?;
         prog.attach(interface, attach_type)
             .with_context(|| format!("attaching {name} to {interface}"))?;
     }
@@ -80,7 +91,10 @@ fn interfaces() -> anyhow::Result<Vec<(String, u32)>> {
 
 /// Shell-style matching with `*` (any run of characters); several patterns separated by commas.
 pub fn glob_match(patterns: &str, name: &str) -> bool {
-    patterns.split(',').map(str::trim).any(|p| match_one(p.as_bytes(), name.as_bytes()))
+    patterns
+        .split(',')
+        .map(str::trim)
+        .any(|p| match_one(p.as_bytes(), name.as_bytes()))
 }
 
 fn match_one(p: &[u8], s: &[u8]) -> bool {

@@ -47,11 +47,20 @@ fn mount_bpffs(at: &Path) -> anyhow::Result<()> {
     let bpf = c"bpf";
     // SAFETY: valid C strings; no data argument.
     let rc = unsafe {
-        libc::mount(bpf.as_ptr(), target.as_ptr(), bpf.as_ptr(), 0, std::ptr::null())
+        libc::mount(
+            bpf.as_ptr(),
+            target.as_ptr(),
+            bpf.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
     };
     if rc != 0 {
         return Err(io::Error::last_os_error()).with_context(|| {
-            format!("mounting a BPF filesystem on {} (needs CAP_SYS_ADMIN)", at.display())
+            format!(
+                "mounting a BPF filesystem on {} (needs CAP_SYS_ADMIN)",
+                at.display()
+            )
         });
     }
     Ok(())

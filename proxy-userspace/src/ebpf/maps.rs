@@ -47,10 +47,14 @@ impl ServiceMaps {
     /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
     /// (ids stay stable across restarts, so established flows keep their backend).
     pub fn take_from(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        let services: BpfHashMap<_, ServiceKey, ServiceValue> =
-            ebpf.take_map(MAP_SERVICES).context("services map missing")?.try_into()?;
-        let backends: BpfHashMap<_, u32, Backend> =
-            ebpf.take_map(MAP_BACKENDS).context("backends map missing")?.try_into()?;
+        let services: BpfHashMap<_, ServiceKey, ServiceValue> = ebpf
+            .take_map(MAP_SERVICES)
+            .context("services map missing")?
+            .try_into()?;
+        let backends: BpfHashMap<_, u32, Backend> = ebpf
+            .take_map(MAP_BACKENDS)
+            .context("backends map missing")?
+            .try_into()?;
         Self::recover(services, backends)
     }
 
@@ -126,16 +130,24 @@ impl ServiceMaps {
         if matches!(scope, Scope::All) {
             // Frontends recovered from the pinned maps that no service claims any more.
             let owned: HashSet<Frontend> = self.owners.values().flatten().copied().collect();
-            let stale: Vec<Frontend> =
-                self.frontends.keys().filter(|f| !owned.contains(f)).copied().collect();
+            let stale: Vec<Frontend> = self
+                .frontends
+                .keys()
+                .filter(|f| !owned.contains(f))
+                .copied()
+                .collect();
             for fe in stale {
                 if let Err(e) = self.remove_frontend(&fe) {
                     failures.push(format!("stale frontend {}: {e:#}", describe(&fe)));
                 }
             }
             // Recovered backends no slot refers to.
-            let unused: Vec<u32> =
-                self.by_id.iter().filter(|(_, (_, refs))| *refs == 0).map(|(id, _)| *id).collect();
+            let unused: Vec<u32> = self
+                .by_id
+                .iter()
+                .filter(|(_, (_, refs))| *refs == 0)
+                .map(|(id, _)| *id)
+                .collect();
             for id in unused {
                 self.by_id.get_mut(&id).expect("listed above").1 = 1;
                 if let Err(e) = self.release(id) {
@@ -146,7 +158,12 @@ impl ServiceMaps {
         if failures.is_empty() {
             Ok(())
         } else {
-            Err(anyhow!("{} of {} service ports not programmed: {}", failures.len(), ports.len(), failures.join("; ")))
+            Err(anyhow!(
+                "{} of {} service ports not programmed: {}",
+                failures.len(),
+                ports.len(),
+                failures.join("; ")
+            ))
         }
     }
 
@@ -161,7 +178,10 @@ impl ServiceMaps {
                 Err(e) => result = Err(e),
             }
         }
-        for fe in old.iter().filter(|fe| !desired.iter().any(|(d, _)| d == *fe)) {
+        for fe in old
+            .iter()
+            .filter(|fe| !desired.iter().any(|(d, _)| d == *fe))
+        {
             if let Err(e) = self.remove_frontend(fe) {
                 result = Err(e);
             }
@@ -182,19 +202,30 @@ impl ServiceMaps {
     fn program(&mut self, fe: &Frontend, backends: &[Backend]) -> anyhow::Result<()> {
         let old: Vec<u32> = self.frontends.get(fe).cloned().unwrap_or_default();
         // Refuse before writing anything if the maps cannot hold the result.
-        let had = if self.frontends.contains_key(fe) { old.len() + 1 } else { 0 };
+        let had = if self.frontends.contains_key(fe) {
+            old.len() + 1
+        } else {
+            0
+        };
         let new_slots = (backends.len() + 1).saturating_sub(had);
         if self.used_slots + new_slots > self.services_max {
             bail!(
                 "services map full ({} of {} entries used, {} more needed): raise --bpf-services-max",
-                self.used_slots, self.services_max, new_slots
+                self.used_slots,
+                self.services_max,
+                new_slots
             );
         }
-        let new_backends = backends.iter().filter(|b| !self.ids.contains_key(b)).count();
+        let new_backends = backends
+            .iter()
+            .filter(|b| !self.ids.contains_key(b))
+            .count();
         if self.ids.len() + new_backends > self.backends_max {
             bail!(
                 "backends map full ({} of {} entries used, {} more needed): raise --bpf-backends-max",
-                self.ids.len(), self.backends_max, new_backends
+                self.ids.len(),
+                self.backends_max,
+                new_backends
             );
         }
         let mut ids = Vec::with_capacity(backends.len());
@@ -203,17 +234,38 @@ impl ServiceMaps {
         }
         for (i, id) in ids.iter().enumerate() {
             if old.get(i) != Some(id) {
-                let key = ServiceKey { slot: i as u16 + 1, ..*fe };
-                self.services.insert(key, ServiceValue { backend_id: *id, count: 0, flags: 0 }, 0)
+                let key = ServiceKey {
+                    slot: i as u16 + 1,
+                    ..*fe
+                };
+                self.services
+                    .insert(
+                        key,
+                        ServiceValue {
+                            backend_id: *id,
+                            count: 0,
+                            flags: 0,
+                        },
+                        0,
+                    )
                     .with_context(|| format!("writing slot {} of {}", i + 1, describe(fe)))?;
             }
         }
         if old.len() != ids.len() || !self.frontends.contains_key(fe) {
-            let head = ServiceValue { backend_id: 0, count: ids.len() as u16, flags: 0 };
-            self.services.insert(fe, head, 0).with_context(|| format!("writing {}", describe(fe)))?;
+            let head = ServiceValue {
+                backend_id: 0,
+                count: ids.len() as u16,
+                flags: 0,
+            };
+            self.services
+                .insert(fe, head, 0)
+                .with_context(|| format!("writing {}", describe(fe)))?;
         }
         for slot in ids.len() + 1..=old.len() {
-            self.remove_slot(&ServiceKey { slot: slot as u16, ..*fe })?;
+            self.remove_slot(&ServiceKey {
+                slot: slot as u16,
+                ..*fe
+            })?;
         }
         self.used_slots = self.used_slots + ids.len() + 1 - had;
         self.frontends.insert(*fe, ids);
@@ -229,7 +281,10 @@ impl ServiceMaps {
         };
         self.remove_slot(fe)?;
         for slot in 1..=ids.len() {
-            self.remove_slot(&ServiceKey { slot: slot as u16, ..*fe })?;
+            self.remove_slot(&ServiceKey {
+                slot: slot as u16,
+                ..*fe
+            })?;
         }
         self.frontends.remove(fe);
         self.used_slots -= ids.len() + 1;
@@ -243,7 +298,9 @@ impl ServiceMaps {
         match self.services.remove(key) {
             Ok(()) => Ok(()),
             Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(e).with_context(|| format!("deleting slot {} of {}", key.slot, describe(key))),
+            Err(e) => {
+                Err(e).with_context(|| format!("deleting slot {} of {}", key.slot, describe(key)))
+            }
         }
     }
 
@@ -257,7 +314,9 @@ impl ServiceMaps {
         while id == 0 || self.by_id.contains_key(&id) {
             id = id.wrapping_add(1);
         }
-        self.backends.insert(id, b, 0).with_context(|| format!("writing backend {id}"))?;
+        self.backends
+            .insert(id, b, 0)
+            .with_context(|| format!("writing backend {id}"))?;
         self.next_id = id.wrapping_add(1);
         self.ids.insert(*b, id);
         self.by_id.insert(id, (*b, 1));
@@ -285,7 +344,10 @@ impl ServiceMaps {
 
 /// The frontends a service port should have, each with its backends. IPv4 only for now:
 /// IPv6 addresses are kept in the model and skipped here.
-pub fn desired_frontends(state: &DesiredState, spn: &ServicePortName) -> Vec<(Frontend, Vec<Backend>)> {
+pub fn desired_frontends(
+    state: &DesiredState,
+    spn: &ServicePortName,
+) -> Vec<(Frontend, Vec<Backend>)> {
     let Some(sp) = state.services.get(spn) else {
         return Vec::new();
     };
@@ -316,5 +378,9 @@ pub fn desired_frontends(state: &DesiredState, spn: &ServicePortName) -> Vec<(Fr
 
 fn describe(key: &ServiceKey) -> String {
     let [a, b, c, d] = key.addr.octets();
-    format!("{a}.{b}.{c}.{d}:{}/{}", key.port.get(), crate::inspect::proto_name(key.proto))
+    format!(
+        "{a}.{b}.{c}.{d}:{}/{}",
+        key.port.get(),
+        crate::inspect::proto_name(key.proto)
+    )
 }

@@ -18,7 +18,8 @@ use crate::{
 };
 
 /// The BPF object, embedded at build time (empty when built without bpf-linker).
-pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+pub static BPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
 
 pub const PROG_INGRESS: &str = "tc_ingress";
 pub const PROG_EGRESS: &str = "tc_egress";
@@ -34,7 +35,11 @@ pub struct MapSizes {
 
 impl Default for MapSizes {
     fn default() -> Self {
-        Self { services: 1 << 21, backends: 1 << 20, conntrack: 1 << 21 }
+        Self {
+            services: 1 << 21,
+            backends: 1 << 20,
+            conntrack: 1 << 21,
+        }
     }
 }
 
@@ -66,7 +71,8 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the BPF object"))?
             .try_into()?;
-        prog.load().with_context(|| format!("the kernel's verifier rejected {name}"))?;
+        prog.load()
+            .with_context(|| format!("the kernel's verifier rejected {name}"))?;
     }
     Ok(ebpf)
 }
@@ -88,7 +94,11 @@ impl EbpfDataplane {
         let maps = ServiceMaps::take_from(&mut ebpf)?;
         let mut attacher = Attacher::new(pod_interfaces);
         attacher.scan(&mut ebpf)?;
-        Ok(Self { ebpf, maps, attacher })
+        Ok(Self {
+            ebpf,
+            maps,
+            attacher,
+        })
     }
 
     /// The loaded object, e.g. to start aya-log's reader on it.
@@ -131,7 +141,9 @@ pub fn spawn_bpf_logger(ebpf: &mut Ebpf) {
     };
     tokio::spawn(async move {
         loop {
-            let Ok(mut guard) = logger.readable_mut().await else { return };
+            let Ok(mut guard) = logger.readable_mut().await else {
+                return;
+            };
             guard.get_inner_mut().flush();
             guard.clear_ready();
         }

@@ -1,0 +1,220 @@
+//! `cargo xtask bench datapath`: the tc ingress program under BPF_PROG_TEST_RUN, per packet, with
+//! 1 to 100k services in the maps (written by the agent's own map writer).
+//!
+//! A test run repeats the program on the same buffer, and the program rewrites it, so a
+//! repeated packet would stop being a service packet after the first run. The established-flow
+//! figure therefore uses two services that point at each other (A -> B's address, B -> A's), so
+//! every repetition is a full conntrack hit plus address and port rewrite. A new flow can only
+//! be measured one run at a time (each run a new 5-tuple); the kernel's timer reads are then
+//! inside each figure, so the same one-run method is also shown for established flows.
+use std::{
+    net::Ipv4Addr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use proxy_tests::{
+    packet::{self, ETH_HLEN, Spec},
+    programs::{Programs, Svc, TC_ACT_OK, add_service},
+};
+use proxy_userspace::{
+    ebpf::MapSizes,
+    model::{DesiredState, Protocol},
+};
+
+#[derive(Parser)]
+struct Args {
+    /// Only `datapath` exists so far.
+    which: String,
+    /// Service counts to measure with, comma-separated.
+    #[arg(long, default_value = "1,10000,100000", value_delimiter = ',')]
+    services: Vec<u32>,
+    /// Backends per service.
+    #[arg(long, default_value_t = 10)]
+    backends: u32,
+    /// Repetitions in the kernel for the repeatable figures.
+    #[arg(long, default_value_t = 1_000_000)]
+    repeat: u32,
+    /// Distinct new flows (one test run each).
+    #[arg(long, default_value_t = 1_000_000)]
+    new_flows: u32,
+}
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
+const VIP_A: Ipv4Addr = Ipv4Addr::new(10, 95, 0, 1);
+const VIP_B: Ipv4Addr = Ipv4Addr::new(10, 95, 0, 2);
+const FIRST_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 128, 0, 0);
+
+fn vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.which != "datapath" {
+        bail!("unknown benchmark {:?}; available: datapath", args.which);
+    }
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the datapath benchmark loads BPF programs: run it as root (or with CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON)"
+        );
+    }
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    println!(
+        "tc_ingress under BPF_PROG_TEST_RUN, kernel {}, {} backends a service, ns per packet",
+        kernel.trim(),
+        args.backends
+    );
+    let rep = format!("x{}", short(args.repeat));
+    println!(
+        "{:>9} {:>11} {:>9} {:>13} {:>13} {:>13} {:>13}",
+        "services", "cold sync", "floor", "not a service", "established", "established", "new flow"
+    );
+    println!(
+        "{:>9} {:>11} {:>9} {:>13} {:>13} {:>13} {:>13}",
+        "", "", rep, rep, rep, "1 run each", "1 run each"
+    );
+    for &count in &args.services {
+        let row = measure(&args, count).with_context(|| format!("with {count} services"))?;
+        println!(
+            "{:>9} {:>11} {:>9.1} {:>13.1} {:>13.1} {:>13.1} {:>13.1}",
+            count,
+            format!("{:.0?}", row.cold_sync),
+            row.floor,
+            row.pass,
+            row.established,
+            row.established_single,
+            row.new_flow
+        );
+    }
+    println!(
+        "\"1 run each\" includes the kernel's per-run timer reads; compare those two columns with each other."
+    );
+    Ok(())
+}
+
+struct Row {
+    cold_sync: Duration,
+    floor: f64,
+    pass: f64,
+    established: f64,
+    established_single: f64,
+    new_flow: f64,
+}
+
+fn short(n: u32) -> String {
+    if n >= 1_000_000 && n % 1_000_000 == 0 {
+        format!("{}M", n / 1_000_000)
+    } else {
+        n.to_string()
+    }
+}
+
+fn measure(args: &Args, count: u32) -> anyhow::Result<Row> {
+    let slots = count * (args.backends + 1) + 16;
+    let sizes = MapSizes {
+        services: slots,
+        backends: count * args.backends + 16,
+        conntrack: 2 * args.new_flows + 1024,
+    };
+    let mut p = Programs::load(sizes)?;
+    let mut state = DesiredState::default();
+    let mut endpoints = Vec::with_capacity(args.backends as usize);
+    for i in 0..count {
+        endpoints.clear();
+        for b in 0..args.backends {
+            let n = i * args.backends + b;
+            endpoints.push((Ipv4Addr::from(u32::from(FIRST_BACKEND) + n), 8080));
+        }
+        add_service(
+            &mut state,
+            &Svc {
+                name: &format!("svc-{i}"),
+                vip: vip(i),
+                port: 80,
+                protocol: Protocol::Tcp,
+                endpoints: &endpoints,
+            },
+        );
+    }
+    // The ping-pong pair for the repeated established-flow figure.
+    add_service(
+        &mut state,
+        &Svc {
+            name: "bench-a",
+            vip: VIP_A,
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: &[(VIP_B, 81)],
+        },
+    );
+    add_service(
+        &mut state,
+        &Svc {
+            name: "bench-b",
+            vip: VIP_B,
+            port: 81,
+            protocol: Protocol::Tcp,
+            endpoints: &[(VIP_A, 80)],
+        },
+    );
+    let started = Instant::now();
+    p.program(&state)?;
+    let cold_sync = started.elapsed();
+
+    let ns = |d: Duration| d.as_nanos() as f64;
+    // Not IPv4 at all: the program returns after one comparison, so this is the test run's own
+    // floor (entering the program, the timer) to read the other figures against.
+    let mut arp = vec![0u8; 60];
+    arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    let floor = ns(p.time("tc_ingress", &arp, args.repeat)?);
+    let pass_frame = Spec::tcp(CLIENT, 40000, Ipv4Addr::new(10, 244, 9, 9), 80).build();
+    let pass = ns(p.time("tc_ingress", &pass_frame, args.repeat)?);
+    let ping = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(CLIENT, 40000, VIP_A, 80)
+    }
+    .build();
+    // Two warm-up runs create both flows' conntrack entries.
+    p.time("tc_ingress", &ping, 2)?;
+    let established = ns(p.time("tc_ingress", &ping, args.repeat)?);
+
+    // One run each: new flows to every service in turn, then one established flow as often.
+    let mut frame = Spec::tcp(CLIENT, 0, vip(0), 80).build();
+    let sport_off = ETH_HLEN + 20;
+    let mut total = 0.0;
+    for i in 0..args.new_flows {
+        frame[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&vip(i % count).octets());
+        // A distinct 5-tuple: client address low bits and source port from the flow number.
+        frame[ETH_HLEN + 14] = (i >> 16) as u8;
+        frame[sport_off..sport_off + 2].copy_from_slice(&((i & 0xffff) as u16).to_be_bytes());
+        let (verdict, out, took) = p.run_timed("tc_ingress", &frame);
+        let backend = u32::from(packet::read(&out).dst).wrapping_sub(u32::from(FIRST_BACKEND));
+        if verdict != TC_ACT_OK || backend >= count * args.backends {
+            bail!("new flow {i} was not sent to a backend (verdict {verdict})");
+        }
+        total += ns(took);
+    }
+    let new_flow = total / args.new_flows as f64;
+    let mut total = 0.0;
+    let single_runs = args.new_flows.min(200_000);
+    let established_frame = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(CLIENT, 41000, vip(0), 80)
+    }
+    .build();
+    p.run("tc_ingress", &established_frame);
+    for _ in 0..single_runs {
+        total += ns(p.time("tc_ingress", &established_frame, 1)?);
+    }
+    let established_single = total / single_runs as f64;
+    Ok(Row {
+        cold_sync,
+        floor,
+        pass,
+        established,
+        established_single,
+        new_flow,
+    })
+}

@@ -1,0 +1,255 @@
+//! `cargo xtask demo`: the agent in the sandbox cluster on the example manifest, driven by
+//! real clients (curl) from the client pod, with a live endpoint change and `inspect`.
+//!
+//! Needs root and BPF; exits non-zero (with the agent log) if any step fails.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use proxy_tests::agent::{AgentRun, edit_manifest, remove_endpoint};
+use proxy_tests::{BACKEND_PORT, EXT_IP, NODE_CIDR, NODE1_IP, NODE2_IP, Sandbox};
+use proxy_userspace::inspect;
+
+const EXAMPLE: &str = include_str!("../../../examples/services.yaml");
+
+const WEB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80);
+const DNS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 20)), 53);
+const REMOTE: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 30)), 80);
+/// Service names as in the manifest (the datapath only knows addresses).
+const SERVICES: &[(&str, SocketAddr)] = &[("web", WEB), ("dns-like", DNS), ("remote", REMOTE)];
+
+fn main() -> ExitCode {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("demo: must run as root (it creates network namespaces and loads BPF programs)");
+        return ExitCode::FAILURE;
+    }
+    // Also probes bpf() and `ip netns`; prints the reason when they are unavailable.
+    if !proxy_tests::privileged("demo") {
+        eprintln!("demo: cannot run here: BPF or `ip netns` is unavailable (see above)");
+        return ExitCode::FAILURE;
+    }
+    let started = Instant::now();
+    match run() {
+        Ok(()) => {
+            println!("\nDemo finished in {}.", ms(started.elapsed()));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("\nDEMO FAILED: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let t = step("Building the sandbox cluster (network namespaces)");
+    let mut sandbox = Sandbox::build()?;
+    println!("    built in {}", ms(t.elapsed()));
+    print_topology(&sandbox);
+
+    let t = step("Starting the backends and the agent on examples/services.yaml");
+    sandbox.start_backends(BACKEND_PORT)?;
+    println!("    backends listening on :{BACKEND_PORT} (TCP+UDP) in every pod but client");
+    println!("    agent starting in node1, waiting for its first sync ...");
+    let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, SERVICES.len())?;
+    println!("    agent pid {} synced in {}", agent.pid, ms(t.elapsed()));
+    // Past this point the agent runs: any failure comes with its log.
+    let result = tour(&mut sandbox, &agent);
+    if result.is_err() {
+        eprintln!("\n---- agent log ({}) ----", agent.log.display());
+        eprintln!("{}", agent.log_text());
+    }
+    result?;
+
+    let t = step("Tearing down");
+    let status = sandbox.stop(agent.pid)?;
+    let prefix = sandbox.prefix.clone();
+    drop(agent);
+    drop(sandbox);
+    let left = proxy_tests::netns_list()?
+        .into_iter()
+        .filter(|n| n.starts_with(&format!("{prefix}-")))
+        .count();
+    println!("    agent stopped ({status}); namespaces, backends and bpffs removed");
+    if left != 0 {
+        bail!("{left} namespaces of {prefix} are still there");
+    }
+    println!("    done in {}", ms(t.elapsed()));
+    Ok(())
+}
+
+/// Steps 3-7, with the agent running.
+fn tour(sandbox: &mut Sandbox, agent: &AgentRun) -> Result<()> {
+    // What the agent programmed, read back from the pinned maps.
+    let rows = inspect::services(agent.bpffs.path())?;
+    println!("    services in the datapath (pinned maps):");
+    for (name, addr) in SERVICES {
+        let row = rows
+            .iter()
+            .find(|r| r.address == addr.to_string())
+            .with_context(|| format!("{name} {addr} is not in the datapath"))?;
+        let backends: Vec<String> = row
+            .backends
+            .iter()
+            .map(|b| pod_of(sandbox, &b.address))
+            .collect();
+        println!(
+            "      {name:<9} {addr}/{:<4} -> {}",
+            row.protocol,
+            backends.join(", ")
+        );
+    }
+
+    step("Load balancing: real clients in the client pod");
+    let spread = curl_spread(sandbox, "http://10.96.0.10/", 30)?;
+    check_spread("web", &spread, &["be1", "be2", "be3"])?;
+    let spread = udp_spread(sandbox, DNS, 20)?;
+    check_spread("dns-like", &spread, &["be1", "be4"])?;
+    println!("    cross-node: remote's only backend, be4, lives on node2");
+    let spread = curl_spread(sandbox, "http://10.96.0.30/", 5)?;
+    check_spread("remote", &spread, &["be4"])?;
+
+    step("A connection sticks to its backend (5 requests over one TCP connection)");
+    let client = &sandbox.pod("client").ns;
+    for i in 1..=3 {
+        let replies = proxy_tests::tcp_session(client, WEB, 5)?;
+        println!("    connection {i}: {}", replies.join(" "));
+        if replies.windows(2).any(|w| w[0] != w[1]) {
+            bail!("connection {i} moved between backends: {replies:?}");
+        }
+    }
+
+    step("Live change: removing be1 (10.244.1.11) from web in the manifest");
+    let t = Instant::now();
+    edit_manifest(&agent.manifest, |objects| {
+        remove_endpoint(objects, "web", "10.244.1.11")
+    })?;
+    println!("    manifest rewritten; waiting for the datapath ...");
+    agent.wait_for(sandbox, "be1 leaving web", |rows| {
+        rows.iter()
+            .any(|r| r.address == WEB.to_string() && r.backends.len() == 2)
+    })?;
+    println!("    datapath updated {} after the edit", ms(t.elapsed()));
+    let spread = curl_spread(sandbox, "http://10.96.0.10/", 30)?;
+    check_spread("web", &spread, &["be2", "be3"])?;
+
+    step("proxy-userspace inspect services");
+    print_indented(&agent.inspect_cli("services", &[])?, usize::MAX);
+    step("proxy-userspace inspect conntrack (first 10 lines)");
+    print_indented(&agent.inspect_cli("conntrack", &[])?, 10);
+    Ok(())
+}
+
+fn print_topology(sandbox: &Sandbox) {
+    println!("    ext {EXT_IP} -- bridge {NODE_CIDR} -- node1 {NODE1_IP}, node2 {NODE2_IP}");
+    for node in ["node1", "node2"] {
+        let pods: Vec<String> = sandbox
+            .pods
+            .iter()
+            .filter(|p| p.node == node)
+            .map(|p| format!("{} {}", p.name, p.ip))
+            .collect();
+        println!("    {node} pods: {}", pods.join(", "));
+    }
+}
+
+/// `n` curl runs from the client pod (each a new connection); counts the answering backends.
+fn curl_spread(sandbox: &Sandbox, url: &str, n: usize) -> Result<BTreeMap<String, usize>> {
+    let client = &sandbox.pod("client").ns;
+    let t = Instant::now();
+    progress(&format!("    curl -sS --max-time 2 {url}  x{n} "));
+    let mut counts = BTreeMap::new();
+    for i in 1..=n {
+        let out = client
+            .cmd("curl")
+            .args(["-sS", "--max-time", "2", url])
+            .output()
+            .context("running curl")?;
+        if !out.status.success() {
+            println!();
+            bail!(
+                "curl {url} (request {i}) failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        *counts
+            .entry(String::from_utf8_lossy(&out.stdout).trim().to_string())
+            .or_default() += 1;
+        progress(".");
+    }
+    println!(" {}", ms(t.elapsed()));
+    Ok(counts)
+}
+
+/// `n` UDP datagrams from the client pod, each from a new socket (a new flow).
+fn udp_spread(sandbox: &Sandbox, addr: SocketAddr, n: usize) -> Result<BTreeMap<String, usize>> {
+    let client = &sandbox.pod("client").ns;
+    let t = Instant::now();
+    progress(&format!("    UDP datagram to {addr}  x{n} "));
+    let mut counts = BTreeMap::new();
+    for _ in 0..n {
+        let reply = proxy_tests::udp_request(client, addr, "hi")?;
+        *counts.entry(reply).or_default() += 1;
+        progress(".");
+    }
+    println!(" {}", ms(t.elapsed()));
+    Ok(counts)
+}
+
+/// Prints a histogram of `counts` and fails unless exactly `expected` answered.
+fn check_spread(service: &str, counts: &BTreeMap<String, usize>, expected: &[&str]) -> Result<()> {
+    for (name, count) in counts {
+        println!("      {name:<6} {:<30} {count}", "█".repeat(*count));
+    }
+    let seen: Vec<&str> = counts.keys().map(String::as_str).collect();
+    if seen != expected {
+        bail!("{service}: expected answers from {expected:?}, got {counts:?}");
+    }
+    Ok(())
+}
+
+/// The pod name of a backend address `ip:port` (or the address itself).
+fn pod_of(sandbox: &Sandbox, address: &str) -> String {
+    let ip = address.split(':').next().unwrap_or_default();
+    sandbox
+        .pods
+        .iter()
+        .find(|p| p.ip.to_string() == ip)
+        .map_or_else(|| address.to_string(), |p| p.name.clone())
+}
+
+fn print_indented(text: &str, max_lines: usize) {
+    let lines: Vec<&str> = text.lines().collect();
+    for line in lines.iter().take(max_lines) {
+        println!("    {line}");
+    }
+    if lines.len() > max_lines {
+        println!("    ... ({} more lines)", lines.len() - max_lines);
+    }
+}
+
+/// Prints a `==> title` header (bold on a terminal) and returns when the step started.
+fn step(title: &str) -> Instant {
+    if std::io::stdout().is_terminal() {
+        println!("\n\x1b[1m==> {title}\x1b[0m");
+    } else {
+        println!("\n==> {title}");
+    }
+    Instant::now()
+}
+
+/// Prints without a newline, flushed, so progress shows while we wait.
+fn progress(text: &str) {
+    print!("{text}");
+    let _ = std::io::stdout().flush();
+}
+
+fn ms(d: Duration) -> String {
+    format!("{} ms", d.as_millis())
+}
