@@ -13,7 +13,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), Error> {
     let Some(flow) = packet::parse(ctx) else {
         return Ok(());
     };
-    let Some(entry) = CONNTRACK.get_ptr_mut(&flow.key) else {
+    let Some(entry) = CONNTRACK.get_ptr_mut(flow.key) else {
         return Ok(());
     };
     // SAFETY: see ingress::established.

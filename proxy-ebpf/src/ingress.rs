@@ -21,7 +21,7 @@ pub fn try_ingress(ctx: &TcContext) -> Result<(), Error> {
     let key = flow.key;
     let svc_key = ServiceKey::new(key.daddr, key.dport, key.proto, 0);
     // SAFETY: services values are plain data; the agent replaces them whole.
-    let Some(svc) = (unsafe { SERVICES.get(&svc_key) }).copied() else {
+    let Some(svc) = (unsafe { SERVICES.get(svc_key) }).copied() else {
         return Ok(()); // not a service: untouched
     };
     let now = unsafe { bpf_ktime_get_ns() };
@@ -50,7 +50,7 @@ fn established(key: &CtKey, now: u64) -> Option<Backend> {
     if entry.direction != CT_FORWARD {
         return None;
     }
-    let backend = unsafe { BACKENDS.get(&entry.backend_id) }.copied()?;
+    let backend = unsafe { BACKENDS.get(entry.backend_id) }.copied()?;
     entry.last_seen_ns = now;
     entry.packets += 1;
     Some(backend)
@@ -63,8 +63,8 @@ fn select_backend(svc_key: &ServiceKey, svc: &ServiceValue) -> Option<(u32, Back
     }
     let slot = (unsafe { bpf_get_prandom_u32() } % svc.count as u32) as u16 + 1;
     let slot_key = ServiceKey::new(svc_key.addr, svc_key.port, svc_key.proto, slot);
-    let backend_id = unsafe { SERVICES.get(&slot_key) }?.backend_id;
-    let backend = unsafe { BACKENDS.get(&backend_id) }.copied()?;
+    let backend_id = unsafe { SERVICES.get(slot_key) }?.backend_id;
+    let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;
     Some((backend_id, backend))
 }
 
@@ -91,8 +91,8 @@ fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64) {
     };
     // LRU inserts make room by evicting the least recently used flow; a failure here (memory
     // pressure) only means the next packet of this flow picks a backend again.
-    let _ = CONNTRACK.insert(&reply_key, &value, BPF_ANY as u64);
+    let _ = CONNTRACK.insert(reply_key, value, BPF_ANY as u64);
     value.direction = CT_FORWARD;
     value.packets = 1;
-    let _ = CONNTRACK.insert(key, &value, BPF_ANY as u64);
+    let _ = CONNTRACK.insert(key, value, BPF_ANY as u64);
 }

@@ -31,10 +31,10 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn verdict(ctx: &TcContext, r: Result<(), packet::Error>) -> i32 {
     match r {
-        Ok(()) => TC_ACT_OK as i32,
+        Ok(()) => TC_ACT_OK,
         Err(_) => {
             error!(ctx, "packet rewrite failed; dropped");
-            TC_ACT_SHOT as i32
+            TC_ACT_SHOT
         }
     }
 }

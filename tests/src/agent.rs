@@ -88,18 +88,18 @@ impl AgentRun {
     ) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Some(child) = sandbox.child(self.pid) {
-                if let Some(status) = child.try_wait()? {
-                    bail!(
-                        "the agent exited ({status}) before {what}:\n{}",
-                        self.log_text()
-                    );
-                }
+            if let Some(child) = sandbox.child(self.pid)
+                && let Some(status) = child.try_wait()?
+            {
+                bail!(
+                    "the agent exited ({status}) before {what}:\n{}",
+                    self.log_text()
+                );
             }
-            if let Ok(rows) = inspect::services(self.bpffs.path()) {
-                if ok(&rows) {
-                    return Ok(());
-                }
+            if let Ok(rows) = inspect::services(self.bpffs.path())
+                && ok(&rows)
+            {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!(
@@ -170,10 +170,10 @@ pub fn remove_endpoint(objects: &mut [Object], name: &str, ip: &str) {
                 .labels
                 .as_ref()
                 .and_then(|l| l.get("kubernetes.io/service-name"));
-            if owner.map(String::as_str) == Some(name) {
-                if let Some(endpoints) = slice.endpoints.as_mut() {
-                    endpoints.retain(|e| !e.addresses.iter().any(|a| a == ip));
-                }
+            if owner.map(String::as_str) == Some(name)
+                && let Some(endpoints) = slice.endpoints.as_mut()
+            {
+                endpoints.retain(|e| !e.addresses.iter().any(|a| a == ip));
             }
         }
     }

@@ -47,7 +47,7 @@ impl Spec {
 
     /// The frame: Ethernet, IPv4 and TCP/UDP, with correct checksums.
     pub fn build(&self) -> Vec<u8> {
-        assert!(self.ip_options.len() % 4 == 0 && self.ip_options.len() <= 40);
+        assert!(self.ip_options.len().is_multiple_of(4) && self.ip_options.len() <= 40);
         let ihl = 20 + self.ip_options.len();
         let l4_len = if self.proto == TCP { 20 } else { 8 } + self.payload.len();
         let mut f = vec![0u8; ETH_HLEN + ihl + l4_len];

@@ -64,11 +64,11 @@ fn main() -> anyhow::Result<()> {
         Cmd::Setup => setup(),
         Cmd::BuildEbpf => {
             setup()?;
-            build_ebpf(&root)
+            build_ebpf()
         }
         Cmd::Test { args } => {
             setup()?;
-            build_ebpf(&root)?;
+            build_ebpf()?;
             step("building the workspace");
             cargo(&["build", "--workspace", "--bins"])?;
             step("running the tests");
@@ -80,14 +80,14 @@ fn main() -> anyhow::Result<()> {
         Cmd::Lint => lint(),
         Cmd::Demo => {
             setup()?;
-            build_ebpf(&root)?;
+            build_ebpf()?;
             step("building the agent and the sandbox");
             cargo(&["build", "--release", "--workspace", "--bins"])?;
             run(&mut Command::new(root.join("target/release/demo")))
         }
         Cmd::Bench { which, args } => {
             setup()?;
-            build_ebpf(&root)?;
+            build_ebpf()?;
             step("building the benchmarks (release)");
             cargo(&["build", "--release", "--workspace", "--bins"])?;
             let mut cmd = Command::new(root.join("target/release/bench"));
@@ -126,31 +126,45 @@ fn lint() -> anyhow::Result<()> {
         "-D",
         "warnings",
     ])?;
-    let mut ebpf = Command::new("cargo");
-    ebpf.args(["+nightly", "fmt", "--check"])
-        .current_dir("proxy-ebpf");
-    run(&mut ebpf)
+    run(nightly_cargo().args(["fmt", "--check"]))?;
+    run(nightly_cargo().args([
+        "clippy",
+        "--release",
+        "-Z",
+        "build-std=core",
+        "--target",
+        BPF_TARGET,
+        "--",
+        "-D",
+        "warnings",
+    ]))
 }
 
-fn build_ebpf(root: &Path) -> anyhow::Result<()> {
-    step("building the BPF programs (proxy-ebpf, nightly, bpfel-unknown-none)");
+const BPF_TARGET: &str = "bpfel-unknown-none";
+
+/// `cargo +nightly` in proxy-ebpf, without the variables the outer (stable) cargo sets, which
+/// would make the nightly build use the stable compiler.
+fn nightly_cargo() -> Command {
     let mut cmd = Command::new("cargo");
-    cmd.args([
-        &format!("+{NIGHTLY}"),
+    cmd.arg(format!("+{NIGHTLY}"))
+        .current_dir("proxy-ebpf")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("RUSTDOC")
+        .env_remove("CARGO");
+    cmd
+}
+
+fn build_ebpf() -> anyhow::Result<()> {
+    step("building the BPF programs (proxy-ebpf, nightly, bpfel-unknown-none)");
+    run(nightly_cargo().args([
         "build",
         "--release",
         "-Z",
         "build-std=core",
         "--target",
-        "bpfel-unknown-none",
-    ])
-    .current_dir(root.join("proxy-ebpf"))
-    // Variables the outer (stable) cargo sets would confuse the nightly build.
-    .env_remove("RUSTUP_TOOLCHAIN")
-    .env_remove("RUSTC")
-    .env_remove("RUSTDOC")
-    .env_remove("CARGO");
-    run(&mut cmd)
+        BPF_TARGET,
+    ]))
 }
 
 fn setup() -> anyhow::Result<()> {

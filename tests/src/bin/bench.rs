@@ -104,7 +104,7 @@ struct Row {
 }
 
 fn short(n: u32) -> String {
-    if n >= 1_000_000 && n % 1_000_000 == 0 {
+    if n >= 1_000_000 && n.is_multiple_of(1_000_000) {
         format!("{}M", n / 1_000_000)
     } else {
         n.to_string()
