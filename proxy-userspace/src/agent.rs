@@ -11,37 +11,71 @@ use tokio::sync::oneshot;
 
 use crate::{
     dataplane::{Dataplane, Scope},
+    health::{self, ProxyHealth},
     model::{ChangeTracker, DesiredState},
     runner::{RunnerConfig, SyncRunner},
     source,
 };
 
 pub struct AgentConfig {
-    /// The manifest file holding Services and EndpointSlices.
-    pub manifest: PathBuf,
+    pub source: Source,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
+    /// Where `/healthz` and `/livez` are served; None: not served.
+    pub healthz_bind_address: Option<String>,
+}
+
+/// Where the desired state comes from.
+pub enum Source {
+    /// A manifest file holding Services and EndpointSlices, watched for changes.
+    File(PathBuf),
+    /// The API server: from a kubeconfig, or in-cluster when None.
+    Kubernetes { kubeconfig: Option<PathBuf>, node_name: String },
 }
 
 /// Runs until the source fails or the process is interrupted.
 pub async fn run(config: AgentConfig, dataplane: Box<dyn Dataplane>) -> anyhow::Result<()> {
     let tracker = Arc::new(Mutex::new(ChangeTracker::new()));
-    let (runner, sync_handle) = SyncRunner::new(RunnerConfig {
-        min_interval: config.min_sync_period,
-        max_interval: config.sync_period,
-        retry_interval: config.min_sync_period.max(Duration::from_secs(1)),
+    // kube-proxy's health timeout: twice the sync period.
+    let health = Arc::new(ProxyHealth::new(2 * config.sync_period));
+    let (runner, sync_handle) = SyncRunner::with_health(
+        RunnerConfig {
+            min_interval: config.min_sync_period,
+            max_interval: config.sync_period,
+            retry_interval: config.min_sync_period.max(Duration::from_secs(1)),
+        },
+        health.clone(),
+    );
+    let health_server = config.healthz_bind_address.map(|addr| {
+        let health = health.clone();
+        tokio::spawn(async move {
+            if let Err(e) = health::serve(&addr, health).await {
+                tracing::error!("health server stopped: {e:#}");
+            }
+        })
     });
     let (synced_tx, synced_rx) = oneshot::channel();
-    let mut source = tokio::spawn(source::file::run(
-        config.manifest.clone(),
-        tracker.clone(),
-        sync_handle,
-        synced_tx,
-    ));
+    let mut source = match config.source {
+        Source::File(path) => {
+            tokio::spawn(source::file::run(path, tracker.clone(), sync_handle, synced_tx))
+        }
+        Source::Kubernetes { kubeconfig, node_name } => {
+            let client = source::kube::client(kubeconfig.as_deref()).await?;
+            tracing::info!(node = %node_name, "watching the API server");
+            tokio::spawn(source::kube::run(
+                client,
+                node_name,
+                tracker.clone(),
+                sync_handle,
+                health.clone(),
+                synced_tx,
+            ))
+        }
+    };
     // Nothing is programmed before the source has delivered its first complete view: a
     // partial view would delete services that are merely not loaded yet.
     tokio::select! {
-        r = synced_rx => r.context("the manifest source stopped before its first load")?,
+        r = synced_rx => r.context("the source stopped before its first complete load")?,
         r = &mut source => return source_ended(r),
     }
 
@@ -91,23 +125,32 @@ pub async fn run(config: AgentConfig, dataplane: Box<dyn Dataplane>) -> anyhow::
         }
         result
     };
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
     let outcome = tokio::select! {
         () = runner.run(sync) => Ok(()),
         r = &mut source => source_ended(r),
         r = tokio::signal::ctrl_c() => {
-            r.context("waiting for a signal")?;
+            r.context("waiting for SIGINT")?;
             tracing::info!("interrupted; the pinned maps keep the programmed services");
+            Ok(())
+        }
+        _ = terminate.recv() => {
+            tracing::info!("terminated; the pinned maps keep the programmed services");
             Ok(())
         }
     };
     housekeeping.abort();
+    if let Some(server) = health_server {
+        server.abort();
+    }
     outcome
 }
 
 fn source_ended(r: Result<anyhow::Result<()>, tokio::task::JoinError>) -> anyhow::Result<()> {
     match r {
-        Ok(Ok(())) => anyhow::bail!("the manifest source stopped unexpectedly"),
+        Ok(Ok(())) => anyhow::bail!("the source stopped unexpectedly"),
         Ok(Err(e)) => Err(e),
-        Err(e) => Err(e).context("the manifest source panicked"),
+        Err(e) => Err(e).context("the source panicked"),
     }
 }

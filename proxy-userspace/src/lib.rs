@@ -3,6 +3,7 @@ pub mod agent;
 pub mod dataplane;
 pub mod duration;
 pub mod ebpf;
+pub mod health;
 pub mod inspect;
 pub mod manifest;
 pub mod model;

@@ -3,7 +3,7 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use proxy_userspace::{
-    agent::{self, AgentConfig},
+    agent::{self, AgentConfig, Source},
     duration::parse_duration,
     ebpf::{EbpfDataplane, MapSizes},
     inspect,
@@ -38,10 +38,20 @@ struct AgentArgs {
     /// Which proxy mode to use (kube-proxy's flag).
     #[arg(long, value_enum, default_value = "ebpf")]
     proxy_mode: ProxyMode,
-    /// A file of Kubernetes YAML (Services and EndpointSlices; multi-document or a List),
-    /// watched for changes.
+    /// Read Services and EndpointSlices from this file of Kubernetes YAML (multi-document or a
+    /// List, watched for changes) instead of the API server.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    manifest: Option<PathBuf>,
+    /// Path to a kubeconfig file (kube-proxy's flag). Without it and without --manifest, the
+    /// in-cluster service account is used.
     #[arg(long)]
-    manifest: PathBuf,
+    kubeconfig: Option<PathBuf>,
+    /// This node's name (kube-proxy's flag); defaults to $NODE_NAME, else the hostname.
+    #[arg(long)]
+    hostname_override: Option<String>,
+    /// Address of the /healthz and /livez server (kube-proxy's flag); empty to disable.
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    healthz_bind_address: String,
     /// The minimum interval between syncs: changes arriving faster are batched (kube-proxy's flag).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     min_sync_period: Duration,
@@ -117,13 +127,33 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                 Box::new(dp)
             }
         };
+        let source = match args.manifest {
+            Some(path) => Source::File(path),
+            None => Source::Kubernetes {
+                kubeconfig: args.kubeconfig,
+                node_name: node_name(args.hostname_override)?,
+            },
+        };
         let config = AgentConfig {
-            manifest: args.manifest,
+            source,
             min_sync_period: args.min_sync_period,
             sync_period: args.sync_period,
+            healthz_bind_address: Some(args.healthz_bind_address).filter(|a| !a.is_empty()),
         };
         agent::run(config, dataplane).await
     })
+}
+
+/// kube-proxy's rule: the override, else the hostname, lower-cased.
+fn node_name(hostname_override: Option<String>) -> anyhow::Result<String> {
+    let name = match hostname_override.or_else(|| std::env::var("NODE_NAME").ok()) {
+        Some(name) => name,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("reading the hostname; pass --hostname-override")?,
+    };
+    let name = name.trim().to_lowercase();
+    anyhow::ensure!(!name.is_empty(), "the node name is empty; pass --hostname-override");
+    Ok(name)
 }
 
 fn run_inspect(args: InspectArgs) -> anyhow::Result<()> {

@@ -6,9 +6,11 @@
 //! failed sync after `retry_interval`. The decisions live in `Schedule`, which takes the time as
 //! an argument, so tests replay timelines without waiting (kube-proxy injects a clock instead).
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use tokio::sync::mpsc;
+
+use crate::health::ProxyHealth;
 use tokio::time::{Instant, sleep_until};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,11 +27,13 @@ pub struct RunnerConfig {
 #[derive(Clone, Debug)]
 pub struct SyncHandle {
     requests: mpsc::Sender<()>,
+    health: Arc<ProxyHealth>,
 }
 
 impl SyncHandle {
     /// Requests a sync. Never blocks: requests made before the sync starts share it.
     pub fn request(&self) {
+        self.health.queued();
         // A full channel already holds a request that this one joins; a closed one means the
         // runner is gone, and with it anything a sync could do.
         let _ = self.requests.try_send(());
@@ -39,19 +43,26 @@ impl SyncHandle {
 #[derive(Debug)]
 pub struct SyncRunner {
     config: RunnerConfig,
+    health: Arc<ProxyHealth>,
     // Capacity one: the pending request is a flag, and extra requests coalesce into it.
     requests: mpsc::Receiver<()>,
 }
 
 impl SyncRunner {
     pub fn new(config: RunnerConfig) -> (SyncRunner, SyncHandle) {
+        Self::with_health(config, Arc::new(ProxyHealth::new(2 * config.max_interval)))
+    }
+
+    /// A runner that reports queued changes and successful syncs to `health`.
+    pub fn with_health(config: RunnerConfig, health: Arc<ProxyHealth>) -> (SyncRunner, SyncHandle) {
         let (tx, rx) = mpsc::channel(1);
         (
             SyncRunner {
                 config,
+                health: health.clone(),
                 requests: rx,
             },
-            SyncHandle { requests: tx },
+            SyncHandle { requests: tx, health },
         )
     }
 
@@ -88,6 +99,9 @@ impl SyncRunner {
                             "sync failed, retrying in {:?}: {e:#}",
                             self.config.retry_interval
                         );
+                    }
+                    if result.is_ok() {
+                        self.health.updated();
                     }
                     schedule.finished(result.is_ok());
                 }

@@ -13,10 +13,12 @@
 //! `cargo build -p proxy-tests`; integration tests get it built automatically).
 
 pub mod agent;
+pub mod apiserver;
 mod client;
 mod netns;
 pub mod packet;
 pub mod programs;
+pub mod rbac;
 mod sandbox;
 
 use std::io::Write;

@@ -1,1 +1,2 @@
 pub mod file;
+pub mod kube;

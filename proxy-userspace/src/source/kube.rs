@@ -1,0 +1,248 @@
+//! The Kubernetes source: Services, EndpointSlices and this node's Node, watched through the API
+//! server with kube-runtime watchers, as kube-proxy's informers do.
+//!
+//! Each watcher lists, then watches from the list's resourceVersion. When a watch cannot resume
+//! (410 Gone after compaction, or a restart after the server was unreachable) the watcher lists
+//! again: objects missing from the new list were deleted meanwhile and are deleted here too.
+//! While the API server is unreachable the watchers back off and retry; nothing is deleted, so
+//! the last programmed state keeps serving.
+use std::{
+    collections::HashSet,
+    fmt::Debug,
+    path::Path,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::{
+    api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice},
+    serde::de::DeserializeOwned,
+};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    config::{Config, KubeConfigOptions, Kubeconfig},
+    runtime::{WatchStreamExt, watcher},
+};
+use tokio::sync::oneshot;
+
+use crate::{
+    health::ProxyHealth,
+    model::{ChangeTracker, InvalidObject, NamespacedName},
+    runner::SyncHandle,
+};
+
+/// A client from `--kubeconfig`, or else the in-cluster service account (or the usual
+/// KUBECONFIG / ~/.kube/config, for running outside a pod).
+pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("using the kubeconfig {}", path.display()))?
+        }
+        None => Config::infer().await.context(
+            "no API server configuration: not in a pod (no service account) and no kubeconfig; \
+             pass --kubeconfig, or --manifest to run from a file",
+        )?,
+    };
+    Client::try_from(config).context("creating the API client")
+}
+
+/// Feeds `tracker` from the API until an unrecoverable error. `synced` fires once both Services
+/// and EndpointSlices have completed their first list (kube-proxy programs nothing before).
+pub async fn run(
+    client: Client,
+    node_name: String,
+    tracker: Arc<Mutex<ChangeTracker>>,
+    sync: SyncHandle,
+    health: Arc<ProxyHealth>,
+    synced: oneshot::Sender<()>,
+) -> anyhow::Result<()> {
+    let gate = Arc::new(Mutex::new(Gate { services: false, slices: false, tx: Some(synced) }));
+    let services = {
+        let (tracker, sync, gate) = (tracker.clone(), sync.clone(), gate.clone());
+        watch::<Service>(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            move |change| {
+                let mut t = tracker.lock().unwrap();
+                match change {
+                    Change::Apply(svc) => report(t.update_service(&svc)),
+                    Change::Delete(key) => t.delete_service(&key),
+                }
+                sync.request();
+            },
+            move || gate.lock().unwrap().done(|g| &mut g.services),
+        )
+    };
+    let slices = {
+        let (tracker, sync, gate) = (tracker.clone(), sync.clone(), gate.clone());
+        watch::<EndpointSlice>(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            move |change| {
+                let mut t = tracker.lock().unwrap();
+                match change {
+                    Change::Apply(slice) => report(t.update_slice(&slice)),
+                    Change::Delete(key) => t.delete_slice(&key),
+                }
+                sync.request();
+            },
+            move || gate.lock().unwrap().done(|g| &mut g.slices),
+        )
+    };
+    let node = {
+        let name = node_name.clone();
+        watch::<Node>(
+            Api::all(client),
+            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+            move |change| match change {
+                Change::Apply(node) => {
+                    let eligible = node_eligible(&node);
+                    tracing::debug!(node = %name, eligible, "node updated");
+                    health.set_node_eligible(eligible);
+                }
+                Change::Delete(_) => health.set_node_eligible(false),
+            },
+            || {},
+        )
+    };
+    tokio::try_join!(services, slices, node)?;
+    anyhow::bail!("the API watches ended")
+}
+
+/// Both initial lists are done: release the first sync.
+struct Gate {
+    services: bool,
+    slices: bool,
+    tx: Option<oneshot::Sender<()>>,
+}
+
+impl Gate {
+    fn done(&mut self, which: impl FnOnce(&mut Self) -> &mut bool) {
+        *which(self) = true;
+        if self.services && self.slices
+            && let Some(tx) = self.tx.take()
+        {
+            tracing::info!("Services and EndpointSlices listed: programming starts");
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// kube-proxy's rule: a node being deleted (or marked for deletion by the cluster autoscaler)
+/// reports unhealthy on /healthz, so load balancers drain it.
+fn node_eligible(node: &Node) -> bool {
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"));
+    node.metadata.deletion_timestamp.is_none() && !tainted
+}
+
+fn report(result: Result<(), InvalidObject>) {
+    if let Err(e) = result {
+        tracing::warn!("skipping invalid object: {e}");
+    }
+}
+
+enum Change<K> {
+    Apply(K),
+    Delete(NamespacedName),
+}
+
+fn key_of<K: Resource>(obj: &K) -> NamespacedName {
+    NamespacedName::new(obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+/// Runs one watcher: applies its events through `on_change`, turns a re-list into deletions of
+/// whatever the new list lacks, calls `on_listed` after each complete list, and logs errors
+/// (the watcher retries with backoff).
+async fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    mut on_change: impl FnMut(Change<K>),
+    mut on_listed: impl FnMut(),
+) -> anyhow::Result<()>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K::DynamicType: Default,
+{
+    let kind = K::plural(&K::DynamicType::default()).into_owned();
+    let mut known: HashSet<NamespacedName> = HashSet::new();
+    let mut listing: HashSet<NamespacedName> = HashSet::new();
+    let mut failing = false;
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    loop {
+        let event = match stream.try_next().await {
+            Ok(Some(event)) => event,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                log_watch_error(&kind, &e);
+                failing = true;
+                continue;
+            }
+        };
+        if failing {
+            tracing::info!(resource = %kind, "API server reachable again");
+            failing = false;
+        }
+        match event {
+            watcher::Event::Init => listing.clear(),
+            watcher::Event::InitApply(obj) => {
+                listing.insert(key_of(&obj));
+                on_change(Change::Apply(obj));
+            }
+            watcher::Event::InitDone => {
+                let gone: Vec<NamespacedName> = known.difference(&listing).cloned().collect();
+                if !gone.is_empty() {
+                    tracing::info!(resource = %kind, deleted = gone.len(), "re-list: objects deleted meanwhile");
+                }
+                for key in gone {
+                    on_change(Change::Delete(key));
+                }
+                known = std::mem::take(&mut listing);
+                tracing::info!(resource = %kind, objects = known.len(), "listed");
+                on_listed();
+            }
+            watcher::Event::Apply(obj) => {
+                known.insert(key_of(&obj));
+                on_change(Change::Apply(obj));
+            }
+            watcher::Event::Delete(obj) => {
+                let key = key_of(&obj);
+                known.remove(&key);
+                on_change(Change::Delete(key));
+            }
+        }
+    }
+}
+
+fn log_watch_error(kind: &str, e: &watcher::Error) {
+    let api_status = match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => Some(s.as_ref()),
+        watcher::Error::WatchError(s) => Some(s.as_ref()),
+        _ => None,
+    };
+    match api_status {
+        Some(s) if s.is_forbidden() => tracing::error!(
+            resource = %kind,
+            "forbidden: the agent's ClusterRole must allow list and watch on {kind} \
+             (see deploy/kube-proxy-ebpf.yaml): {}",
+            s.message
+        ),
+        Some(s) if s.code == 410 => {
+            tracing::info!(resource = %kind, "watch expired (410 Gone): listing again")
+        }
+        _ => tracing::warn!(
+            resource = %kind,
+            "API server unreachable or failing; keeping the programmed state and retrying: {e}"
+        ),
+    }
+}
