@@ -284,6 +284,7 @@ impl ApiServer {
     /// Serves on a listener bound by the caller (for instance inside another network namespace).
     pub fn start_with_listener(listener: TcpListener) -> io::Result<Self> {
         let addr = listener.local_addr()?;
+        listener.set_nonblocking(false)?;
         let listener_ctl = TcpStream::from(OwnedFd::from(listener.try_clone()?));
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -365,8 +366,9 @@ preferences: {{}}
     /// Panics on a kind other than Service, EndpointSlice or Node, or a missing name.
     pub fn apply(&self, mut object: Value) -> u64 {
         let kind = object.get("kind").and_then(Value::as_str).unwrap_or("");
-        let resource = Resource::lookup(kind)
-            .unwrap_or_else(|| panic!("apply: unsupported kind {kind:?} (Service, EndpointSlice or Node)"));
+        let resource = Resource::lookup(kind).unwrap_or_else(|| {
+            panic!("apply: unsupported kind {kind:?} (Service, EndpointSlice or Node)")
+        });
         let map = object.as_object_mut().expect("apply: not a JSON object");
         map.insert("apiVersion".into(), json!(resource.api_version()));
         map.insert("kind".into(), json!(resource.kind()));
@@ -713,7 +715,10 @@ fn read_head(reader: &mut BufReader<TcpStream>) -> io::Result<Option<Head>> {
     let mut parts = line.split_whitespace();
     let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next())
     else {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request line"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "bad request line",
+        ));
     };
     let (method, target) = (method.to_owned(), target.to_owned());
     let mut keep_alive = version == "HTTP/1.1";
@@ -906,15 +911,13 @@ fn percent_decode(s: &str) -> String {
     while i < bytes.len() {
         match bytes[i] {
             b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
-                match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                    (Some(hi), Some(lo)) => {
-                        out.push((hi * 16 + lo) as u8);
-                        i += 2;
-                    }
-                    _ => out.push(b'%'),
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(hi), Some(lo)) => {
+                    out.push((hi * 16 + lo) as u8);
+                    i += 2;
                 }
-            }
+                _ => out.push(b'%'),
+            },
             b => out.push(b),
         }
         i += 1;
@@ -1299,10 +1302,9 @@ fn list(shared: &Shared, resource: Resource, filter: &Filter, query: &Query) -> 
     };
     let objects = st.objects_at(resource, at);
     let range = match &start {
-        Some(key) => objects.range::<Key, _>((
-            std::ops::Bound::Excluded(key),
-            std::ops::Bound::Unbounded,
-        )),
+        Some(key) => {
+            objects.range::<Key, _>((std::ops::Bound::Excluded(key), std::ops::Bound::Unbounded))
+        }
         None => objects.range::<Key, _>(..),
     };
     let mut items = Vec::new();
@@ -1335,7 +1337,8 @@ fn list(shared: &Shared, resource: Resource, filter: &Filter, query: &Query) -> 
     drop(st);
 
     let mut body = Vec::with_capacity(256 + items.len() * 512);
-    let head = json!({"kind": format!("{}List", resource.kind()), "apiVersion": resource.api_version()});
+    let head =
+        json!({"kind": format!("{}List", resource.kind()), "apiVersion": resource.api_version()});
     body.extend_from_slice(
         format!(
             "{{\"kind\":{},\"apiVersion\":{},\"metadata\":{},\"items\":[",
@@ -1385,7 +1388,7 @@ fn encode_continue(rv: u64, (ns, name): &Key) -> String {
 }
 
 fn decode_continue(token: &str) -> Option<(u64, Key)> {
-    if token.len() % 2 != 0 || !token.is_ascii() {
+    if !token.len().is_multiple_of(2) || !token.is_ascii() {
         return None;
     }
     let bytes = (0..token.len())
@@ -1566,7 +1569,10 @@ fn serve_watch(
     )?;
     let mut chunks = Chunks { out };
     if let Some(compacted) = too_old {
-        let message = format!("too old resource version: {} ({compacted})", rv.unwrap_or(0));
+        let message = format!(
+            "too old resource version: {} ({compacted})",
+            rv.unwrap_or(0)
+        );
         chunks.event("ERROR", &expired(&message))?;
         return Ok(chunks.finish()?);
     }

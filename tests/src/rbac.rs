@@ -70,7 +70,13 @@ pub fn yaml_documents(text: &str) -> Vec<String> {
             .strip_prefix("---")
             .filter(|rest| rest.is_empty() || rest.starts_with(' ') || rest.starts_with('\t'));
         if let Some(rest) = line_start {
-            documents.push(format!("{rest}\n"));
+            // Content after the marker (`--- # comment`, `--- {a: 1}`) belongs to the new one.
+            let rest = rest.trim_start();
+            documents.push(if rest.is_empty() {
+                String::new()
+            } else {
+                format!("{rest}\n")
+            });
         } else if line.trim_end() == "..." {
             documents.push(String::new());
         } else {

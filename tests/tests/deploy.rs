@@ -203,7 +203,7 @@ fn yaml_documents_splits_on_markers_only() {
     let docs = yaml_documents(
         "# header\n---\na: 1\n--- # two\nb: |\n  ---x\n  text\n...\nc: 3\n---\n# only a comment\n",
     );
-    assert_eq!(docs, ["a: 1\n", " # two\nb: |\n  ---x\n  text\n", "c: 3\n"]);
+    assert_eq!(docs, ["a: 1\n", "# two\nb: |\n  ---x\n  text\n", "c: 3\n"]);
 }
 
 fn strings<'a>(rule: &'a Value, field: &str) -> Vec<&'a str> {
