@@ -172,6 +172,7 @@ fn setup() -> anyhow::Result<()> {
     install_debian_packages()?;
     install_rust_src()?;
     install_bpf_linker()?;
+    install_kubernetes_validate()?;
     if started.elapsed().as_secs() > 2 {
         step(&format!("set-up done in {:.0?}", started.elapsed()));
     }
@@ -226,6 +227,37 @@ fn install_rust_src() -> anyhow::Result<()> {
     }
     step("adding rust-src to the nightly toolchain (the BPF build compiles core)");
     run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))
+}
+
+/// The deploy tests validate the manifests offline against Kubernetes' schemas with the PyPI
+/// package kubernetes-validate, installed in its own virtualenv (Debian's pip refuses system-wide
+/// installs) and linked into /usr/local/bin.
+fn install_kubernetes_validate() -> anyhow::Result<()> {
+    let works = Command::new("kubernetes-validate")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if works {
+        return Ok(());
+    }
+    step("installing kubernetes-validate (PyPI) into /opt/kubernetes-validate");
+    let venv = Path::new("/opt/kubernetes-validate");
+    if !venv.join("bin/pip").exists() {
+        let created = Command::new("python3").args(["-m", "venv"]).arg(venv).status();
+        if !created.is_ok_and(|s| s.success()) {
+            // Debian's python3 ships venv separately.
+            let mut apt = Command::new("apt-get");
+            apt.args(["install", "-y", "-qq", "--no-install-recommends", "python3-venv"])
+                .env("DEBIAN_FRONTEND", "noninteractive");
+            run(&mut apt)?;
+            run(Command::new("python3").args(["-m", "venv"]).arg(venv))?;
+        }
+    }
+    run(Command::new(venv.join("bin/pip")).args(["install", "-q", "kubernetes-validate==1.37.0"]))?;
+    let link = Path::new("/usr/local/bin/kubernetes-validate");
+    let _ = std::fs::remove_file(link);
+    std::os::unix::fs::symlink(venv.join("bin/kubernetes-validate"), link)?;
+    Ok(())
 }
 
 /// bpf-linker links the BPF object with the nightly's own LLVM: it is built against that
