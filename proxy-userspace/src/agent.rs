@@ -30,7 +30,10 @@ pub enum Source {
     /// A manifest file holding Services and EndpointSlices, watched for changes.
     File(PathBuf),
     /// The API server: from a kubeconfig, or in-cluster when None.
-    Kubernetes { kubeconfig: Option<PathBuf>, node_name: String },
+    Kubernetes {
+        kubeconfig: Option<PathBuf>,
+        node_name: String,
+    },
 }
 
 /// Runs until the source fails or the process is interrupted.
@@ -56,10 +59,16 @@ pub async fn run(config: AgentConfig, dataplane: Box<dyn Dataplane>) -> anyhow::
     });
     let (synced_tx, synced_rx) = oneshot::channel();
     let mut source = match config.source {
-        Source::File(path) => {
-            tokio::spawn(source::file::run(path, tracker.clone(), sync_handle, synced_tx))
-        }
-        Source::Kubernetes { kubeconfig, node_name } => {
+        Source::File(path) => tokio::spawn(source::file::run(
+            path,
+            tracker.clone(),
+            sync_handle,
+            synced_tx,
+        )),
+        Source::Kubernetes {
+            kubeconfig,
+            node_name,
+        } => {
             let client = source::kube::client(kubeconfig.as_deref()).await?;
             tracing::info!(node = %node_name, "watching the API server");
             tokio::spawn(source::kube::run(

@@ -41,7 +41,11 @@ impl ProxyHealth {
     pub fn new(timeout: Duration) -> Self {
         Self {
             timeout,
-            state: Mutex::new(State { oldest_pending: None, last_updated: None, node_eligible: true }),
+            state: Mutex::new(State {
+                oldest_pending: None,
+                last_updated: None,
+                node_eligible: true,
+            }),
         }
     }
 
@@ -88,7 +92,8 @@ pub async fn serve(addr: &str, health: Arc<ProxyHealth>) -> anyhow::Result<()> {
         let health = health.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 1024];
-            let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await else {
+            let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await
+            else {
                 return;
             };
             let request = String::from_utf8_lossy(&buf[..n]);
@@ -97,7 +102,14 @@ pub async fn serve(addr: &str, health: Arc<ProxyHealth>) -> anyhow::Result<()> {
             let (code, body) = match path {
                 "/healthz" | "/livez" => {
                     let s = health.status(path == "/livez");
-                    (if s.healthy { "200 OK" } else { "503 Service Unavailable" }, s.body)
+                    (
+                        if s.healthy {
+                            "200 OK"
+                        } else {
+                            "503 Service Unavailable"
+                        },
+                        s.body,
+                    )
                 }
                 _ => ("404 Not Found", "404 page not found\n".to_owned()),
             };
@@ -112,7 +124,9 @@ pub async fn serve(addr: &str, health: Arc<ProxyHealth>) -> anyhow::Result<()> {
 
 /// RFC 3339 in UTC with a `Z`, as Go's time.Time marshals.
 fn rfc3339(t: SystemTime) -> String {
-    let secs = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let secs = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days + 719_468;
@@ -155,7 +169,10 @@ mod tests {
         assert!(!h.status(false).healthy && !h.status(true).healthy, "stuck");
         h.updated();
         let s = h.status(false);
-        assert!(s.healthy && s.body.contains("\"nodeEligible\": true"), "{s:?}");
+        assert!(
+            s.healthy && s.body.contains("\"nodeEligible\": true"),
+            "{s:?}"
+        );
         h.set_node_eligible(false);
         assert!(!h.status(false).healthy, "healthz follows node eligibility");
         assert!(h.status(true).healthy, "livez does not");

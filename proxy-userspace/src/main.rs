@@ -152,7 +152,10 @@ fn node_name(hostname_override: Option<String>) -> anyhow::Result<String> {
             .context("reading the hostname; pass --hostname-override")?,
     };
     let name = name.trim().to_lowercase();
-    anyhow::ensure!(!name.is_empty(), "the node name is empty; pass --hostname-override");
+    anyhow::ensure!(
+        !name.is_empty(),
+        "the node name is empty; pass --hostname-override"
+    );
     Ok(name)
 }
 

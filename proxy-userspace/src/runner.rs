@@ -62,7 +62,10 @@ impl SyncRunner {
                 health: health.clone(),
                 requests: rx,
             },
-            SyncHandle { requests: tx, health },
+            SyncHandle {
+                requests: tx,
+                health,
+            },
         )
     }
 

@@ -1,6 +1,7 @@
 //! The agent as a process in a sandbox node, on a manifest file, with its maps on a private
 //! bpffs; and editing that manifest the way an operator would.
 use std::{
+    io::{Read, Write},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -12,7 +13,7 @@ use proxy_userspace::{
     manifest::{self, Object},
 };
 
-use crate::{HOST_IF_PATTERN, Sandbox, find_bin, programs::PrivateBpffs};
+use crate::{HOST_IF_PATTERN, Sandbox, apiserver::ApiServer, find_bin, programs::PrivateBpffs};
 
 pub const AGENT_BIN_ENV: &str = "PROXY_USERSPACE_BIN";
 
@@ -20,12 +21,25 @@ pub fn agent_bin() -> Result<PathBuf> {
     find_bin("proxy-userspace", AGENT_BIN_ENV)
 }
 
+/// Where a test agent reads the desired state from.
+pub enum AgentSource<'a> {
+    /// A manifest file with this text.
+    Manifest(&'a str),
+    /// The stand-in API server (through a kubeconfig); it must be reachable from the node.
+    Api(&'a ApiServer),
+}
+
+/// The port of the agent's /healthz and /livez (kube-proxy's), on the node's loopback.
+pub const HEALTHZ_PORT: u16 = 10256;
+
 /// A running agent. Its process belongs to the sandbox (stopped when the sandbox drops).
 pub struct AgentRun {
     pub pid: u32,
+    /// The manifest file (written only for [`AgentSource::Manifest`]).
     pub manifest: PathBuf,
     pub log: PathBuf,
     pub bpffs: PrivateBpffs,
+    node: String,
     dir: PathBuf,
 }
 
@@ -38,19 +52,48 @@ impl AgentRun {
         manifest_text: &str,
         expect_services: usize,
     ) -> Result<Self> {
+        Self::start_from(
+            sandbox,
+            node,
+            AgentSource::Manifest(manifest_text),
+            expect_services,
+        )
+    }
+
+    /// Starts the agent on either source; see [`AgentRun::start`].
+    pub fn start_from(
+        sandbox: &mut Sandbox,
+        node: &str,
+        source: AgentSource<'_>,
+        expect_services: usize,
+    ) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("{}-agent", sandbox.prefix));
         std::fs::create_dir_all(&dir)?;
         let manifest = dir.join("services.yaml");
-        std::fs::write(&manifest, manifest_text)?;
         let log = dir.join("agent.log");
         let bpffs = PrivateBpffs::new()?;
         let mut cmd = Command::new(agent_bin()?);
-        cmd.args(["agent", "--proxy-mode", "ebpf", "--min-sync-period", "0s"])
-            .arg("--manifest")
-            .arg(&manifest)
-            .arg("--bpf-pin-dir")
+        cmd.args(["agent", "--proxy-mode", "ebpf", "--min-sync-period", "0s"]);
+        match source {
+            AgentSource::Manifest(text) => {
+                std::fs::write(&manifest, text)?;
+                cmd.arg("--manifest").arg(&manifest);
+            }
+            AgentSource::Api(api) => {
+                let kubeconfig = dir.join("kubeconfig");
+                api.kubeconfig(&kubeconfig)?;
+                cmd.arg("--kubeconfig")
+                    .arg(&kubeconfig)
+                    .args(["--hostname-override", node]);
+            }
+        }
+        cmd.arg("--bpf-pin-dir")
             .arg(bpffs.path())
             .args(["--pod-interfaces", HOST_IF_PATTERN])
+            .args([
+                "--healthz-bind-address",
+                &format!("127.0.0.1:{HEALTHZ_PORT}"),
+            ])
             // Small maps: tests run side by side.
             .args([
                 "--bpf-services-max",
@@ -71,12 +114,40 @@ impl AgentRun {
             manifest,
             log,
             bpffs,
+            node: node.to_owned(),
             dir,
         };
         run.wait_for(sandbox, "the first sync", |rows| {
             rows.len() >= expect_services
         })?;
         Ok(run)
+    }
+
+    /// GET `path` from the agent's health server: the status code and the body.
+    pub fn healthz(&self, sandbox: &Sandbox, path: &str) -> Result<(u16, String)> {
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+        let response = sandbox
+            .node(&self.node)
+            .try_run(move || -> Result<String> {
+                let mut conn = std::net::TcpStream::connect(("127.0.0.1", HEALTHZ_PORT))?;
+                conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+                conn.write_all(request.as_bytes())?;
+                let mut out = String::new();
+                conn.read_to_string(&mut out)?;
+                Ok(out)
+            })??;
+        let code = response
+            .split_whitespace()
+            .nth(1)
+            .context("empty response")?
+            .parse()?;
+        let body = response
+            .split("\r\n\r\n")
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned();
+        Ok((code, body))
     }
 
     /// Polls the pinned services until `ok` holds (10 s at most), checking the agent lives.

@@ -243,12 +243,21 @@ fn install_kubernetes_validate() -> anyhow::Result<()> {
     step("installing kubernetes-validate (PyPI) into /opt/kubernetes-validate");
     let venv = Path::new("/opt/kubernetes-validate");
     if !venv.join("bin/pip").exists() {
-        let created = Command::new("python3").args(["-m", "venv"]).arg(venv).status();
+        let created = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(venv)
+            .status();
         if !created.is_ok_and(|s| s.success()) {
             // Debian's python3 ships venv separately.
             let mut apt = Command::new("apt-get");
-            apt.args(["install", "-y", "-qq", "--no-install-recommends", "python3-venv"])
-                .env("DEBIAN_FRONTEND", "noninteractive");
+            apt.args([
+                "install",
+                "-y",
+                "-qq",
+                "--no-install-recommends",
+                "python3-venv",
+            ])
+            .env("DEBIAN_FRONTEND", "noninteractive");
             run(&mut apt)?;
             run(Command::new("python3").args(["-m", "venv"]).arg(venv))?;
         }

@@ -16,7 +16,10 @@ use std::{
 use anyhow::Context;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::{
-    api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice},
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
     serde::de::DeserializeOwned,
 };
 use kube::{
@@ -61,7 +64,11 @@ pub async fn run(
     health: Arc<ProxyHealth>,
     synced: oneshot::Sender<()>,
 ) -> anyhow::Result<()> {
-    let gate = Arc::new(Mutex::new(Gate { services: false, slices: false, tx: Some(synced) }));
+    let gate = Arc::new(Mutex::new(Gate {
+        services: false,
+        slices: false,
+        tx: Some(synced),
+    }));
     let services = {
         let (tracker, sync, gate) = (tracker.clone(), sync.clone(), gate.clone());
         watch::<Service>(
@@ -124,7 +131,8 @@ struct Gate {
 impl Gate {
     fn done(&mut self, which: impl FnOnce(&mut Self) -> &mut bool) {
         *which(self) = true;
-        if self.services && self.slices
+        if self.services
+            && self.slices
             && let Some(tx) = self.tx.take()
         {
             tracing::info!("Services and EndpointSlices listed: programming starts");

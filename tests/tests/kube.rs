@@ -1,0 +1,440 @@
+//! The Kubernetes source against the stand-in API server: the kube-rs watchers in-process
+//! (sync gate, add/update/delete, slices, 410 re-list, server down), then the whole agent in the
+//! sandbox driven through the API (traffic, deletion, health, 403, RBAC coverage).
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddr, TcpListener},
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use proxy_tests::{
+    BACKEND_PORT, Sandbox,
+    agent::{AgentRun, AgentSource},
+    apiserver::{self, ApiServer},
+    privileged, rbac, tcp_request,
+};
+use proxy_userspace::{
+    health::ProxyHealth,
+    model::{ChangeTracker, DesiredState, NamespacedName, Protocol, ServicePortName},
+    runner::{RunnerConfig, SyncRunner},
+    source,
+};
+
+/// The source running on its own runtime, and the state it has produced so far.
+struct Watching {
+    runtime: tokio::runtime::Runtime,
+    tracker: Arc<Mutex<ChangeTracker>>,
+    synced: Arc<AtomicBool>,
+    state: DesiredState,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Watching {
+    fn start(api: &ApiServer, test: &str) -> Self {
+        let dir =
+            TempDir(std::env::temp_dir().join(format!("kube-src-{}-{test}", std::process::id())));
+        std::fs::create_dir_all(&dir.0).unwrap();
+        let kubeconfig = dir.0.join("kubeconfig");
+        api.kubeconfig(&kubeconfig).unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let client = runtime
+            .block_on(source::kube::client(Some(&kubeconfig)))
+            .unwrap();
+        let tracker = Arc::new(Mutex::new(ChangeTracker::new()));
+        // No runner: these tests read the tracker directly.
+        let (_runner, handle) = SyncRunner::new(RunnerConfig {
+            min_interval: Duration::ZERO,
+            max_interval: Duration::from_secs(60),
+            retry_interval: Duration::from_secs(1),
+        });
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let synced = Arc::new(AtomicBool::new(false));
+        let flag = synced.clone();
+        runtime.spawn(async move {
+            if rx.await.is_ok() {
+                flag.store(true, Ordering::SeqCst);
+            }
+        });
+        let health = Arc::new(ProxyHealth::new(Duration::from_secs(60)));
+        runtime.spawn(source::kube::run(
+            client,
+            "node1".into(),
+            tracker.clone(),
+            handle,
+            health,
+            tx,
+        ));
+        Self {
+            runtime,
+            tracker,
+            synced,
+            state: DesiredState::default(),
+            _dir: dir,
+        }
+    }
+
+    /// Applies what the source produced until `ok` holds (10 s at most).
+    fn wait(&mut self, what: &str, ok: impl Fn(&DesiredState) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            self.tracker.lock().unwrap().apply(&mut self.state);
+            if ok(&self.state) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; state: {:#?}",
+                self.state
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        // Don't wait for the watch streams.
+        let runtime = std::mem::replace(
+            &mut self.runtime,
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap(),
+        );
+        runtime.shutdown_background();
+    }
+}
+
+fn spn(name: &str, port: &str) -> ServicePortName {
+    ServicePortName::new(NamespacedName::new("default", name), port, Protocol::Tcp)
+}
+
+fn ips(state: &DesiredState, spn: &ServicePortName) -> BTreeSet<String> {
+    state
+        .endpoints
+        .get(spn)
+        .into_iter()
+        .flatten()
+        .map(|e| e.ip.to_string())
+        .collect()
+}
+
+fn set(items: &[&str]) -> BTreeSet<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+const HTTP: (&str, u16, &str) = ("http", 8080, "TCP");
+
+fn web() -> serde_json::Value {
+    apiserver::service("default", "web", "10.96.0.10", &[("http", 80, "TCP", 8080)])
+}
+
+#[test]
+fn nothing_is_synced_before_services_and_slices_are_both_listed() {
+    let api = ApiServer::start().unwrap();
+    api.apply(web());
+    api.forbid("endpointslices", true);
+    let w = Watching::start(&api, "gate");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        !w.synced.load(Ordering::SeqCst),
+        "synced before the EndpointSlices were listed"
+    );
+    api.forbid("endpointslices", false);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !w.synced.load(Ordering::SeqCst) {
+        assert!(
+            Instant::now() < deadline,
+            "never synced after the slices became readable"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn services_and_slices_are_added_updated_merged_and_deleted() {
+    let api = ApiServer::start().unwrap();
+    let mut w = Watching::start(&api, "crud");
+    let web_http = spn("web", "http");
+    api.apply(web());
+    api.apply(apiserver::endpoint_slice(
+        "default",
+        "web-a",
+        "web",
+        &[("10.244.1.11", true, Some("node1"))],
+        &[HTTP],
+    ));
+    w.wait("web with one endpoint", |s| {
+        ips(s, &web_http) == set(&["10.244.1.11"])
+    });
+    assert_eq!(
+        w.state.services[&web_http].cluster_ips,
+        vec!["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
+    );
+
+    // A second slice (and a duplicate endpoint across slices), an update, a not-ready endpoint.
+    api.apply(apiserver::endpoint_slice(
+        "default",
+        "web-b",
+        "web",
+        &[
+            ("10.244.1.12", true, Some("node1")),
+            ("10.244.1.11", true, Some("node1")),
+            ("10.244.2.11", false, Some("node2")),
+        ],
+        &[HTTP],
+    ));
+    w.wait("slices merged", |s| {
+        ips(s, &web_http) == set(&["10.244.1.11", "10.244.1.12", "10.244.2.11"])
+    });
+    let ready: BTreeSet<String> = w
+        .state
+        .ready_endpoints(&web_http)
+        .map(|e| e.ip.to_string())
+        .collect();
+    assert_eq!(ready, set(&["10.244.1.11", "10.244.1.12"]));
+
+    // The service's port changes.
+    api.apply(apiserver::service(
+        "default",
+        "web",
+        "10.96.0.10",
+        &[("http", 8000, "TCP", 8080)],
+    ));
+    w.wait("port updated", |s| {
+        s.services.get(&web_http).is_some_and(|p| p.port == 8000)
+    });
+
+    // A slice changes owner: its endpoints move to the other service.
+    api.apply(apiserver::service(
+        "default",
+        "api",
+        "10.96.0.11",
+        &[("http", 80, "TCP", 8080)],
+    ));
+    api.apply(apiserver::endpoint_slice(
+        "default",
+        "web-a",
+        "api",
+        &[("10.244.1.11", true, None)],
+        &[HTTP],
+    ));
+    let api_http = spn("api", "http");
+    w.wait("slice moved", |s| {
+        ips(s, &api_http) == set(&["10.244.1.11"]) && ips(s, &web_http).len() == 3
+    });
+    api.delete("EndpointSlice", Some("default"), "web-b");
+    w.wait("web without endpoints", |s| ips(s, &web_http).is_empty());
+
+    // Headless Services are not proxied.
+    api.apply(apiserver::service(
+        "default",
+        "headless",
+        "None",
+        &[("http", 80, "TCP", 8080)],
+    ));
+    api.delete("Service", Some("default"), "web");
+    w.wait("web deleted", |s| !s.services.contains_key(&web_http));
+    assert!(!w.state.services.contains_key(&spn("headless", "http")));
+}
+
+#[test]
+fn a_relist_after_410_deletes_what_went_missing() {
+    let api = ApiServer::start().unwrap();
+    let mut w = Watching::start(&api, "relist");
+    api.apply(web());
+    api.apply(apiserver::service(
+        "default",
+        "gone",
+        "10.96.0.12",
+        &[("http", 80, "TCP", 8080)],
+    ));
+    w.wait("both services", |s| s.services.len() == 2);
+    // While the client is cut off, a Service is deleted and the history compacted: the watch
+    // cannot resume (410), so the watcher must list again and notice the deletion.
+    api.set_down(true);
+    api.delete("Service", Some("default"), "gone");
+    api.compact();
+    std::thread::sleep(Duration::from_millis(300));
+    api.set_down(false);
+    w.wait("the deletion seen through the re-list", |s| {
+        s.services.len() == 1 && s.services.contains_key(&spn("web", "http"))
+    });
+    assert!(
+        api.requests()
+            .iter()
+            .filter(|r| r.resource == "services" && r.verb == "list")
+            .count()
+            >= 2
+    );
+}
+
+#[test]
+fn an_unreachable_api_server_keeps_the_last_state() {
+    let api = ApiServer::start().unwrap();
+    let mut w = Watching::start(&api, "down");
+    api.apply(web());
+    api.apply(apiserver::endpoint_slice(
+        "default",
+        "web-a",
+        "web",
+        &[("10.244.1.11", true, None)],
+        &[HTTP],
+    ));
+    w.wait("web", |s| ips(s, &spn("web", "http")).len() == 1);
+    api.set_down(true);
+    std::thread::sleep(Duration::from_secs(2));
+    w.wait("nothing lost while down", |s| {
+        ips(s, &spn("web", "http")).len() == 1
+    });
+    api.set_down(false);
+    api.apply(apiserver::service(
+        "default",
+        "later",
+        "10.96.0.13",
+        &[("http", 80, "TCP", 8080)],
+    ));
+    w.wait("changes flow again", |s| {
+        s.services.contains_key(&spn("later", "http"))
+    });
+}
+
+#[test]
+fn the_agent_serves_services_created_through_the_api() {
+    if !privileged("the_agent_serves_services_created_through_the_api") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().unwrap();
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    // The API server listens on node1's loopback, where the agent runs.
+    let listener = sandbox
+        .node1
+        .try_run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .unwrap()
+        .unwrap();
+    let api = ApiServer::start_with_listener(listener).unwrap();
+    api.apply(apiserver::node("node1", "192.0.2.11"));
+    let agent = AgentRun::start_from(&mut sandbox, "node1", AgentSource::Api(&api), 0).unwrap();
+
+    api.apply(apiserver::service(
+        "demo",
+        "web",
+        "10.96.0.10",
+        &[("http", 80, "TCP", 8080)],
+    ));
+    api.apply(apiserver::endpoint_slice(
+        "demo",
+        "web-1",
+        "web",
+        &[
+            ("10.244.1.11", true, Some("node1")),
+            ("10.244.1.12", true, Some("node1")),
+            ("10.244.2.11", true, Some("node2")),
+        ],
+        &[HTTP],
+    ));
+    agent
+        .wait_for(&mut sandbox, "web programmed", |rows| {
+            rows.iter()
+                .any(|r| r.address == "10.96.0.10:80" && r.backends.len() == 3)
+        })
+        .unwrap();
+    let vip = SocketAddr::from((Ipv4Addr::new(10, 96, 0, 10), 80));
+    let client = &sandbox.pod("client").ns;
+    let seen: BTreeSet<String> = (0..40)
+        .map(|_| tcp_request(client, vip, "hi").unwrap().trim().to_owned())
+        .collect();
+    assert_eq!(seen, set(&["be1", "be2", "be4"]));
+
+    let (code, body) = agent.healthz(&sandbox, "/healthz").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("\"nodeEligible\": true") && body.contains("lastUpdated"),
+        "{body}"
+    );
+    assert_eq!(agent.healthz(&sandbox, "/livez").unwrap().0, 200);
+
+    api.delete("Service", Some("demo"), "web");
+    agent
+        .wait_for(&mut sandbox, "web removed", |rows| rows.is_empty())
+        .unwrap();
+    assert!(
+        tcp_request(&sandbox.pod("client").ns, vip, "hi").is_err(),
+        "a deleted Service must not answer"
+    );
+
+    // Losing the permission to list Services: the log says which, nothing is deleted.
+    api.apply(apiserver::service(
+        "demo",
+        "kept",
+        "10.96.0.20",
+        &[("http", 80, "TCP", 8080)],
+    ));
+    api.apply(apiserver::endpoint_slice(
+        "demo",
+        "kept-1",
+        "kept",
+        &[("10.244.1.13", true, None)],
+        &[HTTP],
+    ));
+    agent
+        .wait_for(&mut sandbox, "kept programmed", |rows| rows.len() == 1)
+        .unwrap();
+    api.forbid("services", true);
+    api.compact();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !agent
+        .log_text()
+        .contains("must allow list and watch on services")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no 403 hint in the log:\n{}",
+            agent.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let kept = SocketAddr::from((Ipv4Addr::new(10, 96, 0, 20), 80));
+    assert_eq!(
+        tcp_request(&sandbox.pod("client").ns, kept, "hi")
+            .unwrap()
+            .trim(),
+        "be3"
+    );
+
+    // Every request the agent made is one the deployed ClusterRole allows.
+    let role = rbac::load_cluster_role(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/kube-proxy-ebpf.yaml"
+    ))
+    .unwrap();
+    let requests = api.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.resource == "nodes" && r.verb == "watch"),
+        "{requests:#?}"
+    );
+    for r in requests.iter().filter(|r| !r.resource.is_empty()) {
+        assert!(
+            rbac::rbac_allows(&role, &r.verb, &r.group, &r.resource),
+            "the ClusterRole does not allow {r:?}"
+        );
+    }
+}
