@@ -154,7 +154,7 @@ mod tests {
     fn dates() {
         assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00Z");
         let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_999_999);
-        assert_eq!(rfc3339(t), "2026-11-29T22:13:19Z");
+        assert_eq!(rfc3339(t), "2026-11-30T00:53:19Z");
         let leap = SystemTime::UNIX_EPOCH + Duration::from_secs(951_782_400);
         assert_eq!(rfc3339(leap), "2000-02-29T00:00:00Z");
     }
