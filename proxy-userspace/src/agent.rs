@@ -36,8 +36,13 @@ pub enum Source {
     },
 }
 
-/// Runs until the source fails or the process is interrupted.
-pub async fn run(config: AgentConfig, dataplane: Box<dyn Dataplane>) -> anyhow::Result<()> {
+/// Runs until the source fails or the process is interrupted. The dataplane is made once the
+/// source's first load is in, so a misconfigured source fails before anything is loaded into
+/// the kernel.
+pub async fn run(
+    config: AgentConfig,
+    make_dataplane: impl FnOnce() -> anyhow::Result<Box<dyn Dataplane>>,
+) -> anyhow::Result<()> {
     let tracker = Arc::new(Mutex::new(ChangeTracker::new()));
     // kube-proxy's health timeout: twice the sync period.
     let health = Arc::new(ProxyHealth::new(2 * config.sync_period));
@@ -84,11 +89,14 @@ pub async fn run(config: AgentConfig, dataplane: Box<dyn Dataplane>) -> anyhow::
     // Nothing is programmed before the source has delivered its first complete view: a
     // partial view would delete services that are merely not loaded yet.
     tokio::select! {
-        r = synced_rx => r.context("the source stopped before its first complete load")?,
+        r = synced_rx => if r.is_err() {
+            // The source dropped its side: it failed, and says why.
+            return source_ended(source.await);
+        },
         r = &mut source => return source_ended(r),
     }
 
-    let dataplane = Arc::new(Mutex::new(dataplane));
+    let dataplane = Arc::new(Mutex::new(make_dataplane()?));
     let housekeeping = {
         let dataplane = dataplane.clone();
         tokio::spawn(async move {
@@ -113,7 +121,9 @@ pub async fn run(config: AgentConfig, dataplane: Box<dyn Dataplane>) -> anyhow::
             Scope::Changed(&changed)
         };
         let started = Instant::now();
-        let result = dataplane.lock().unwrap().sync(&state, scope);
+        // Programming a large state takes a while: let the runtime move other tasks (the
+        // watchers, the health server) off this thread meanwhile.
+        let result = tokio::task::block_in_place(|| dataplane.lock().unwrap().sync(&state, scope));
         let elapsed = started.elapsed();
         match &result {
             Ok(()) => {

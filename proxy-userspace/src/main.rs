@@ -4,6 +4,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use proxy_userspace::{
     agent::{self, AgentConfig, Source},
+    dataplane::Dataplane,
     duration::parse_duration,
     ebpf::{EbpfDataplane, MapSizes},
     inspect,
@@ -13,8 +14,18 @@ use proxy_userspace::{
 #[derive(Parser)]
 #[command(version)]
 struct Cli {
+    /// Log format (kube-proxy's flag): `text` for people, `json` for log pipelines. The
+    /// level comes from RUST_LOG (default info).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    logging_format: LoggingFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LoggingFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -94,14 +105,18 @@ enum InspectWhat {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+        .with_writer(std::io::stderr);
+    match cli.logging_format {
+        LoggingFormat::Text => logs.init(),
+        LoggingFormat::Json => logs.json().init(),
+    }
+    match cli.command {
         Command::Agent(args) => run_agent(args),
         Command::Inspect(args) => run_inspect(args),
     }
@@ -113,8 +128,21 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(async {
-        let dataplane = match args.proxy_mode {
+    let source = match args.manifest {
+        Some(path) => Source::File(path),
+        None => Source::Kubernetes {
+            kubeconfig: args.kubeconfig,
+            node_name: node_name(args.hostname_override)?,
+        },
+    };
+    let config = AgentConfig {
+        source,
+        min_sync_period: args.min_sync_period,
+        sync_period: args.sync_period,
+        healthz_bind_address: Some(args.healthz_bind_address).filter(|a| !a.is_empty()),
+    };
+    let make_dataplane = || -> anyhow::Result<Box<dyn Dataplane>> {
+        match args.proxy_mode {
             ProxyMode::Ebpf => {
                 let sizes = MapSizes {
                     services: args.bpf_services_max,
@@ -124,24 +152,11 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                 let mut dp = EbpfDataplane::new(&args.bpf_pin_dir, sizes, &args.pod_interfaces)?;
                 proxy_userspace::ebpf::spawn_bpf_logger(dp.ebpf_mut());
                 tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
-                Box::new(dp)
+                Ok(Box::new(dp))
             }
-        };
-        let source = match args.manifest {
-            Some(path) => Source::File(path),
-            None => Source::Kubernetes {
-                kubeconfig: args.kubeconfig,
-                node_name: node_name(args.hostname_override)?,
-            },
-        };
-        let config = AgentConfig {
-            source,
-            min_sync_period: args.min_sync_period,
-            sync_period: args.sync_period,
-            healthz_bind_address: Some(args.healthz_bind_address).filter(|a| !a.is_empty()),
-        };
-        agent::run(config, dataplane).await
-    })
+        }
+    };
+    runtime.block_on(agent::run(config, make_dataplane))
 }
 
 /// kube-proxy's rule: the override, else the hostname, lower-cased.

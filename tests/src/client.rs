@@ -70,17 +70,41 @@ pub fn tcp_request(from: &Netns, addr: SocketAddr, msg: &str) -> Result<String> 
 /// One TCP connection from inside `from`, `lines` request lines, one reply line each
 /// (to show that a flow sticks to one backend).
 pub fn tcp_session(from: &Netns, addr: SocketAddr, lines: usize) -> Result<Vec<String>> {
-    from.try_run(|| {
-        let (mut stream, mut reader) = tcp_connect(addr)?;
-        (0..lines)
-            .map(|i| {
-                tcp_exchange(&mut stream, &mut reader, &format!("request {i}"))
-                    .with_context(|| format!("request {} of {lines}", i + 1))
-            })
-            .collect()
-    })
-    .and_then(|r| r)
-    .with_context(|| format!("TCP session {addr} from {}", from.name))
+    let mut conn = TcpConn::open(from, addr)?;
+    (0..lines)
+        .map(|i| {
+            conn.ask(&format!("request {i}"))
+                .with_context(|| format!("request {} of {lines}", i + 1))
+        })
+        .collect()
+}
+
+/// A TCP connection made from inside a namespace and kept open, to ask over it later (a
+/// socket stays in the namespace it was created in, whichever thread uses it).
+pub struct TcpConn {
+    stream: TcpStream,
+    reader: BufReader<TcpStream>,
+    label: String,
+}
+
+impl TcpConn {
+    pub fn open(from: &Netns, addr: SocketAddr) -> Result<Self> {
+        let label = format!("TCP connection {addr} from {}", from.name);
+        let (stream, reader) = from
+            .try_run(|| tcp_connect(addr))
+            .and_then(|r| r)
+            .with_context(|| label.clone())?;
+        Ok(Self {
+            stream,
+            reader,
+            label,
+        })
+    }
+
+    /// Sends `msg` as a line; the reply line.
+    pub fn ask(&mut self, msg: &str) -> Result<String> {
+        tcp_exchange(&mut self.stream, &mut self.reader, msg).with_context(|| self.label.clone())
+    }
 }
 
 fn udp_socket(addr: SocketAddr) -> Result<UdpSocket> {
@@ -121,15 +145,33 @@ pub fn udp_request(from: &Netns, addr: SocketAddr, msg: &str) -> Result<String> 
 
 /// `n` datagrams from one socket (same source port), one reply each.
 pub fn udp_session(from: &Netns, addr: SocketAddr, n: usize) -> Result<Vec<String>> {
-    from.try_run(|| {
-        let socket = udp_socket(addr)?;
-        (0..n)
-            .map(|i| {
-                udp_exchange(&socket, &format!("request {i}"))
-                    .with_context(|| format!("datagram {} of {n}", i + 1))
-            })
-            .collect()
-    })
-    .and_then(|r| r)
-    .with_context(|| format!("UDP session {addr} from {}", from.name))
+    let conn = UdpConn::open(from, addr)?;
+    (0..n)
+        .map(|i| {
+            conn.ask(&format!("request {i}"))
+                .with_context(|| format!("datagram {} of {n}", i + 1))
+        })
+        .collect()
+}
+
+/// A UDP socket made from inside a namespace and kept: every datagram has the same source
+/// port, so they are one flow.
+pub struct UdpConn {
+    socket: UdpSocket,
+    label: String,
+}
+
+impl UdpConn {
+    pub fn open(from: &Netns, addr: SocketAddr) -> Result<Self> {
+        let label = format!("UDP flow {addr} from {}", from.name);
+        let socket = from
+            .try_run(|| udp_socket(addr))
+            .and_then(|r| r)
+            .with_context(|| label.clone())?;
+        Ok(Self { socket, label })
+    }
+
+    pub fn ask(&self, msg: &str) -> Result<String> {
+        udp_exchange(&self.socket, msg).with_context(|| self.label.clone())
+    }
 }

@@ -24,7 +24,9 @@ mod sandbox;
 use std::io::Write;
 use std::sync::OnceLock;
 
-pub use client::{CLIENT_TIMEOUT, tcp_request, tcp_session, udp_request, udp_session};
+pub use client::{
+    CLIENT_TIMEOUT, TcpConn, UdpConn, tcp_request, tcp_session, udp_request, udp_session,
+};
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{
     BACKEND_BIN_ENV, BACKEND_PORT, EXT_IP, HOST_IF_PATTERN, NODE_CIDR, NODE_IF, NODE1_IP, NODE2_IP,

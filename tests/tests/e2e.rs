@@ -7,7 +7,7 @@ use std::{
 };
 
 use proxy_tests::{
-    BACKEND_PORT, Sandbox,
+    BACKEND_PORT, Sandbox, TcpConn, UdpConn,
     agent::{AgentRun, edit_manifest, remove_endpoint},
     privileged, tcp_request, tcp_session, udp_request, udp_session,
 };
@@ -100,10 +100,18 @@ fn endpoint_and_service_changes_apply_live() {
     let Some((mut sandbox, agent)) = cluster("endpoint_and_service_changes_apply_live") else {
         return;
     };
-    // A long-lived connection to another service, to see untouched services keep their flows.
-    let client = sandbox.pod("client").ns.name.clone();
-    let client = proxy_tests::Netns::open(&client);
-    let before = udp_session(&client, DNS, 3).unwrap();
+    // Flows that must survive the edit: a UDP flow of an untouched service, and a TCP
+    // connection to web on a backend that stays.
+    let client = proxy_tests::Netns::open(&sandbox.pod("client").ns.name);
+    let dns_flow = UdpConn::open(&client, DNS).unwrap();
+    let dns_backend = dns_flow.ask("before").unwrap();
+    let (mut web_conn, web_backend) = loop {
+        let mut conn = TcpConn::open(&client, WEB).unwrap();
+        let backend = conn.ask("before").unwrap();
+        if backend != "be1" {
+            break (conn, backend);
+        }
+    };
 
     edit_manifest(&agent.manifest, |objects| {
         remove_endpoint(objects, "web", "10.244.1.11")
@@ -121,7 +129,16 @@ fn endpoint_and_service_changes_apply_live() {
         set(&["be1", "be4"]),
         "dns-like must be untouched"
     );
-    let _ = before;
+    assert_eq!(
+        dns_flow.ask("after").unwrap(),
+        dns_backend,
+        "the untouched service's flow moved"
+    );
+    assert_eq!(
+        web_conn.ask("after").unwrap(),
+        web_backend,
+        "a connection to a remaining backend broke"
+    );
 
     // The Service goes away: its address stops answering.
     edit_manifest(&agent.manifest, |objects| {
