@@ -29,6 +29,13 @@ enum Cmd {
     },
     /// Format check and clippy with warnings as errors.
     Lint,
+    /// Run the kernel-facing tests (BPF programs, sandbox end to end) on a second kernel:
+    /// Debian's 6.1 under QEMU (older verifier, tc attached through netlink instead of tcx).
+    VmTest {
+        /// Extra arguments for `cargo test`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Start the sandbox cluster and the agent, and show Services at work.
     Demo,
     /// Run a benchmark (`datapath`: the tc program under BPF_PROG_TEST_RUN).
@@ -78,6 +85,35 @@ fn main() -> anyhow::Result<()> {
             lint()
         }
         Cmd::Lint => lint(),
+        Cmd::VmTest { args } => {
+            setup()?;
+            build_ebpf()?;
+            step("preparing the VM (Debian's 6.1 kernel, once)");
+            run(Command::new("bash").arg(root.join("vmtest/setup.sh")))?;
+            step("building the workspace");
+            cargo(&["build", "--workspace", "--bins"])?;
+            step("running the kernel-facing tests inside the VM (software emulation: slow)");
+            let mut test = vec![
+                "test",
+                "-p",
+                "proxy-tests",
+                "--test",
+                "datapath",
+                "--test",
+                "e2e",
+                "--test",
+                "sandbox",
+            ];
+            test.extend(args.iter().map(String::as_str));
+            let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+            cmd.args(&test)
+                .env(
+                    "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER",
+                    root.join("vmtest/cargo-runner.sh"),
+                )
+                .env("VM_MEM", "1536");
+            run(&mut cmd)
+        }
         Cmd::Demo => {
             setup()?;
             build_ebpf()?;
