@@ -122,6 +122,30 @@ pub struct CtKey {
 pub const CT_FORWARD: u8 = 1;
 pub const CT_REPLY: u8 = 2;
 
+/// [`CtValue::flags`]: a FIN or RST was seen; the entry now lives [`CT_LIFETIME_CLOSING_NS`].
+pub const CT_CLOSING: u8 = 1;
+
+/// How long an idle entry stays valid (after Cilium's defaults). Expired entries are ignored
+/// by the programs (a packet on such a 5-tuple starts a new flow) and evicted by the LRU.
+pub const CT_LIFETIME_TCP_NS: u64 = 6 * 3600 * 1_000_000_000;
+pub const CT_LIFETIME_UDP_NS: u64 = 60 * 1_000_000_000;
+pub const CT_LIFETIME_CLOSING_NS: u64 = 10 * 1_000_000_000;
+
+impl CtValue {
+    /// Whether this entry, last used at `last_seen_ns`, is past its lifetime at `now`.
+    #[inline(always)]
+    pub fn expired(&self, proto: u8, now: u64) -> bool {
+        let lifetime = if self.flags & CT_CLOSING != 0 {
+            CT_LIFETIME_CLOSING_NS
+        } else if proto == IPPROTO_TCP {
+            CT_LIFETIME_TCP_NS
+        } else {
+            CT_LIFETIME_UDP_NS
+        };
+        now.saturating_sub(self.last_seen_ns) > lifetime
+    }
+}
+
 /// A conntrack entry. Each flow has two: the forward entry (keyed by client -> service address)
 /// names the backend; the reply entry (keyed by backend -> client) names the service address the
 /// reply must appear to come from.
@@ -135,7 +159,9 @@ pub struct CtValue {
     pub vport: Be16,
     /// [`CT_FORWARD`] or [`CT_REPLY`].
     pub direction: u8,
-    pub pad: [u8; 5],
+    /// [`CT_CLOSING`].
+    pub flags: u8,
+    pub pad: [u8; 4],
     /// `bpf_ktime_get_ns()` of the last packet seen in this direction.
     pub last_seen_ns: u64,
     /// Packets seen in this direction (not atomic: a statistic, not an accounting record).

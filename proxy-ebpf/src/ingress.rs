@@ -1,12 +1,14 @@
 //! Packets leaving a pod: a packet to a service address is sent to a backend (DNAT). The first
 //! packet of a flow picks a backend at random and records the choice in conntrack; later packets
-//! follow that record while its backend exists.
+//! follow that record while it is within its lifetime and its backend exists.
 use aya_ebpf::{
     bindings::BPF_ANY,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     programs::TcContext,
 };
-use proxy_common::{Backend, CT_FORWARD, CT_REPLY, CtKey, CtValue, ServiceKey, ServiceValue};
+use proxy_common::{
+    Backend, CT_CLOSING, CT_FORWARD, CT_REPLY, CtKey, CtValue, ServiceKey, ServiceValue,
+};
 
 use crate::{
     maps::{BACKENDS, CONNTRACK, SERVICES},
@@ -25,7 +27,7 @@ pub fn try_ingress(ctx: &TcContext) -> Result<(), Error> {
         return Ok(()); // not a service: untouched
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    let backend = match established(&key, now) {
+    let backend = match established(&key, flow.closing, now) {
         Some(backend) => backend,
         None => {
             // A service without endpoints passes untouched for now (kube-proxy rejects such
@@ -40,20 +42,52 @@ pub fn try_ingress(ctx: &TcContext) -> Result<(), Error> {
     flow.rewrite(ctx, End::Destination, backend.addr, backend.port)
 }
 
-/// The backend of a flow already in conntrack, if that backend still exists.
+/// The backend of a flow already in conntrack, if the entry is within its lifetime and its
+/// backend still exists (for this protocol). Re-creates the reply entry if the LRU evicted it
+/// alone, so replies keep their reverse NAT.
 #[inline(always)]
-fn established(key: &CtKey, now: u64) -> Option<Backend> {
+fn established(key: &CtKey, closing: bool, now: u64) -> Option<Backend> {
     let entry = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
     // entry, which the direction and backend checks below reject or the backend lookup corrects.
     let entry = unsafe { &mut *entry };
-    if entry.direction != CT_FORWARD {
+    if entry.direction != CT_FORWARD || entry.expired(key.proto, now) {
         return None;
     }
     let backend = unsafe { BACKENDS.get(entry.backend_id) }.copied()?;
+    if backend.proto != key.proto {
+        return None;
+    }
     entry.last_seen_ns = now;
     entry.packets += 1;
+    if closing {
+        entry.flags |= CT_CLOSING;
+    }
+    let reply_key = reply_key(key, &backend);
+    match CONNTRACK.get_ptr_mut(reply_key) {
+        Some(reply) if closing => unsafe { (*reply).flags |= CT_CLOSING },
+        Some(_) => {}
+        None => {
+            let mut reply = *entry;
+            reply.direction = CT_REPLY;
+            reply.packets = 0;
+            let _ = CONNTRACK.insert(reply_key, reply, BPF_ANY as u64);
+        }
+    }
     Some(backend)
+}
+
+/// Where the backend's replies to the flow `key` come from and go to.
+#[inline(always)]
+fn reply_key(key: &CtKey, backend: &Backend) -> CtKey {
+    CtKey {
+        saddr: backend.addr,
+        daddr: key.saddr,
+        sport: backend.port,
+        dport: key.sport,
+        proto: key.proto,
+        pad: [0; 3],
+    }
 }
 
 #[inline(always)]
@@ -72,20 +106,14 @@ fn select_backend(svc_key: &ServiceKey, svc: &ServiceValue) -> Option<(u32, Back
 /// before the record that reverse-NATs it.
 #[inline(always)]
 fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64) {
-    let reply_key = CtKey {
-        saddr: backend.addr,
-        daddr: key.saddr,
-        sport: backend.port,
-        dport: key.sport,
-        proto: key.proto,
-        pad: [0; 3],
-    };
+    let reply_key = reply_key(key, backend);
     let mut value = CtValue {
         backend_id,
         vip: key.daddr,
         vport: key.dport,
         direction: CT_REPLY,
-        pad: [0; 5],
+        flags: 0,
+        pad: [0; 4],
         last_seen_ns: now,
         packets: 0,
     };

@@ -20,8 +20,13 @@ const IP_FRAG_MASK: u16 = 0x3fff;
 /// An IPv4 TCP or UDP packet's flow, and where its L4 header starts.
 pub struct Flow {
     pub key: CtKey,
+    /// TCP: the packet carries FIN or RST (the connection is closing). Always false for UDP.
+    pub closing: bool,
     l4_off: usize,
 }
+
+const TCP_FIN: u8 = 0x01;
+const TCP_RST: u8 = 0x04;
 
 /// Longest header run the programs read: Ethernet, IPv4 with options, a TCP header.
 const MAX_HDR: usize = ETH_HLEN + 60 + 20;
@@ -92,8 +97,11 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
         proto: l4_proto,
         pad: [0; 3],
     };
+    let closing =
+        l4_proto == IPPROTO_TCP && unsafe { read::<u8>(l4 + 13) } & (TCP_FIN | TCP_RST) != 0;
     Some(Flow {
         key,
+        closing,
         l4_off: ETH_HLEN + ihl,
     })
 }

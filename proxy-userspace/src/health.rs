@@ -122,8 +122,8 @@ pub async fn serve(addr: &str, health: Arc<ProxyHealth>) -> anyhow::Result<()> {
     }
 }
 
-/// RFC 3339 in UTC with a `Z`, as Go's time.Time marshals.
-fn rfc3339(t: SystemTime) -> String {
+/// RFC 3339 in UTC with a `Z`, whole seconds, as Go's metav1.Time marshals.
+pub fn rfc3339(t: SystemTime) -> String {
     let secs = t
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs()) as i64;

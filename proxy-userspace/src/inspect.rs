@@ -5,7 +5,7 @@ use std::{fmt::Write as _, net::Ipv4Addr, path::Path};
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
-    Backend, Be32, CT_FORWARD, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_BACKENDS,
+    Backend, Be32, CT_CLOSING, CT_FORWARD, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_SERVICES, ServiceKey, ServiceValue,
 };
 use serde::Serialize;
@@ -49,6 +49,10 @@ pub struct FlowRow {
     pub backend_id: u32,
     pub packets: u64,
     pub idle_seconds: f64,
+    /// A FIN or RST was seen: the entry has the short closing lifetime.
+    pub closing: bool,
+    /// Past its lifetime: the programs ignore it (the LRU evicts it eventually).
+    pub expired: bool,
 }
 
 fn open(pin_dir: &Path, name: &str) -> anyhow::Result<MapData> {
@@ -138,6 +142,8 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
             backend_id: v.backend_id,
             packets: v.packets,
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
+            closing: v.flags & CT_CLOSING != 0,
+            expired: v.expired(k.proto, now),
         });
     }
     rows.sort_by(|a, b| {
@@ -188,13 +194,13 @@ pub fn backends_table(rows: &[BackendRow]) -> String {
 
 pub fn conntrack_table(rows: &[FlowRow]) -> String {
     let mut out = format!(
-        "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8}\n",
+        "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8} STATE\n",
         "DIR", "PROTO", "SOURCE", "DESTINATION", "SERVICE", "BACKEND", "PACKETS", "IDLE(s)"
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8.1}",
+            "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8.1} {}",
             r.direction,
             r.protocol,
             r.source,
@@ -202,7 +208,12 @@ pub fn conntrack_table(rows: &[FlowRow]) -> String {
             r.service,
             r.backend_id,
             r.packets,
-            r.idle_seconds
+            r.idle_seconds,
+            match (r.expired, r.closing) {
+                (true, _) => "expired",
+                (false, true) => "closing",
+                (false, false) => "open",
+            }
         );
     }
     out

@@ -10,8 +10,10 @@ use std::{
 use anyhow::Context;
 use aya::{
     Ebpf,
+    maps::{HashMap as BpfHashMap, Map, MapData},
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
+use proxy_common::{CtKey, CtValue, MAP_CONNTRACK};
 use proxy_userspace::{
     dataplane::Scope,
     ebpf::{self, MapSizes, ServiceMaps, bpffs},
@@ -103,6 +105,12 @@ impl Programs {
             .unwrap();
         out.truncate(result.data_size_out as usize);
         (result.return_value, out, result.duration)
+    }
+
+    /// The conntrack map, opened from its pin (to inspect entries, or age them as time would).
+    pub fn conntrack(&self) -> BpfHashMap<MapData, CtKey, CtValue> {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_CONNTRACK)).expect("conntrack pin");
+        Map::LruHashMap(data).try_into().expect("conntrack map")
     }
 
     /// Runs `prog` `repeat` times on `frame` in the kernel; the mean time per run.

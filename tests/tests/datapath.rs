@@ -2,6 +2,8 @@
 //! both checksums checked by recomputing them.
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
+use proxy_common::CtKey;
+
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec, TCP, UDP},
     privileged,
@@ -11,7 +13,7 @@ use proxy_userspace::{
     dataplane::Scope,
     ebpf::{MapSizes, ServiceMaps},
     inspect,
-    model::{DesiredState, Protocol},
+    model::{DesiredState, Protocol, ServicePortName},
 };
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
@@ -46,6 +48,18 @@ fn setup(test: &str, endpoints: &[(Ipv4Addr, u16)]) -> Option<(Programs, Desired
     }
     p.program(&state).expect("programming the maps");
     Some((p, state))
+}
+
+/// Sets the endpoints of the TCP service `web` (the VIP, port 80).
+fn set_web(state: &mut DesiredState, endpoints: &[(Ipv4Addr, u16)]) -> ServicePortName {
+    let svc = Svc {
+        name: "web",
+        vip: VIP,
+        port: 80,
+        protocol: Protocol::Tcp,
+        endpoints,
+    };
+    add_service(state, &svc)
 }
 
 /// Runs ingress on a frame to the VIP and checks what every DNAT must satisfy.
@@ -308,16 +322,7 @@ fn endpoint_changes_apply_to_established_flows_only_when_their_backend_goes() {
     }
     let (on_be1, on_be2) = (on[&BE1].clone(), on[&BE2].clone());
     // BE1 leaves: its flow moves to BE2, the BE2 flow stays, new flows go to BE2 only.
-    let web = add_service(
-        &mut state,
-        &Svc {
-            name: "web",
-            vip: VIP,
-            port: 80,
-            protocol: Protocol::Tcp,
-            endpoints: &[(BE2, 8080)],
-        },
-    );
+    let web = set_web(&mut state, &[(BE2, 8080)]);
     p.maps
         .sync(&state, Scope::Changed(&BTreeSet::from([web.clone()])))
         .unwrap();
@@ -364,16 +369,7 @@ fn maps_hold_what_inspect_shows_and_survive_a_restart() {
     let mut reloaded = proxy_userspace::ebpf::load(p.bpffs.path(), SMALL).unwrap();
     p.maps = ServiceMaps::take_from(&mut reloaded).unwrap();
     state.services.retain(|k, _| k.protocol == Protocol::Tcp);
-    add_service(
-        &mut state,
-        &Svc {
-            name: "web",
-            vip: VIP,
-            port: 80,
-            protocol: Protocol::Tcp,
-            endpoints: &[(BE2, 8080), (BE3, 8080)],
-        },
-    );
+    set_web(&mut state, &[(BE2, 8080), (BE3, 8080)]);
     p.maps.sync(&state, Scope::All).unwrap();
     let rows = inspect::services(p.bpffs.path()).unwrap();
     assert_eq!(rows.len(), 1, "{rows:?}");
@@ -451,4 +447,105 @@ fn a_full_map_fails_clearly_and_keeps_the_rest() {
         "service a must still be programmed: {rows:?}"
     );
     assert_eq!(rows[0].address, "10.96.0.1:80");
+}
+
+/// Moves every conntrack entry's last use `secs` into the past, as time passing would.
+fn age_conntrack(p: &Programs, secs: u64) {
+    let mut ct = p.conntrack();
+    let entries: Vec<_> = ct.iter().map(Result::unwrap).collect();
+    for (k, mut v) in entries {
+        v.last_seen_ns = v.last_seen_ns.saturating_sub(secs * 1_000_000_000);
+        ct.insert(k, v, 0).unwrap();
+    }
+}
+
+fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec<u8> {
+    Spec {
+        src: backend,
+        sport: port,
+        dst: spec.src,
+        dport: spec.sport,
+        tcp_flags,
+        ..spec.clone()
+    }
+    .build()
+}
+
+#[test]
+fn closed_and_idle_flows_expire() {
+    let Some((p, _)) = setup("closed_and_idle_flows_expire", &[(BE1, 8080)]) else {
+        return;
+    };
+    let tcp = Spec::tcp(CLIENT, 47000, VIP, 80);
+    let udp = Spec::udp(CLIENT, 47000, VIP, 80);
+    dnat(&p, &tcp);
+    dnat(&p, &udp);
+    // The client closes the TCP connection: both of its entries get the closing lifetime.
+    dnat(
+        &p,
+        &Spec {
+            tcp_flags: 0x11,
+            ..tcp.clone()
+        },
+    );
+    let flows = inspect::conntrack(p.bpffs.path()).unwrap();
+    let tcp_flows: Vec<_> = flows.iter().filter(|f| f.protocol == "TCP").collect();
+    assert_eq!(tcp_flows.len(), 2);
+    assert!(
+        tcp_flows.iter().all(|f| f.closing && !f.expired),
+        "{tcp_flows:?}"
+    );
+    // 11 s later the TCP flow is over; the UDP flow (60 s) is not yet.
+    age_conntrack(&p, 11);
+    untouched(&p, "tc_egress", &reply_to(&tcp, BE1, 8080, 0x12));
+    let (_, out) = p.run("tc_egress", &reply_to(&udp, BE1, 8080, 0));
+    assert_eq!(packet::read(&out).src, VIP, "the UDP flow is still live");
+    // 61 s after that, the UDP flow is over too; a new packet on its 5-tuple starts a new flow.
+    age_conntrack(&p, 61);
+    untouched(&p, "tc_egress", &reply_to(&udp, BE1, 8080, 0));
+    assert_eq!(dnat(&p, &udp).dst, BE1);
+    let (_, out) = p.run("tc_egress", &reply_to(&udp, BE1, 8080, 0));
+    assert_eq!(packet::read(&out).src, VIP);
+}
+
+#[test]
+fn a_backend_closing_marks_both_directions() {
+    let Some((p, _)) = setup("a_backend_closing_marks_both_directions", &[(BE1, 8080)]) else {
+        return;
+    };
+    let tcp = Spec::tcp(CLIENT, 47100, VIP, 80);
+    dnat(&p, &tcp);
+    let (_, out) = p.run("tc_egress", &reply_to(&tcp, BE1, 8080, 0x04)); // RST from the backend
+    assert_eq!(packet::read(&out).src, VIP);
+    let flows = inspect::conntrack(p.bpffs.path()).unwrap();
+    assert!(
+        flows.len() == 2 && flows.iter().all(|f| f.closing),
+        "{flows:?}"
+    );
+}
+
+#[test]
+fn a_reply_entry_evicted_alone_is_recreated() {
+    let Some((p, _)) = setup("a_reply_entry_evicted_alone_is_recreated", &[(BE1, 8080)]) else {
+        return;
+    };
+    let tcp = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(CLIENT, 47200, VIP, 80)
+    };
+    dnat(&p, &tcp);
+    let mut ct = p.conntrack();
+    let reply: Vec<CtKey> = ct
+        .iter()
+        .map(Result::unwrap)
+        .filter(|(_, v)| v.direction == proxy_common::CT_REPLY)
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(reply.len(), 1);
+    ct.remove(&reply[0]).unwrap();
+    untouched(&p, "tc_egress", &reply_to(&tcp, BE1, 8080, 0x10));
+    // The client's next packet puts it back.
+    dnat(&p, &tcp);
+    let (_, out) = p.run("tc_egress", &reply_to(&tcp, BE1, 8080, 0x10));
+    assert_eq!(packet::read(&out).src, VIP);
 }
