@@ -3,7 +3,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LruHashMap},
+    maps::{Array, HashMap, LruHashMap},
 };
 use proxy_common::{Backend, CtKey, CtValue, ServiceKey, ServiceValue};
 
@@ -20,3 +20,9 @@ pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(1 << 20, BPF_F_NO_P
 /// next packet picks a backend again) rather than new flows failing.
 #[map(name = "CONNTRACK")]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(1 << 21, 0);
+
+/// The agent's own state, kept beside the maps it describes (the programs never read it):
+/// index 0 is the next backend id, so ids are not handed out again after a restart while
+/// conntrack may still name them.
+#[map(name = "AGENT_STATE")]
+pub static AGENT_STATE: Array<u64> = Array::pinned(1, 0);

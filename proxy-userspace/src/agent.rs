@@ -10,7 +10,7 @@ use anyhow::Context;
 use tokio::sync::oneshot;
 
 use crate::{
-    dataplane::{Dataplane, Scope},
+    dataplane::{Dataplane, NotProgrammable, Scope},
     health::{self, ProxyHealth},
     model::{ChangeTracker, DesiredState},
     runner::{RunnerConfig, SyncRunner},
@@ -123,7 +123,14 @@ pub async fn run(
         let started = Instant::now();
         // Programming a large state takes a while: let the runtime move other tasks (the
         // watchers, the health server) off this thread meanwhile.
-        let result = tokio::task::block_in_place(|| dataplane.lock().unwrap().sync(&state, scope));
+        let mut result =
+            tokio::task::block_in_place(|| dataplane.lock().unwrap().sync(&state, scope));
+        if let Err(e) = &result
+            && e.is::<NotProgrammable>()
+        {
+            tracing::error!("{e:#}");
+            result = Ok(());
+        }
         let elapsed = started.elapsed();
         match &result {
             Ok(()) => {

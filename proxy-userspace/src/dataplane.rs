@@ -24,3 +24,10 @@ pub trait Dataplane: Send {
         Ok(())
     }
 }
+
+/// Service ports that cannot be programmed as configured (a full map, too many endpoints).
+/// Retrying does not help until the configuration changes, so such a sync still counts as
+/// done (for health and retries); the next full resync tries them again.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NotProgrammable(pub String);

@@ -10,7 +10,7 @@ use proxy_tests::{
     programs::{Programs, Svc, TC_ACT_OK, add_service},
 };
 use proxy_userspace::{
-    dataplane::Scope,
+    dataplane::{NotProgrammable, Scope},
     ebpf::{MapSizes, ServiceMaps},
     inspect,
     model::{DesiredState, Protocol, ServicePortName},
@@ -434,8 +434,12 @@ fn a_full_map_fails_clearly_and_keeps_the_rest() {
     );
     let err = p
         .program(&state)
-        .expect_err("11 slots cannot fit next to 4 in 8")
-        .to_string();
+        .expect_err("11 slots cannot fit next to 4 in 8");
+    assert!(
+        err.is::<NotProgrammable>(),
+        "a full map is not worth retrying: {err:#}"
+    );
+    let err = err.to_string();
     assert!(
         err.contains("services map full") && err.contains("--bpf-services-max"),
         "{err}"
@@ -548,4 +552,68 @@ fn a_reply_entry_evicted_alone_is_recreated() {
     dnat(&p, &tcp);
     let (_, out) = p.run("tc_egress", &reply_to(&tcp, BE1, 8080, 0x10));
     assert_eq!(packet::read(&out).src, VIP);
+}
+
+/// What a restarted agent does: load again (reusing the pins) and take the maps.
+fn restart(p: &mut Programs, sizes: MapSizes) {
+    let mut reloaded = proxy_userspace::ebpf::load(p.bpffs.path(), sizes).unwrap();
+    p.maps = ServiceMaps::take_from(&mut reloaded).unwrap();
+}
+
+#[test]
+fn backend_ids_are_not_reused_after_a_restart() {
+    let Some((mut p, mut state)) = setup(
+        "backend_ids_are_not_reused_after_a_restart",
+        &[(BE1, 8080), (BE2, 8080)],
+    ) else {
+        return;
+    };
+    // Ids 1-4 are handed out (dns: 1, 2; web: 3, 4); web goes away, and with it ids 3 and 4,
+    // which conntrack entries may still name.
+    state.services.retain(|k, _| k.protocol == Protocol::Udp);
+    p.program(&state).unwrap();
+    restart(&mut p, SMALL);
+    set_web(&mut state, &[(BE3, 8080)]);
+    p.program(&state).unwrap();
+    let ids: Vec<u32> = inspect::backends(p.bpffs.path())
+        .unwrap()
+        .iter()
+        .map(|b| b.id)
+        .collect();
+    assert_eq!(
+        ids,
+        vec![1, 2, 5],
+        "ids 3 and 4 must not be handed out again"
+    );
+}
+
+#[test]
+fn a_restart_into_a_full_map_keeps_serving_the_old_backends() {
+    let Some((mut p, mut state)) = setup(
+        "a_restart_into_a_full_map_keeps_serving_the_old_backends",
+        &[(BE1, 8080)],
+    ) else {
+        return;
+    };
+    state.services.retain(|k, _| k.protocol == Protocol::Tcp);
+    p.program(&state).unwrap();
+    // While the agent was down the service grew beyond what the map can hold.
+    restart(&mut p, SMALL);
+    let many: Vec<(Ipv4Addr, u16)> = (1..=2000)
+        .map(|i| (Ipv4Addr::from(0x0af4_0000 + i), 8080))
+        .collect();
+    set_web(&mut state, &many);
+    let err = p
+        .program(&state)
+        .expect_err("2001 slots do not fit in 1024");
+    assert!(err.is::<NotProgrammable>(), "{err:#}");
+    assert_eq!(
+        dnat(&p, &Spec::tcp(CLIENT, 48000, VIP, 80)).dst,
+        BE1,
+        "the old backend must stay"
+    );
+    // And it is still owned: a later change that fits replaces it cleanly.
+    set_web(&mut state, &[(BE2, 8080)]);
+    p.program(&state).unwrap();
+    assert_eq!(dnat(&p, &Spec::tcp(CLIENT, 48001, VIP, 80)).dst, BE2);
 }

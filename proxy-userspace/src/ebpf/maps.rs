@@ -9,16 +9,19 @@ use std::{
     net::IpAddr,
 };
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, anyhow};
 use aya::{
     Ebpf,
-    maps::{HashMap as BpfHashMap, IterableMap, MapData},
+    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData},
 };
-use proxy_common::{Backend, Be16, Be32, MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue};
+use proxy_common::{
+    AGENT_STATE_NEXT_BACKEND_ID, Backend, Be16, Be32, MAP_AGENT_STATE, MAP_BACKENDS, MAP_SERVICES,
+    ServiceKey, ServiceValue,
+};
 
 use crate::{
-    dataplane::Scope,
-    model::{DesiredState, ServicePortName},
+    dataplane::{NotProgrammable, Scope},
+    model::{DesiredState, Protocol, ServicePortName},
 };
 
 /// A service address as the datapath matches it: slot 0 of the services map.
@@ -41,26 +44,29 @@ pub struct ServiceMaps {
     ids: HashMap<Backend, u32>,
     by_id: HashMap<u32, (Backend, usize)>,
     next_id: u32,
+    /// Where `next_id` is kept across restarts, and the value last written there.
+    agent_state: Array<MapData, u64>,
+    saved_next_id: u32,
 }
 
 impl ServiceMaps {
     /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
     /// (ids stay stable across restarts, so established flows keep their backend).
     pub fn take_from(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        let services: BpfHashMap<_, ServiceKey, ServiceValue> = ebpf
-            .take_map(MAP_SERVICES)
-            .context("services map missing")?
-            .try_into()?;
-        let backends: BpfHashMap<_, u32, Backend> = ebpf
-            .take_map(MAP_BACKENDS)
-            .context("backends map missing")?
-            .try_into()?;
-        Self::recover(services, backends)
+        let mut take = |name: &str| {
+            ebpf.take_map(name)
+                .with_context(|| format!("map {name} missing"))
+        };
+        let services: BpfHashMap<_, ServiceKey, ServiceValue> = take(MAP_SERVICES)?.try_into()?;
+        let backends: BpfHashMap<_, u32, Backend> = take(MAP_BACKENDS)?.try_into()?;
+        let agent_state: Array<_, u64> = take(MAP_AGENT_STATE)?.try_into()?;
+        Self::recover(services, backends, agent_state)
     }
 
-    pub fn recover(
-        services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
+    fn recover(
+        mut services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
         backends: BpfHashMap<MapData, u32, Backend>,
+        agent_state: Array<MapData, u64>,
     ) -> anyhow::Result<Self> {
         let services_max = services.map().info()?.max_entries() as usize;
         let backends_max = backends.map().info()?.max_entries() as usize;
@@ -70,30 +76,45 @@ impl ServiceMaps {
             by_id.insert(id, (backend, 0));
         }
         let ids = by_id.iter().map(|(id, (b, _))| (*b, *id)).collect();
+        let keys: Vec<ServiceKey> = services.keys().collect::<Result<_, _>>()?;
         let mut frontends = HashMap::new();
         let mut used_slots = 0;
-        for key in services.keys() {
-            let key = key?;
-            if key.slot != 0 {
-                continue;
-            }
-            let count = services.get(&key, 0)?.count;
+        for key in keys.iter().filter(|k| k.slot == 0) {
+            let count = services.get(key, 0)?.count;
             let mut slots = Vec::with_capacity(count as usize);
             for slot in 1..=count {
-                let id = services.get(&ServiceKey { slot, ..key }, 0)?.backend_id;
+                let id = services.get(&ServiceKey { slot, ..*key }, 0)?.backend_id;
                 if let Some((_, refs)) = by_id.get_mut(&id) {
                     *refs += 1;
                 }
                 slots.push(id);
             }
             used_slots += slots.len() + 1;
-            frontends.insert(key, slots);
+            frontends.insert(*key, slots);
         }
-        let next_id = by_id.keys().max().map_or(1, |m| m.wrapping_add(1).max(1));
+        // Slots no head counts: left by an agent stopped halfway through a removal.
+        for key in keys.iter().filter(|k| k.slot != 0) {
+            let head = ServiceKey { slot: 0, ..*key };
+            if frontends
+                .get(&head)
+                .is_none_or(|slots: &Vec<u32>| usize::from(key.slot) > slots.len())
+            {
+                match services.remove(key) {
+                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                    Err(e) => return Err(e).context("deleting an orphaned slot"),
+                }
+            }
+        }
+        // Never below an id still in the maps, nor below one handed out before (conntrack may
+        // name it although its backend is gone).
+        let saved = agent_state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0)? as u32;
+        let after_max = by_id.keys().max().map_or(1, |m| m.wrapping_add(1));
+        let next_id = saved.max(after_max).max(1);
         if !frontends.is_empty() {
             tracing::info!(
                 frontends = frontends.len(),
                 backends = by_id.len(),
+                next_id,
                 "recovered services from the pinned maps"
             );
         }
@@ -108,7 +129,19 @@ impl ServiceMaps {
             ids,
             by_id,
             next_id,
+            agent_state,
+            saved_next_id: saved,
         })
+    }
+
+    fn save_next_id(&mut self) -> anyhow::Result<()> {
+        if self.next_id != self.saved_next_id {
+            self.agent_state
+                .set(AGENT_STATE_NEXT_BACKEND_ID, u64::from(self.next_id), 0)
+                .context("saving the next backend id")?;
+            self.saved_next_id = self.next_id;
+        }
+        Ok(())
     }
 
     pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
@@ -121,10 +154,13 @@ impl ServiceMaps {
             }
             Scope::Changed(changed) => changed.iter().cloned().collect(),
         };
-        let mut failures = Vec::new();
+        let (mut failures, mut unprogrammable) = (Vec::new(), Vec::new());
         for spn in &ports {
             if let Err(e) = self.sync_port(state, spn) {
-                failures.push(format!("{spn}: {e:#}"));
+                match e.downcast_ref::<NotProgrammable>() {
+                    Some(_) => unprogrammable.push(format!("{spn}: {e:#}")),
+                    None => failures.push(format!("{spn}: {e:#}")),
+                }
             }
         }
         if matches!(scope, Scope::All) {
@@ -155,15 +191,27 @@ impl ServiceMaps {
                 }
             }
         }
-        if failures.is_empty() {
-            Ok(())
-        } else {
+        if let Err(e) = self.save_next_id() {
+            failures.push(format!("{e:#}"));
+        }
+        if !failures.is_empty() {
+            failures.extend(unprogrammable);
             Err(anyhow!(
                 "{} of {} service ports not programmed: {}",
                 failures.len(),
                 ports.len(),
                 failures.join("; ")
             ))
+        } else if !unprogrammable.is_empty() {
+            Err(NotProgrammable(format!(
+                "{} of {} service ports cannot be programmed as configured: {}",
+                unprogrammable.len(),
+                ports.len(),
+                unprogrammable.join("; ")
+            ))
+            .into())
+        } else {
+            Ok(())
         }
     }
 
@@ -171,10 +219,10 @@ impl ServiceMaps {
         let desired = desired_frontends(state, spn);
         let old = self.owners.remove(spn).unwrap_or_default();
         let mut result = Ok(());
-        let mut programmed = Vec::with_capacity(desired.len());
+        let mut owned = Vec::with_capacity(desired.len());
         for (fe, backends) in &desired {
             match self.program(fe, backends) {
-                Ok(()) => programmed.push(*fe),
+                Ok(()) => owned.push(*fe),
                 Err(e) => result = Err(e),
             }
         }
@@ -186,72 +234,121 @@ impl ServiceMaps {
                 result = Err(e);
             }
         }
-        // A frontend that failed keeps whatever it had before, so it stays owned.
-        for fe in old {
-            if self.frontends.contains_key(&fe) && !programmed.contains(&fe) {
-                programmed.push(fe);
+        // A frontend that could not be updated (or removed) keeps what it had, so it stays
+        // owned: also one recovered from the pinned maps after a restart, which no port owned.
+        let kept = old.into_iter().chain(desired.iter().map(|(fe, _)| *fe));
+        for fe in kept {
+            if self.frontends.contains_key(&fe) && !owned.contains(&fe) {
+                owned.push(fe);
             }
         }
-        if !programmed.is_empty() {
-            self.owners.insert(spn.clone(), programmed);
+        if !owned.is_empty() {
+            self.owners.insert(spn.clone(), owned);
         }
         result
     }
 
-    /// Makes `fe` send to `backends`, in that slot order.
+    /// Makes `fe` send to `backends`, in that slot order. On failure, the maps keep serving
+    /// what `fe` had before.
     fn program(&mut self, fe: &Frontend, backends: &[Backend]) -> anyhow::Result<()> {
+        if backends.len() > usize::from(u16::MAX) {
+            return Err(NotProgrammable(format!(
+                "{} endpoints; a service port can have at most {} in the datapath",
+                backends.len(),
+                u16::MAX
+            ))
+            .into());
+        }
         let old: Vec<u32> = self.frontends.get(fe).cloned().unwrap_or_default();
-        // Refuse before writing anything if the maps cannot hold the result.
         let had = if self.frontends.contains_key(fe) {
             old.len() + 1
         } else {
             0
         };
+        // Refuse before writing anything if the maps cannot hold the result.
         let new_slots = (backends.len() + 1).saturating_sub(had);
         if self.used_slots + new_slots > self.services_max {
-            bail!(
-                "services map full ({} of {} entries used, {} more needed): raise --bpf-services-max",
-                self.used_slots,
-                self.services_max,
-                new_slots
-            );
+            return Err(NotProgrammable(format!(
+                "services map full ({} of {} entries used, {} more needed): raise \
+                 --bpf-services-max (a map already pinned keeps its size until its pin is removed)",
+                self.used_slots, self.services_max, new_slots
+            ))
+            .into());
         }
         let new_backends = backends
             .iter()
             .filter(|b| !self.ids.contains_key(b))
             .count();
         if self.ids.len() + new_backends > self.backends_max {
-            bail!(
-                "backends map full ({} of {} entries used, {} more needed): raise --bpf-backends-max",
+            return Err(NotProgrammable(format!(
+                "backends map full ({} of {} entries used, {} more needed): raise \
+                 --bpf-backends-max (a map already pinned keeps its size until its pin is removed)",
                 self.ids.len(),
                 self.backends_max,
                 new_backends
-            );
+            ))
+            .into());
         }
         let mut ids = Vec::with_capacity(backends.len());
         for b in backends {
-            ids.push(self.acquire(b)?);
+            match self.acquire(b) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    self.release_all(&ids);
+                    return Err(e);
+                }
+            }
         }
+        if let Err(e) = self.write_slots(fe, &old, &ids, had > 0) {
+            self.restore_slots(fe, &old, &ids);
+            self.release_all(&ids);
+            return Err(e);
+        }
+        // The new backends are live from here on.
+        self.used_slots = self.used_slots + ids.len() + 1 - had;
+        self.frontends.insert(*fe, ids.clone());
+        let mut result = Ok(());
+        for slot in ids.len() + 1..=old.len() {
+            if let Err(e) = self.remove_slot(&ServiceKey {
+                slot: slot as u16,
+                ..*fe
+            }) {
+                result = Err(e); // an orphan slot beyond the count: unseen by packets
+            }
+        }
+        for id in old {
+            if let Err(e) = self.release(id) {
+                result = Err(e);
+            }
+        }
+        result
+    }
+
+    /// Writes the backend slots that differ from `old`, then slot 0 with the new count.
+    fn write_slots(
+        &mut self,
+        fe: &Frontend,
+        old: &[u32],
+        ids: &[u32],
+        existed: bool,
+    ) -> anyhow::Result<()> {
         for (i, id) in ids.iter().enumerate() {
             if old.get(i) != Some(id) {
                 let key = ServiceKey {
                     slot: i as u16 + 1,
                     ..*fe
                 };
+                let value = ServiceValue {
+                    backend_id: *id,
+                    count: 0,
+                    flags: 0,
+                };
                 self.services
-                    .insert(
-                        key,
-                        ServiceValue {
-                            backend_id: *id,
-                            count: 0,
-                            flags: 0,
-                        },
-                        0,
-                    )
+                    .insert(key, value, 0)
                     .with_context(|| format!("writing slot {} of {}", i + 1, describe(fe)))?;
             }
         }
-        if old.len() != ids.len() || !self.frontends.contains_key(fe) {
+        if old.len() != ids.len() || !existed {
             let head = ServiceValue {
                 backend_id: 0,
                 count: ids.len() as u16,
@@ -261,18 +358,45 @@ impl ServiceMaps {
                 .insert(fe, head, 0)
                 .with_context(|| format!("writing {}", describe(fe)))?;
         }
-        for slot in ids.len() + 1..=old.len() {
-            self.remove_slot(&ServiceKey {
-                slot: slot as u16,
-                ..*fe
-            })?;
-        }
-        self.used_slots = self.used_slots + ids.len() + 1 - had;
-        self.frontends.insert(*fe, ids);
-        for id in old {
-            self.release(id)?;
-        }
         Ok(())
+    }
+
+    /// After a failed [`Self::write_slots`]: puts `old` back into the slots the head counts and
+    /// deletes the ones beyond it (best effort: the maps are failing already).
+    fn restore_slots(&mut self, fe: &Frontend, old: &[u32], ids: &[u32]) {
+        for (i, id) in ids.iter().enumerate() {
+            let key = ServiceKey {
+                slot: i as u16 + 1,
+                ..*fe
+            };
+            let restored = match old.get(i) {
+                Some(old_id) if old_id != id => self
+                    .services
+                    .insert(
+                        key,
+                        ServiceValue {
+                            backend_id: *old_id,
+                            count: 0,
+                            flags: 0,
+                        },
+                        0,
+                    )
+                    .map_err(anyhow::Error::from),
+                Some(_) => Ok(()),
+                None => self.remove_slot(&key),
+            };
+            if let Err(e) = restored {
+                tracing::warn!("restoring slot {} of {}: {e:#}", i + 1, describe(fe));
+            }
+        }
+    }
+
+    fn release_all(&mut self, ids: &[u32]) {
+        for id in ids {
+            if let Err(e) = self.release(*id) {
+                tracing::warn!("releasing backend {id}: {e:#}");
+            }
+        }
     }
 
     fn remove_frontend(&mut self, fe: &Frontend) -> anyhow::Result<()> {
@@ -333,7 +457,10 @@ impl ServiceMaps {
             return Ok(());
         }
         let backend = *backend;
-        self.ids.remove(&backend);
+        // Recovered maps may hold the same backend under two ids; keep the other's entry.
+        if self.ids.get(&backend) == Some(&id) {
+            self.ids.remove(&backend);
+        }
         self.by_id.remove(&id);
         match self.backends.remove(&id) {
             Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
@@ -342,13 +469,18 @@ impl ServiceMaps {
     }
 }
 
-/// The frontends a service port should have, each with its backends. IPv4 only for now:
-/// IPv6 addresses are kept in the model and skipped here.
+/// The frontends a service port should have, each with its backends. IPv4 TCP and UDP only
+/// for now: IPv6 addresses and SCTP ports are kept in the model and skipped here (the programs
+/// could not match them).
 pub fn desired_frontends(
     state: &DesiredState,
     spn: &ServicePortName,
 ) -> Vec<(Frontend, Vec<Backend>)> {
-    let Some(sp) = state.services.get(spn) else {
+    let Some(sp) = state
+        .services
+        .get(spn)
+        .filter(|sp| sp.protocol != Protocol::Sctp)
+    else {
         return Vec::new();
     };
     let proto = sp.protocol.number();
