@@ -97,8 +97,15 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
         proto: l4_proto,
         pad: [0; 3],
     };
-    let closing =
-        l4_proto == IPPROTO_TCP && unsafe { read::<u8>(l4 + 13) } & (TCP_FIN | TCP_RST) != 0;
+    // A constant bound of its own: older verifiers (6.1) lose the variable one above.
+    let closing = if l4_proto == IPPROTO_TCP {
+        if l4 + 20 > end {
+            return None;
+        }
+        (unsafe { read::<u8>(l4 + 13) } & (TCP_FIN | TCP_RST)) != 0
+    } else {
+        false
+    };
     Some(Flow {
         key,
         closing,

@@ -158,11 +158,11 @@ pub async fn run(
         r = &mut source => source_ended(r),
         r = tokio::signal::ctrl_c() => {
             r.context("waiting for SIGINT")?;
-            tracing::info!("interrupted; the pinned maps keep the programmed services");
+            tracing::info!("interrupted; the programs stay attached and serve from the pinned maps");
             Ok(())
         }
         _ = terminate.recv() => {
-            tracing::info!("terminated; the pinned maps keep the programmed services");
+            tracing::info!("terminated; the programs stay attached and serve from the pinned maps");
             Ok(())
         }
     };

@@ -2,6 +2,7 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
+use proxy_common::{MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES};
 use proxy_userspace::{
     agent::{self, AgentConfig, Source},
     dataplane::Dataplane,
@@ -84,6 +85,10 @@ struct AgentArgs {
     /// Size of the conntrack map (two entries per flow; the least recently used are evicted).
     #[arg(long, default_value_t = MapSizes::default().conntrack)]
     bpf_ct_max: u32,
+    /// Remove what the agent installed (its tc programs on the pod interfaces, the pinned maps
+    /// and links) and exit (kube-proxy's flag), e.g. before going back to kube-proxy.
+    #[arg(long)]
+    cleanup: bool,
 }
 
 #[derive(clap::Args)]
@@ -123,6 +128,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
+    if args.cleanup {
+        return cleanup(&args.bpf_pin_dir, &args.pod_interfaces);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -157,6 +165,25 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         }
     };
     runtime.block_on(agent::run(config, make_dataplane))
+}
+
+fn cleanup(pin_dir: &std::path::Path, pod_interfaces: &str) -> anyhow::Result<()> {
+    let detached = proxy_userspace::ebpf::detach_all(pod_interfaces, pin_dir)?;
+    let mut removed = 0;
+    // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
+    for name in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK, MAP_AGENT_STATE] {
+        let path = pin_dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
+        }
+    }
+    // detach_all emptied it; an empty pin dir goes too unless bpffs is mounted right there.
+    let _ = std::fs::remove_dir(pin_dir.join("links"));
+    let _ = std::fs::remove_dir(pin_dir);
+    tracing::info!(detached, removed, pin_dir = %pin_dir.display(), "cleaned up");
+    Ok(())
 }
 
 /// kube-proxy's rule: the override, else the hostname, lower-cased.

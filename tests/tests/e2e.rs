@@ -212,3 +212,60 @@ fn inspect_works_after_the_agent_stopped_and_bad_input_is_skipped() {
     let backends: serde_json::Value = serde_json::from_str(&backends).unwrap();
     assert_eq!(backends.as_array().unwrap().len(), 6, "{backends}");
 }
+
+#[test]
+fn an_agent_restart_keeps_flows_and_cleanup_removes_everything() {
+    let Some((mut sandbox, mut agent)) =
+        cluster("an_agent_restart_keeps_flows_and_cleanup_removes_everything")
+    else {
+        return;
+    };
+    let client = proxy_tests::Netns::open(&sandbox.pod("client").ns.name);
+    let mut web_conn = TcpConn::open(&client, WEB).unwrap();
+    let web_backend = web_conn.ask("before").unwrap();
+    let dns_flow = UdpConn::open(&client, DNS).unwrap();
+    let dns_backend = dns_flow.ask("before").unwrap();
+
+    // No agent: the programs stay attached and keep serving from the pinned maps.
+    agent.stop(&mut sandbox).unwrap();
+    assert_eq!(web_conn.ask("agent gone").unwrap(), web_backend);
+    assert_eq!(
+        spread(&sandbox, WEB, false, 30),
+        set(&["be1", "be2", "be3"])
+    );
+
+    // A new agent swaps its programs in where the old ones were; flows carry on.
+    agent.start_again(&mut sandbox).unwrap();
+    assert_eq!(web_conn.ask("agent back").unwrap(), web_backend);
+    assert_eq!(dns_flow.ask("agent back").unwrap(), dns_backend);
+    assert_eq!(
+        spread(&sandbox, WEB, false, 30),
+        set(&["be1", "be2", "be3"])
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("recovered services from the pinned maps"),
+        "{log}"
+    );
+
+    // Going back to kube-proxy: stop the agent and clean up; the ClusterIP is gone for good.
+    agent.stop(&mut sandbox).unwrap();
+    agent.cleanup(&sandbox).unwrap();
+    // The kernel releases a link shortly after its last pin goes.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while tcp_request(&client, WEB, "hi").is_ok() {
+        assert!(Instant::now() < deadline, "the programs must be detached");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let attached = sandbox.node1.exec("bpftool", &["net"]).unwrap();
+    assert!(
+        !attached.contains("tc_ingress") && !attached.contains("tc_egress"),
+        "{attached}"
+    );
+    let left: Vec<_> = std::fs::read_dir(agent.bpffs.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|name| !name.to_string_lossy().ends_with(".debug")) // the kernel's own
+        .collect();
+    assert!(left.is_empty(), "pins left behind: {left:?}");
+}

@@ -55,6 +55,7 @@ const DEB_PACKAGES: &[&str] = &[
     "ipset",
     "conntrack",
     "curl",
+    "bpftool",
     "netcat-openbsd",
     "procps",
     "kmod",

@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
 use proxy_common::{MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES};
 
-pub use attach::Attacher;
+pub use attach::{Attacher, detach_all};
 pub use maps::ServiceMaps;
 
 use crate::{
@@ -92,7 +92,7 @@ impl EbpfDataplane {
     pub fn new(pin_dir: &Path, sizes: MapSizes, pod_interfaces: &str) -> anyhow::Result<Self> {
         let mut ebpf = load(pin_dir, sizes)?;
         let maps = ServiceMaps::take_from(&mut ebpf)?;
-        let mut attacher = Attacher::new(pod_interfaces);
+        let mut attacher = Attacher::new(pod_interfaces, pin_dir)?;
         attacher.scan(&mut ebpf)?;
         Ok(Self {
             ebpf,
