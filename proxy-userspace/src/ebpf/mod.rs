@@ -53,6 +53,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         );
     }
     bpffs::ensure(pin_dir)?;
+    warn_on_size_changes(pin_dir, sizes);
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pin_dir)
         .map_max_entries(MAP_SERVICES, sizes.services)
@@ -75,6 +76,30 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
             .with_context(|| format!("the kernel's verifier rejected {name}"))?;
     }
     Ok(ebpf)
+}
+
+/// Maps already pinned are reused as they are (that is what keeps services and flows across a
+/// restart), so a changed size flag takes effect only once the pin is gone: say so.
+fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
+    let wanted = [
+        (MAP_SERVICES, sizes.services, "--bpf-services-max"),
+        (MAP_BACKENDS, sizes.backends, "--bpf-backends-max"),
+        (MAP_CONNTRACK, sizes.conntrack, "--bpf-ct-max"),
+    ];
+    for (name, size, flag) in wanted {
+        let Ok(info) = aya::maps::MapInfo::from_pin(pin_dir.join(name)) else {
+            continue;
+        };
+        if info.max_entries() != size {
+            tracing::warn!(
+                map = name,
+                pinned = info.max_entries(),
+                requested = size,
+                "the pinned map keeps its size; {flag} applies once the agent is stopped and \
+                 `proxy-userspace agent --cleanup` has removed the pins (flows are then reset)"
+            );
+        }
+    }
 }
 
 /// The ebpf [`Dataplane`]: the loaded programs, the maps they read, and the interfaces they
