@@ -404,18 +404,25 @@ impl ServiceMaps {
             return Ok(());
         };
         self.remove_slot(fe)?;
-        for slot in 1..=ids.len() {
-            self.remove_slot(&ServiceKey {
-                slot: slot as u16,
-                ..*fe
-            })?;
-        }
+        // Packets no longer see the service; what follows is cleanup (slots left by a failure
+        // here are invisible, and the next agent start deletes them).
         self.frontends.remove(fe);
         self.used_slots -= ids.len() + 1;
-        for id in ids {
-            self.release(id)?;
+        let mut result = Ok(());
+        for slot in 1..=ids.len() {
+            if let Err(e) = self.remove_slot(&ServiceKey {
+                slot: slot as u16,
+                ..*fe
+            }) {
+                result = Err(e);
+            }
         }
-        Ok(())
+        for id in ids {
+            if let Err(e) = self.release(id) {
+                result = Err(e);
+            }
+        }
+        result
     }
 
     fn remove_slot(&mut self, key: &ServiceKey) -> anyhow::Result<()> {
