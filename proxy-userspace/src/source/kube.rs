@@ -69,38 +69,23 @@ pub async fn run(
         slices: false,
         tx: Some(synced),
     }));
-    let services = {
-        let (tracker, sync, gate) = (tracker.clone(), sync.clone(), gate.clone());
-        watch::<Service>(
-            Api::all(client.clone()),
-            watcher::Config::default(),
-            move |change| {
-                let mut t = tracker.lock().unwrap();
-                match change {
-                    Change::Apply(svc) => report(t.update_service(&svc)),
-                    Change::Delete(key) => t.delete_service(&key),
-                }
-                sync.request();
-            },
-            move || gate.lock().unwrap().done(|g| &mut g.services),
-        )
-    };
-    let slices = {
-        let (tracker, sync, gate) = (tracker.clone(), sync.clone(), gate.clone());
-        watch::<EndpointSlice>(
-            Api::all(client.clone()),
-            watcher::Config::default(),
-            move |change| {
-                let mut t = tracker.lock().unwrap();
-                match change {
-                    Change::Apply(slice) => report(t.update_slice(&slice)),
-                    Change::Delete(key) => t.delete_slice(&key),
-                }
-                sync.request();
-            },
-            move || gate.lock().unwrap().done(|g| &mut g.slices),
-        )
-    };
+    let services = feed_tracker::<Service>(
+        Api::all(client.clone()),
+        (tracker.clone(), sync.clone()),
+        ChangeTracker::update_service,
+        ChangeTracker::delete_service,
+        {
+            let gate = gate.clone();
+            move || gate.lock().unwrap().done(|g| &mut g.services)
+        },
+    );
+    let slices = feed_tracker::<EndpointSlice>(
+        Api::all(client.clone()),
+        (tracker, sync),
+        ChangeTracker::update_slice,
+        ChangeTracker::delete_slice,
+        move || gate.lock().unwrap().done(|g| &mut g.slices),
+    );
     let node = {
         let name = node_name.clone();
         watch::<Node>(
@@ -119,6 +104,29 @@ pub async fn run(
     };
     tokio::try_join!(services, slices, node)?;
     anyhow::bail!("the API watches ended")
+}
+
+/// Watches one kind into the tracker: every change is applied there and requests a sync.
+async fn feed_tracker<K>(
+    api: Api<K>,
+    (tracker, sync): (Arc<Mutex<ChangeTracker>>, SyncHandle),
+    update: fn(&mut ChangeTracker, &K) -> Result<(), InvalidObject>,
+    delete: fn(&mut ChangeTracker, &NamespacedName),
+    on_listed: impl FnMut(),
+) -> anyhow::Result<()>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K::DynamicType: Default,
+{
+    let on_change = move |change| {
+        let mut t = tracker.lock().unwrap();
+        match change {
+            Change::Apply(obj) => report(update(&mut t, &obj)),
+            Change::Delete(key) => delete(&mut t, &key),
+        }
+        sync.request();
+    };
+    watch(api, watcher::Config::default(), on_change, on_listed).await
 }
 
 /// Both initial lists are done: release the first sync.
