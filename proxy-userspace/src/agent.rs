@@ -12,6 +12,8 @@ use tokio::sync::oneshot;
 use crate::{
     dataplane::{Dataplane, NotProgrammable, Scope},
     health::{self, ProxyHealth},
+    http,
+    metrics::{self, METRICS},
     model::{ChangeTracker, DesiredState},
     runner::{RunnerConfig, SyncRunner},
     source,
@@ -23,6 +25,8 @@ pub struct AgentConfig {
     pub sync_period: Duration,
     /// Where `/healthz` and `/livez` are served; None: not served.
     pub healthz_bind_address: Option<String>,
+    /// Where `/metrics` is served; None: not served.
+    pub metrics_bind_address: Option<String>,
 }
 
 /// Where the desired state comes from.
@@ -54,14 +58,30 @@ pub async fn run(
         },
         health.clone(),
     );
-    let health_server = config.healthz_bind_address.map(|addr| {
-        let health = health.clone();
-        tokio::spawn(async move {
-            if let Err(e) = health::serve(&addr, health).await {
-                tracing::error!("health server stopped: {e:#}");
-            }
+    let servers = [
+        (
+            config.healthz_bind_address,
+            "--healthz-bind-address",
+            health::handler(health.clone()),
+        ),
+        (
+            config.metrics_bind_address,
+            "--metrics-bind-address",
+            metrics::handler(),
+        ),
+    ];
+    let servers: Vec<_> = servers
+        .into_iter()
+        .filter_map(|(addr, flag, handler)| {
+            let addr = addr?;
+            tracing::info!(%addr, "serving {flag}");
+            Some(tokio::spawn(async move {
+                if let Err(e) = http::serve(&addr, flag, handler).await {
+                    tracing::error!("HTTP server stopped: {e:#}");
+                }
+            }))
         })
-    });
+        .collect();
     let (synced_tx, synced_rx) = oneshot::channel();
     let mut source = match config.source {
         Source::File(path) => tokio::spawn(source::file::run(
@@ -132,6 +152,7 @@ pub async fn run(
             result = Ok(());
         }
         let elapsed = started.elapsed();
+        METRICS.synced(elapsed, matches!(scope, Scope::All), result.is_ok());
         match &result {
             Ok(()) => {
                 match scope {
@@ -167,7 +188,7 @@ pub async fn run(
         }
     };
     housekeeping.abort();
-    if let Some(server) = health_server {
+    for server in servers {
         server.abort();
     }
     outcome

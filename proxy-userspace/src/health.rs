@@ -10,11 +10,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use anyhow::Context;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-};
+use crate::http::Response;
 
 #[derive(Debug)]
 pub struct ProxyHealth {
@@ -81,45 +77,24 @@ impl ProxyHealth {
     }
 }
 
-/// Serves `/healthz` and `/livez` until the listener fails.
-pub async fn serve(addr: &str, health: Arc<ProxyHealth>) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the health server to {addr} (--healthz-bind-address)"))?;
-    tracing::info!(%addr, "serving /healthz and /livez");
-    loop {
-        let (mut conn, _) = listener.accept().await?;
-        let health = health.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await
-            else {
-                return;
-            };
-            let request = String::from_utf8_lossy(&buf[..n]);
-            let path = request.split_whitespace().nth(1).unwrap_or("");
-            let path = path.split('?').next().unwrap_or("");
-            let (code, body) = match path {
-                "/healthz" | "/livez" => {
-                    let s = health.status(path == "/livez");
-                    (
-                        if s.healthy {
-                            "200 OK"
-                        } else {
-                            "503 Service Unavailable"
-                        },
-                        s.body,
-                    )
-                }
-                _ => ("404 Not Found", "404 page not found\n".to_owned()),
-            };
-            let response = format!(
-                "HTTP/1.1 {code}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = conn.write_all(response.as_bytes()).await;
-        });
-    }
+/// `/healthz` and `/livez`, for [`crate::http::serve`].
+pub fn handler(health: Arc<ProxyHealth>) -> Arc<dyn Fn(&str) -> Response + Send + Sync> {
+    Arc::new(move |path| match path {
+        "/healthz" | "/livez" => {
+            let s = health.status(path == "/livez");
+            crate::metrics::METRICS.probed(s.healthy);
+            Response {
+                status: if s.healthy {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                },
+                content_type: "application/json",
+                body: s.body,
+            }
+        }
+        _ => Response::not_found(),
+    })
 }
 
 /// RFC 3339 in UTC with a `Z`, whole seconds, as Go's metav1.Time marshals.

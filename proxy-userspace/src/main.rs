@@ -64,6 +64,9 @@ struct AgentArgs {
     /// Address of the /healthz and /livez server (kube-proxy's flag); empty to disable.
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: String,
+    /// Address of the /metrics server (kube-proxy's flag and default); empty to disable.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_bind_address: String,
     /// The minimum interval between syncs: changes arriving faster are batched (kube-proxy's flag).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     min_sync_period: Duration,
@@ -148,6 +151,7 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         min_sync_period: args.min_sync_period,
         sync_period: args.sync_period,
         healthz_bind_address: Some(args.healthz_bind_address).filter(|a| !a.is_empty()),
+        metrics_bind_address: Some(args.metrics_bind_address).filter(|a| !a.is_empty()),
     };
     let make_dataplane = || -> anyhow::Result<Box<dyn Dataplane>> {
         match args.proxy_mode {

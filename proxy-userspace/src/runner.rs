@@ -34,6 +34,7 @@ impl SyncHandle {
     /// Requests a sync. Never blocks: requests made before the sync starts share it.
     pub fn request(&self) {
         self.health.queued();
+        crate::metrics::METRICS.queued();
         // A full channel already holds a request that this one joins; a closed one means the
         // runner is gone, and with it anything a sync could do.
         let _ = self.requests.try_send(());

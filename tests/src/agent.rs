@@ -31,6 +31,8 @@ pub enum AgentSource<'a> {
 
 /// The port of the agent's /healthz and /livez (kube-proxy's), on the node's loopback.
 pub const HEALTHZ_PORT: u16 = 10256;
+/// The port of the agent's /metrics (kube-proxy's), on the node's loopback.
+pub const METRICS_PORT: u16 = 10249;
 
 /// A running agent. Its process belongs to the sandbox (stopped when the sandbox drops).
 pub struct AgentRun {
@@ -99,6 +101,8 @@ impl AgentRun {
         arg(&HOST_IF_PATTERN);
         arg(&"--healthz-bind-address");
         arg(&format!("127.0.0.1:{HEALTHZ_PORT}"));
+        arg(&"--metrics-bind-address");
+        arg(&format!("127.0.0.1:{METRICS_PORT}"));
         // Small maps: tests run side by side.
         for a in [
             "--bpf-services-max",
@@ -187,12 +191,23 @@ impl AgentRun {
 
     /// GET `path` from the agent's health server: the status code and the body.
     pub fn healthz(&self, sandbox: &Sandbox, path: &str) -> Result<(u16, String)> {
+        self.http_get(sandbox, HEALTHZ_PORT, path)
+    }
+
+    /// GET `/metrics` from the agent's metrics server: the body.
+    pub fn metrics(&self, sandbox: &Sandbox) -> Result<String> {
+        let (code, body) = self.http_get(sandbox, METRICS_PORT, "/metrics")?;
+        anyhow::ensure!(code == 200, "/metrics answered {code}: {body}");
+        Ok(body)
+    }
+
+    fn http_get(&self, sandbox: &Sandbox, port: u16, path: &str) -> Result<(u16, String)> {
         let request =
             format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
         let response = sandbox
             .node(&self.node)
             .try_run(move || -> Result<String> {
-                let mut conn = std::net::TcpStream::connect(("127.0.0.1", HEALTHZ_PORT))?;
+                let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))?;
                 conn.set_read_timeout(Some(Duration::from_secs(2)))?;
                 conn.write_all(request.as_bytes())?;
                 let mut out = String::new();

@@ -77,6 +77,18 @@ fn tcp_and_udp_reach_every_backend_and_flows_stick() {
             "a UDP flow moved: {replies:?}"
         );
     }
+    // kube-proxy's sync metrics.
+    let metrics = agent.metrics(&sandbox).unwrap();
+    let syncs = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kubeproxy_sync_proxy_rules_duration_seconds_count "))
+        .and_then(|n| n.parse::<u64>().ok());
+    assert!(syncs.is_some_and(|n| n >= 1), "{metrics}");
+    assert!(
+        metrics.contains("kubeproxy_sync_proxy_rules_last_timestamp_seconds 1"),
+        "{metrics}"
+    );
+
     // inspect, as people and scripts read it, while the agent runs.
     let table = agent.inspect_cli("services", &[]).unwrap();
     assert!(

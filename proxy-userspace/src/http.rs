@@ -1,0 +1,60 @@
+//! A minimal HTTP/1.1 server for the agent's probe and metrics endpoints: GET a path, get a
+//! body. Enough for the kubelet and Prometheus; one request per connection.
+use std::{sync::Arc, time::Duration};
+
+use anyhow::Context;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+
+/// What a path answers.
+pub struct Response {
+    pub status: &'static str,
+    pub content_type: &'static str,
+    pub body: String,
+}
+
+impl Response {
+    pub fn not_found() -> Self {
+        Self {
+            status: "404 Not Found",
+            content_type: "text/plain",
+            body: "404 page not found\n".into(),
+        }
+    }
+}
+
+/// Serves `handler(path)` on `addr` until the listener fails. `flag` names the address's flag
+/// for the error message.
+pub async fn serve(
+    addr: &str,
+    flag: &str,
+    handler: Arc<dyn Fn(&str) -> Response + Send + Sync>,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr} ({flag})"))?;
+    loop {
+        let (mut conn, _) = listener.accept().await?;
+        let handler = handler.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await
+            else {
+                return;
+            };
+            let request = String::from_utf8_lossy(&buf[..n]);
+            let path = request.split_whitespace().nth(1).unwrap_or("");
+            let r = handler(path.split('?').next().unwrap_or(""));
+            let response = format!(
+                "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+                r.status,
+                r.content_type,
+                r.body.len(),
+                r.body
+            );
+            let _ = conn.write_all(response.as_bytes()).await;
+        });
+    }
+}

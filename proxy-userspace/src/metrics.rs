@@ -1,0 +1,193 @@
+//! kube-proxy's sync metrics, by kube-proxy's names, in the Prometheus text format on
+//! `--metrics-bind-address` (`/metrics`). Global, as Prometheus metrics conventionally are:
+//! sources and the sync loop record into it from wherever they run.
+use std::{
+    fmt::Write as _,
+    sync::{Arc, LazyLock, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use crate::http::Response;
+
+pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::default);
+
+/// kube-proxy's buckets for sync durations: ExponentialBuckets(0.001, 2, 15).
+const BUCKETS: [f64; 15] = [
+    0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, 4.096,
+    8.192, 16.384,
+];
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    sync: Histogram,
+    full_sync: Histogram,
+    partial_sync: Histogram,
+    last_synced: Option<SystemTime>,
+    last_queued: Option<SystemTime>,
+    sync_errors: u64,
+    healthz: [u64; 2],
+}
+
+#[derive(Default)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    fn observe(&mut self, secs: f64) {
+        for (count, le) in self.counts.iter_mut().zip(BUCKETS) {
+            if secs <= le {
+                *count += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += secs;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (count, le) in self.counts.iter().zip(BUCKETS) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {count}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+fn unix_seconds(t: Option<SystemTime>) -> f64 {
+    t.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl Metrics {
+    /// A sync was requested.
+    pub fn queued(&self) {
+        self.inner.lock().unwrap().last_queued = Some(SystemTime::now());
+    }
+
+    /// A sync ran for `took`; `full` when it covered every service port.
+    pub fn synced(&self, took: Duration, full: bool, ok: bool) {
+        let mut m = self.inner.lock().unwrap();
+        let secs = took.as_secs_f64();
+        m.sync.observe(secs);
+        if full {
+            m.full_sync.observe(secs)
+        } else {
+            m.partial_sync.observe(secs)
+        }
+        if ok {
+            m.last_synced = Some(SystemTime::now());
+        } else {
+            m.sync_errors += 1;
+        }
+    }
+
+    /// A health probe was answered.
+    pub fn probed(&self, healthy: bool) {
+        self.inner.lock().unwrap().healthz[usize::from(!healthy)] += 1;
+    }
+
+    pub fn render(&self) -> String {
+        let m = self.inner.lock().unwrap();
+        let mut out = String::new();
+        m.sync.render(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+        );
+        m.full_sync.render(
+            &mut out,
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+        );
+        m.partial_sync.render(
+            &mut out,
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+        );
+        let gauges = [
+            (
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "The last time proxy rules were successfully synced",
+                unix_seconds(m.last_synced),
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                "The last time a sync of proxy rules was queued",
+                unix_seconds(m.last_queued),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        }
+        let name = "kubeproxy_sync_proxy_rules_errors_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Syncs of the dataplane that failed (they are retried)\n# TYPE {name} counter\n{name} {}",
+            m.sync_errors
+        );
+        let name = "kubeproxy_proxy_healthz_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Cumulative proxy healthz HTTP status\n# TYPE {name} counter"
+        );
+        let _ = writeln!(
+            out,
+            "{name}{{code=\"200\"}} {}\n{name}{{code=\"503\"}} {}",
+            m.healthz[0], m.healthz[1]
+        );
+        out
+    }
+}
+
+/// `/metrics`, for [`crate::http::serve`].
+pub fn handler() -> Arc<dyn Fn(&str) -> Response + Send + Sync> {
+    Arc::new(|path| match path {
+        "/metrics" => Response {
+            status: "200 OK",
+            content_type: "text/plain; version=0.0.4; charset=utf-8",
+            body: METRICS.render(),
+        },
+        _ => Response::not_found(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let m = Metrics::default();
+        m.synced(Duration::from_micros(500), true, true);
+        m.synced(Duration::from_millis(3), false, true);
+        m.synced(Duration::from_secs(20), false, false);
+        let text = m.render();
+        for line in [
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"16.384\"} 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"+Inf\"} 3",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 3",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count 1",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count 2",
+            "kubeproxy_sync_proxy_rules_errors_total 1",
+            "# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+    }
+}
