@@ -123,7 +123,11 @@ pub async fn run(
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tick.tick().await;
-                if let Err(e) = dataplane.lock().unwrap().housekeeping() {
+                // Busy syncing: skip this round rather than block a runtime thread.
+                let Ok(mut dp) = dataplane.try_lock() else {
+                    continue;
+                };
+                if let Err(e) = dp.housekeeping() {
                     tracing::warn!("housekeeping: {e:#}");
                 }
             }
