@@ -159,7 +159,7 @@ impl AgentRun {
     pub fn start_again(&mut self, sandbox: &mut Sandbox) -> Result<()> {
         let syncs_before = self.log_text().matches("full sync done").count();
         self.spawn(sandbox)?;
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
         while self.log_text().matches("full sync done").count() <= syncs_before {
             if Instant::now() > deadline {
                 bail!(
@@ -234,7 +234,7 @@ impl AgentRun {
         what: &str,
         ok: impl Fn(&[inspect::ServiceRow]) -> bool,
     ) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
         loop {
             if let Some(child) = sandbox.child(self.pid)
                 && let Some(status) = child.try_wait()?

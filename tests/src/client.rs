@@ -9,12 +9,15 @@ use anyhow::{Context, Result, bail};
 use crate::Netns;
 
 /// How long a client waits to connect and for each reply.
-pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a client waits for the network (2 s, scaled by [`crate::patience`]).
+pub fn client_timeout() -> Duration {
+    crate::patience(Duration::from_secs(2))
+}
 
 fn io_context(e: std::io::Error, what: &str) -> anyhow::Error {
     match e.kind() {
         ErrorKind::WouldBlock | ErrorKind::TimedOut => {
-            anyhow::anyhow!("{what}: timed out after {CLIENT_TIMEOUT:?}")
+            anyhow::anyhow!("{what}: timed out after {:?}", client_timeout())
         }
         _ => anyhow::Error::new(e).context(what.to_string()),
     }
@@ -29,10 +32,10 @@ fn with_newline(msg: &str) -> String {
 }
 
 fn tcp_connect(addr: SocketAddr) -> Result<(TcpStream, BufReader<TcpStream>)> {
-    let stream =
-        TcpStream::connect_timeout(&addr, CLIENT_TIMEOUT).map_err(|e| io_context(e, "connect"))?;
-    stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
-    stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+    let stream = TcpStream::connect_timeout(&addr, client_timeout())
+        .map_err(|e| io_context(e, "connect"))?;
+    stream.set_read_timeout(Some(client_timeout()))?;
+    stream.set_write_timeout(Some(client_timeout()))?;
     stream.set_nodelay(true)?;
     let reader = BufReader::new(stream.try_clone()?);
     Ok((stream, reader))
@@ -117,7 +120,7 @@ fn udp_socket(addr: SocketAddr) -> Result<UdpSocket> {
     // Connected: replies from any other source (e.g. a backend address that was not
     // reverse-NATed back to the service address) are dropped, and show up as a timeout.
     socket.connect(addr).context("connect")?;
-    socket.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+    socket.set_read_timeout(Some(client_timeout()))?;
     Ok(socket)
 }
 
@@ -128,8 +131,9 @@ fn udp_exchange(socket: &UdpSocket, msg: &str) -> Result<String> {
     let mut buf = [0u8; 65536];
     let n = socket.recv(&mut buf).map_err(|e| match e.kind() {
         ErrorKind::WouldBlock | ErrorKind::TimedOut => anyhow::anyhow!(
-            "no reply within {CLIENT_TIMEOUT:?} (a reply from another source address \
-             than the one sent to is dropped by the connected socket)"
+            "no reply within {:?} (a reply from another source address \
+             than the one sent to is dropped by the connected socket)",
+            client_timeout()
         ),
         _ => anyhow::Error::new(e).context("receive"),
     })?;

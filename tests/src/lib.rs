@@ -25,7 +25,7 @@ use std::io::Write;
 use std::sync::OnceLock;
 
 pub use client::{
-    CLIENT_TIMEOUT, TcpConn, UdpConn, tcp_request, tcp_session, udp_request, udp_session,
+    TcpConn, UdpConn, client_timeout, tcp_request, tcp_session, udp_request, udp_session,
 };
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{
@@ -33,6 +33,19 @@ pub use sandbox::{
     NS_PREFIX, POD_CIDR, Pod, SERVICE_CIDR, Sandbox, backend_bin, cleanup_stale, find_bin,
     netns_list,
 };
+
+/// Multiplies the tests' waiting times (a kernel under software emulation is slow):
+/// `cargo xtask vm-test` sets it.
+pub const TIMEOUT_SCALE_ENV: &str = "SANDBOX_TIMEOUT_SCALE";
+
+/// `base`, scaled by `$SANDBOX_TIMEOUT_SCALE` (default 1).
+pub fn patience(base: std::time::Duration) -> std::time::Duration {
+    let scale = std::env::var(TIMEOUT_SCALE_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    base * scale
+}
 
 /// Set to 1 to make [`privileged`] fail the test instead of skipping it (for CI).
 pub const NO_SKIP_ENV: &str = "SANDBOX_NO_SKIP";

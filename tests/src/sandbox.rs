@@ -319,7 +319,7 @@ impl Sandbox {
             });
         }
         // Wait until every one accepts connections (it binds UDP before TCP).
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
         for i in started {
             let pod = self.procs[i].backend_of.clone().expect("backend");
             let ns = &self.pods.iter().find(|p| p.name == pod).expect("pod").ns;
@@ -394,7 +394,10 @@ impl Sandbox {
             .ok_or_else(|| anyhow!("no process {pid} in the sandbox"))?;
         let mut proc = self.procs.remove(i);
         terminate(&mut proc);
-        Ok(reap(&mut proc, Instant::now() + Duration::from_secs(5)))
+        Ok(reap(
+            &mut proc,
+            Instant::now() + crate::patience(Duration::from_secs(5)),
+        ))
     }
 }
 
@@ -427,7 +430,7 @@ fn reap(proc: &mut Proc, deadline: Instant) -> ExitStatus {
 
 fn stop_all(mut procs: Vec<Proc>) {
     procs.iter_mut().for_each(terminate);
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + crate::patience(Duration::from_secs(5));
     for proc in &mut procs {
         reap(proc, deadline);
     }

@@ -200,7 +200,7 @@ fn inspect_works_after_the_agent_stopped_and_bad_input_is_skipped() {
     );
     std::fs::write(agent.manifest.with_extension("new"), broken).unwrap();
     std::fs::rename(agent.manifest.with_extension("new"), &agent.manifest).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
     while !agent.log_text().contains("broken") {
         assert!(
             Instant::now() < deadline,
@@ -264,7 +264,7 @@ fn an_agent_restart_keeps_flows_and_cleanup_removes_everything() {
     agent.stop(&mut sandbox).unwrap();
     agent.cleanup(&sandbox).unwrap();
     // The kernel releases a link shortly after its last pin goes.
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(2));
     while tcp_request(&client, WEB, "hi").is_ok() {
         assert!(Instant::now() < deadline, "the programs must be detached");
         std::thread::sleep(Duration::from_millis(20));

@@ -92,7 +92,7 @@ impl Watching {
 
     /// Applies what the source produced until `ok` holds (10 s at most).
     fn wait(&mut self, what: &str, ok: impl Fn(&DesiredState) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
         loop {
             self.tracker.lock().unwrap().apply(&mut self.state);
             if ok(&self.state) {
@@ -157,7 +157,7 @@ fn nothing_is_synced_before_services_and_slices_are_both_listed() {
         "synced before the EndpointSlices were listed"
     );
     api.forbid("endpointslices", false);
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(15));
     while !w.synced.load(Ordering::SeqCst) {
         assert!(
             Instant::now() < deadline,
@@ -398,7 +398,7 @@ fn the_agent_serves_services_created_through_the_api() {
         .unwrap();
     api.forbid("services", true);
     api.compact();
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(15));
     while !agent
         .log_text()
         .contains("must allow list and watch on services")

@@ -112,7 +112,14 @@ fn main() -> anyhow::Result<()> {
                     "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER",
                     root.join("vmtest/cargo-runner.sh"),
                 )
-                .env("VM_MEM", "1536");
+                .env("VM_MEM", "1536")
+                // Emulation is slow: wait longer, and run one test at a time.
+                .env("SANDBOX_TIMEOUT_SCALE", "5")
+                .env("RUST_TEST_THREADS", "1")
+                .env(
+                    "VM_PASS_ENV",
+                    "SANDBOX_TIMEOUT_SCALE RUST_TEST_THREADS SANDBOX_NO_SKIP RUST_BACKTRACE",
+                );
             run(&mut cmd)
         }
         Cmd::Demo => {
