@@ -70,18 +70,18 @@ pub async fn run(
             metrics::handler(),
         ),
     ];
-    let servers: Vec<_> = servers
-        .into_iter()
-        .filter_map(|(addr, flag, handler)| {
-            let addr = addr?;
-            tracing::info!(%addr, "serving {flag}");
-            Some(tokio::spawn(async move {
-                if let Err(e) = http::serve(&addr, flag, handler).await {
-                    tracing::error!("HTTP server stopped: {e:#}");
-                }
-            }))
-        })
-        .collect();
+    // Bound before anything else, so that a taken port fails the start with a clear error.
+    let mut running = Vec::new();
+    for (addr, flag, handler) in servers {
+        let Some(addr) = addr else { continue };
+        let listener = http::bind(&addr, flag).await?;
+        tracing::info!(%addr, "serving {flag}");
+        running.push(tokio::spawn(async move {
+            if let Err(e) = http::serve(listener, handler).await {
+                tracing::error!("the server on {addr} ({flag}) stopped: {e:#}");
+            }
+        }));
+    }
     let (synced_tx, synced_rx) = oneshot::channel();
     let mut source = match config.source {
         Source::File(path) => tokio::spawn(source::file::run(
@@ -192,7 +192,7 @@ pub async fn run(
         }
     };
     housekeeping.abort();
-    for server in servers {
+    for server in running {
         server.abort();
     }
     outcome

@@ -25,16 +25,21 @@ impl Response {
     }
 }
 
-/// Serves `handler(path)` on `addr` until the listener fails. `flag` names the address's flag
-/// for the error message.
+/// Binds `addr`; `flag` names the address's flag for the error message.
+pub async fn bind(addr: &str, flag: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.with_context(|| {
+        format!(
+            "binding {addr} ({flag}); if the address is in use, is kube-proxy still running on \
+             this node? (or pass {flag}=\"\" to disable)"
+        )
+    })
+}
+
+/// Serves `handler(path)` until the listener fails.
 pub async fn serve(
-    addr: &str,
-    flag: &str,
+    listener: TcpListener,
     handler: Arc<dyn Fn(&str) -> Response + Send + Sync>,
 ) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr} ({flag})"))?;
     loop {
         let (mut conn, _) = listener.accept().await?;
         let handler = handler.clone();
