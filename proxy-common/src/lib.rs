@@ -127,6 +127,10 @@ pub const CT_REPLY: u8 = 2;
 
 /// [`CtValue::flags`]: a FIN or RST was seen; the entry now lives [`CT_LIFETIME_CLOSING_NS`].
 pub const CT_CLOSING: u8 = 1;
+/// The source address of hairpin packets (a pod reaching itself through a service), so that
+/// its replies leave the pod and can be translated back; such a flow's reply entry is keyed
+/// pod -> this address. Link-local, never a pod's (Cilium uses the same).
+pub const HAIRPIN_ADDR: Be32 = Be32::from_octets([169, 254, 42, 1]);
 
 /// How long an idle entry stays valid (after Cilium's defaults). Expired entries are ignored
 /// by the programs (a packet on such a 5-tuple starts a new flow) and evicted by the LRU.

@@ -1,6 +1,6 @@
 //! Packets going to a pod: a reply from a backend gets the service address back as its source
 //! (reverse NAT), so the client sees the address it connected to.
-use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
+use aya_ebpf::{bindings::TC_ACT_OK, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{CT_CLOSING, CT_REPLY, CtKey};
 
 use crate::{
@@ -9,12 +9,12 @@ use crate::{
 };
 
 #[inline(always)]
-pub fn try_egress(ctx: &TcContext) -> Result<(), Error> {
-    let Some(flow) = packet::parse(ctx) else {
-        return Ok(());
+pub fn try_egress(ctx: &TcContext) -> Result<i32, Error> {
+    let Some(mut flow) = packet::parse(ctx) else {
+        return Ok(TC_ACT_OK);
     };
     let Some(entry) = CONNTRACK.get_ptr_mut(flow.key) else {
-        return Ok(());
+        return Ok(TC_ACT_OK);
     };
     // SAFETY: see ingress::established.
     let entry = unsafe { &mut *entry };
@@ -22,7 +22,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), Error> {
     // An expired entry is a flow that ended: later traffic on the same 5-tuple (say, the client
     // talking to the backend directly) is not a reply to the service.
     if entry.direction != CT_REPLY || entry.expired(flow.key.proto, now) {
-        return Ok(());
+        return Ok(TC_ACT_OK);
     }
     entry.last_seen_ns = now;
     entry.packets += 1;
@@ -42,5 +42,6 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), Error> {
             unsafe { (*forward).flags |= CT_CLOSING };
         }
     }
-    flow.rewrite(ctx, End::Source, vip, vport)
+    flow.rewrite(ctx, End::Source, vip, vport)?;
+    Ok(TC_ACT_OK)
 }

@@ -2,12 +2,13 @@
 //! packet of a flow picks a backend at random and records the choice in conntrack; later packets
 //! follow that record while it is within its lifetime and its backend exists.
 use aya_ebpf::{
-    bindings::BPF_ANY,
+    bindings::{BPF_ANY, TC_ACT_OK},
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     programs::TcContext,
 };
 use proxy_common::{
-    Backend, CT_CLOSING, CT_FORWARD, CT_REPLY, CtKey, CtValue, ServiceKey, ServiceValue,
+    Backend, CT_CLOSING, CT_FORWARD, CT_REPLY, CtKey, CtValue, HAIRPIN_ADDR, ServiceKey,
+    ServiceValue,
 };
 
 use crate::{
@@ -16,15 +17,18 @@ use crate::{
 };
 
 #[inline(always)]
-pub fn try_ingress(ctx: &TcContext) -> Result<(), Error> {
-    let Some(flow) = packet::parse(ctx) else {
-        return Ok(());
+pub fn try_ingress(ctx: &TcContext) -> Result<i32, Error> {
+    let Some(mut flow) = packet::parse(ctx) else {
+        return Ok(TC_ACT_OK);
     };
     let key = flow.key;
+    if key.daddr == HAIRPIN_ADDR {
+        return hairpin_reply(ctx, &mut flow);
+    }
     let svc_key = ServiceKey::new(key.daddr, key.dport, key.proto, 0);
     // SAFETY: services values are plain data; the agent replaces them whole.
     let Some(svc) = (unsafe { SERVICES.get(svc_key) }).copied() else {
-        return Ok(()); // not a service: untouched
+        return Ok(TC_ACT_OK); // not a service: untouched
     };
     let now = unsafe { bpf_ktime_get_ns() };
     let backend = match established(&key, flow.closing, now) {
@@ -33,13 +37,54 @@ pub fn try_ingress(ctx: &TcContext) -> Result<(), Error> {
             // A service without endpoints passes untouched for now (kube-proxy rejects such
             // packets with ICMP; that comes with the reject issue).
             let Some((backend_id, backend)) = select_backend(&svc_key, &svc) else {
-                return Ok(());
+                return Ok(TC_ACT_OK);
             };
             record_flow(&key, backend_id, &backend, now);
             backend
         }
     };
-    flow.rewrite(ctx, End::Destination, backend.addr, backend.port)
+    flow.rewrite(ctx, End::Destination, backend.addr, backend.port)?;
+    if backend.addr != key.saddr {
+        return Ok(TC_ACT_OK);
+    }
+    // The pod reaches itself: without a foreign source its reply would never leave it.
+    flow.rewrite(ctx, End::Source, HAIRPIN_ADDR, key.sport)?;
+    packet::bounce(ctx)
+}
+
+/// A pod's reply to a hairpin flow (backend -> [`HAIRPIN_ADDR`]): back to the same pod, from
+/// the service address.
+#[inline(always)]
+fn hairpin_reply(ctx: &TcContext, flow: &mut packet::Flow) -> Result<i32, Error> {
+    let Some(entry) = CONNTRACK.get_ptr_mut(flow.key) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: see established().
+    let entry = unsafe { &mut *entry };
+    let now = unsafe { bpf_ktime_get_ns() };
+    if entry.direction != CT_REPLY || entry.expired(flow.key.proto, now) {
+        return Ok(TC_ACT_OK);
+    }
+    entry.last_seen_ns = now;
+    entry.packets += 1;
+    let (vip, vport, pod, pod_port) = (entry.vip, entry.vport, flow.key.saddr, flow.key.dport);
+    if flow.closing {
+        entry.flags |= CT_CLOSING;
+        let forward = CtKey {
+            saddr: pod,
+            daddr: vip,
+            sport: pod_port,
+            dport: vport,
+            proto: flow.key.proto,
+            pad: [0; 3],
+        };
+        if let Some(forward) = CONNTRACK.get_ptr_mut(forward) {
+            unsafe { (*forward).flags |= CT_CLOSING };
+        }
+    }
+    flow.rewrite(ctx, End::Destination, pod, pod_port)?;
+    flow.rewrite(ctx, End::Source, vip, vport)?;
+    packet::bounce(ctx)
 }
 
 /// The backend of a flow already in conntrack, if the entry is within its lifetime and its
@@ -77,12 +122,14 @@ fn established(key: &CtKey, closing: bool, now: u64) -> Option<Backend> {
     Some(backend)
 }
 
-/// Where the backend's replies to the flow `key` come from and go to.
+/// Where the backend's replies to the flow `key` come from and go to (for a hairpin flow, to
+/// [`HAIRPIN_ADDR`]: the source its packets were given).
 #[inline(always)]
 fn reply_key(key: &CtKey, backend: &Backend) -> CtKey {
+    let hairpin = backend.addr == key.saddr;
     CtKey {
         saddr: backend.addr,
-        daddr: key.saddr,
+        daddr: if hairpin { HAIRPIN_ADDR } else { key.saddr },
         sport: backend.port,
         dport: key.sport,
         proto: key.proto,

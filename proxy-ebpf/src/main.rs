@@ -8,11 +8,7 @@ mod ingress;
 mod maps;
 mod packet;
 
-use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    macros::classifier,
-    programs::TcContext,
-};
+use aya_ebpf::{bindings::TC_ACT_SHOT, macros::classifier, programs::TcContext};
 use aya_log_ebpf::error;
 
 /// A packet from a pod, seen on the host side of its interface.
@@ -29,9 +25,9 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 
 /// One decision for errors: a packet whose rewrite failed halfway must not be forwarded.
 #[inline(always)]
-fn verdict(ctx: &TcContext, r: Result<(), packet::Error>) -> i32 {
+fn verdict(ctx: &TcContext, r: Result<i32, packet::Error>) -> i32 {
     match r {
-        Ok(()) => TC_ACT_OK,
+        Ok(action) => action,
         Err(_) => {
             error!(ctx, "packet rewrite failed; dropped");
             TC_ACT_SHOT

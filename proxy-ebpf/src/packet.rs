@@ -125,7 +125,13 @@ impl Flow {
     /// the TCP/UDP checksum (whose pseudo-header covers the addresses). A UDP checksum of zero
     /// means "none" and stays zero.
     #[inline(always)]
-    pub fn rewrite(&self, ctx: &TcContext, end: End, addr: Be32, port: Be16) -> Result<(), Error> {
+    pub fn rewrite(
+        &mut self,
+        ctx: &TcContext,
+        end: End,
+        addr: Be32,
+        port: Be16,
+    ) -> Result<(), Error> {
         let (old_addr, old_port, addr_off, port_off) = match end {
             End::Source => (self.key.saddr, self.key.sport, IP_SADDR_OFF, self.l4_off),
             End::Destination => (
@@ -154,6 +160,26 @@ impl Flow {
                 .map_err(|_| Error)?;
             ctx.store(port_off, &port.raw(), 0).map_err(|_| Error)?;
         }
+        // Keep the tuple current, so a second rewrite computes its checksum deltas right.
+        match end {
+            End::Source => (self.key.saddr, self.key.sport) = (addr, port),
+            End::Destination => (self.key.daddr, self.key.dport) = (addr, port),
+        }
         Ok(())
     }
+}
+
+/// Sends the packet back out of the interface it came in on (a hairpin), bypassing the
+/// routing and reverse-path checks that a link-local or service source would fail: the
+/// Ethernet addresses are swapped, so the frame goes back to its sender.
+#[inline(always)]
+pub fn bounce(ctx: &TcContext) -> Result<i32, Error> {
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| Error)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    ctx.store(0, &swapped, 0).map_err(|_| Error)?;
+    // SAFETY: reading the context's ifindex; bpf_redirect has no memory arguments.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    Ok(unsafe { aya_ebpf::helpers::bpf_redirect(ifindex, 0) } as i32)
 }

@@ -633,3 +633,62 @@ fn a_restart_into_a_full_map_keeps_serving_the_old_backends() {
     p.program(&state).unwrap();
     assert_eq!(dnat(&p, &Spec::tcp(CLIENT, 48001, VIP, 80)).dst, BE2);
 }
+
+#[test]
+fn a_pod_reaching_itself_goes_out_and_back_through_its_own_interface() {
+    let Some((p, _)) = setup(
+        "a_pod_reaching_itself_goes_out_and_back_through_its_own_interface",
+        &[(CLIENT, 8080)],
+    ) else {
+        return;
+    };
+    const TC_ACT_REDIRECT: u32 = 7;
+    let hairpin = Ipv4Addr::new(169, 254, 42, 1);
+    for spec in [
+        Spec::tcp(CLIENT, 49000, VIP, 80),
+        Spec::udp(CLIENT, 49000, VIP, 80),
+    ] {
+        let frame = spec.build();
+        let (verdict, out) = p.run("tc_ingress", &frame);
+        assert_eq!(
+            verdict, TC_ACT_REDIRECT,
+            "sent back out of the pod's interface"
+        );
+        let seen = packet::read(&out);
+        assert_eq!(
+            (seen.src, seen.sport, seen.dst, seen.dport),
+            (hairpin, 49000, CLIENT, 8080)
+        );
+        assert_eq!(
+            (&out[0..6], &out[6..12]),
+            (&frame[6..12], &frame[0..6]),
+            "MACs swapped"
+        );
+        packet::assert_checksums(&out, false);
+        // The pod answers the hairpin address; that comes back to it from the service.
+        let reply = Spec {
+            src: CLIENT,
+            sport: 8080,
+            dst: hairpin,
+            dport: 49000,
+            tcp_flags: 0x12,
+            ..spec.clone()
+        };
+        let (verdict, out) = p.run("tc_ingress", &reply.build());
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        let seen = packet::read(&out);
+        assert_eq!(
+            (seen.src, seen.sport, seen.dst, seen.dport),
+            (VIP, 80, CLIENT, 49000)
+        );
+        packet::assert_checksums(&out, false);
+        // The flow sticks like any other.
+        assert_eq!(p.run("tc_ingress", &frame).0, TC_ACT_REDIRECT);
+    }
+    // A reply-shaped packet to the hairpin address with no flow behind it passes untouched.
+    untouched(
+        &p,
+        "tc_ingress",
+        &Spec::tcp(CLIENT, 8080, hairpin, 40000).build(),
+    );
+}

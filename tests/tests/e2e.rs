@@ -281,3 +281,34 @@ fn an_agent_restart_keeps_flows_and_cleanup_removes_everything() {
         .collect();
     assert!(left.is_empty(), "pins left behind: {left:?}");
 }
+
+#[test]
+fn a_pod_reaches_itself_through_its_service() {
+    if !privileged("a_pod_reaches_itself_through_its_service") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox
+        .start_backends(BACKEND_PORT)
+        .expect("starting the backends");
+    // The client pod serves too, and is one of the endpoints of `self`.
+    sandbox.start_backend("client", BACKEND_PORT).unwrap();
+    let manifest = format!(
+        "{EXAMPLE}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: self, namespace: demo}}\n\
+         spec: {{clusterIP: 10.96.0.40, ports: [{{name: p, port: 80, protocol: TCP, targetPort: 8080}}, \
+         {{name: u, port: 80, protocol: UDP, targetPort: 8080}}]}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+         metadata: {{name: self-1, namespace: demo, labels: {{kubernetes.io/service-name: self}}}}\n\
+         addressType: IPv4\nendpoints: [{{addresses: [10.244.1.10]}}, {{addresses: [10.244.1.11]}}]\n\
+         ports: [{{name: p, port: 8080, protocol: TCP}}, {{name: u, port: 8080, protocol: UDP}}]\n"
+    );
+    let _agent = AgentRun::start(&mut sandbox, "node1", &manifest, 5).expect("starting the agent");
+    let own = SocketAddr::from((Ipv4Addr::new(10, 96, 0, 40), 80));
+    assert_eq!(spread(&sandbox, own, false, 30), set(&["be1", "client"]));
+    assert_eq!(spread(&sandbox, own, true, 30), set(&["be1", "client"]));
+    let client = &sandbox.pod("client").ns;
+    for _ in 0..5 {
+        let replies = tcp_session(client, own, 5).unwrap();
+        assert!(replies.windows(2).all(|w| w[0] == w[1]), "{replies:?}");
+    }
+}
