@@ -30,8 +30,11 @@ pub struct PrivateBpffs {
 impl PrivateBpffs {
     pub fn new() -> anyhow::Result<Self> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
+        if COUNTER.load(Ordering::Relaxed) == 0 {
+            unmount_stale();
+        }
         let path = std::env::temp_dir().join(format!(
-            "proxy-bpffs-{}-{}",
+            "{PREFIX}{}-{}",
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
@@ -41,6 +44,32 @@ impl PrivateBpffs {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+const PREFIX: &str = "proxy-bpffs-";
+
+/// Unmounts the private bpffs of test processes that died without cleaning up (killed by a
+/// timeout, say), so that reruns on the same machine do not pile them up.
+fn unmount_stale() {
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else {
+        return;
+    };
+    let tmp = std::env::temp_dir();
+    for mount_point in mounts.lines().filter_map(|l| l.split_whitespace().nth(1)) {
+        let path = Path::new(mount_point);
+        let Some(rest) = path
+            .strip_prefix(&tmp)
+            .ok()
+            .and_then(|r| r.to_str()?.strip_prefix(PREFIX))
+        else {
+            continue;
+        };
+        let pid = rest.split('-').next().unwrap_or_default();
+        if !pid.is_empty() && !Path::new("/proc").join(pid).exists() {
+            let _ = bpffs::unmount(path);
+            let _ = std::fs::remove_dir(path);
+        }
     }
 }
 
