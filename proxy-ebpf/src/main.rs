@@ -3,6 +3,7 @@
 #![no_std]
 #![no_main]
 
+mod conntrack;
 mod egress;
 mod ingress;
 mod maps;

@@ -1,0 +1,119 @@
+//! Conntrack: two entries a flow, each keyed by the 5-tuple its direction's packets carry.
+//! The forward entry (client -> service address) names the backend; the reply entry (backend ->
+//! client, or backend -> [`HAIRPIN_ADDR`] for a pod reaching itself) names the service address
+//! the replies must come from.
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns};
+use proxy_common::{
+    Backend, Be16, Be32, CT_CLOSING, CT_FORWARD, CT_REPLY, CtKey, CtValue, HAIRPIN_ADDR,
+};
+
+use crate::{
+    maps::{BACKENDS, CONNTRACK},
+    packet::Flow,
+};
+
+/// The backend of a flow already in conntrack, if the entry is within its lifetime and its
+/// backend still exists (for this protocol). Re-creates the reply entry if the LRU evicted it
+/// alone, so replies keep their reverse NAT.
+#[inline(always)]
+pub fn established(key: &CtKey, closing: bool, now: u64) -> Option<Backend> {
+    let entry = CONNTRACK.get_ptr_mut(key)?;
+    // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
+    // entry, which the direction and backend checks below reject or the backend lookup corrects.
+    let entry = unsafe { &mut *entry };
+    if entry.direction != CT_FORWARD || entry.expired(key.proto, now) {
+        return None;
+    }
+    let backend = unsafe { BACKENDS.get(entry.backend_id) }.copied()?;
+    if backend.proto != key.proto {
+        return None;
+    }
+    entry.last_seen_ns = now;
+    entry.packets += 1;
+    if closing {
+        entry.flags |= CT_CLOSING;
+    }
+    let reply_key = reply_key(key, &backend);
+    match CONNTRACK.get_ptr_mut(reply_key) {
+        Some(reply) if closing => unsafe { (*reply).flags |= CT_CLOSING },
+        Some(_) => {}
+        None => {
+            let mut reply = *entry;
+            reply.direction = CT_REPLY;
+            reply.packets = 0;
+            let _ = CONNTRACK.insert(reply_key, reply, BPF_ANY as u64);
+        }
+    }
+    Some(backend)
+}
+
+/// Where the backend's replies to the flow `key` come from and go to (for a hairpin flow, to
+/// [`HAIRPIN_ADDR`]: the source its packets were given).
+#[inline(always)]
+fn reply_key(key: &CtKey, backend: &Backend) -> CtKey {
+    let hairpin = backend.addr == key.saddr;
+    CtKey {
+        saddr: backend.addr,
+        daddr: if hairpin { HAIRPIN_ADDR } else { key.saddr },
+        sport: backend.port,
+        dport: key.sport,
+        proto: key.proto,
+        pad: [0; 3],
+    }
+}
+
+/// Records both directions of a new flow: the reply entry first, so that no reply can arrive
+/// before the record that reverse-NATs it.
+#[inline(always)]
+pub fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64) {
+    let reply_key = reply_key(key, backend);
+    let mut value = CtValue {
+        backend_id,
+        vip: key.daddr,
+        vport: key.dport,
+        direction: CT_REPLY,
+        flags: 0,
+        pad: [0; 4],
+        last_seen_ns: now,
+        packets: 0,
+    };
+    // LRU inserts make room by evicting the least recently used flow; a failure here (memory
+    // pressure) only means the next packet of this flow picks a backend again.
+    let _ = CONNTRACK.insert(reply_key, value, BPF_ANY as u64);
+    value.direction = CT_FORWARD;
+    value.packets = 1;
+    let _ = CONNTRACK.insert(key, value, BPF_ANY as u64);
+}
+/// The live reply entry of `flow` (a backend's packet to `client`), touched: the service
+/// address the packet must appear to come from. A FIN or RST gives both entries of the flow
+/// the short closing lifetime.
+#[inline(always)]
+pub fn reply(flow: &Flow, client: Be32) -> Option<(Be32, Be16)> {
+    let entry = CONNTRACK.get_ptr_mut(flow.key)?;
+    // SAFETY: see established().
+    let entry = unsafe { &mut *entry };
+    let now = unsafe { bpf_ktime_get_ns() };
+    // An expired entry is a flow that ended: later traffic on the same 5-tuple (say, the client
+    // talking to the backend directly) is not a reply to the service.
+    if entry.direction != CT_REPLY || entry.expired(flow.key.proto, now) {
+        return None;
+    }
+    entry.last_seen_ns = now;
+    entry.packets += 1;
+    let (vip, vport) = (entry.vip, entry.vport);
+    if flow.closing {
+        entry.flags |= CT_CLOSING;
+        let forward = CtKey {
+            saddr: client,
+            daddr: vip,
+            sport: flow.key.dport,
+            dport: vport,
+            proto: flow.key.proto,
+            pad: [0; 3],
+        };
+        if let Some(forward) = CONNTRACK.get_ptr_mut(forward) {
+            unsafe { (*forward).flags |= CT_CLOSING };
+        }
+    }
+    Some((vip, vport))
+}
