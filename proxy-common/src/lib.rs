@@ -125,15 +125,19 @@ pub struct CtKey {
 pub const CT_FORWARD: u8 = 1;
 pub const CT_REPLY: u8 = 2;
 
-/// [`CtValue::flags`]: a FIN or RST was seen; the entry now lives [`CT_LIFETIME_CLOSING_NS`].
+/// [`CtValue::flags`]: the flow is over (a RST, or a FIN from each side); its entries now live
+/// [`CT_LIFETIME_CLOSING_NS`].
 pub const CT_CLOSING: u8 = 1;
+/// [`CtValue::flags`]: this entry's direction sent a FIN (a half-close keeps the flow open).
+pub const CT_FIN: u8 = 2;
 /// The source address of hairpin packets (a pod reaching itself through a service), so that
 /// its replies leave the pod and can be translated back; such a flow's reply entry is keyed
 /// pod -> this address. Link-local, never a pod's (Cilium uses the same).
 pub const HAIRPIN_ADDR: Be32 = Be32::from_octets([169, 254, 42, 1]);
 
-/// How long an idle entry stays valid (after Cilium's defaults). Expired entries are ignored
-/// by the programs (a packet on such a 5-tuple starts a new flow) and evicted by the LRU.
+/// How long an idle flow stays valid (after Cilium's defaults); a packet in either direction
+/// refreshes both of its entries. Expired entries are ignored by the programs (a packet on such
+/// a 5-tuple starts a new flow) and evicted by the LRU.
 pub const CT_LIFETIME_TCP_NS: u64 = 6 * 3600 * 1_000_000_000;
 pub const CT_LIFETIME_UDP_NS: u64 = 60 * 1_000_000_000;
 pub const CT_LIFETIME_CLOSING_NS: u64 = 10 * 1_000_000_000;
@@ -166,7 +170,7 @@ pub struct CtValue {
     pub vport: Be16,
     /// [`CT_FORWARD`] or [`CT_REPLY`].
     pub direction: u8,
-    /// [`CT_CLOSING`].
+    /// [`CT_CLOSING`], [`CT_FIN`].
     pub flags: u8,
     pub pad: [u8; 4],
     /// `bpf_ktime_get_ns()` of the last packet seen in this direction.

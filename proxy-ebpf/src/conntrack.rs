@@ -4,7 +4,7 @@
 //! the replies must come from.
 use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns};
 use proxy_common::{
-    Backend, Be16, Be32, CT_CLOSING, CT_FORWARD, CT_REPLY, CtKey, CtValue, HAIRPIN_ADDR,
+    Backend, Be16, Be32, CT_CLOSING, CT_FIN, CT_FORWARD, CT_REPLY, CtKey, CtValue, HAIRPIN_ADDR,
 };
 
 use crate::{
@@ -12,11 +12,12 @@ use crate::{
     packet::Flow,
 };
 
-/// The backend of a flow already in conntrack, if the entry is within its lifetime and its
+/// The backend of a flow already in conntrack, if the flow is within its lifetime and its
 /// backend still exists (for this protocol). Re-creates the reply entry if the LRU evicted it
-/// alone, so replies keep their reverse NAT.
+/// alone (or something else took its 5-tuple), so replies keep their reverse NAT.
 #[inline(always)]
-pub fn established(key: &CtKey, closing: bool, now: u64) -> Option<Backend> {
+pub fn established(flow: &Flow, now: u64) -> Option<Backend> {
+    let key = &flow.key;
     let entry = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
     // entry, which the direction and backend checks below reject or the backend lookup corrects.
@@ -24,27 +25,54 @@ pub fn established(key: &CtKey, closing: bool, now: u64) -> Option<Backend> {
     if entry.direction != CT_FORWARD || entry.expired(key.proto, now) {
         return None;
     }
+    // A new connection on the 5-tuple of one that just closed is a new flow.
+    if flow.syn_only() && entry.flags & CT_CLOSING != 0 {
+        return None;
+    }
     let backend = unsafe { BACKENDS.get(entry.backend_id) }.copied()?;
     if backend.proto != key.proto {
         return None;
     }
-    entry.last_seen_ns = now;
-    entry.packets += 1;
-    if closing {
-        entry.flags |= CT_CLOSING;
-    }
     let reply_key = reply_key(key, &backend);
-    match CONNTRACK.get_ptr_mut(reply_key) {
-        Some(reply) if closing => unsafe { (*reply).flags |= CT_CLOSING },
-        Some(_) => {}
+    let reply = CONNTRACK
+        .get_ptr_mut(reply_key)
+        .map(|r| unsafe { &mut *r })
+        .filter(|r| r.direction == CT_REPLY && r.backend_id == entry.backend_id);
+    match reply {
+        Some(reply) => touch(entry, Some(reply), flow, now),
         None => {
+            touch(entry, None, flow, now);
             let mut reply = *entry;
             reply.direction = CT_REPLY;
+            reply.flags &= CT_CLOSING;
             reply.packets = 0;
             let _ = CONNTRACK.insert(reply_key, reply, BPF_ANY as u64);
         }
     }
     Some(backend)
+}
+
+/// A packet of the flow went in the direction of `this`: both entries are refreshed (a flow has
+/// one lifetime, whichever side speaks), and TCP teardown is followed: a RST, or a FIN from each
+/// side, closes the flow.
+#[inline(always)]
+fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64) {
+    this.last_seen_ns = now;
+    this.packets += 1;
+    if flow.fin() {
+        this.flags |= CT_FIN;
+    }
+    let mut closed = flow.rst();
+    if let Some(other) = other {
+        other.last_seen_ns = now;
+        closed |= this.flags & other.flags & CT_FIN != 0;
+        if closed {
+            other.flags |= CT_CLOSING;
+        }
+    }
+    if closed {
+        this.flags |= CT_CLOSING;
+    }
 }
 
 /// Where the backend's replies to the flow `key` come from and go to (for a hairpin flow, to
@@ -84,9 +112,8 @@ pub fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64) {
     value.packets = 1;
     let _ = CONNTRACK.insert(key, value, BPF_ANY as u64);
 }
-/// The live reply entry of `flow` (a backend's packet to `client`), touched: the service
-/// address the packet must appear to come from. A FIN or RST gives both entries of the flow
-/// the short closing lifetime.
+/// The live reply entry of `flow` (a backend's packet to `client`), touched along with the
+/// flow's forward entry: the service address the packet must appear to come from.
 #[inline(always)]
 pub fn reply(flow: &Flow, client: Be32) -> Option<(Be32, Be16)> {
     let entry = CONNTRACK.get_ptr_mut(flow.key)?;
@@ -98,22 +125,19 @@ pub fn reply(flow: &Flow, client: Be32) -> Option<(Be32, Be16)> {
     if entry.direction != CT_REPLY || entry.expired(flow.key.proto, now) {
         return None;
     }
-    entry.last_seen_ns = now;
-    entry.packets += 1;
     let (vip, vport) = (entry.vip, entry.vport);
-    if flow.closing {
-        entry.flags |= CT_CLOSING;
-        let forward = CtKey {
-            saddr: client,
-            daddr: vip,
-            sport: flow.key.dport,
-            dport: vport,
-            proto: flow.key.proto,
-            pad: [0; 3],
-        };
-        if let Some(forward) = CONNTRACK.get_ptr_mut(forward) {
-            unsafe { (*forward).flags |= CT_CLOSING };
-        }
-    }
+    let forward_key = CtKey {
+        saddr: client,
+        daddr: vip,
+        sport: flow.key.dport,
+        dport: vport,
+        proto: flow.key.proto,
+        pad: [0; 3],
+    };
+    let forward = CONNTRACK
+        .get_ptr_mut(forward_key)
+        .map(|f| unsafe { &mut *f })
+        .filter(|f| f.direction == CT_FORWARD && f.backend_id == entry.backend_id);
+    touch(entry, forward, flow, now);
     Some((vip, vport))
 }

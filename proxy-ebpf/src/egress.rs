@@ -1,6 +1,6 @@
 //! Packets going to a pod: a reply from a backend gets the service address back as its source
 //! (reverse NAT), so the client sees the address it connected to.
-use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
+use aya_ebpf::{bindings::TC_ACT_UNSPEC, programs::TcContext};
 
 use crate::{
     conntrack,
@@ -10,12 +10,12 @@ use crate::{
 #[inline(always)]
 pub fn try_egress(ctx: &TcContext) -> Result<i32, Error> {
     let Some(mut flow) = packet::parse(ctx) else {
-        return Ok(TC_ACT_OK);
+        return Ok(TC_ACT_UNSPEC);
     };
     let client = flow.key.daddr;
     let Some((vip, vport)) = conntrack::reply(&flow, client) else {
-        return Ok(TC_ACT_OK);
+        return Ok(TC_ACT_UNSPEC);
     };
     flow.rewrite(ctx, End::Source, vip, vport)?;
-    Ok(TC_ACT_OK)
+    Ok(TC_ACT_UNSPEC)
 }

@@ -24,7 +24,9 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
     verdict(&ctx, egress::try_egress(&ctx))
 }
 
-/// One decision for errors: a packet whose rewrite failed halfway must not be forwarded.
+/// One decision for errors: a packet whose rewrite failed halfway must not be forwarded. Every
+/// other packet goes on with TC_ACT_UNSPEC (tcx: TCX_NEXT), so that tc programs after ours (a
+/// CNI's bandwidth shaping, say) still see it.
 #[inline(always)]
 fn verdict(ctx: &TcContext, r: Result<i32, packet::Error>) -> i32 {
     match r {

@@ -20,13 +20,15 @@ const IP_FRAG_MASK: u16 = 0x3fff;
 /// An IPv4 TCP or UDP packet's flow, and where its L4 header starts.
 pub struct Flow {
     pub key: CtKey,
-    /// TCP: the packet carries FIN or RST (the connection is closing). Always false for UDP.
-    pub closing: bool,
+    /// TCP flags (zero for UDP).
+    tcp_flags: u8,
     l4_off: usize,
 }
 
 const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
 
 /// Longest header run the programs read: Ethernet, IPv4 with options, a TCP header.
 const MAX_HDR: usize = ETH_HLEN + 60 + 20;
@@ -97,18 +99,19 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
         proto: l4_proto,
         pad: [0; 3],
     };
-    // A constant bound of its own: older verifiers (6.1) lose the variable one above.
-    let closing = if l4_proto == IPPROTO_TCP {
+    // A check with a constant length of its own: older verifiers (6.1) lose the variable
+    // one above.
+    let tcp_flags = if l4_proto == IPPROTO_TCP {
         if l4 + 20 > end {
             return None;
         }
-        (unsafe { read::<u8>(l4 + 13) } & (TCP_FIN | TCP_RST)) != 0
+        unsafe { read::<u8>(l4 + 13) }
     } else {
-        false
+        0
     };
     Some(Flow {
         key,
-        closing,
+        tcp_flags,
         l4_off: ETH_HLEN + ihl,
     })
 }
@@ -121,6 +124,19 @@ pub enum End {
 }
 
 impl Flow {
+    pub fn fin(&self) -> bool {
+        self.tcp_flags & TCP_FIN != 0
+    }
+
+    pub fn rst(&self) -> bool {
+        self.tcp_flags & TCP_RST != 0
+    }
+
+    /// The first packet of a TCP connection.
+    pub fn syn_only(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
     /// Rewrites the source or destination address and port, updating the IP header checksum and
     /// the TCP/UDP checksum (whose pseudo-header covers the addresses). A UDP checksum of zero
     /// means "none" and stays zero.

@@ -89,7 +89,8 @@ pub struct Programs {
 }
 
 /// Verdicts the tc programs return.
-pub const TC_ACT_OK: u32 = 0;
+/// "No verdict": the packet goes on to the next tc program (tcx: TCX_NEXT).
+pub const TC_ACT_UNSPEC: u32 = u32::MAX;
 pub const TC_ACT_SHOT: u32 = 2;
 
 impl Programs {

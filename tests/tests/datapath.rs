@@ -7,7 +7,7 @@ use proxy_common::CtKey;
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec, TCP, UDP},
     privileged,
-    programs::{Programs, Svc, TC_ACT_OK, add_service},
+    programs::{Programs, Svc, TC_ACT_SHOT, TC_ACT_UNSPEC, add_service},
 };
 use proxy_userspace::{
     dataplane::{NotProgrammable, Scope},
@@ -66,7 +66,7 @@ fn set_web(state: &mut DesiredState, endpoints: &[(Ipv4Addr, u16)]) -> ServicePo
 fn dnat(p: &Programs, spec: &Spec) -> packet::Seen {
     let frame = spec.build();
     let (verdict, out) = p.run("tc_ingress", &frame);
-    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
     assert_eq!(out.len(), frame.len(), "length must not change");
     let seen = packet::read(&out);
     assert_eq!(
@@ -91,7 +91,7 @@ fn dnat(p: &Programs, spec: &Spec) -> packet::Seen {
 
 fn untouched(p: &Programs, prog: &str, frame: &[u8]) {
     let (verdict, out) = p.run(prog, frame);
-    assert_eq!(verdict, TC_ACT_OK, "{prog} must pass the frame");
+    assert_eq!(verdict, TC_ACT_UNSPEC, "{prog} must pass the frame");
     assert_eq!(out, frame, "{prog} must not change the frame");
 }
 
@@ -136,7 +136,7 @@ fn replies_are_reverse_nated() {
         };
         let frame = reply.build();
         let (verdict, out) = p.run("tc_egress", &frame);
-        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
         let seen = packet::read(&out);
         assert_eq!(
             (seen.src, seen.sport, seen.dst, seen.dport),
@@ -300,7 +300,7 @@ fn malformed_and_truncated_frames_pass_untouched() {
         let (verdict, out) = p.run("tc_ingress", &frame);
         assert_eq!(
             (verdict, &out),
-            (TC_ACT_OK, &frame),
+            (TC_ACT_UNSPEC, &frame),
             "{what}: must pass untouched"
         );
     }
@@ -496,11 +496,11 @@ fn closed_and_idle_flows_expire() {
     let udp = Spec::udp(CLIENT, 47000, VIP, 80);
     dnat(&p, &tcp);
     dnat(&p, &udp);
-    // The client closes the TCP connection: both of its entries get the closing lifetime.
+    // The client resets the TCP connection: both of its entries get the closing lifetime.
     dnat(
         &p,
         &Spec {
-            tcp_flags: 0x11,
+            tcp_flags: 0x14,
             ..tcp.clone()
         },
     );
@@ -685,10 +685,76 @@ fn a_pod_reaching_itself_goes_out_and_back_through_its_own_interface() {
         // The flow sticks like any other.
         assert_eq!(p.run("tc_ingress", &frame).0, TC_ACT_REDIRECT);
     }
-    // A reply-shaped packet to the hairpin address with no flow behind it passes untouched.
-    untouched(
-        &p,
+    // A packet to the hairpin address with no flow behind it must not leave the node.
+    let (verdict, _) = p.run(
         "tc_ingress",
         &Spec::tcp(CLIENT, 8080, hairpin, 40000).build(),
+    );
+    assert_eq!(verdict, TC_ACT_SHOT);
+}
+
+#[test]
+fn a_flow_has_one_lifetime_and_closes_on_fins_from_both_sides() {
+    let Some((p, _)) = setup(
+        "a_flow_has_one_lifetime_and_closes_on_fins_from_both_sides",
+        &[(BE1, 8080)],
+    ) else {
+        return;
+    };
+    // TCP: a half-close (the client's FIN) keeps the flow; the backend's FIN closes it.
+    let tcp = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(CLIENT, 49501, VIP, 80)
+    };
+    dnat(&p, &tcp);
+    dnat(
+        &p,
+        &Spec {
+            tcp_flags: 0x11,
+            ..tcp.clone()
+        },
+    );
+    let closing = |p: &Programs| {
+        inspect::conntrack(p.bpffs.path())
+            .unwrap()
+            .into_iter()
+            .filter(|f| f.protocol == "TCP")
+            .map(|f| f.closing)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        closing(&p),
+        vec![false, false],
+        "a half-closed connection is still open"
+    );
+    let (_, out) = p.run("tc_egress", &reply_to(&tcp, BE1, 8080, 0x11));
+    assert_eq!(packet::read(&out).src, VIP);
+    assert_eq!(closing(&p), vec![true, true]);
+    // A new connection on the same 5-tuple is a new flow, with the full lifetime.
+    dnat(
+        &p,
+        &Spec {
+            tcp_flags: 0x02,
+            ..tcp.clone()
+        },
+    );
+    assert_eq!(closing(&p), vec![false, false]);
+
+    // UDP: the client speaks every 50 s, the backend answers only after 100 s. Each client
+    // packet keeps the whole flow alive, so the late answer is still translated.
+    let udp = Spec::udp(CLIENT, 49500, VIP, 80);
+    dnat(&p, &udp);
+    if !age_conntrack(&p, 50) {
+        return;
+    }
+    dnat(&p, &udp);
+    if !age_conntrack(&p, 50) {
+        return;
+    }
+    let (_, out) = p.run("tc_egress", &reply_to(&udp, BE1, 8080, 0));
+    assert_eq!(
+        packet::read(&out).src,
+        VIP,
+        "the reply entry expired on its own"
     );
 }

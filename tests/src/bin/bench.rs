@@ -16,7 +16,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec},
-    programs::{Programs, Svc, TC_ACT_OK, add_service},
+    programs::{Programs, Svc, TC_ACT_UNSPEC, add_service},
 };
 use proxy_userspace::{
     ebpf::MapSizes,
@@ -191,7 +191,7 @@ fn measure(args: &Args, count: u32) -> anyhow::Result<Row> {
         frame[sport_off..sport_off + 2].copy_from_slice(&((i & 0xffff) as u16).to_be_bytes());
         let (verdict, out, took) = p.run_timed("tc_ingress", &frame);
         let backend = u32::from(packet::read(&out).dst).wrapping_sub(u32::from(FIRST_BACKEND));
-        if verdict != TC_ACT_OK || backend >= count * args.backends {
+        if verdict != TC_ACT_UNSPEC || backend >= count * args.backends {
             bail!("new flow {i} was not sent to a backend (verdict {verdict})");
         }
         total += ns(took);
