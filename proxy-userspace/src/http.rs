@@ -35,13 +35,21 @@ pub async fn bind(addr: &str, flag: &str) -> anyhow::Result<TcpListener> {
     })
 }
 
-/// Serves `handler(path)` until the listener fails.
+/// Serves `handler(path)` for ever.
 pub async fn serve(
     listener: TcpListener,
     handler: Arc<dyn Fn(&str) -> Response + Send + Sync>,
 ) -> anyhow::Result<()> {
     loop {
-        let (mut conn, _) = listener.accept().await?;
+        let mut conn = match listener.accept().await {
+            Ok((conn, _)) => conn,
+            // Out of file descriptors, say: the probes must keep working once it passes.
+            Err(e) => {
+                tracing::warn!("accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let handler = handler.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];

@@ -758,3 +758,48 @@ fn a_flow_has_one_lifetime_and_closes_on_fins_from_both_sides() {
         "the reply entry expired on its own"
     );
 }
+
+#[test]
+fn an_address_handed_to_another_service_stays_served() {
+    let Some((mut p, mut state)) = setup(
+        "an_address_handed_to_another_service_stays_served",
+        &[(BE1, 8080)],
+    ) else {
+        return;
+    };
+    // kube-dns is replaced by coredns on the same cluster IP, in one sync...
+    let svc = |state: &mut DesiredState, name, backend| {
+        let endpoints = [(backend, 53)];
+        let svc = Svc {
+            name,
+            vip: VIP,
+            port: 53,
+            protocol: Protocol::Udp,
+            endpoints: &endpoints,
+        };
+        add_service(state, &svc)
+    };
+    let old = svc(&mut state, "kube-dns", BE1);
+    p.program(&state).unwrap();
+    state.services.remove(&old);
+    state.endpoints.remove(&old);
+    let new = svc(&mut state, "coredns", BE2);
+    p.maps
+        .sync(
+            &state,
+            Scope::Changed(&BTreeSet::from([old.clone(), new.clone()])),
+        )
+        .unwrap();
+    assert_eq!(dnat(&p, &Spec::udp(CLIENT, 50000, VIP, 53)).dst, BE2);
+    // ...and back, in two syncs: the newcomer first, then the old one's removal.
+    let back = svc(&mut state, "kube-dns", BE3);
+    p.maps
+        .sync(&state, Scope::Changed(&BTreeSet::from([back.clone()])))
+        .unwrap();
+    state.services.remove(&new);
+    state.endpoints.remove(&new);
+    p.maps
+        .sync(&state, Scope::Changed(&BTreeSet::from([new])))
+        .unwrap();
+    assert_eq!(dnat(&p, &Spec::udp(CLIENT, 50001, VIP, 53)).dst, BE3);
+}

@@ -133,33 +133,37 @@ fn tcx_supported() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
-/// Swaps `prog` into the link pinned at `pin` (atomically, for packets in flight), or makes a
-/// new link there.
+/// Swaps `prog` into the link pinned at `pin` (atomically, for packets in flight; the pin stays
+/// throughout, so a crash halfway leaves the old program serving), or makes a new link there.
 fn attach_tcx(
     prog: &mut SchedClassifier,
     interface: &str,
     attach_type: TcAttachType,
     pin: &Path,
 ) -> anyhow::Result<()> {
-    let replaced = match PinnedLink::from_pin(pin) {
-        Ok(old) => {
-            let link = SchedClassifierLink::try_from(old.unpin()?)?;
-            // A link whose interface went away cannot be updated: make a new one.
-            prog.attach_to_link(link).ok()
+    match PinnedLink::from_pin(pin) {
+        Ok(pinned) => {
+            let link = SchedClassifierLink::try_from(FdLink::from(pinned))?;
+            match prog.attach_to_link(link) {
+                // Our fd goes with the taken link; the pin keeps the link.
+                Ok(id) => {
+                    prog.take_link(id)?;
+                    return Ok(());
+                }
+                // The link of an interface that went away (its index now reused): replace it.
+                Err(e) => {
+                    tracing::debug!(pin = %pin.display(), "pinned link not updatable: {e}");
+                    std::fs::remove_file(pin)?;
+                }
+            }
         }
         Err(LinkError::SyscallError(SyscallError { io_error, .. }))
-            if io_error.kind() == io::ErrorKind::NotFound =>
-        {
-            None
-        }
+            if io_error.kind() == io::ErrorKind::NotFound => {}
         Err(e) => {
             return Err(e).with_context(|| format!("opening the pinned link {}", pin.display()));
         }
-    };
-    let id = match replaced {
-        Some(id) => id,
-        None => prog.attach(interface, attach_type)?,
-    };
+    }
+    let id = prog.attach(interface, attach_type)?;
     let link: FdLink = prog.take_link(id)?.try_into()?;
     link.pin(pin)
         .with_context(|| format!("pinning the link at {}", pin.display()))?;

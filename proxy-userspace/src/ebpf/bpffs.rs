@@ -19,8 +19,8 @@ pub fn is_bpffs(path: &Path) -> io::Result<bool> {
 /// Creates `pin_dir` on a BPF filesystem. When the nearest existing ancestor is not on one, a
 /// bpffs is mounted: on /sys/fs/bpf for paths below it (it is often not mounted, e.g. under
 /// `ip netns exec`), otherwise on `pin_dir` itself. A mount made here lives in this process's
-/// mount namespace: for pins that outlive the agent, mount bpffs outside it (the DaemonSet
-/// mounts the host's /sys/fs/bpf).
+/// mount namespace: for pins that outlive the agent (the maps, and the tcx links that keep the
+/// programs attached), mount bpffs outside it (the DaemonSet mounts the host's /sys/fs/bpf).
 pub fn ensure(pin_dir: &Path) -> anyhow::Result<()> {
     let existing = pin_dir
         .ancestors()

@@ -36,6 +36,9 @@ pub struct ServiceMaps {
     frontends: HashMap<Frontend, Vec<u32>>,
     /// Which frontends each service port put there.
     owners: HashMap<ServicePortName, Vec<Frontend>>,
+    /// The port that last programmed each frontend: when a Service's address passes to another
+    /// (a rename keeping the cluster IP), the old one's removal must not take it away.
+    claims: HashMap<Frontend, ServicePortName>,
     /// Entries of the services map, counted (slot 0 and backend slots).
     used_slots: usize,
     /// Backend ids, and by id the backend with the number of slots referring to it. Ids come
@@ -125,6 +128,7 @@ impl ServiceMaps {
             backends_max,
             frontends,
             owners: HashMap::new(),
+            claims: HashMap::new(),
             used_slots,
             ids,
             by_id,
@@ -222,7 +226,10 @@ impl ServiceMaps {
         let mut owned = Vec::with_capacity(desired.len());
         for (fe, backends) in &desired {
             match self.program(fe, backends) {
-                Ok(()) => owned.push(*fe),
+                Ok(()) => {
+                    owned.push(*fe);
+                    self.claims.insert(*fe, spn.clone());
+                }
                 Err(e) => result = Err(e),
             }
         }
@@ -230,6 +237,9 @@ impl ServiceMaps {
             .iter()
             .filter(|fe| !desired.iter().any(|(d, _)| d == *fe))
         {
+            if self.claims.get(fe).is_some_and(|owner| owner != spn) {
+                continue; // another port serves this address now
+            }
             if let Err(e) = self.remove_frontend(fe) {
                 result = Err(e);
             }
@@ -238,7 +248,8 @@ impl ServiceMaps {
         // owned: also one recovered from the pinned maps after a restart, which no port owned.
         let kept = old.into_iter().chain(desired.iter().map(|(fe, _)| *fe));
         for fe in kept {
-            if self.frontends.contains_key(&fe) && !owned.contains(&fe) {
+            let ours = self.claims.get(&fe).is_none_or(|owner| owner == spn);
+            if ours && self.frontends.contains_key(&fe) && !owned.contains(&fe) {
                 owned.push(fe);
             }
         }
@@ -279,11 +290,11 @@ impl ServiceMaps {
             .iter()
             .filter(|b| !self.ids.contains_key(b))
             .count();
-        if self.ids.len() + new_backends > self.backends_max {
+        if self.by_id.len() + new_backends > self.backends_max {
             return Err(NotProgrammable(format!(
                 "backends map full ({} of {} entries used, {} more needed): raise \
                  --bpf-backends-max (a map already pinned keeps its size until its pin is removed)",
-                self.ids.len(),
+                self.by_id.len(),
                 self.backends_max,
                 new_backends
             ))
@@ -404,6 +415,7 @@ impl ServiceMaps {
             return Ok(());
         };
         self.remove_slot(fe)?;
+        self.claims.remove(fe);
         // Packets no longer see the service; what follows is cleanup (slots left by a failure
         // here are invisible, and the next agent start deletes them).
         self.frontends.remove(fe);
