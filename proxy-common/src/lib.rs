@@ -62,7 +62,7 @@ pub const MAP_SERVICES: &str = "SERVICES";
 pub const MAP_BACKENDS: &str = "BACKENDS";
 pub const MAP_CONNTRACK: &str = "CONNTRACK";
 pub const MAP_AGENT_STATE: &str = "AGENT_STATE";
-/// [`MAP_AGENT_STATE`] index of the next backend id to hand out.
+/// [`MAP_AGENT_STATE`] index of the first backend id never handed out.
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
 
 /// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);

@@ -22,7 +22,7 @@ pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(1 << 20, BPF_F_NO_P
 pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(1 << 21, 0);
 
 /// The agent's own state, kept beside the maps it describes (the programs never read it):
-/// index 0 is the next backend id, so ids are not handed out again after a restart while
-/// conntrack may still name them.
+/// index 0 is the first backend id never handed out, so ids are not handed out again after a
+/// restart while conntrack may still name them.
 #[map(name = "AGENT_STATE")]
 pub static AGENT_STATE: Array<u64> = Array::pinned(1, 0);

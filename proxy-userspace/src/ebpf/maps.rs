@@ -47,10 +47,15 @@ pub struct ServiceMaps {
     ids: HashMap<Backend, u32>,
     by_id: HashMap<u32, (Backend, usize)>,
     next_id: u32,
-    /// Where `next_id` is kept across restarts, and the value last written there.
+    /// Ids below this may have been handed out (so a restarted agent starts above it). Kept in
+    /// `agent_state` and raised a block at a time before an id past it is used, so even an agent
+    /// that dies mid-sync never lets its successor reuse one.
+    reserved_until: u32,
     agent_state: Array<MapData, u64>,
-    saved_next_id: u32,
 }
+
+/// Ids reserved in `agent_state` at a time: one map write per this many new backends.
+const ID_BLOCK: u32 = 1024;
 
 impl ServiceMaps {
     /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
@@ -133,19 +138,9 @@ impl ServiceMaps {
             ids,
             by_id,
             next_id,
+            reserved_until: next_id,
             agent_state,
-            saved_next_id: saved,
         })
-    }
-
-    fn save_next_id(&mut self) -> anyhow::Result<()> {
-        if self.next_id != self.saved_next_id {
-            self.agent_state
-                .set(AGENT_STATE_NEXT_BACKEND_ID, u64::from(self.next_id), 0)
-                .context("saving the next backend id")?;
-            self.saved_next_id = self.next_id;
-        }
-        Ok(())
     }
 
     pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
@@ -194,9 +189,6 @@ impl ServiceMaps {
                     failures.push(format!("unused backend {id}: {e:#}"));
                 }
             }
-        }
-        if let Err(e) = self.save_next_id() {
-            failures.push(format!("{e:#}"));
         }
         if !failures.is_empty() {
             failures.extend(unprogrammable);
@@ -456,6 +448,13 @@ impl ServiceMaps {
         let mut id = self.next_id;
         while id == 0 || self.by_id.contains_key(&id) {
             id = id.wrapping_add(1);
+        }
+        if id >= self.reserved_until {
+            let until = id.saturating_add(ID_BLOCK);
+            self.agent_state
+                .set(AGENT_STATE_NEXT_BACKEND_ID, u64::from(until), 0)
+                .context("reserving backend ids")?;
+            self.reserved_until = until;
         }
         self.backends
             .insert(id, b, 0)
