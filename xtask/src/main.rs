@@ -70,13 +70,9 @@ fn main() -> anyhow::Result<()> {
     env::set_current_dir(&root)?;
     match Cli::parse().command {
         Cmd::Setup => setup(),
-        Cmd::BuildEbpf => {
-            setup()?;
-            build_ebpf()
-        }
+        Cmd::BuildEbpf => prepare(),
         Cmd::Test { args } => {
-            setup()?;
-            build_ebpf()?;
+            prepare()?;
             step("building the workspace");
             cargo(&["build", "--workspace", "--bins"])?;
             step("running the tests");
@@ -87,8 +83,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Lint => lint(),
         Cmd::VmTest { args } => {
-            setup()?;
-            build_ebpf()?;
+            prepare()?;
             step("preparing the VM (Debian's 6.1 kernel, once)");
             run(Command::new("bash").arg(root.join("vmtest/setup.sh")))?;
             step("building the workspace");
@@ -106,7 +101,7 @@ fn main() -> anyhow::Result<()> {
                 "sandbox",
             ];
             test.extend(args.iter().map(String::as_str));
-            let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+            let mut cmd = cargo_cmd();
             cmd.args(&test)
                 .env(
                     "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER",
@@ -123,17 +118,11 @@ fn main() -> anyhow::Result<()> {
             run(&mut cmd)
         }
         Cmd::Demo => {
-            setup()?;
-            build_ebpf()?;
-            step("building the agent and the sandbox");
-            cargo(&["build", "--release", "--workspace", "--bins"])?;
+            build_release("building the agent and the sandbox (release)")?;
             run(&mut Command::new(root.join("target/release/demo")))
         }
         Cmd::Bench { which, args } => {
-            setup()?;
-            build_ebpf()?;
-            step("building the benchmarks (release)");
-            cargo(&["build", "--release", "--workspace", "--bins"])?;
+            build_release("building the benchmarks (release)")?;
             let mut cmd = Command::new(root.join("target/release/bench"));
             cmd.arg(which).args(args);
             run(&mut cmd)
@@ -153,10 +142,25 @@ fn run(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cargo (stable) that runs this xtask.
+fn cargo_cmd() -> Command {
+    Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
 fn cargo(args: &[&str]) -> anyhow::Result<()> {
-    let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.args(args);
-    run(&mut cmd)
+    run(cargo_cmd().args(args))
+}
+
+/// What every build needs first: the set-up and the BPF object the agent embeds.
+fn prepare() -> anyhow::Result<()> {
+    setup()?;
+    build_ebpf()
+}
+
+fn build_release(what: &str) -> anyhow::Result<()> {
+    prepare()?;
+    step(what);
+    cargo(&["build", "--release", "--workspace", "--bins"])
 }
 
 fn lint() -> anyhow::Result<()> {
