@@ -2,7 +2,6 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use proxy_common::{MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES};
 use proxy_userspace::{
     agent::{self, AgentConfig, Source},
     dataplane::Dataplane,
@@ -132,7 +131,7 @@ fn main() -> anyhow::Result<()> {
 
 fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
     if args.cleanup {
-        return cleanup(&args.bpf_pin_dir, &args.pod_interfaces);
+        return proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -169,25 +168,6 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         }
     };
     runtime.block_on(agent::run(config, make_dataplane))
-}
-
-fn cleanup(pin_dir: &std::path::Path, pod_interfaces: &str) -> anyhow::Result<()> {
-    let detached = proxy_userspace::ebpf::detach_all(pod_interfaces, pin_dir)?;
-    let mut removed = 0;
-    // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
-    for name in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK, MAP_AGENT_STATE] {
-        let path = pin_dir.join(name);
-        match std::fs::remove_file(&path) {
-            Ok(()) => removed += 1,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
-        }
-    }
-    // detach_all emptied it; an empty pin dir goes too unless bpffs is mounted right there.
-    let _ = std::fs::remove_dir(pin_dir.join("links"));
-    let _ = std::fs::remove_dir(pin_dir);
-    tracing::info!(detached, removed, pin_dir = %pin_dir.display(), "cleaned up");
-    Ok(())
 }
 
 /// kube-proxy's rule: the override, else the hostname, lower-cased.

@@ -7,9 +7,10 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
-use proxy_common::{MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES};
+use proxy_common::{MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES};
 
-pub use attach::{Attacher, detach_all};
+pub use attach::Attacher;
+use attach::detach_all;
 pub use maps::ServiceMaps;
 
 use crate::{
@@ -100,6 +101,27 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
             );
         }
     }
+}
+
+/// `agent --cleanup`: detaches the programs from the interfaces matching `pod_interfaces` and
+/// removes everything the agent pinned under `pin_dir`.
+pub fn cleanup(pin_dir: &Path, pod_interfaces: &str) -> anyhow::Result<()> {
+    let detached = detach_all(pod_interfaces, pin_dir)?;
+    let mut removed = 0;
+    // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
+    for name in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK, MAP_AGENT_STATE] {
+        let path = pin_dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
+        }
+    }
+    // detach_all emptied it; an empty pin dir goes too unless bpffs is mounted right there.
+    let _ = std::fs::remove_dir(pin_dir.join("links"));
+    let _ = std::fs::remove_dir(pin_dir);
+    tracing::info!(detached, removed, pin_dir = %pin_dir.display(), "cleaned up");
+    Ok(())
 }
 
 /// The ebpf [`Dataplane`]: the loaded programs, the maps they read, and the interfaces they
