@@ -62,8 +62,32 @@ pub const MAP_SERVICES: &str = "SERVICES";
 pub const MAP_BACKENDS: &str = "BACKENDS";
 pub const MAP_CONNTRACK: &str = "CONNTRACK";
 pub const MAP_AGENT_STATE: &str = "AGENT_STATE";
+pub const MAP_DROPS: &str = "DROPS";
 /// [`MAP_AGENT_STATE`] index of the first backend id never handed out.
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
+/// [`MAP_AGENT_STATE`] index of the layout version of the pinned maps ([`LAYOUT_VERSION`]).
+pub const AGENT_STATE_LAYOUT: u32 = 1;
+pub const AGENT_STATE_ENTRIES: u32 = 2;
+/// The meaning of the pinned maps' contents. Raised whenever a release changes what a key or
+/// value means (not only its size), so that an agent never misreads maps an older one left.
+/// 2: backend ids per service port, draining backends and frontends.
+pub const LAYOUT_VERSION: u64 = 2;
+
+/// Why a program dropped a packet: the index of its counter in the per-CPU [`MAP_DROPS`] array.
+pub const DROP_REWRITE_FAILED: u32 = 0;
+/// A packet to a service address found no backend although the service has some: the agent
+/// changed the service between two lookups (an update race). Dropped rather than passed on
+/// untranslated towards the default route.
+pub const DROP_NO_BACKEND: u32 = 1;
+/// A packet to the hairpin address without a flow behind it.
+pub const DROP_HAIRPIN_WITHOUT_FLOW: u32 = 2;
+pub const DROP_REASONS: u32 = 3;
+/// The last [`MAP_DROPS`] entry: when this CPU last logged a drop (logs are rate limited).
+pub const DROPS_LAST_LOG: u32 = DROP_REASONS;
+pub const DROPS_ENTRIES: u32 = DROP_REASONS + 1;
+/// Label values of the drop reasons, by index.
+pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] =
+    ["rewrite_failed", "no_backend", "hairpin_without_flow"];
 
 /// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);
 /// slots 1..=count hold one backend id each (after Cilium's `lb4_key`).
@@ -89,8 +113,7 @@ impl ServiceKey {
     }
 }
 
-/// Value of the services map. In slot 0: `count` (and `flags`, none defined yet); in slot n:
-/// `backend_id`.
+/// Value of the services map. In slot 0: `count` and `flags`; in slot n: `backend_id`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct ServiceValue {
@@ -99,7 +122,19 @@ pub struct ServiceValue {
     pub flags: u16,
 }
 
-/// A backend: where a service's traffic is sent. Keyed by a `u32` id in the backends map.
+/// [`ServiceValue::flags`] of slot 0: the frontend was removed (its Service deleted or its
+/// address given up) and serves only the TCP connections already established through it,
+/// until the agent's drain period ends. It has no slots (count 0).
+pub const SERVICE_DRAINING: u16 = 1;
+
+/// [`Backend::flags`]: the endpoint left its service port (not ready, terminating, or gone from
+/// the EndpointSlice). Established TCP connections stay on it; a SYN, and any UDP packet, picks
+/// a usable backend instead.
+pub const BACKEND_DRAINING: u8 = 1;
+
+/// A backend: where a service's traffic is sent. Keyed by a `u32` id in the backends map. Ids
+/// belong to one service port (two services sharing a pod have two ids for it), so that the
+/// draining flag says whether the endpoint is still in that service.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct Backend {

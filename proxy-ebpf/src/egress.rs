@@ -4,11 +4,11 @@ use aya_ebpf::{bindings::TC_ACT_UNSPEC, programs::TcContext};
 
 use crate::{
     conntrack,
-    packet::{self, End, Error},
+    packet::{self, Drop, End},
 };
 
 #[inline(always)]
-pub fn try_egress(ctx: &TcContext) -> Result<i32, Error> {
+pub fn try_egress(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = packet::parse(ctx) else {
         return Ok(TC_ACT_UNSPEC);
     };

@@ -1,21 +1,24 @@
 //! Packets leaving a pod: a packet to a service address is sent to a backend (DNAT). The first
 //! packet of a flow picks a backend at random and records the choice in conntrack; later packets
-//! follow that record while it is within its lifetime and its backend exists.
+//! follow that record while it is within its lifetime and its backend may keep it (see
+//! [`conntrack::established`]).
 use aya_ebpf::{
-    bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
+    bindings::TC_ACT_UNSPEC,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     programs::TcContext,
 };
-use proxy_common::{Backend, HAIRPIN_ADDR, ServiceKey, ServiceValue};
+use proxy_common::{
+    Backend, DROP_HAIRPIN_WITHOUT_FLOW, DROP_NO_BACKEND, HAIRPIN_ADDR, ServiceKey, ServiceValue,
+};
 
 use crate::{
     conntrack,
     maps::{BACKENDS, SERVICES},
-    packet::{self, End, Error},
+    packet::{self, Drop, End},
 };
 
 #[inline(always)]
-pub fn try_ingress(ctx: &TcContext) -> Result<i32, Error> {
+pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = packet::parse(ctx) else {
         return Ok(TC_ACT_UNSPEC);
     };
@@ -26,15 +29,19 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Error> {
     let svc_key = ServiceKey::new(key.daddr, key.dport, key.proto, 0);
     // SAFETY: services values are plain data; the agent replaces them whole.
     let Some(svc) = (unsafe { SERVICES.get(svc_key) }).copied() else {
+        if flow.syn_only() {
+            // A connection straight to a pod: replies on its 5-tuple are not from a service.
+            conntrack::forget_reply(&key);
+        }
         return Ok(TC_ACT_UNSPEC); // not a service: untouched, on to the next tc program
     };
     let now = unsafe { bpf_ktime_get_ns() };
     let backend = match conntrack::established(&flow, now) {
         Some(backend) => backend,
         None => {
-            // A service without endpoints passes untouched for now (kube-proxy rejects such
-            // packets with ICMP; that comes with the reject issue).
-            let Some((backend_id, backend)) = select_backend(&svc_key, &svc) else {
+            // No usable endpoint (or a removed service, draining): the packet passes untouched
+            // for now (kube-proxy rejects it with ICMP; that comes with the reject issue).
+            let Some((backend_id, backend)) = select_backend(&svc_key, svc.count)? else {
                 return Ok(TC_ACT_UNSPEC);
             };
             conntrack::record_flow(&key, backend_id, &backend, now);
@@ -53,24 +60,41 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Error> {
 /// A pod's reply to a hairpin flow (backend -> [`HAIRPIN_ADDR`]): back to the same pod, from
 /// the service address.
 #[inline(always)]
-fn hairpin_reply(ctx: &TcContext, flow: &mut packet::Flow) -> Result<i32, Error> {
+fn hairpin_reply(ctx: &TcContext, flow: &mut packet::Flow) -> Result<i32, Drop> {
     // The pod is the client: replies go back to its own address.
     let pod = flow.key.saddr;
     let Some((vip, vport)) = conntrack::reply(flow, pod) else {
         // No flow behind it: routed on, it would leave the node with a link-local address.
-        return Ok(TC_ACT_SHOT);
+        return Err(Drop(DROP_HAIRPIN_WITHOUT_FLOW));
     };
     flow.rewrite(ctx, End::Destination, pod, flow.key.dport)?;
     flow.rewrite(ctx, End::Source, vip, vport)?;
     packet::bounce(ctx)
 }
 
+/// A random backend of the service `svc_key`, which had `count` of them when its head was
+/// read; `None` when it has none.
 #[inline(always)]
-fn select_backend(svc_key: &ServiceKey, svc: &ServiceValue) -> Option<(u32, Backend)> {
-    if svc.count == 0 {
-        return None;
+fn select_backend(svc_key: &ServiceKey, count: u16) -> Result<Option<(u32, Backend)>, Drop> {
+    if count == 0 {
+        return Ok(None);
     }
-    let slot = (unsafe { bpf_get_prandom_u32() } % svc.count as u32) as u16 + 1;
+    if let Some(found) = pick(svc_key, count) {
+        return Ok(Some(found));
+    }
+    // The agent shrank the service between the head lookup and ours: read the count again.
+    let count = match unsafe { SERVICES.get(svc_key) } {
+        Some(ServiceValue { count: 0, .. }) | None => return Ok(None),
+        Some(svc) => svc.count,
+    };
+    // Never pass a packet to a service address untranslated (it would follow the default
+    // route): drop it, and the client retransmits.
+    pick(svc_key, count).map(Some).ok_or(Drop(DROP_NO_BACKEND))
+}
+
+#[inline(always)]
+fn pick(svc_key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
+    let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
     let slot_key = ServiceKey::new(svc_key.addr, svc_key.port, svc_key.proto, slot);
     let backend_id = unsafe { SERVICES.get(slot_key) }?.backend_id;
     let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;

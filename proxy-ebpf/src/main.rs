@@ -9,8 +9,13 @@ mod ingress;
 mod maps;
 mod packet;
 
-use aya_ebpf::{bindings::TC_ACT_SHOT, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::TC_ACT_SHOT, helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext,
+};
 use aya_log_ebpf::error;
+use proxy_common::DROPS_LAST_LOG;
+
+use crate::maps::DROPS;
 
 /// A packet from a pod, seen on the host side of its interface.
 #[classifier]
@@ -24,18 +29,37 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
     verdict(&ctx, egress::try_egress(&ctx))
 }
 
-/// One decision for errors: a packet whose rewrite failed halfway must not be forwarded. Every
-/// other packet goes on with TC_ACT_UNSPEC (tcx: TCX_NEXT), so that tc programs after ours (a
-/// CNI's bandwidth shaping, say) still see it.
+/// At most one drop log line per CPU this often: a flood of bad packets must not flood the log
+/// (the counters in DROPS, exported as a metric, count every one).
+const DROP_LOG_INTERVAL_NS: u64 = 10_000_000_000;
+
+/// One decision for drops: a packet whose rewrite failed halfway must not be forwarded, nor a
+/// packet to a service address that could not be translated. Every other packet goes on with
+/// TC_ACT_UNSPEC (tcx: TCX_NEXT), so that tc programs after ours (a CNI's bandwidth shaping,
+/// say) still see it.
 #[inline(always)]
-fn verdict(ctx: &TcContext, r: Result<i32, packet::Error>) -> i32 {
-    match r {
-        Ok(action) => action,
-        Err(_) => {
-            error!(ctx, "packet rewrite failed; dropped");
-            TC_ACT_SHOT
+fn verdict(ctx: &TcContext, r: Result<i32, packet::Drop>) -> i32 {
+    let reason = match r {
+        Ok(action) => return action,
+        Err(packet::Drop(reason)) => reason,
+    };
+    if let Some(count) = DROPS.get_ptr_mut(reason) {
+        // SAFETY: a per-CPU value: no other program touches it while this one runs here.
+        unsafe { *count += 1 };
+    }
+    if let Some(last) = DROPS.get_ptr_mut(DROPS_LAST_LOG) {
+        let now = unsafe { bpf_ktime_get_ns() };
+        // SAFETY: as above.
+        let last = unsafe { &mut *last };
+        if *last == 0 || now.saturating_sub(*last) >= DROP_LOG_INTERVAL_NS {
+            *last = now;
+            error!(
+                ctx,
+                "dropped a packet (reason {}); further drops are only counted for 10s", reason
+            );
         }
     }
+    TC_ACT_SHOT
 }
 
 #[cfg(not(test))]

@@ -3,9 +3,11 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LruHashMap},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
-use proxy_common::{Backend, CtKey, CtValue, ServiceKey, ServiceValue};
+use proxy_common::{
+    AGENT_STATE_ENTRIES, Backend, CtKey, CtValue, DROPS_ENTRIES, ServiceKey, ServiceValue,
+};
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
 /// nodes use a small part of it.
@@ -22,7 +24,11 @@ pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(1 << 20, BPF_F_NO_P
 pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(1 << 21, 0);
 
 /// The agent's own state, kept beside the maps it describes (the programs never read it):
-/// index 0 is the first backend id never handed out, so ids are not handed out again after a
-/// restart while conntrack may still name them.
+/// the first backend id never handed out (so ids are not handed out again after a restart while
+/// conntrack may still name them) and the layout version of these maps.
 #[map(name = "AGENT_STATE")]
-pub static AGENT_STATE: Array<u64> = Array::pinned(1, 0);
+pub static AGENT_STATE: Array<u64> = Array::pinned(AGENT_STATE_ENTRIES, 0);
+
+/// Dropped packets by reason (`proxy_common::DROP_*`), and when this CPU last logged one.
+#[map(name = "DROPS")]
+pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROPS_ENTRIES, 0);

@@ -4,10 +4,13 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::{Be16, Be32, CtKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{Be16, Be32, CtKey, DROP_REWRITE_FAILED, IPPROTO_TCP, IPPROTO_UDP};
+
+/// The packet must be dropped, for this reason (`proxy_common::DROP_*`).
+pub struct Drop(pub u32);
 
 /// A helper call failed after the packet may have been partly rewritten.
-pub struct Error;
+const FAILED: Drop = Drop(DROP_REWRITE_FAILED);
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -147,7 +150,7 @@ impl Flow {
         end: End,
         addr: Be32,
         port: Be16,
-    ) -> Result<(), Error> {
+    ) -> Result<(), Drop> {
         let (old_addr, old_port, addr_off, port_off) = match end {
             End::Source => (self.key.saddr, self.key.sport, IP_SADDR_OFF, self.l4_off),
             End::Destination => (
@@ -165,16 +168,16 @@ impl Flow {
         if old_addr != addr {
             let (from, to) = (old_addr.raw() as u64, addr.raw() as u64);
             ctx.l4_csum_replace(csum_off, from, to, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)
-                .map_err(|_| Error)?;
+                .map_err(|_| FAILED)?;
             ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4)
-                .map_err(|_| Error)?;
-            ctx.store(addr_off, &addr.raw(), 0).map_err(|_| Error)?;
+                .map_err(|_| FAILED)?;
+            ctx.store(addr_off, &addr.raw(), 0).map_err(|_| FAILED)?;
         }
         if old_port != port {
             let (from, to) = (old_port.raw() as u64, port.raw() as u64);
             ctx.l4_csum_replace(csum_off, from, to, l4_flags | 2)
-                .map_err(|_| Error)?;
-            ctx.store(port_off, &port.raw(), 0).map_err(|_| Error)?;
+                .map_err(|_| FAILED)?;
+            ctx.store(port_off, &port.raw(), 0).map_err(|_| FAILED)?;
         }
         // Keep the tuple current, so a second rewrite computes its checksum deltas right.
         match end {
@@ -189,12 +192,12 @@ impl Flow {
 /// routing and reverse-path checks that a link-local or service source would fail: the
 /// Ethernet addresses are swapped, so the frame goes back to its sender.
 #[inline(always)]
-pub fn bounce(ctx: &TcContext) -> Result<i32, Error> {
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| Error)?;
+pub fn bounce(ctx: &TcContext) -> Result<i32, Drop> {
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);
-    ctx.store(0, &swapped, 0).map_err(|_| Error)?;
+    ctx.store(0, &swapped, 0).map_err(|_| FAILED)?;
     // SAFETY: reading the context's ifindex; bpf_redirect has no memory arguments.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     Ok(unsafe { aya_ebpf::helpers::bpf_redirect(ifindex, 0) } as i32)

@@ -5,8 +5,9 @@ use std::{fmt::Write as _, net::Ipv4Addr, path::Path};
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
-    Backend, Be32, CT_CLOSING, CT_FORWARD, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_BACKENDS,
-    MAP_CONNTRACK, MAP_SERVICES, ServiceKey, ServiceValue,
+    BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_FORWARD, CtKey, CtValue, IPPROTO_TCP,
+    IPPROTO_UDP, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES, SERVICE_DRAINING, ServiceKey,
+    ServiceValue,
 };
 use serde::Serialize;
 
@@ -29,6 +30,8 @@ pub struct ServiceRow {
     pub address: String,
     pub protocol: &'static str,
     pub backends: Vec<BackendRow>,
+    /// Removed: serves only the TCP connections already established through it.
+    pub draining: bool,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord, Clone)]
@@ -36,6 +39,8 @@ pub struct BackendRow {
     pub id: u32,
     pub address: String,
     pub protocol: &'static str,
+    /// Left its service port: keeps its established TCP connections, takes no new flows.
+    pub draining: bool,
 }
 
 #[derive(Debug, Serialize, PartialEq)]
@@ -83,6 +88,7 @@ fn backend_row(id: u32, b: &Backend) -> BackendRow {
         id,
         address: format!("{}:{}", ip(b.addr), b.port.get()),
         protocol: proto_name(b.proto),
+        draining: b.flags & BACKEND_DRAINING != 0,
     }
 }
 
@@ -109,6 +115,7 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
                     id: v.backend_id,
                     address: "(missing)".into(),
                     protocol: proto_name(key.proto),
+                    draining: false,
                 }),
             }
         }
@@ -116,6 +123,7 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
             address: format!("{}:{}", ip(key.addr), key.port.get()),
             protocol: proto_name(key.proto),
             backends,
+            draining: head.flags & SERVICE_DRAINING != 0,
         });
     }
     rows.sort();
@@ -174,10 +182,10 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
             .iter()
             .map(|b| format!("{} {}", b.id, b.address))
             .collect();
-        let list = if list.is_empty() {
-            "(none)".to_owned()
-        } else {
-            list.join(", ")
+        let list = match (r.draining, list.is_empty()) {
+            (true, _) => "(removed: draining its established connections)".to_owned(),
+            (false, true) => "(none)".to_owned(),
+            (false, false) => list.join(", "),
         };
         let _ = writeln!(out, "{:<24} {:<5} {}", r.address, r.protocol, list);
     }
@@ -185,9 +193,14 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
 }
 
 pub fn backends_table(rows: &[BackendRow]) -> String {
-    let mut out = format!("{:>8} {:<24} {}\n", "ID", "ADDRESS", "PROTO");
+    let mut out = format!("{:>8} {:<24} {:<5} STATE\n", "ID", "ADDRESS", "PROTO");
     for r in rows {
-        let _ = writeln!(out, "{:>8} {:<24} {}", r.id, r.address, r.protocol);
+        let state = if r.draining { "draining" } else { "active" };
+        let _ = writeln!(
+            out,
+            "{:>8} {:<24} {:<5} {state}",
+            r.id, r.address, r.protocol
+        );
     }
     out
 }

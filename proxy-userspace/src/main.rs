@@ -1,4 +1,4 @@
-use std::{path::PathBuf, time::Duration};
+use std::{io::IsTerminal, path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -87,6 +87,12 @@ struct AgentArgs {
     /// Size of the conntrack map (two entries per flow; the least recently used are evicted).
     #[arg(long, default_value_t = MapSizes::default().conntrack)]
     bpf_ct_max: u32,
+    /// How long an endpoint that left its Service (not ready, terminating, or removed), or a
+    /// deleted Service, keeps serving the TCP connections established through it (new
+    /// connections and UDP go to the usable endpoints at once). An endpoint still listed in its
+    /// EndpointSlice drains for as long as it is listed; this period counts from its removal.
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    bpf_drain_period: Duration,
     /// Remove what the agent installed (its tc programs on the pod interfaces, the pinned maps
     /// and links) and exit (kube-proxy's flag), e.g. before going back to kube-proxy.
     #[arg(long)]
@@ -113,23 +119,36 @@ enum InspectWhat {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr);
-    match cli.logging_format {
-        LoggingFormat::Text => logs.init(),
-        LoggingFormat::Json => logs.json().init(),
-    }
+    init_logging(cli.logging_format);
     match cli.command {
         Command::Agent(args) => run_agent(args),
         Command::Inspect(args) => run_inspect(args),
     }
 }
 
+/// Logs go to stderr, coloured only when it is a terminal: a file, a pipe or a container runtime
+/// capturing the output gets plain text. Setting our own colour choice overrides
+/// tracing-subscriber's NO_COLOR check, so that check is repeated here.
+fn init_logging(format: LoggingFormat) {
+    let colour = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(colour);
+    match format {
+        LoggingFormat::Text => logs.init(),
+        LoggingFormat::Json => logs.json().init(),
+    }
+}
+
 fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
+    // Held until the agent exits: a second agent on the same pins fails here, saying so.
+    proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
+    let _lock = proxy_userspace::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)?;
     if args.cleanup {
         return proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces);
     }
@@ -160,8 +179,14 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                     backends: args.bpf_backends_max,
                     conntrack: args.bpf_ct_max,
                 };
-                let mut dp = EbpfDataplane::new(&args.bpf_pin_dir, sizes, &args.pod_interfaces)?;
+                let mut dp = EbpfDataplane::new(
+                    &args.bpf_pin_dir,
+                    sizes,
+                    args.bpf_drain_period,
+                    &args.pod_interfaces,
+                )?;
                 proxy_userspace::ebpf::spawn_bpf_logger(dp.ebpf_mut());
+                proxy_userspace::ebpf::export_drop_counters(dp.ebpf_mut())?;
                 tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
                 Ok(Box::new(dp))
             }
@@ -197,4 +222,46 @@ fn run_inspect(args: InspectArgs) -> anyhow::Result<()> {
     };
     println!("{}", out.trim_end());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Makes `log_child` log, in the child process `logs_to_a_pipe_are_plain` starts.
+    const CHILD_FORMAT: &str = "PROXY_USERSPACE_TEST_LOG_FORMAT";
+
+    #[test]
+    fn log_child() {
+        let Ok(format) = std::env::var(CHILD_FORMAT) else {
+            return;
+        };
+        init_logging(LoggingFormat::from_str(&format, false).unwrap());
+        tracing::warn!(service = "default/web", "test line");
+    }
+
+    #[test]
+    fn logs_to_a_pipe_are_plain() {
+        for format in ["text", "json"] {
+            // This test binary again, running only `log_child`, its stderr a pipe.
+            let output = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "tests::log_child", "--nocapture"])
+                .env(CHILD_FORMAT, format)
+                .env("RUST_LOG", "info")
+                .env_remove("NO_COLOR")
+                .output()
+                .unwrap();
+            assert!(output.status.success(), "{output:?}");
+            let logs = String::from_utf8(output.stderr).unwrap();
+            let line = logs
+                .lines()
+                .find(|l| l.contains("test line"))
+                .unwrap_or_else(|| panic!("{format}: no log line in {logs:?}"));
+            assert!(!line.contains('\x1b'), "{format}: colour codes in {line:?}");
+            if format == "json" {
+                let event: serde_json::Value = serde_json::from_str(line).unwrap();
+                assert_eq!(event["fields"]["service"], "default/web");
+            }
+        }
+    }
 }

@@ -462,6 +462,46 @@ items:
     }
 
     #[test]
+    fn unset_endpoint_conditions_read_as_kube_proxy_does() {
+        let manifest = parse(
+            "
+kind: Service
+metadata: {name: web}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+---
+kind: EndpointSlice
+metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- addresses: [10.244.1.11]
+- addresses: [10.244.1.12]
+  conditions: {ready: false}
+",
+        )
+        .unwrap();
+        let mut tracker = crate::model::ChangeTracker::new();
+        for object in &manifest.objects {
+            match object {
+                Object::Service(svc) => tracker.update_service(svc).unwrap(),
+                Object::EndpointSlice(slice) => {
+                    tracker.update_slice(slice).unwrap();
+                }
+            }
+        }
+        let mut state = crate::model::DesiredState::default();
+        tracker.apply(&mut state);
+        let conditions: Vec<_> = state
+            .endpoints
+            .values()
+            .flatten()
+            .map(|ep| (ep.ready, ep.serving, ep.terminating))
+            .collect();
+        // Unset: ready and serving true, terminating false.
+        assert_eq!(conditions, [(true, true, false), (false, true, false)]);
+    }
+
+    #[test]
     fn the_example_manifest_is_valid() {
         let manifest = parse(include_str!("../../examples/services.yaml")).unwrap();
         assert!(manifest.errors.is_empty(), "{:#?}", manifest.errors);
@@ -469,10 +509,11 @@ items:
         let mut tracker = crate::model::ChangeTracker::new();
         for object in &manifest.objects {
             match object {
-                Object::Service(svc) => tracker.update_service(svc),
-                Object::EndpointSlice(slice) => tracker.update_slice(slice),
+                Object::Service(svc) => tracker.update_service(svc).unwrap(),
+                Object::EndpointSlice(slice) => {
+                    assert_eq!(tracker.update_slice(slice).unwrap(), []);
+                }
             }
-            .unwrap();
         }
         let mut state = crate::model::DesiredState::default();
         let changed: Vec<String> = tracker

@@ -20,7 +20,12 @@ const BUCKETS: [f64; 15] = [
 #[derive(Default)]
 pub struct Metrics {
     inner: Mutex<Inner>,
+    collectors: Mutex<Vec<Collector>>,
 }
+
+/// Writes metrics kept outside the agent (a mode's kernel-side counters) in the text format,
+/// when `/metrics` is scraped.
+pub type Collector = Box<dyn Fn(&mut String) + Send>;
 
 #[derive(Default)]
 struct Inner {
@@ -89,6 +94,11 @@ impl Metrics {
         }
     }
 
+    /// Adds metrics that `collector` reads when they are scraped.
+    pub fn add_collector(&self, collector: Collector) {
+        self.collectors.lock().unwrap().push(collector);
+    }
+
     /// A health probe was answered.
     pub fn probed(&self, healthy: bool) {
         self.inner.lock().unwrap().healthz[usize::from(!healthy)] += 1;
@@ -146,6 +156,9 @@ impl Metrics {
             "{name}{{code=\"200\"}} {}\n{name}{{code=\"503\"}} {}",
             m.healthz[0], m.healthz[1]
         );
+        for collect in self.collectors.lock().unwrap().iter() {
+            collect(&mut out);
+        }
         out
     }
 }

@@ -219,6 +219,15 @@ fn show_key(key: &NamespacedName) -> String {
     }
 }
 
+/// An endpoint left out of an EndpointSlice whose other endpoints are used, as kube-proxy skips
+/// single endpoints it cannot program.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("EndpointSlice {slice}: {reason}; this endpoint is skipped")]
+pub struct SkippedEndpoint {
+    pub slice: NamespacedName,
+    pub reason: String,
+}
+
 /// Why `svc` is not proxied, or None if it is. Such services are valid: the tracker treats them as
 /// absent, as kube-proxy does.
 pub fn service_skip_reason(svc: &Service) -> Option<&'static str> {
@@ -297,6 +306,9 @@ pub struct ChangeTracker {
     /// Owner service -> its slices. Slices may arrive before their service, so an entry can exist
     /// without a service.
     slices_by_service: HashMap<NamespacedName, BTreeSet<NamespacedName>>,
+    /// The endpoints skipped in each slice's current version (slices with none are absent), so
+    /// that each is reported once rather than on every update of its slice.
+    skipped: HashMap<NamespacedName, Vec<SkippedEndpoint>>,
     /// Services with changes not yet applied -> their inputs as last applied (`previous`); the
     /// live maps above are `current`.
     pending: HashMap<NamespacedName, Inputs>,
@@ -330,18 +342,31 @@ impl ChangeTracker {
     }
 
     /// Records the latest version of an EndpointSlice. Slices of headless services, slices for
-    /// another proxy and FQDN slices count as deleted.
-    pub fn update_slice(&mut self, slice: &EndpointSlice) -> Result<(), InvalidObject> {
+    /// another proxy and FQDN slices count as deleted. Endpoints that cannot be programmed are
+    /// left out; the ones not already reported for this slice are returned, to be logged.
+    pub fn update_slice(
+        &mut self,
+        slice: &EndpointSlice,
+    ) -> Result<Vec<SkippedEndpoint>, InvalidObject> {
         let key = object_key("EndpointSlice", &slice.metadata)?;
         let info = parse_slice(&key, slice).map_err(|reason| InvalidObject {
             kind: "EndpointSlice",
             key: key.clone(),
             reason,
         })?;
-        let Some(info) = info else {
+        let Some((info, skipped)) = info else {
             self.delete_slice(&key);
-            return Ok(());
+            return Ok(Vec::new());
         };
+        let reported = self.skipped.remove(&key).unwrap_or_default();
+        let new: Vec<SkippedEndpoint> = skipped
+            .iter()
+            .filter(|s| !reported.contains(s))
+            .cloned()
+            .collect();
+        if !skipped.is_empty() {
+            self.skipped.insert(key.clone(), skipped);
+        }
         let owner = info.service.clone();
         let old_owner = self
             .slices
@@ -359,11 +384,12 @@ impl ChangeTracker {
                 .insert(key.clone());
             t.slices.insert(key.clone(), Arc::new(info));
         });
-        Ok(())
+        Ok(new)
     }
 
     /// Forgets the slice named `key` (its own namespace/name).
     pub fn delete_slice(&mut self, key: &NamespacedName) {
+        self.skipped.remove(key);
         let Some(owner) = self.slices.get(key).map(|s| s.service.clone()) else {
             return;
         };
@@ -694,8 +720,12 @@ fn traffic_policy(field: &str, value: &Option<String>) -> Result<bool, String> {
     }
 }
 
-/// The slice's programmable content, or None when it must not be proxied.
-fn parse_slice(key: &NamespacedName, slice: &EndpointSlice) -> Result<Option<SliceInfo>, String> {
+/// The slice's programmable content and the endpoints left out of it, or None when it must not
+/// be proxied.
+fn parse_slice(
+    key: &NamespacedName,
+    slice: &EndpointSlice,
+) -> Result<Option<(SliceInfo, Vec<SkippedEndpoint>)>, String> {
     let labels = slice.metadata.labels.clone().unwrap_or_default();
     if labels.contains_key(SERVICE_PROXY_NAME_LABEL) || labels.contains_key(HEADLESS_LABEL) {
         return Ok(None);
@@ -731,37 +761,54 @@ fn parse_slice(key: &NamespacedName, slice: &EndpointSlice) -> Result<Option<Sli
     }
 
     let mut endpoints = Vec::new();
+    let mut skipped = Vec::new();
     for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
-        let at = format!("endpoints[{i}]");
-        // The API defines no meaning for addresses after the first, and kube-proxy ignores them.
-        let Some(address) = ep.addresses.first() else {
-            return Err(format!("{at}: addresses is empty"));
+        let ip = match endpoint_ip(i, ep, want_v4) {
+            Ok(ip) => ip,
+            Err(reason) => {
+                skipped.push(SkippedEndpoint {
+                    slice: key.clone(),
+                    reason,
+                });
+                continue;
+            }
         };
-        let ip = parse_ip(&format!("{at}.addresses[0]"), address)?;
-        if ip.is_ipv4() != want_v4 {
-            return Err(format!(
-                "{at}.addresses[0]: {ip} does not match addressType {}",
-                slice.address_type
-            ));
-        }
         let conditions = ep.conditions.clone().unwrap_or_default();
-        // Unset: ready means true; serving follows ready (an endpoint marked not ready is not
-        // assumed to serve); terminating means false.
-        let ready = conditions.ready.unwrap_or(true);
+        // kube-proxy's reading of unset conditions: ready and serving true, terminating false.
         endpoints.push(SliceEndpoint {
             ip,
-            ready,
-            serving: conditions.serving.unwrap_or(ready),
+            ready: conditions.ready.unwrap_or(true),
+            serving: conditions.serving.unwrap_or(true),
             terminating: conditions.terminating.unwrap_or(false),
             node_name: ep.node_name.clone(),
             zone: ep.zone.clone(),
         });
     }
-    Ok(Some(SliceInfo {
+    let info = SliceInfo {
         service,
         ports,
         endpoints,
-    }))
+    };
+    Ok(Some((info, skipped)))
+}
+
+/// The address of endpoint `i` of a slice of the family `want_v4` says.
+fn endpoint_ip(
+    i: usize,
+    ep: &k8s_openapi::api::discovery::v1::Endpoint,
+    want_v4: bool,
+) -> Result<IpAddr, String> {
+    // The API defines no meaning for addresses after the first, and kube-proxy ignores them.
+    let Some(address) = ep.addresses.first() else {
+        return Err(format!("endpoints[{i}]: addresses is empty"));
+    };
+    let at = format!("endpoints[{i}].addresses[0]");
+    let ip = parse_ip(&at, address)?;
+    if ip.is_ipv4() != want_v4 {
+        let family = if want_v4 { "IPv4" } else { "IPv6" };
+        return Err(format!("{at}: {ip} does not match addressType {family}"));
+    }
+    Ok(ip)
 }
 
 #[cfg(test)]
@@ -1140,6 +1187,45 @@ spec: {clusterIP: 10.96.0.6, externalTrafficPolicy: Local, ports: [{port: 80}]}
     }
 
     #[test]
+    fn unnamed_slice_ports_match_only_the_unnamed_service_port() {
+        // As kube-proxy: slice ports match service ports by name, and "" (or no name) is a name.
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        let single = "
+metadata: {name: single, namespace: default}
+spec: {clusterIP: 10.96.0.30, ports: [{port: 80, targetPort: 8080}]}
+";
+        tracker.update_service(&service(single)).unwrap();
+        tracker.update_service(&service(WEB)).unwrap();
+        for owner in ["single", "web"] {
+            tracker
+                .update_slice(&slice(&format!(
+                    "
+metadata: {{name: {owner}-1, namespace: default, labels: {{kubernetes.io/service-name: {owner}}}}}
+addressType: IPv4
+ports:
+- {{port: 8080}}
+- {{name: '', port: 8081, protocol: UDP}}
+- {{name: http, port: 8082}}
+endpoints: [{{addresses: [10.244.1.11]}}]
+"
+                )))
+                .unwrap();
+        }
+        tracker.apply(&mut state);
+        assert_eq!(
+            endpoint_ips(&state, &spn("single", "", Protocol::Tcp)),
+            ["10.244.1.11:8080"]
+        );
+        // The unnamed slice ports lend no endpoints to the named ports of "web".
+        assert_eq!(
+            endpoint_ips(&state, &spn("web", "http", Protocol::Tcp)),
+            ["10.244.1.11:8082"]
+        );
+        assert_eq!(state.endpoints.len(), 2, "{:?}", state.endpoints.keys());
+    }
+
+    #[test]
     fn named_ports_resolve_per_slice() {
         // Two pod versions name the same port differently numbered: each slice carries its own.
         let mut tracker = ChangeTracker::new();
@@ -1238,14 +1324,6 @@ endpoints: [{addresses: ['10.244.1.11']}]
 ";
         let bad_slices = [
             (
-                good.replace("10.244.1.11", "10.244.1.x"),
-                r#"EndpointSlice default/web-1: endpoints[0].addresses[0]: "10.244.1.x" is not an IP address"#,
-            ),
-            (
-                good.replace("10.244.1.11", "fd00::1"),
-                "EndpointSlice default/web-1: endpoints[0].addresses[0]: fd00::1 does not match addressType IPv4",
-            ),
-            (
                 good.replace("port: 8080", "port: 70000"),
                 "EndpointSlice default/web-1: ports[0]: port 70000 is not in 1..=65535",
             ),
@@ -1268,6 +1346,58 @@ endpoints: [{addresses: ['10.244.1.11']}]
     }
 
     #[test]
+    fn a_bad_endpoint_skips_only_itself() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker.apply(&mut state);
+        let endpoints = |extra: &str| {
+            format!(
+                "[{{addresses: [10.244.1.11]}}, {{addresses: ['10.244.1.x']}}, {{addresses: ['fd00::1']}}, {{addresses: []}}{extra}]"
+            )
+        };
+        let bad = slice_of("web", "web-1", "IPv4", &endpoints(""));
+        let skipped: Vec<String> = tracker
+            .update_slice(&bad)
+            .unwrap()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            skipped,
+            [
+                r#"EndpointSlice default/web-1: endpoints[1].addresses[0]: "10.244.1.x" is not an IP address; this endpoint is skipped"#,
+                "EndpointSlice default/web-1: endpoints[2].addresses[0]: fd00::1 does not match addressType IPv4; this endpoint is skipped",
+                "EndpointSlice default/web-1: endpoints[3]: addresses is empty; this endpoint is skipped",
+            ]
+        );
+        assert_eq!(applied(&mut tracker, &mut state), ["default/web:http"]);
+        let http = spn("web", "http", Protocol::Tcp);
+        assert_eq!(endpoint_ips(&state, &http), ["10.244.1.11:8080"]);
+
+        // Reported once: the same slice again (a re-list, a resync) reports nothing, and neither
+        // does a change that adds no new problem.
+        assert!(tracker.update_slice(&bad).unwrap().is_empty());
+        assert!(tracker.apply(&mut state).is_empty());
+        let grown = slice_of(
+            "web",
+            "web-1",
+            "IPv4",
+            &endpoints(", {addresses: [10.244.1.12]}"),
+        );
+        assert!(tracker.update_slice(&grown).unwrap().is_empty());
+        assert_eq!(applied(&mut tracker, &mut state), ["default/web:http"]);
+        assert_eq!(
+            endpoint_ips(&state, &http),
+            ["10.244.1.11:8080", "10.244.1.12:8080"]
+        );
+
+        // A slice deleted and added again is new: its problems are reported again.
+        tracker.delete_slice(&nn("default", "web-1"));
+        assert_eq!(tracker.update_slice(&bad).unwrap().len(), 3);
+    }
+
+    #[test]
     fn condition_defaults() {
         let mut tracker = ChangeTracker::new();
         let mut state = DesiredState::default();
@@ -1286,6 +1416,8 @@ endpoints:
   conditions: {ready: false}
 - addresses: [10.244.1.13]
   conditions: {ready: false, serving: true, terminating: true}
+- addresses: [10.244.1.14]
+  conditions: {serving: false}
 ",
             ))
             .unwrap();
@@ -1304,16 +1436,21 @@ endpoints:
                 zone: Some("zone-a".into()),
             }
         );
+        // As kube-proxy reads them: an unset serving is true whatever ready says.
         assert_eq!(
             (eps[1].ready, eps[1].serving, eps[1].terminating),
-            (false, false, false)
+            (false, true, false)
         );
         assert_eq!(
             (eps[2].ready, eps[2].serving, eps[2].terminating),
             (false, true, true)
         );
+        assert_eq!(
+            (eps[3].ready, eps[3].serving, eps[3].terminating),
+            (true, false, false)
+        );
         let ready: Vec<_> = state.ready_endpoints(&http).map(|ep| ep.ip).collect();
-        assert_eq!(ready, [ip("10.244.1.11")]);
+        assert_eq!(ready, [ip("10.244.1.11"), ip("10.244.1.14")]);
     }
 
     #[test]

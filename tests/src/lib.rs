@@ -15,6 +15,7 @@
 pub mod agent;
 pub mod apiserver;
 mod client;
+pub mod fixtures;
 mod netns;
 pub mod packet;
 pub mod programs;

@@ -16,7 +16,7 @@ use aya::{
 use proxy_common::{CtKey, CtValue, MAP_CONNTRACK};
 use proxy_userspace::{
     dataplane::Scope,
-    ebpf::{self, MapSizes, ServiceMaps, bpffs},
+    ebpf::{self, MapSizes, ServiceMaps, bpffs, maps::DEFAULT_DRAIN_PERIOD},
     model::{
         DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName, TargetPort,
     },
@@ -94,10 +94,16 @@ pub const TC_ACT_UNSPEC: u32 = u32::MAX;
 pub const TC_ACT_SHOT: u32 = 2;
 
 impl Programs {
+    /// The programs and maps, with the agent's default drain period.
     pub fn load(sizes: MapSizes) -> anyhow::Result<Self> {
+        Self::load_draining(sizes, DEFAULT_DRAIN_PERIOD)
+    }
+
+    /// The programs and maps; removed endpoints and services drain for `drain_period`.
+    pub fn load_draining(sizes: MapSizes, drain_period: Duration) -> anyhow::Result<Self> {
         let bpffs = PrivateBpffs::new()?;
         let mut ebpf = ebpf::load(bpffs.path(), sizes)?;
-        let maps = ServiceMaps::take_from(&mut ebpf)?;
+        let maps = ServiceMaps::take_from(&mut ebpf, drain_period)?;
         Ok(Self { ebpf, maps, bpffs })
     }
 

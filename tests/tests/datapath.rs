@@ -1,99 +1,21 @@
 //! The tc programs under BPF_PROG_TEST_RUN: crafted frames in, verdict and rewritten bytes out,
 //! both checksums checked by recomputing them.
-use std::{collections::BTreeSet, net::Ipv4Addr};
+use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
 use proxy_common::CtKey;
 
 use proxy_tests::{
+    fixtures::*,
     packet::{self, ETH_HLEN, Spec, TCP, UDP},
     privileged,
     programs::{Programs, Svc, TC_ACT_SHOT, TC_ACT_UNSPEC, add_service},
 };
 use proxy_userspace::{
     dataplane::{NotProgrammable, Scope},
-    ebpf::{MapSizes, ServiceMaps},
+    ebpf::{MapSizes, maps::DEFAULT_DRAIN_PERIOD},
     inspect,
-    model::{DesiredState, Protocol, ServicePortName},
+    model::{DesiredState, Protocol},
 };
-
-const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const BE1: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
-const BE2: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 12);
-const BE3: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 11);
-
-const SMALL: MapSizes = MapSizes {
-    services: 1024,
-    backends: 1024,
-    conntrack: 4096,
-};
-
-fn setup(test: &str, endpoints: &[(Ipv4Addr, u16)]) -> Option<(Programs, DesiredState)> {
-    if !privileged(test) {
-        return None;
-    }
-    let mut p = Programs::load(SMALL).expect("loading the BPF programs");
-    let mut state = DesiredState::default();
-    for (name, proto) in [("web", Protocol::Tcp), ("dns", Protocol::Udp)] {
-        add_service(
-            &mut state,
-            &Svc {
-                name,
-                vip: VIP,
-                port: 80,
-                protocol: proto,
-                endpoints,
-            },
-        );
-    }
-    p.program(&state).expect("programming the maps");
-    Some((p, state))
-}
-
-/// Sets the endpoints of the TCP service `web` (the VIP, port 80).
-fn set_web(state: &mut DesiredState, endpoints: &[(Ipv4Addr, u16)]) -> ServicePortName {
-    let svc = Svc {
-        name: "web",
-        vip: VIP,
-        port: 80,
-        protocol: Protocol::Tcp,
-        endpoints,
-    };
-    add_service(state, &svc)
-}
-
-/// Runs ingress on a frame to the VIP and checks what every DNAT must satisfy.
-fn dnat(p: &Programs, spec: &Spec) -> packet::Seen {
-    let frame = spec.build();
-    let (verdict, out) = p.run("tc_ingress", &frame);
-    assert_eq!(verdict, TC_ACT_UNSPEC);
-    assert_eq!(out.len(), frame.len(), "length must not change");
-    let seen = packet::read(&out);
-    assert_eq!(
-        (seen.src, seen.sport),
-        (spec.src, spec.sport),
-        "source must not change"
-    );
-    assert_ne!(seen.dst, spec.dst, "destination must be rewritten");
-    packet::assert_checksums(&out, spec.udp_zero_checksum);
-    // Nothing but addresses, ports and checksums may change.
-    let csum_off = ETH_HLEN + 20 + spec.ip_options.len() + if spec.proto == TCP { 16 } else { 6 };
-    for (i, (a, b)) in frame.iter().zip(&out).enumerate() {
-        let rewritable = (ETH_HLEN + 10..ETH_HLEN + 12).contains(&i)
-            || (ETH_HLEN + 16..ETH_HLEN + 20).contains(&i)
-            || (csum_off..csum_off + 2).contains(&i)
-            || (ETH_HLEN + 20 + spec.ip_options.len() + 2..ETH_HLEN + 24 + spec.ip_options.len())
-                .contains(&i);
-        assert!(rewritable || a == b, "byte {i} changed ({a:#x} -> {b:#x})");
-    }
-    seen
-}
-
-fn untouched(p: &Programs, prog: &str, frame: &[u8]) {
-    let (verdict, out) = p.run(prog, frame);
-    assert_eq!(verdict, TC_ACT_UNSPEC, "{prog} must pass the frame");
-    assert_eq!(out, frame, "{prog} must not change the frame");
-}
 
 #[test]
 fn tcp_syn_to_vip_is_dnated_with_valid_checksums() {
@@ -366,8 +288,8 @@ fn maps_hold_what_inspect_shows_and_survive_a_restart() {
     );
     // A new map writer (an agent restart) recovers the ids and prunes what is no longer wanted.
     // Loading again reuses the pinned maps, as a restarted agent does.
-    let mut reloaded = proxy_userspace::ebpf::load(p.bpffs.path(), SMALL).unwrap();
-    p.maps = ServiceMaps::take_from(&mut reloaded).unwrap();
+    // A drain period of zero: what is no longer wanted goes at once.
+    restart(&mut p, SMALL, Duration::ZERO);
     state.services.retain(|k, _| k.protocol == Protocol::Tcp);
     set_web(&mut state, &[(BE2, 8080), (BE3, 8080)]);
     p.maps.sync(&state, Scope::All).unwrap();
@@ -454,40 +376,6 @@ fn a_full_map_fails_clearly_and_keeps_the_rest() {
     assert_eq!(rows[0].address, "10.96.0.1:80");
 }
 
-/// Moves every conntrack entry's last use `secs` into the past, as time passing would.
-/// False (and a loud note) when the monotonic clock is younger than `secs` (a VM just booted),
-/// so that so long ago cannot be written down.
-fn age_conntrack(p: &Programs, secs: u64) -> bool {
-    let mut ct = p.conntrack();
-    let entries: Vec<_> = ct.iter().map(Result::unwrap).collect();
-    let ago = secs * 1_000_000_000;
-    if entries.iter().any(|(_, v)| v.last_seen_ns < ago) {
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "\nSKIPPED the rest of closed_and_idle_flows_expire: the clock started less than {secs} s ago\n"
-        );
-        return false;
-    }
-    for (k, mut v) in entries {
-        v.last_seen_ns -= ago;
-        ct.insert(k, v, 0).unwrap();
-    }
-    true
-}
-
-fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec<u8> {
-    Spec {
-        src: backend,
-        sport: port,
-        dst: spec.src,
-        dport: spec.sport,
-        tcp_flags,
-        ..spec.clone()
-    }
-    .build()
-}
-
 #[test]
 fn closed_and_idle_flows_expire() {
     let Some((p, _)) = setup("closed_and_idle_flows_expire", &[(BE1, 8080)]) else {
@@ -571,12 +459,6 @@ fn a_reply_entry_evicted_alone_is_recreated() {
     assert_eq!(packet::read(&out).src, VIP);
 }
 
-/// What a restarted agent does: load again (reusing the pins) and take the maps.
-fn restart(p: &mut Programs, sizes: MapSizes) {
-    let mut reloaded = proxy_userspace::ebpf::load(p.bpffs.path(), sizes).unwrap();
-    p.maps = ServiceMaps::take_from(&mut reloaded).unwrap();
-}
-
 #[test]
 fn backend_ids_are_not_reused_after_a_restart() {
     let Some((mut p, mut state)) = setup(
@@ -589,7 +471,8 @@ fn backend_ids_are_not_reused_after_a_restart() {
     // which conntrack entries may still name.
     state.services.retain(|k, _| k.protocol == Protocol::Udp);
     p.program(&state).unwrap();
-    restart(&mut p, SMALL);
+    // They drain, and the restarted agent's period of zero ends that at its first sync.
+    restart(&mut p, SMALL, Duration::ZERO);
     set_web(&mut state, &[(BE3, 8080)]);
     p.program(&state).unwrap();
     let ids: Vec<u32> = inspect::backends(p.bpffs.path())
@@ -615,7 +498,7 @@ fn a_restart_into_a_full_map_keeps_serving_the_old_backends() {
     state.services.retain(|k, _| k.protocol == Protocol::Tcp);
     p.program(&state).unwrap();
     // While the agent was down the service grew beyond what the map can hold.
-    restart(&mut p, SMALL);
+    restart(&mut p, SMALL, DEFAULT_DRAIN_PERIOD);
     let many: Vec<(Ipv4Addr, u16)> = (1..=2000)
         .map(|i| (Ipv4Addr::from(0x0af4_0000 + i), 8080))
         .collect();

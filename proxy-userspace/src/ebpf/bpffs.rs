@@ -82,3 +82,32 @@ pub fn mount_private(at: &Path) -> anyhow::Result<()> {
     fs::create_dir_all(at).with_context(|| format!("creating {}", at.display()))?;
     mount_bpffs(at)
 }
+
+/// An exclusive lock on a pin directory, held for as long as this lives: two agents writing the
+/// same maps would undo each other's work.
+pub struct PinDirLock {
+    _dir: fs::File,
+}
+
+impl PinDirLock {
+    /// Locks `pin_dir` (which must exist, on bpffs: call [`ensure`] first), or says which
+    /// process is in the way.
+    pub fn acquire(pin_dir: &Path) -> anyhow::Result<Self> {
+        use std::os::fd::AsRawFd;
+        let dir =
+            fs::File::open(pin_dir).with_context(|| format!("opening {}", pin_dir.display()))?;
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                anyhow::bail!(
+                    "another agent is using {} (it holds the lock on that directory): stop it \
+                     first, or give this one another --bpf-pin-dir",
+                    pin_dir.display()
+                );
+            }
+            return Err(e).with_context(|| format!("locking {}", pin_dir.display()));
+        }
+        Ok(Self { _dir: dir })
+    }
+}

@@ -1,22 +1,34 @@
 //! Writing the desired state into the services and backends maps.
 //!
-//! Write order keeps every intermediate state valid for packets in flight (after Cilium):
-//! new backends, then the service's backend slots, then slot 0 with the new count, then surplus
-//! slots are deleted, then backends nobody uses any more. Removing a service deletes slot 0
-//! first.
+//! Write order keeps every intermediate state valid for packets in flight (after Cilium): new
+//! backends, then a frontend's backend slots, then its slot 0 with the new count, then surplus
+//! slots are deleted, and only then are the endpoints that left marked draining.
+//!
+//! A sync runs in two phases, so that its result does not depend on the order of the service
+//! ports: first every wanted frontend is programmed, then the frontends nobody wants any more
+//! are removed (an address handed from one Service to another stays with the new one).
+//!
+//! Nothing is cut at once: a backend that leaves its service port is kept, flagged draining
+//! (established TCP connections stay on it, new connections and UDP go elsewhere), and a removed
+//! frontend is kept as a draining head without slots (count 0), so the TCP connections through
+//! a deleted Service keep working too. Both go once the endpoint (or frontend) has been gone
+//! from the desired state for the drain period; an endpoint still listed but not usable (not
+//! ready, terminating) drains for as long as it is listed. An endpoint that comes back within
+//! its drain gets its old id back, so its flows are untouched.
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
     net::IpAddr,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, anyhow};
 use aya::{
     Ebpf,
-    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData},
+    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData, MapError},
 };
 use proxy_common::{
-    AGENT_STATE_NEXT_BACKEND_ID, Backend, Be16, Be32, MAP_AGENT_STATE, MAP_BACKENDS, MAP_SERVICES,
-    ServiceKey, ServiceValue,
+    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be16, Be32, MAP_AGENT_STATE,
+    MAP_BACKENDS, MAP_SERVICES, SERVICE_DRAINING, ServiceKey, ServiceValue,
 };
 
 use crate::{
@@ -27,25 +39,35 @@ use crate::{
 /// A service address as the datapath matches it: slot 0 of the services map.
 pub type Frontend = ServiceKey;
 
+/// How long a removed endpoint or Service keeps serving the TCP connections established
+/// through it, by default (`--bpf-drain-period`).
+pub const DEFAULT_DRAIN_PERIOD: Duration = Duration::from_secs(3600);
+
 pub struct ServiceMaps {
     services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
     backends: BpfHashMap<MapData, u32, Backend>,
     services_max: usize,
     backends_max: usize,
-    /// What the services map holds: each frontend's backend ids, in slot order.
+    drain_period: Duration,
+    /// What the services map holds: each frontend's backend ids, in slot order (none for a
+    /// draining frontend; 0 for a slot a damaged map lost).
     frontends: HashMap<Frontend, Vec<u32>>,
+    /// Removed frontends still in the map as draining heads, and when they go.
+    draining_frontends: HashMap<Frontend, Instant>,
     /// Which frontends each service port put there.
     owners: HashMap<ServicePortName, Vec<Frontend>>,
     /// The port that last programmed each frontend: when a Service's address passes to another
     /// (a rename keeping the cluster IP), the old one's removal must not take it away.
     claims: HashMap<Frontend, ServicePortName>,
-    /// Entries of the services map, counted (slot 0 and backend slots).
+    /// Entries of the services map, counted (heads, draining ones included, and slots).
     used_slots: usize,
-    /// Backend ids, and by id the backend with the number of slots referring to it. Ids come
-    /// from a counter, not reused soon, so a conntrack entry for a removed backend never finds
-    /// a different one.
-    ids: HashMap<Backend, u32>,
-    by_id: HashMap<u32, (Backend, usize)>,
+    /// Backend ids of each service port, by endpoint. Ids come from a counter, are not reused
+    /// soon, and belong to one port, so the draining flag of an id says whether that endpoint
+    /// is still in that port, and a conntrack entry never finds a different backend.
+    ids: HashMap<ServicePortName, HashMap<Backend, u32>>,
+    by_id: HashMap<u32, IdState>,
+    /// Ids flagged draining, and when they go (None: while the endpoint is still listed).
+    draining: HashMap<u32, Option<Instant>>,
     next_id: u32,
     /// Ids below this may have been handed out (so a restarted agent starts above it). Kept in
     /// `agent_state` and raised a block at a time before an id past it is used, so even an agent
@@ -54,13 +76,23 @@ pub struct ServiceMaps {
     agent_state: Array<MapData, u64>,
 }
 
+struct IdState {
+    backend: Backend,
+    /// None: recovered from the pinned maps and not yet claimed by a port.
+    owner: Option<ServicePortName>,
+}
+
 /// Ids reserved in `agent_state` at a time: one map write per this many new backends.
 const ID_BLOCK: u32 = 1024;
 
+/// A slot whose id a damaged map lost: never an id (ids start at 1), so it is rewritten.
+const LOST: u32 = 0;
+
 impl ServiceMaps {
     /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
-    /// (ids stay stable across restarts, so established flows keep their backend).
-    pub fn take_from(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
+    /// (ids stay stable across restarts, so established flows keep their backend). Removed
+    /// endpoints and Services keep their established TCP connections for `drain_period`.
+    pub fn take_from(ebpf: &mut Ebpf, drain_period: Duration) -> anyhow::Result<Self> {
         let mut take = |name: &str| {
             ebpf.take_map(name)
                 .with_context(|| format!("map {name} missing"))
@@ -68,37 +100,65 @@ impl ServiceMaps {
         let services: BpfHashMap<_, ServiceKey, ServiceValue> = take(MAP_SERVICES)?.try_into()?;
         let backends: BpfHashMap<_, u32, Backend> = take(MAP_BACKENDS)?.try_into()?;
         let agent_state: Array<_, u64> = take(MAP_AGENT_STATE)?.try_into()?;
-        Self::recover(services, backends, agent_state)
+        Self::recover(services, backends, agent_state, drain_period)
     }
 
     fn recover(
         mut services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
         backends: BpfHashMap<MapData, u32, Backend>,
         agent_state: Array<MapData, u64>,
+        drain_period: Duration,
     ) -> anyhow::Result<Self> {
         let services_max = services.map().info()?.max_entries() as usize;
         let backends_max = backends.map().info()?.max_entries() as usize;
-        let mut by_id: HashMap<u32, (Backend, usize)> = HashMap::new();
+        let now = Instant::now();
+        let mut by_id = HashMap::new();
+        let mut draining = HashMap::new();
         for entry in backends.iter() {
             let (id, backend) = entry?;
-            by_id.insert(id, (backend, 0));
+            if backend.flags & BACKEND_DRAINING != 0 {
+                // Whose it was is not recorded: it drains for a full period from now.
+                draining.insert(id, Some(now + drain_period));
+            }
+            by_id.insert(
+                id,
+                IdState {
+                    backend,
+                    owner: None,
+                },
+            );
         }
-        let ids = by_id.iter().map(|(id, (b, _))| (*b, *id)).collect();
         let keys: Vec<ServiceKey> = services.keys().collect::<Result<_, _>>()?;
         let mut frontends = HashMap::new();
+        let mut draining_frontends = HashMap::new();
         let mut used_slots = 0;
+        let mut damaged = 0;
         for key in keys.iter().filter(|k| k.slot == 0) {
-            let count = services.get(key, 0)?.count;
-            let mut slots = Vec::with_capacity(count as usize);
-            for slot in 1..=count {
-                let id = services.get(&ServiceKey { slot, ..*key }, 0)?.backend_id;
-                if let Some((_, refs)) = by_id.get_mut(&id) {
-                    *refs += 1;
-                }
-                slots.push(id);
+            let Ok(head) = services.get(key, 0) else {
+                continue; // deleted since it was listed
+            };
+            if head.flags & SERVICE_DRAINING != 0 {
+                draining_frontends.insert(*key, now + drain_period);
+            }
+            // A lost slot does not stop the recovery: the first sync rewrites it.
+            let slots: Vec<u32> = (1..=head.count)
+                .map(|slot| {
+                    services
+                        .get(&ServiceKey { slot, ..*key }, 0)
+                        .map_or(LOST, |v| v.backend_id)
+                })
+                .collect();
+            if slots.contains(&LOST) {
+                damaged += 1;
             }
             used_slots += slots.len() + 1;
             frontends.insert(*key, slots);
+        }
+        if damaged > 0 {
+            tracing::warn!(
+                damaged,
+                "pinned services lost backend slots; the first sync rewrites them"
+            );
         }
         // Slots no head counts: left by an agent stopped halfway through a removal.
         for key in keys.iter().filter(|k| k.slot != 0) {
@@ -108,7 +168,7 @@ impl ServiceMaps {
                 .is_none_or(|slots: &Vec<u32>| usize::from(key.slot) > slots.len())
             {
                 match services.remove(key) {
-                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                    Ok(()) | Err(MapError::KeyNotFound) => {}
                     Err(e) => return Err(e).context("deleting an orphaned slot"),
                 }
             }
@@ -131,12 +191,15 @@ impl ServiceMaps {
             backends,
             services_max,
             backends_max,
+            drain_period,
             frontends,
+            draining_frontends,
             owners: HashMap::new(),
             claims: HashMap::new(),
             used_slots,
-            ids,
+            ids: HashMap::new(),
             by_id,
+            draining,
             next_id,
             reserved_until: next_id,
             agent_state,
@@ -149,111 +212,85 @@ impl ServiceMaps {
                 // Sorted, so that a given state always gets the same ids.
                 let mut all: BTreeSet<&ServicePortName> = state.services.keys().collect();
                 all.extend(self.owners.keys());
+                all.extend(self.ids.keys());
                 all.into_iter().cloned().collect()
             }
             Scope::Changed(changed) => changed.iter().cloned().collect(),
         };
-        let (mut failures, mut unprogrammable) = (Vec::new(), Vec::new());
+        let now = Instant::now();
+        let mut errors = Errors::default();
+        // Phase 1: every wanted frontend.
+        let mut previous = Vec::with_capacity(ports.len());
         for spn in &ports {
-            if let Err(e) = self.sync_port(state, spn) {
-                match e.downcast_ref::<NotProgrammable>() {
-                    Some(_) => unprogrammable.push(format!("{spn}: {e:#}")),
-                    None => failures.push(format!("{spn}: {e:#}")),
+            let old = self.owners.remove(spn).unwrap_or_default();
+            let mut owned = Vec::new();
+            for (fe, backends) in desired_frontends(state, spn) {
+                match self.program(spn, &fe, &backends) {
+                    Ok(()) => {
+                        owned.push(fe);
+                        self.claims.insert(fe, spn.clone());
+                    }
+                    Err(e) => {
+                        // It keeps serving what it had (also one recovered after a restart,
+                        // which no port claimed yet): still ours.
+                        let ours = self.claims.get(&fe).is_none_or(|owner| owner == spn);
+                        if ours && self.frontends.contains_key(&fe) {
+                            owned.push(fe);
+                        }
+                        errors.add(spn, e);
+                    }
                 }
+            }
+            previous.push(old);
+            if !owned.is_empty() {
+                self.owners.insert(spn.clone(), owned);
+            }
+        }
+        // Phase 2: the frontends their ports no longer want, unless another port has them now.
+        for (spn, old) in ports.iter().zip(previous) {
+            for fe in old {
+                let claimed_by = self.claims.get(&fe);
+                if claimed_by == Some(spn) && self.owned_by(spn, &fe) {
+                    continue; // still wanted
+                }
+                if claimed_by.is_some_and(|owner| owner != spn) {
+                    continue; // another port serves this address now
+                }
+                if let Err(e) = self.drain_frontend(&fe, now) {
+                    // It keeps serving what it had: still ours.
+                    self.owners.entry(spn.clone()).or_default().push(fe);
+                    errors.add(spn, e);
+                }
+            }
+            if let Err(e) = self.drain_backends(state, spn, now) {
+                errors.add(spn, e);
             }
         }
         if matches!(scope, Scope::All) {
-            // Frontends recovered from the pinned maps that no service claims any more.
-            let owned: HashSet<Frontend> = self.owners.values().flatten().copied().collect();
-            let stale: Vec<Frontend> = self
-                .frontends
-                .keys()
-                .filter(|f| !owned.contains(f))
-                .copied()
-                .collect();
-            for fe in stale {
-                if let Err(e) = self.remove_frontend(&fe) {
-                    failures.push(format!("stale frontend {}: {e:#}", describe(&fe)));
-                }
+            if let Err(e) = self.drain_unclaimed(now) {
+                errors.failures.push(format!("recovered entries: {e:#}"));
             }
-            // Recovered backends no slot refers to.
-            let unused: Vec<u32> = self
-                .by_id
-                .iter()
-                .filter(|(_, (_, refs))| *refs == 0)
-                .map(|(id, _)| *id)
-                .collect();
-            for id in unused {
-                self.by_id.get_mut(&id).expect("listed above").1 = 1;
-                if let Err(e) = self.release(id) {
-                    failures.push(format!("unused backend {id}: {e:#}"));
-                }
+            if let Err(e) = self.expire(now) {
+                errors
+                    .failures
+                    .push(format!("expiring drained entries: {e:#}"));
             }
         }
-        if !failures.is_empty() {
-            failures.extend(unprogrammable);
-            Err(anyhow!(
-                "{} of {} service ports not programmed: {}",
-                failures.len(),
-                ports.len(),
-                failures.join("; ")
-            ))
-        } else if !unprogrammable.is_empty() {
-            Err(NotProgrammable(format!(
-                "{} of {} service ports cannot be programmed as configured: {}",
-                unprogrammable.len(),
-                ports.len(),
-                unprogrammable.join("; ")
-            ))
-            .into())
-        } else {
-            Ok(())
-        }
+        errors.into_result(ports.len())
     }
 
-    fn sync_port(&mut self, state: &DesiredState, spn: &ServicePortName) -> anyhow::Result<()> {
-        let desired = desired_frontends(state, spn);
-        let old = self.owners.remove(spn).unwrap_or_default();
-        let mut result = Ok(());
-        let mut owned = Vec::with_capacity(desired.len());
-        for (fe, backends) in &desired {
-            match self.program(fe, backends) {
-                Ok(()) => {
-                    owned.push(*fe);
-                    self.claims.insert(*fe, spn.clone());
-                }
-                Err(e) => result = Err(e),
-            }
-        }
-        for fe in old
-            .iter()
-            .filter(|fe| !desired.iter().any(|(d, _)| d == *fe))
-        {
-            if self.claims.get(fe).is_some_and(|owner| owner != spn) {
-                continue; // another port serves this address now
-            }
-            if let Err(e) = self.remove_frontend(fe) {
-                result = Err(e);
-            }
-        }
-        // A frontend that could not be updated (or removed) keeps what it had, so it stays
-        // owned: also one recovered from the pinned maps after a restart, which no port owned.
-        let kept = old.into_iter().chain(desired.iter().map(|(fe, _)| *fe));
-        for fe in kept {
-            let ours = self.claims.get(&fe).is_none_or(|owner| owner == spn);
-            if ours && self.frontends.contains_key(&fe) && !owned.contains(&fe) {
-                owned.push(fe);
-            }
-        }
-        if !owned.is_empty() {
-            self.owners.insert(spn.clone(), owned);
-        }
-        result
+    fn owned_by(&self, spn: &ServicePortName, fe: &Frontend) -> bool {
+        self.owners.get(spn).is_some_and(|o| o.contains(fe))
     }
 
-    /// Makes `fe` send to `backends`, in that slot order. On failure, the maps keep serving
-    /// what `fe` had before.
-    fn program(&mut self, fe: &Frontend, backends: &[Backend]) -> anyhow::Result<()> {
+    /// Makes `fe` send to `backends` (the endpoints of `spn`), in that slot order. On failure,
+    /// the maps keep serving what `fe` had before.
+    fn program(
+        &mut self,
+        spn: &ServicePortName,
+        fe: &Frontend,
+        backends: &[Backend],
+    ) -> anyhow::Result<()> {
         if backends.len() > usize::from(u16::MAX) {
             return Err(NotProgrammable(format!(
                 "{} endpoints; a service port can have at most {} in the datapath",
@@ -263,13 +300,10 @@ impl ServiceMaps {
             .into());
         }
         let old: Vec<u32> = self.frontends.get(fe).cloned().unwrap_or_default();
-        let had = if self.frontends.contains_key(fe) {
-            old.len() + 1
-        } else {
-            0
-        };
+        let existed = self.frontends.contains_key(fe);
         // Refuse before writing anything if the maps cannot hold the result.
-        let new_slots = (backends.len() + 1).saturating_sub(had);
+        let new_slots =
+            (backends.len() + 1).saturating_sub(if existed { old.len() + 1 } else { 0 });
         if self.used_slots + new_slots > self.services_max {
             return Err(NotProgrammable(format!(
                 "services map full ({} of {} entries used, {} more needed): raise \
@@ -280,7 +314,7 @@ impl ServiceMaps {
         }
         let new_backends = backends
             .iter()
-            .filter(|b| !self.ids.contains_key(b))
+            .filter(|b| self.id_of(spn, &old, b).is_none())
             .count();
         if self.by_id.len() + new_backends > self.backends_max {
             return Err(NotProgrammable(format!(
@@ -294,37 +328,81 @@ impl ServiceMaps {
         }
         let mut ids = Vec::with_capacity(backends.len());
         for b in backends {
-            match self.acquire(b) {
-                Ok(id) => ids.push(id),
-                Err(e) => {
-                    self.release_all(&ids);
-                    return Err(e);
-                }
-            }
+            // A new id that is not written yet is simply never used: no undo needed.
+            ids.push(self.acquire(spn, &old, b)?);
         }
-        if let Err(e) = self.write_slots(fe, &old, &ids, had > 0) {
+        if let Err(e) = self.write_slots(fe, &old, &ids, existed) {
             self.restore_slots(fe, &old, &ids);
-            self.release_all(&ids);
             return Err(e);
         }
-        // The new backends are live from here on.
-        self.used_slots = self.used_slots + ids.len() + 1 - had;
+        // The new slots are live from here on.
+        self.used_slots = self.used_slots + ids.len() + 1 - if existed { old.len() + 1 } else { 0 };
         self.frontends.insert(*fe, ids.clone());
-        let mut result = Ok(());
+        self.draining_frontends.remove(fe);
         for slot in ids.len() + 1..=old.len() {
-            if let Err(e) = self.remove_slot(&ServiceKey {
+            // An orphan slot beyond the count is unseen by packets: the failure is only noted.
+            self.remove_slot(&ServiceKey {
                 slot: slot as u16,
                 ..*fe
-            }) {
-                result = Err(e); // an orphan slot beyond the count: unseen by packets
-            }
+            })?;
         }
-        for id in old {
-            if let Err(e) = self.release(id) {
-                result = Err(e);
-            }
+        Ok(())
+    }
+
+    /// The id `b` already has in `spn`: its own, or, right after a restart, the id that the
+    /// slots `old` of a recovered frontend give that endpoint.
+    fn id_of(&self, spn: &ServicePortName, old: &[u32], b: &Backend) -> Option<u32> {
+        if let Some(id) = self.ids.get(spn).and_then(|ids| ids.get(b)) {
+            return Some(*id);
         }
-        result
+        old.iter().copied().find(|id| {
+            self.by_id.get(id).is_some_and(|s| {
+                s.owner.is_none() && s.backend.flags & BACKEND_DRAINING == 0 && s.backend == *b
+            })
+        })
+    }
+
+    /// The id of endpoint `b` in `spn`: kept (and taken out of draining) when it has one, new
+    /// (and written to the backends map) otherwise.
+    fn acquire(&mut self, spn: &ServicePortName, old: &[u32], b: &Backend) -> anyhow::Result<u32> {
+        if let Some(id) = self.id_of(spn, old, b) {
+            if self.draining.contains_key(&id) {
+                self.backends
+                    .insert(id, b, 0)
+                    .with_context(|| format!("writing backend {id}"))?;
+                self.draining.remove(&id);
+            }
+            let state = self.by_id.get_mut(&id).expect("ids and by_id agree");
+            if state.owner.is_none() {
+                state.owner = Some(spn.clone());
+                self.ids.entry(spn.clone()).or_default().insert(*b, id);
+            }
+            return Ok(id);
+        }
+        let mut id = self.next_id;
+        while id == LOST || self.by_id.contains_key(&id) {
+            id = id.wrapping_add(1);
+        }
+        if id >= self.reserved_until {
+            let until = id.saturating_add(ID_BLOCK);
+            self.agent_state
+                .set(AGENT_STATE_NEXT_BACKEND_ID, u64::from(until), 0)
+                .context("reserving backend ids")?;
+            self.reserved_until = until;
+        }
+        self.backends
+            .insert(id, b, 0)
+            .with_context(|| format!("writing backend {id}"))?;
+        self.next_id = id.wrapping_add(1);
+        self.ids.entry(spn.clone()).or_default().insert(*b, id);
+        self.by_id.insert(
+            id,
+            IdState {
+                backend: *b,
+                owner: Some(spn.clone()),
+            },
+        );
+        Ok(id)
     }
 
     /// Writes the backend slots that differ from `old`, then slot 0 with the new count.
@@ -341,17 +419,12 @@ impl ServiceMaps {
                     slot: i as u16 + 1,
                     ..*fe
                 };
-                let value = ServiceValue {
-                    backend_id: *id,
-                    count: 0,
-                    flags: 0,
-                };
                 self.services
-                    .insert(key, value, 0)
+                    .insert(key, slot_value(*id), 0)
                     .with_context(|| format!("writing slot {} of {}", i + 1, describe(fe)))?;
             }
         }
-        if old.len() != ids.len() || !existed {
+        if old.len() != ids.len() || !existed || self.draining_frontends.contains_key(fe) {
             let head = ServiceValue {
                 backend_id: 0,
                 count: ids.len() as u16,
@@ -375,15 +448,7 @@ impl ServiceMaps {
             let restored = match old.get(i) {
                 Some(old_id) if old_id != id => self
                     .services
-                    .insert(
-                        key,
-                        ServiceValue {
-                            backend_id: *old_id,
-                            count: 0,
-                            flags: 0,
-                        },
-                        0,
-                    )
+                    .insert(key, slot_value(*old_id), 0)
                     .map_err(anyhow::Error::from),
                 Some(_) => Ok(()),
                 None => self.remove_slot(&key),
@@ -394,102 +459,240 @@ impl ServiceMaps {
         }
     }
 
-    fn release_all(&mut self, ids: &[u32]) {
-        for id in ids {
-            if let Err(e) = self.release(*id) {
-                tracing::warn!("releasing backend {id}: {e:#}");
-            }
-        }
-    }
-
-    fn remove_frontend(&mut self, fe: &Frontend) -> anyhow::Result<()> {
+    /// Turns `fe` into a draining head: no new flows, established TCP connections through it
+    /// keep their (draining) backends until the drain period ends.
+    fn drain_frontend(&mut self, fe: &Frontend, now: Instant) -> anyhow::Result<()> {
         let Some(ids) = self.frontends.get(fe).cloned() else {
             return Ok(());
         };
-        self.remove_slot(fe)?;
+        let head = ServiceValue {
+            backend_id: 0,
+            count: 0,
+            flags: SERVICE_DRAINING,
+        };
+        self.services
+            .insert(fe, head, 0)
+            .with_context(|| format!("writing {}", describe(fe)))?;
         self.claims.remove(fe);
-        // Packets no longer see the service; what follows is cleanup (slots left by a failure
+        // Packets no longer see the slots; what follows is cleanup (slots left by a failure
         // here are invisible, and the next agent start deletes them).
-        self.frontends.remove(fe);
-        self.used_slots -= ids.len() + 1;
-        let mut result = Ok(());
+        self.frontends.insert(*fe, Vec::new());
+        self.used_slots -= ids.len();
+        self.draining_frontends
+            .entry(*fe)
+            .or_insert(now + self.drain_period);
         for slot in 1..=ids.len() {
-            if let Err(e) = self.remove_slot(&ServiceKey {
+            self.remove_slot(&ServiceKey {
                 slot: slot as u16,
                 ..*fe
-            }) {
-                result = Err(e);
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Flags the ids of `spn` that no slot of its frontends uses as draining: until the
+    /// endpoint has been gone from the state for the drain period.
+    fn drain_backends(
+        &mut self,
+        state: &DesiredState,
+        spn: &ServicePortName,
+        now: Instant,
+    ) -> anyhow::Result<()> {
+        let Some(ids) = self.ids.get(spn) else {
+            return Ok(());
+        };
+        let in_slots: HashSet<u32> = self
+            .owners
+            .get(spn)
+            .into_iter()
+            .flatten()
+            .filter_map(|fe| self.frontends.get(fe))
+            .flatten()
+            .copied()
+            .collect();
+        let listed: HashSet<Backend> = desired_backends(state, spn, |_| true).into_iter().collect();
+        let leaving: Vec<(Backend, u32)> = ids
+            .iter()
+            .filter(|(_, id)| !in_slots.contains(id))
+            .map(|(b, id)| (*b, *id))
+            .collect();
+        for (b, id) in leaving {
+            let until = if listed.contains(&b) {
+                None
+            } else {
+                let previous = self.draining.get(&id).copied().flatten();
+                Some(previous.unwrap_or(now + self.drain_period))
+            };
+            if !self.draining.contains_key(&id) {
+                let flagged = Backend {
+                    flags: b.flags | BACKEND_DRAINING,
+                    ..b
+                };
+                self.backends
+                    .insert(id, flagged, 0)
+                    .with_context(|| format!("flagging backend {id} draining"))?;
+            }
+            self.draining.insert(id, until);
+        }
+        Ok(())
+    }
+
+    /// After the first full sync since a restart: what the pinned maps held that no port
+    /// claimed drains for a period from now (a Service deleted while no agent ran).
+    fn drain_unclaimed(&mut self, now: Instant) -> anyhow::Result<()> {
+        let claimed: HashSet<Frontend> = self.owners.values().flatten().copied().collect();
+        let stale: Vec<Frontend> = self
+            .frontends
+            .keys()
+            .filter(|fe| !claimed.contains(fe) && !self.draining_frontends.contains_key(fe))
+            .copied()
+            .collect();
+        for fe in stale {
+            self.drain_frontend(&fe, now)?;
+        }
+        let unclaimed: Vec<(u32, Backend)> = self
+            .by_id
+            .iter()
+            .filter(|(id, s)| s.owner.is_none() && !self.draining.contains_key(id))
+            .map(|(id, s)| (*id, s.backend))
+            .collect();
+        for (id, b) in unclaimed {
+            let flagged = Backend {
+                flags: b.flags | BACKEND_DRAINING,
+                ..b
+            };
+            self.backends
+                .insert(id, flagged, 0)
+                .with_context(|| format!("flagging backend {id} draining"))?;
+            self.draining.insert(id, Some(now + self.drain_period));
+        }
+        Ok(())
+    }
+
+    /// Deletes the draining frontends and backends whose drain period is over.
+    fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
+        let done: Vec<Frontend> = self
+            .draining_frontends
+            .iter()
+            .filter(|(_, until)| **until <= now)
+            .map(|(fe, _)| *fe)
+            .collect();
+        for fe in done {
+            self.remove_slot(&fe)?;
+            self.draining_frontends.remove(&fe);
+            self.frontends.remove(&fe);
+            self.used_slots -= 1;
+        }
+        let done: Vec<u32> = self
+            .draining
+            .iter()
+            .filter(|(_, until)| until.is_some_and(|u| u <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            match self.backends.remove(&id) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(e) => return Err(e).with_context(|| format!("deleting backend {id}")),
+            }
+            self.draining.remove(&id);
+            if let Some(IdState {
+                backend,
+                owner: Some(owner),
+            }) = self.by_id.remove(&id)
+                && let Some(ids) = self.ids.get_mut(&owner)
+            {
+                ids.remove(&backend);
+                if ids.is_empty() {
+                    self.ids.remove(&owner);
+                }
             }
         }
-        for id in ids {
-            if let Err(e) = self.release(id) {
-                result = Err(e);
-            }
-        }
-        result
+        Ok(())
     }
 
     fn remove_slot(&mut self, key: &ServiceKey) -> anyhow::Result<()> {
         match self.services.remove(key) {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(e) => {
                 Err(e).with_context(|| format!("deleting slot {} of {}", key.slot, describe(key)))
             }
         }
     }
+}
 
-    /// The id of `b`, written to the backends map if new; counts one more slot using it.
-    fn acquire(&mut self, b: &Backend) -> anyhow::Result<u32> {
-        if let Some(id) = self.ids.get(b) {
-            self.by_id.get_mut(id).expect("ids and by_id agree").1 += 1;
-            return Ok(*id);
+fn slot_value(backend_id: u32) -> ServiceValue {
+    ServiceValue {
+        backend_id,
+        count: 0,
+        flags: 0,
+    }
+}
+
+/// What went wrong in one sync, by kind.
+#[derive(Default)]
+struct Errors {
+    failures: Vec<String>,
+    unprogrammable: Vec<String>,
+}
+
+impl Errors {
+    fn add(&mut self, spn: &ServicePortName, e: anyhow::Error) {
+        match e.downcast_ref::<NotProgrammable>() {
+            Some(_) => self.unprogrammable.push(format!("{spn}: {e:#}")),
+            None => self.failures.push(format!("{spn}: {e:#}")),
         }
-        let mut id = self.next_id;
-        while id == 0 || self.by_id.contains_key(&id) {
-            id = id.wrapping_add(1);
-        }
-        if id >= self.reserved_until {
-            let until = id.saturating_add(ID_BLOCK);
-            self.agent_state
-                .set(AGENT_STATE_NEXT_BACKEND_ID, u64::from(until), 0)
-                .context("reserving backend ids")?;
-            self.reserved_until = until;
-        }
-        self.backends
-            .insert(id, b, 0)
-            .with_context(|| format!("writing backend {id}"))?;
-        self.next_id = id.wrapping_add(1);
-        self.ids.insert(*b, id);
-        self.by_id.insert(id, (*b, 1));
-        Ok(id)
     }
 
-    /// One slot fewer uses `id`; the backend is deleted when none does.
-    fn release(&mut self, id: u32) -> anyhow::Result<()> {
-        let Some((backend, refs)) = self.by_id.get_mut(&id) else {
-            return Ok(());
-        };
-        *refs = refs.saturating_sub(1);
-        if *refs > 0 {
-            return Ok(());
-        }
-        let backend = *backend;
-        // Recovered maps may hold the same backend under two ids; keep the other's entry.
-        if self.ids.get(&backend) == Some(&id) {
-            self.ids.remove(&backend);
-        }
-        self.by_id.remove(&id);
-        match self.backends.remove(&id) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(e).with_context(|| format!("deleting backend {id}")),
+    fn into_result(mut self, ports: usize) -> anyhow::Result<()> {
+        if !self.failures.is_empty() {
+            let n = self.failures.len();
+            self.failures.extend(self.unprogrammable);
+            Err(anyhow!(
+                "{n} of {ports} service ports not programmed: {}",
+                self.failures.join("; ")
+            ))
+        } else if !self.unprogrammable.is_empty() {
+            Err(NotProgrammable(format!(
+                "{} of {ports} service ports cannot be programmed as configured: {}",
+                self.unprogrammable.len(),
+                self.unprogrammable.join("; ")
+            ))
+            .into())
+        } else {
+            Ok(())
         }
     }
 }
 
-/// The frontends a service port should have, each with its backends. IPv4 TCP and UDP only
-/// for now: IPv6 addresses and SCTP ports are kept in the model and skipped here (the programs
-/// could not match them).
+/// The endpoints of `spn` that `usable` accepts, as backends. IPv4 TCP and UDP only for now:
+/// IPv6 addresses and SCTP ports are kept in the model and skipped here (the programs could not
+/// match them).
+fn desired_backends(
+    state: &DesiredState,
+    spn: &ServicePortName,
+    usable: impl Fn(&crate::model::Endpoint) -> bool,
+) -> Vec<Backend> {
+    let Some(sp) = state.services.get(spn) else {
+        return Vec::new();
+    };
+    let proto = sp.protocol.number();
+    state
+        .endpoints_of(spn)
+        .iter()
+        .filter(|ep| usable(ep))
+        .filter_map(|ep| match ep.ip {
+            IpAddr::V4(ip) => Some(Backend {
+                addr: Be32::from_octets(ip.octets()),
+                port: Be16::new(ep.port),
+                proto,
+                flags: 0,
+            }),
+            IpAddr::V6(_) => None,
+        })
+        .collect()
+}
+
+/// The frontends a service port should have, each with its backends.
 pub fn desired_frontends(
     state: &DesiredState,
     spn: &ServicePortName,
@@ -502,18 +705,7 @@ pub fn desired_frontends(
         return Vec::new();
     };
     let proto = sp.protocol.number();
-    let backends: Vec<Backend> = state
-        .ready_endpoints(spn)
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some(Backend {
-                addr: Be32::from_octets(ip.octets()),
-                port: Be16::new(ep.port),
-                proto,
-                flags: 0,
-            }),
-            IpAddr::V6(_) => None,
-        })
-        .collect();
+    let backends = desired_backends(state, spn, |ep| ep.ready);
     sp.cluster_ips
         .iter()
         .filter_map(|ip| match ip {

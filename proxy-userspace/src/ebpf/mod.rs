@@ -3,11 +3,19 @@ mod attach;
 pub mod bpffs;
 pub mod maps;
 
-use std::path::Path;
+use std::{path::Path, time::Duration};
 
 use anyhow::{Context, bail};
-use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
-use proxy_common::{MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, MapInfo, MapType, PerCpuArray},
+    programs::SchedClassifier,
+};
+use proxy_common::{
+    AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, Backend, CtKey, CtValue,
+    DROP_REASON_NAMES, DROPS_ENTRIES, LAYOUT_VERSION, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_DROPS, MAP_SERVICES, ServiceKey, ServiceValue,
+};
 
 pub use attach::Attacher;
 use attach::detach_all;
@@ -54,6 +62,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         );
     }
     bpffs::ensure(pin_dir)?;
+    let next_backend_id = check_pinned_layout(pin_dir)?;
     warn_on_size_changes(pin_dir, sizes);
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pin_dir)
@@ -76,7 +85,150 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         prog.load()
             .with_context(|| format!("the kernel's verifier rejected {name}"))?;
     }
+    let mut state: Array<_, u64> = ebpf
+        .map_mut(MAP_AGENT_STATE)
+        .context("map AGENT_STATE missing")?
+        .try_into()?;
+    if let Some(id) = next_backend_id {
+        state.set(AGENT_STATE_NEXT_BACKEND_ID, id, 0)?;
+    }
+    state.set(AGENT_STATE_LAYOUT, LAYOUT_VERSION, 0)?;
     Ok(ebpf)
+}
+
+/// A pinned map as this build lays it out.
+struct Layout {
+    name: &'static str,
+    map_type: MapType,
+    key_size: usize,
+    value_size: usize,
+    /// For arrays, whose indexes have meanings: the entries this build uses.
+    entries: Option<u32>,
+}
+
+const LAYOUTS: [Layout; 5] = [
+    Layout {
+        name: MAP_SERVICES,
+        map_type: MapType::Hash,
+        key_size: size_of::<ServiceKey>(),
+        value_size: size_of::<ServiceValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_BACKENDS,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<Backend>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_CONNTRACK,
+        map_type: MapType::LruHash,
+        key_size: size_of::<CtKey>(),
+        value_size: size_of::<CtValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_AGENT_STATE,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u64>(),
+        entries: Some(AGENT_STATE_ENTRIES),
+    },
+    Layout {
+        name: MAP_DROPS,
+        map_type: MapType::PerCpuArray,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u64>(),
+        entries: Some(DROPS_ENTRIES),
+    },
+];
+
+/// Maps pinned by another release are reused only if this build reads them right: the same
+/// type and key and value sizes, and a layout version this build knows (its own or an older
+/// one it reads as is). Any other pin is removed, with a log line saying what that resets, and
+/// the load creates the map afresh. Returns the next backend id an older AGENT_STATE held, to
+/// carry over into a recreated one (ids must never be reused while conntrack may name them).
+fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
+    let state_pin = pin_dir.join(MAP_AGENT_STATE);
+    let (version, next_backend_id) = match aya::maps::MapData::from_pin(&state_pin) {
+        Ok(data) => {
+            let entries = data.info()?.max_entries();
+            let state: Array<_, u64> = aya::maps::Map::Array(data).try_into()?;
+            let next = state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0).ok();
+            // Layout 1 had no version entry.
+            let version = match entries > AGENT_STATE_LAYOUT {
+                true => state.get(&AGENT_STATE_LAYOUT, 0).unwrap_or(1),
+                false => 1,
+            };
+            (Some(version), next)
+        }
+        Err(_) => (None, None),
+    };
+    // Layout 1 maps mean what layout 2 reads (ids shared by services are adopted by one
+    // service port; no entry is draining yet): reused as they are.
+    let newer = version.is_some_and(|v| v > LAYOUT_VERSION);
+    for layout in &LAYOUTS {
+        let pin = pin_dir.join(layout.name);
+        let Ok(info) = MapInfo::from_pin(&pin) else {
+            continue;
+        };
+        let fits = info.map_type().ok() == Some(layout.map_type)
+            && info.key_size() as usize == layout.key_size
+            && info.value_size() as usize == layout.value_size
+            && layout.entries.is_none_or(|n| info.max_entries() == n);
+        if fits && !newer {
+            continue;
+        }
+        let what = match layout.name {
+            MAP_CONNTRACK => "established flows are reset",
+            MAP_SERVICES | MAP_BACKENDS => "services are programmed again by the first sync",
+            _ => "its contents are carried over",
+        };
+        tracing::warn!(
+            map = layout.name,
+            pinned_layout = version.unwrap_or(1),
+            layout = LAYOUT_VERSION,
+            "the pinned map was left by an agent of another layout ({:?}, key {} bytes, value \
+             {} bytes, {} entries); this one uses ({:?}, key {}, value {}): recreating it \
+             ({what})",
+            info.map_type().ok(),
+            info.key_size(),
+            info.value_size(),
+            info.max_entries(),
+            layout.map_type,
+            layout.key_size,
+            layout.value_size,
+        );
+        std::fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+    }
+    Ok(next_backend_id)
+}
+
+/// The programs' drop counters (summed over CPUs), read from the loaded object, exported on
+/// `/metrics` as `kubeproxy_bpf_dropped_packets_total{reason}`.
+pub fn export_drop_counters(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let drops: PerCpuArray<_, u64> = ebpf
+        .take_map(MAP_DROPS)
+        .context("map DROPS missing")?
+        .try_into()?;
+    let drops = std::sync::Mutex::new(drops);
+    crate::metrics::METRICS.add_collector(Box::new(move |out| {
+        use std::fmt::Write as _;
+        let name = "kubeproxy_bpf_dropped_packets_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Packets the BPF programs dropped, by reason\n# TYPE {name} counter"
+        );
+        let drops = drops.lock().unwrap();
+        for (index, reason) in DROP_REASON_NAMES.iter().enumerate() {
+            let total: u64 = drops
+                .get(&(index as u32), 0)
+                .map_or(0, |per_cpu| per_cpu.iter().sum());
+            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {total}");
+        }
+    }));
+    Ok(())
 }
 
 /// Maps already pinned are reused as they are (that is what keeps services and flows across a
@@ -109,7 +261,7 @@ pub fn cleanup(pin_dir: &Path, pod_interfaces: &str) -> anyhow::Result<()> {
     let detached = detach_all(pod_interfaces, pin_dir)?;
     let mut removed = 0;
     // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
-    for name in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK, MAP_AGENT_STATE] {
+    for name in LAYOUTS.map(|l| l.name) {
         let path = pin_dir.join(name);
         match std::fs::remove_file(&path) {
             Ok(()) => removed += 1,
@@ -136,9 +288,16 @@ impl EbpfDataplane {
     /// Loads the programs (see [`load`]) and attaches them to every interface whose name
     /// matches `pod_interfaces` (and to matching interfaces that appear later, in
     /// [`Dataplane::housekeeping`]).
-    pub fn new(pin_dir: &Path, sizes: MapSizes, pod_interfaces: &str) -> anyhow::Result<Self> {
+    /// Removed endpoints and Services keep their established TCP connections for
+    /// `drain_period`.
+    pub fn new(
+        pin_dir: &Path,
+        sizes: MapSizes,
+        drain_period: Duration,
+        pod_interfaces: &str,
+    ) -> anyhow::Result<Self> {
         let mut ebpf = load(pin_dir, sizes)?;
-        let maps = ServiceMaps::take_from(&mut ebpf)?;
+        let maps = ServiceMaps::take_from(&mut ebpf, drain_period)?;
         let mut attacher = Attacher::new(pod_interfaces, pin_dir)?;
         attacher.scan(&mut ebpf)?;
         Ok(Self {

@@ -143,7 +143,7 @@ struct LoadStats {
     objects: usize,
     /// Objects added, changed or removed since the previous load.
     changed: usize,
-    /// Unusable documents and invalid objects, each logged.
+    /// Unusable documents, invalid objects and skipped endpoints, each logged.
     errors: usize,
 }
 
@@ -222,7 +222,12 @@ impl FileSource {
                     }
                     tracker.update_service(svc)
                 }
-                Object::EndpointSlice(slice) => tracker.update_slice(slice),
+                Object::EndpointSlice(slice) => tracker.update_slice(slice).map(|skipped| {
+                    errors += skipped.len();
+                    for endpoint in skipped {
+                        tracing::warn!("{path}: {endpoint}");
+                    }
+                }),
             };
             if let Err(invalid) = result {
                 errors += 1;

@@ -82,7 +82,7 @@ pub async fn run(
     let slices = feed_tracker::<EndpointSlice>(
         Api::all(client.clone()),
         (tracker, sync),
-        ChangeTracker::update_slice,
+        update_slice,
         ChangeTracker::delete_slice,
         move || gate.lock().unwrap().done(|g| &mut g.slices),
     );
@@ -158,6 +158,14 @@ fn node_eligible(node: &Node) -> bool {
         .and_then(|s| s.taints.as_ref())
         .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"));
     node.metadata.deletion_timestamp.is_none() && !tainted
+}
+
+/// Applies a slice and logs the endpoints left out of it (the tracker returns each once).
+fn update_slice(tracker: &mut ChangeTracker, slice: &EndpointSlice) -> Result<(), InvalidObject> {
+    for endpoint in tracker.update_slice(slice)? {
+        tracing::warn!("{endpoint}");
+    }
+    Ok(())
 }
 
 fn report(result: Result<(), InvalidObject>) {
