@@ -154,6 +154,17 @@ impl AgentRun {
         Ok(())
     }
 
+    /// Kills the agent with SIGKILL (a crash, an OOM kill: no chance to clean up) and reaps it.
+    pub fn kill(&self, sandbox: &mut Sandbox) -> Result<()> {
+        // SAFETY: kill(2) on our own child, not reaped yet (so its pid is still ours); the
+        // sandbox reaps it just below.
+        if unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) } != 0 {
+            bail!("kill -9 {}: {}", self.pid, std::io::Error::last_os_error());
+        }
+        sandbox.stop(self.pid)?;
+        Ok(())
+    }
+
     /// Starts the agent again with the same arguments (and the same pinned maps); returns once
     /// it has synced again, as its log says.
     pub fn start_again(&mut self, sandbox: &mut Sandbox) -> Result<()> {
@@ -325,4 +336,61 @@ pub fn remove_endpoint(objects: &mut [Object], name: &str, ip: &str) {
             }
         }
     }
+}
+
+/// Adds an endpoint with address `ip` on `node` (ready, serving, not terminating) to the first
+/// EndpointSlice of service `name`, as a Deployment's new pod appears in a rollout.
+pub fn add_endpoint(objects: &mut [Object], name: &str, ip: &str, node: &str) {
+    let endpoint = serde_yaml::from_str(&format!(
+        "{{addresses: [{ip}], nodeName: {node}, \
+         conditions: {{ready: true, serving: true, terminating: false}}}}"
+    ))
+    .expect("an endpoint");
+    for object in objects {
+        if slice_of(object, name)
+            && let Object::EndpointSlice(slice) = object
+        {
+            slice.endpoints.get_or_insert_default().push(endpoint);
+            return;
+        }
+    }
+}
+
+/// Sets the conditions of the endpoint with address `ip` in every EndpointSlice of service
+/// `name` (e.g. `false, true, true`: a pod that is shutting down but still serves).
+pub fn set_conditions(
+    objects: &mut [Object],
+    name: &str,
+    ip: &str,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+) {
+    for object in objects {
+        if slice_of(object, name)
+            && let Object::EndpointSlice(slice) = object
+        {
+            for endpoint in slice.endpoints.iter_mut().flatten() {
+                if endpoint.addresses.iter().any(|a| a == ip) {
+                    endpoint.conditions = Some(
+                        serde_yaml::from_str(&format!(
+                            "{{ready: {ready}, serving: {serving}, terminating: {terminating}}}"
+                        ))
+                        .expect("endpoint conditions"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Whether `object` is an EndpointSlice of service `name`.
+fn slice_of(object: &Object, name: &str) -> bool {
+    matches!(object, Object::EndpointSlice(_))
+        && object
+            .metadata()
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("kubernetes.io/service-name"))
+            .is_some_and(|owner| owner == name)
 }

@@ -16,6 +16,7 @@ pub mod agent;
 pub mod apiserver;
 mod client;
 pub mod fixtures;
+pub mod load;
 mod netns;
 pub mod packet;
 pub mod programs;
