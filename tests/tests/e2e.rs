@@ -152,14 +152,16 @@ fn endpoint_and_service_changes_apply_live() {
         "a connection to a remaining backend broke"
     );
 
-    // The Service goes away: its address stops answering.
+    // The Service goes away: its address stops answering new connections (it drains: the
+    // connections established through it would keep their backend).
     edit_manifest(&agent.manifest, |objects| {
         objects.retain(|o| o.key().name != "remote")
     })
     .unwrap();
     agent
         .wait_for(&mut sandbox, "remote deleted", |rows| {
-            !rows.iter().any(|r| r.address == "10.96.0.30:80")
+            rows.iter()
+                .any(|r| r.address == "10.96.0.30:80" && r.draining)
         })
         .unwrap();
     assert!(
@@ -175,7 +177,9 @@ fn endpoint_and_service_changes_apply_live() {
         .wait_for(&mut sandbox, "the example restored", |rows| {
             rows.iter()
                 .any(|r| r.address == "10.96.0.10:80" && r.backends.len() == 3)
-                && rows.iter().any(|r| r.address == "10.96.0.30:80")
+                && rows
+                    .iter()
+                    .any(|r| r.address == "10.96.0.30:80" && !r.draining)
         })
         .unwrap();
     assert!(started.elapsed() < Duration::from_secs(5));
