@@ -63,6 +63,7 @@ pub const MAP_BACKENDS: &str = "BACKENDS";
 pub const MAP_CONNTRACK: &str = "CONNTRACK";
 pub const MAP_AGENT_STATE: &str = "AGENT_STATE";
 pub const MAP_DROPS: &str = "DROPS";
+pub const MAP_AFFINITY: &str = "AFFINITY";
 /// [`MAP_AGENT_STATE`] index of the first backend id never handed out.
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
 /// [`MAP_AGENT_STATE`] index of the layout version of the pinned maps ([`LAYOUT_VERSION`]).
@@ -70,8 +71,9 @@ pub const AGENT_STATE_LAYOUT: u32 = 1;
 pub const AGENT_STATE_ENTRIES: u32 = 2;
 /// The meaning of the pinned maps' contents. Raised whenever a release changes what a key or
 /// value means (not only its size), so that an agent never misreads maps an older one left.
-/// 2: backend ids per service port, draining backends and frontends.
-pub const LAYOUT_VERSION: u64 = 2;
+/// 2: backend ids per service port, draining backends and frontends. 3: slot 0 flags for
+/// local-only and session affinity, the affinity map.
+pub const LAYOUT_VERSION: u64 = 3;
 
 /// Why a program dropped a packet: the index of its counter in the per-CPU [`MAP_DROPS`] array.
 pub const DROP_REWRITE_FAILED: u32 = 0;
@@ -81,13 +83,20 @@ pub const DROP_REWRITE_FAILED: u32 = 0;
 pub const DROP_NO_BACKEND: u32 = 1;
 /// A packet to the hairpin address without a flow behind it.
 pub const DROP_HAIRPIN_WITHOUT_FLOW: u32 = 2;
-pub const DROP_REASONS: u32 = 3;
+/// A packet to a service whose traffic policy allows only this node's endpoints, and this node
+/// has none (kube-proxy drops these too).
+pub const DROP_NO_LOCAL_ENDPOINTS: u32 = 3;
+pub const DROP_REASONS: u32 = 4;
 /// The last [`MAP_DROPS`] entry: when this CPU last logged a drop (logs are rate limited).
 pub const DROPS_LAST_LOG: u32 = DROP_REASONS;
 pub const DROPS_ENTRIES: u32 = DROP_REASONS + 1;
 /// Label values of the drop reasons, by index.
-pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] =
-    ["rewrite_failed", "no_backend", "hairpin_without_flow"];
+pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] = [
+    "rewrite_failed",
+    "no_backend",
+    "hairpin_without_flow",
+    "no_local_endpoints",
+];
 
 /// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);
 /// slots 1..=count hold one backend id each (after Cilium's `lb4_key`).
@@ -113,7 +122,9 @@ impl ServiceKey {
     }
 }
 
-/// Value of the services map. In slot 0: `count` and `flags`; in slot n: `backend_id`.
+/// Value of the services map. In slot 0: `count`, `flags` and, with [`SERVICE_AFFINITY`], the
+/// affinity timeout in seconds in `backend_id` ([`ServiceValue::affinity_timeout_secs`]); in
+/// slot n: `backend_id`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct ServiceValue {
@@ -126,11 +137,53 @@ pub struct ServiceValue {
 /// address given up) and serves only the TCP connections already established through it,
 /// until the agent's drain period ends. It has no slots (count 0).
 pub const SERVICE_DRAINING: u16 = 1;
+/// [`ServiceValue::flags`] of slot 0: only this node's endpoints may be used
+/// (internalTrafficPolicy: Local), and when there are none (count 0) packets are dropped.
+pub const SERVICE_LOCAL_ONLY: u16 = 2;
+/// [`ServiceValue::flags`] of slot 0: sessionAffinity ClientIP. A client's new flows go to the
+/// backend of its last flow to this frontend while that is within the timeout (seconds, held in
+/// slot 0's `backend_id`) and the backend still takes new flows.
+pub const SERVICE_AFFINITY: u16 = 4;
 
 /// [`Backend::flags`]: the endpoint left its service port (not ready, terminating, or gone from
 /// the EndpointSlice). Established TCP connections stay on it; a SYN, and any UDP packet, picks
 /// a usable backend instead.
 pub const BACKEND_DRAINING: u8 = 1;
+
+impl ServiceValue {
+    /// Slot 0 of a service port.
+    pub const fn head(count: u16, flags: u16, affinity_timeout_secs: u32) -> Self {
+        Self {
+            backend_id: affinity_timeout_secs,
+            count,
+            flags,
+        }
+    }
+
+    pub const fn affinity_timeout_secs(&self) -> u32 {
+        self.backend_id
+    }
+}
+
+/// Key of the affinity map: a client of a frontend (sessionAffinity: ClientIP).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct AffinityKey {
+    pub client: Be32,
+    pub vip: Be32,
+    pub vport: Be16,
+    pub proto: u8,
+    pub pad: u8,
+}
+
+/// Value of the affinity map: the backend the client's last new flow went to, and when.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct AffinityValue {
+    pub backend_id: u32,
+    pub pad: u32,
+    pub last_used_ns: u64,
+}
 
 /// A backend: where a service's traffic is sent. Keyed by a `u32` id in the backends map. Ids
 /// belong to one service port (two services sharing a pod have two ids for it), so that the
@@ -223,4 +276,6 @@ mod user {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityValue {}
 }

@@ -8,12 +8,14 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Backend, DROP_HAIRPIN_WITHOUT_FLOW, DROP_NO_BACKEND, HAIRPIN_ADDR, ServiceKey, ServiceValue,
+    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, CtKey, DROP_HAIRPIN_WITHOUT_FLOW,
+    DROP_NO_BACKEND, DROP_NO_LOCAL_ENDPOINTS, HAIRPIN_ADDR, SERVICE_AFFINITY, SERVICE_LOCAL_ONLY,
+    ServiceKey, ServiceValue,
 };
 
 use crate::{
     conntrack,
-    maps::{BACKENDS, SERVICES},
+    maps::{AFFINITY, BACKENDS, SERVICES},
     packet::{self, Drop, End},
 };
 
@@ -39,9 +41,18 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     let backend = match conntrack::established(&flow, now) {
         Some(backend) => backend,
         None => {
-            // No usable endpoint (or a removed service, draining): the packet passes untouched
-            // for now (kube-proxy rejects it with ICMP; that comes with the reject issue).
-            let Some((backend_id, backend)) = select_backend(&svc_key, svc.count)? else {
+            let picked = if svc.flags & SERVICE_AFFINITY != 0 {
+                affinity_backend(&key, &svc_key, &svc, now)?
+            } else {
+                select_backend(&svc_key, svc.count)?
+            };
+            let Some((backend_id, backend)) = picked else {
+                if svc.flags & SERVICE_LOCAL_ONLY != 0 {
+                    return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
+                }
+                // No usable endpoint (or a removed service, draining): the packet passes
+                // untouched for now (kube-proxy rejects it with ICMP; that comes with the
+                // reject issue).
                 return Ok(TC_ACT_UNSPEC);
             };
             conntrack::record_flow(&key, backend_id, &backend, now);
@@ -70,6 +81,48 @@ fn hairpin_reply(ctx: &TcContext, flow: &mut packet::Flow) -> Result<i32, Drop> 
     flow.rewrite(ctx, End::Destination, pod, flow.key.dport)?;
     flow.rewrite(ctx, End::Source, vip, vport)?;
     packet::bounce(ctx)
+}
+
+/// sessionAffinity ClientIP: the backend of the client's last new flow to this frontend while
+/// that is within the service's timeout and the backend takes new flows; otherwise a random
+/// one, remembered for the client's next flows.
+#[inline(always)]
+fn affinity_backend(
+    key: &CtKey,
+    svc_key: &ServiceKey,
+    svc: &ServiceValue,
+    now: u64,
+) -> Result<Option<(u32, Backend)>, Drop> {
+    let client = AffinityKey {
+        client: key.saddr,
+        vip: key.daddr,
+        vport: key.dport,
+        proto: key.proto,
+        pad: 0,
+    };
+    let timeout_ns = u64::from(svc.affinity_timeout_secs()) * 1_000_000_000;
+    if let Some(last) = AFFINITY.get_ptr_mut(&client) {
+        // SAFETY: an LRU map value; a concurrent update at worst gives another fresh backend.
+        let last = unsafe { &mut *last };
+        if now.saturating_sub(last.last_used_ns) <= timeout_ns
+            && let Some(backend) = unsafe { BACKENDS.get(last.backend_id) }
+            && backend.flags & BACKEND_DRAINING == 0
+            && backend.proto == key.proto
+        {
+            last.last_used_ns = now;
+            return Ok(Some((last.backend_id, *backend)));
+        }
+    }
+    let picked = select_backend(svc_key, svc.count)?;
+    if let Some((backend_id, _)) = picked {
+        let value = AffinityValue {
+            backend_id,
+            pad: 0,
+            last_used_ns: now,
+        };
+        let _ = AFFINITY.insert(&client, &value, 0);
+    }
+    Ok(picked)
 }
 
 /// A random backend of the service `svc_key`, which had `count` of them when its head was

@@ -6,7 +6,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AGENT_STATE_ENTRIES, Backend, CtKey, CtValue, DROPS_ENTRIES, ServiceKey, ServiceValue,
+    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DROPS_ENTRIES,
+    ServiceKey, ServiceValue,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -32,3 +33,9 @@ pub static AGENT_STATE: Array<u64> = Array::pinned(AGENT_STATE_ENTRIES, 0);
 /// Dropped packets by reason (`proxy_common::DROP_*`), and when this CPU last logged one.
 #[map(name = "DROPS")]
 pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROPS_ENTRIES, 0);
+
+/// sessionAffinity ClientIP: each client's last backend per frontend (65536 entries, Cilium's
+/// default). LRU: when full, the least recently used clients lose their affinity (their next
+/// flow picks anew).
+#[map(name = "AFFINITY")]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(1 << 16, 0);

@@ -21,6 +21,9 @@ use crate::{
 
 pub struct AgentConfig {
     pub source: Source,
+    /// This node's name (kube-proxy's `--hostname-override`): its Node object, and which
+    /// endpoints are local.
+    pub node_name: String,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
     /// Where `/healthz` and `/livez` are served; None: not served.
@@ -34,10 +37,7 @@ pub enum Source {
     /// A manifest file holding Services and EndpointSlices, watched for changes.
     File(PathBuf),
     /// The API server: from a kubeconfig, or in-cluster when None.
-    Kubernetes {
-        kubeconfig: Option<PathBuf>,
-        node_name: String,
-    },
+    Kubernetes { kubeconfig: Option<PathBuf> },
 }
 
 /// Runs until the source fails or the process is interrupted. The dataplane is made once the
@@ -90,10 +90,8 @@ pub async fn run(
             sync_handle,
             synced_tx,
         )),
-        Source::Kubernetes {
-            kubeconfig,
-            node_name,
-        } => {
+        Source::Kubernetes { kubeconfig } => {
+            let node_name = config.node_name.clone();
             let client = source::kube::client(kubeconfig.as_deref()).await?;
             tracing::info!(node = %node_name, "watching the API server");
             tokio::spawn(source::kube::run(
@@ -134,7 +132,10 @@ pub async fn run(
         })
     };
 
-    let mut state = DesiredState::default();
+    let mut state = DesiredState {
+        node_name: config.node_name,
+        ..DesiredState::default()
+    };
     // The first sync, periodic resyncs and retries after a failure look at everything.
     let mut full = true;
     let sync = move || {

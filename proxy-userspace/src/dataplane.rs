@@ -19,7 +19,7 @@ pub trait Dataplane: Send {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()>;
 
     /// Periodic work that does not depend on the state (the agent calls it about once a
-    /// second), such as attaching to the interfaces of pods that appeared.
+    /// second), such as checking that the mode's own background work is still running.
     fn housekeeping(&mut self) -> anyhow::Result<()> {
         Ok(())
     }

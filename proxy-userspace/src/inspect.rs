@@ -5,9 +5,9 @@ use std::{fmt::Write as _, net::Ipv4Addr, path::Path};
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
-    BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_FORWARD, CtKey, CtValue, IPPROTO_TCP,
-    IPPROTO_UDP, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES, SERVICE_DRAINING, ServiceKey,
-    ServiceValue,
+    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_FORWARD, CtKey,
+    CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES,
+    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey, ServiceValue,
 };
 use serde::Serialize;
 
@@ -32,6 +32,10 @@ pub struct ServiceRow {
     pub backends: Vec<BackendRow>,
     /// Removed: serves only the TCP connections already established through it.
     pub draining: bool,
+    /// internalTrafficPolicy: Local (only this node's endpoints; none: dropped).
+    pub local_only: bool,
+    /// sessionAffinity ClientIP, with this timeout.
+    pub affinity_timeout_seconds: Option<u32>,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord, Clone)]
@@ -124,6 +128,9 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
             protocol: proto_name(key.proto),
             backends,
             draining: head.flags & SERVICE_DRAINING != 0,
+            local_only: head.flags & SERVICE_LOCAL_ONLY != 0,
+            affinity_timeout_seconds: (head.flags & SERVICE_AFFINITY != 0)
+                .then(|| head.affinity_timeout_secs()),
         });
     }
     rows.sort();
@@ -160,6 +167,50 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
     Ok(rows)
 }
 
+/// A client's affinity to a backend (sessionAffinity ClientIP).
+#[derive(Debug, Serialize, PartialEq)]
+pub struct AffinityRow {
+    pub client: String,
+    pub service: String,
+    pub protocol: &'static str,
+    pub backend_id: u32,
+    pub idle_seconds: f64,
+}
+
+pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<AffinityRow>> {
+    let map: BpfHashMap<_, AffinityKey, AffinityValue> =
+        Map::LruHashMap(open(pin_dir, MAP_AFFINITY)?).try_into()?;
+    let now = monotonic_ns();
+    let mut rows = Vec::new();
+    for entry in map.iter() {
+        let (k, v) = entry?;
+        rows.push(AffinityRow {
+            client: ip(k.client).to_string(),
+            service: format!("{}:{}", ip(k.vip), k.vport.get()),
+            protocol: proto_name(k.proto),
+            backend_id: v.backend_id,
+            idle_seconds: now.saturating_sub(v.last_used_ns) as f64 / 1e9,
+        });
+    }
+    rows.sort_by(|a, b| (&a.service, &a.client).cmp(&(&b.service, &b.client)));
+    Ok(rows)
+}
+
+pub fn affinity_table(rows: &[AffinityRow]) -> String {
+    let mut out = format!(
+        "{:<16} {:<22} {:<5} {:>8} {:>8}\n",
+        "CLIENT", "SERVICE", "PROTO", "BACKEND", "IDLE(s)"
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "{:<16} {:<22} {:<5} {:>8} {:>8.1}",
+            r.client, r.service, r.protocol, r.backend_id, r.idle_seconds
+        );
+    }
+    out
+}
+
 /// The clock bpf_ktime_get_ns() reads.
 fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -186,6 +237,17 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
             (true, _) => "(removed: draining its established connections)".to_owned(),
             (false, true) => "(none)".to_owned(),
             (false, false) => list.join(", "),
+        };
+        let mut policies = Vec::new();
+        if r.local_only {
+            policies.push("internal traffic local".to_owned());
+        }
+        if let Some(timeout) = r.affinity_timeout_seconds {
+            policies.push(format!("affinity {timeout}s"));
+        }
+        let list = match policies.is_empty() {
+            true => list,
+            false => format!("{list} [{}]", policies.join(", ")),
         };
         let _ = writeln!(out, "{:<24} {:<5} {}", r.address, r.protocol, list);
     }

@@ -115,6 +115,7 @@ enum InspectWhat {
     Services,
     Backends,
     Conntrack,
+    Affinity,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -161,11 +162,11 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         Some(path) => Source::File(path),
         None => Source::Kubernetes {
             kubeconfig: args.kubeconfig,
-            node_name: node_name(args.hostname_override)?,
         },
     };
     let config = AgentConfig {
         source,
+        node_name: node_name(args.hostname_override)?,
         min_sync_period: args.min_sync_period,
         sync_period: args.sync_period,
         healthz_bind_address: Some(args.healthz_bind_address).filter(|a| !a.is_empty()),
@@ -179,14 +180,12 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                     backends: args.bpf_backends_max,
                     conntrack: args.bpf_ct_max,
                 };
-                let mut dp = EbpfDataplane::new(
+                let dp = EbpfDataplane::new(
                     &args.bpf_pin_dir,
                     sizes,
                     args.bpf_drain_period,
                     &args.pod_interfaces,
                 )?;
-                proxy_userspace::ebpf::spawn_bpf_logger(dp.ebpf_mut());
-                proxy_userspace::ebpf::export_drop_counters(dp.ebpf_mut())?;
                 tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
                 Ok(Box::new(dp))
             }
@@ -219,6 +218,8 @@ fn run_inspect(args: InspectArgs) -> anyhow::Result<()> {
         (InspectWhat::Backends, true) => serde_json::to_string_pretty(&inspect::backends(dir)?)?,
         (InspectWhat::Conntrack, false) => inspect::conntrack_table(&inspect::conntrack(dir)?),
         (InspectWhat::Conntrack, true) => serde_json::to_string_pretty(&inspect::conntrack(dir)?)?,
+        (InspectWhat::Affinity, false) => inspect::affinity_table(&inspect::affinity(dir)?),
+        (InspectWhat::Affinity, true) => serde_json::to_string_pretty(&inspect::affinity(dir)?)?,
     };
     println!("{}", out.trim_end());
     Ok(())

@@ -184,6 +184,8 @@ pub struct DesiredState {
     /// Endpoints of the ports in `services`, sorted and de-duplicated by (ip, port). A port
     /// without endpoints has no entry.
     pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+    /// This node's name: endpoints whose `nodeName` it is are local.
+    pub node_name: String,
 }
 
 impl DesiredState {
@@ -198,6 +200,31 @@ impl DesiredState {
         spn: &ServicePortName,
     ) -> impl Iterator<Item = &'a Endpoint> + use<'a> {
         self.endpoints_of(spn).iter().filter(|ep| ep.ready)
+    }
+
+    /// The endpoints that new connections to `spn` from inside the cluster (pods, and
+    /// processes on the node) go to, picked as kube-proxy's `CategorizeEndpoints` does: the
+    /// ready ones or, when none is ready, the serving ones that are terminating (KEP-1669, so
+    /// that a rollout's last pods keep answering); with internalTrafficPolicy: Local, only
+    /// this node's.
+    pub fn cluster_endpoints(&self, spn: &ServicePortName) -> Vec<&Endpoint> {
+        let local_only = self
+            .services
+            .get(spn)
+            .is_some_and(|sp| sp.internal_traffic_local);
+        let candidates: Vec<&Endpoint> = self
+            .endpoints_of(spn)
+            .iter()
+            .filter(|ep| !local_only || ep.node_name.as_deref() == Some(self.node_name.as_str()))
+            .collect();
+        if candidates.iter().any(|ep| ep.ready) {
+            candidates.into_iter().filter(|ep| ep.ready).collect()
+        } else {
+            candidates
+                .into_iter()
+                .filter(|ep| ep.serving && ep.terminating)
+                .collect()
+        }
     }
 }
 
@@ -1526,5 +1553,72 @@ endpoints: [{addresses: [10.244.1.11]}]
             ["default/web:metrics", "default/web:stale"]
         );
         assert_eq!(state.services.len(), 2);
+    }
+
+    #[test]
+    fn cluster_endpoints_fall_back_to_terminating_and_follow_the_internal_policy() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState {
+            node_name: "node1".into(),
+            ..DesiredState::default()
+        };
+        tracker.update_service(&service(WEB)).unwrap();
+        let web_slice = |conditions: [&str; 3]| {
+            slice(&format!(
+                "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:
+- {{addresses: [10.244.1.11], nodeName: node1, conditions: {}}}
+- {{addresses: [10.244.2.11], nodeName: node2, conditions: {}}}
+- {{addresses: [10.244.2.12], nodeName: node2, conditions: {}}}
+",
+                conditions[0], conditions[1], conditions[2]
+            ))
+        };
+        let http = spn("web", "http", Protocol::Tcp);
+        let ips = |state: &DesiredState| -> Vec<String> {
+            state
+                .cluster_endpoints(&http)
+                .iter()
+                .map(|ep| ep.ip.to_string())
+                .collect()
+        };
+        const READY: &str = "{ready: true}";
+        const TERMINATING: &str = "{ready: false, serving: true, terminating: true}";
+        const GONE: &str = "{ready: false, serving: false, terminating: true}";
+        // Ready endpoints win over terminating ones.
+        tracker
+            .update_slice(&web_slice([TERMINATING, READY, GONE]))
+            .unwrap();
+        tracker.apply(&mut state);
+        assert_eq!(ips(&state), ["10.244.2.11"]);
+        // None ready: the serving terminating ones.
+        tracker
+            .update_slice(&web_slice([TERMINATING, GONE, TERMINATING]))
+            .unwrap();
+        tracker.apply(&mut state);
+        assert_eq!(ips(&state), ["10.244.1.11", "10.244.2.12"]);
+        // internalTrafficPolicy: Local: this node's only, with the same fallback.
+        let local = |state: &mut DesiredState| {
+            state
+                .services
+                .get_mut(&http)
+                .unwrap()
+                .internal_traffic_local = true;
+        };
+        local(&mut state);
+        assert_eq!(ips(&state), ["10.244.1.11"]);
+        tracker
+            .update_slice(&web_slice([GONE, READY, READY]))
+            .unwrap();
+        tracker.apply(&mut state);
+        local(&mut state);
+        assert!(ips(&state).is_empty(), "no usable local endpoint");
     }
 }

@@ -59,7 +59,37 @@ impl Pod {
     pub fn addr(&self, port: u16) -> SocketAddr {
         (self.ip, port).into()
     }
+
+    /// `ip` lines for the node side, run in the node once `host_if` is there.
+    fn host_side(&self) -> Vec<String> {
+        let hif = &self.host_if;
+        vec![
+            format!("link set {hif} up"),
+            format!("addr add {}/32 dev {hif}", self.gateway),
+            format!("route add {}/32 dev {hif} scope link", self.ip),
+        ]
+    }
+
+    /// `ip` lines for the pod side, run in the pod once its `eth0` is there.
+    fn pod_side(&self) -> Vec<String> {
+        vec![
+            "link set lo up".to_string(),
+            format!("addr add {}/32 dev eth0", self.ip),
+            "link set eth0 up".to_string(),
+            format!("route add {} dev eth0 scope link", self.gateway),
+            format!("route add default via {} dev eth0", self.gateway),
+        ]
+    }
 }
+
+/// Sysctls of every namespace, set before its interfaces exist (new ones copy `default`).
+const COMMON_SYSCTLS: [&str; 5] = [
+    "net.ipv4.conf.all.rp_filter=0",
+    "net.ipv4.conf.default.rp_filter=0",
+    "net.ipv6.conf.all.accept_dad=0",
+    "net.ipv6.conf.default.accept_dad=0",
+    "net.ipv6.conf.default.router_solicitations=0",
+];
 
 struct Proc {
     label: String,
@@ -139,18 +169,11 @@ impl Sandbox {
         ip_batches(&[(None, adds)])?;
 
         // 2. Sysctls, before any interface exists (new interfaces copy `default`).
-        let common = [
-            "net.ipv4.conf.all.rp_filter=0",
-            "net.ipv4.conf.default.rp_filter=0",
-            "net.ipv6.conf.all.accept_dad=0",
-            "net.ipv6.conf.default.accept_dad=0",
-            "net.ipv6.conf.default.router_solicitations=0",
-        ];
         let sysctls = self
             .all_ns()
             .map(|ns| {
                 let mut cmd = ns.cmd("sysctl");
-                cmd.args(["-q", "-w"]).args(common);
+                cmd.args(["-q", "-w"]).args(COMMON_SYSCTLS);
                 if ns.name == self.node1.name || ns.name == self.node2.name {
                     cmd.arg("net.ipv4.ip_forward=1");
                 }
@@ -181,9 +204,7 @@ impl Sandbox {
             lines.push(format!(
                 "link add {hif} type veth peer name eth0 netns {pns}"
             ));
-            lines.push(format!("link set {hif} up"));
-            lines.push(format!("addr add {}/32 dev {hif}", pod.gateway));
-            lines.push(format!("route add {}/32 dev {hif} scope link", pod.ip));
+            lines.extend(pod.host_side());
         }
         let [n1, n2] = node_links;
         ip_batches(&[
@@ -222,18 +243,59 @@ impl Sandbox {
             ),
         ];
         for pod in &self.pods {
-            batches.push((
-                Some(pod.ns.name.as_str()),
-                vec![
-                    "link set lo up".to_string(),
-                    format!("addr add {}/32 dev eth0", pod.ip),
-                    "link set eth0 up".to_string(),
-                    format!("route add {} dev eth0 scope link", pod.gateway),
-                    format!("route add default via {} dev eth0", pod.gateway),
-                ],
-            ));
+            batches.push((Some(pod.ns.name.as_str()), pod.pod_side()));
         }
         ip_batches(&batches)
+    }
+
+    /// Adds a pod to the running sandbox the way CNI plugins wire one the kubelet starts: the
+    /// veth pair is made in the pod's namespace, its node side moved to the node under a
+    /// temporary name and renamed `veth-<name>` there, then both sides get their addresses and
+    /// routes. Returns as soon as the pod can send. `name` has at most 10 characters (interface
+    /// names have 15); the pod is 10.244.N.`octet` on node N.
+    pub fn add_pod(&mut self, name: &str, node: &str, octet: u8) -> Result<&Pod> {
+        let n = match node {
+            "node1" => 1,
+            "node2" => 2,
+            _ => bail!("no node {node:?} in the sandbox"),
+        };
+        let ns = Netns::create(&format!("{}-{name}", self.prefix))?;
+        // Kept from here on, so that the namespace goes with the sandbox even if a step fails.
+        self.pods.push(Pod {
+            name: name.to_string(),
+            ns,
+            ip: Ipv4Addr::new(10, 244, n, octet),
+            node: node.to_string(),
+            host_if: format!("veth-{name}"),
+            gateway: Ipv4Addr::new(10, 244, n, 1),
+        });
+        let pod = self.pods.last().expect("just added");
+        let node_ns = self.node(node);
+        let tmp = format!("tmp-{name}");
+        run(pod.ns.cmd("sysctl").args(["-q", "-w"]).args(COMMON_SYSCTLS))?;
+        pod.ns.ip_batch(&[
+            format!("link add eth0 type veth peer name {tmp}"),
+            format!("link set {tmp} netns {}", node_ns.name),
+        ])?;
+        let mut host = vec![format!("link set {tmp} name {}", pod.host_if)];
+        host.extend(pod.host_side());
+        node_ns.ip_batch(&host)?;
+        pod.ns.ip_batch(&pod.pod_side())?;
+        Ok(pod)
+    }
+
+    /// Deletes a pod: its node-side interface (at once, so that its name is free again; a
+    /// deleted namespace releases its interfaces a little later), then its namespace.
+    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
+        let i = self
+            .pods
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| anyhow!("no pod {name:?} in the sandbox"))?;
+        let pod = self.pods.remove(i);
+        self.node(&pod.node).ip(&["link", "del", &pod.host_if])?;
+        drop(pod); // deletes the namespace
+        Ok(())
     }
 
     /// The pod named `name`; panics if there is none.

@@ -372,7 +372,9 @@ fn the_agent_serves_services_created_through_the_api() {
 
     api.delete("Service", Some("demo"), "web");
     agent
-        .wait_for(&mut sandbox, "web removed", |rows| rows.is_empty())
+        .wait_for(&mut sandbox, "web removed (draining)", |rows| {
+            rows.iter().all(|r| r.draining)
+        })
         .unwrap();
     assert!(
         tcp_request(&sandbox.pod("client").ns, vip, "hi").is_err(),
@@ -394,7 +396,9 @@ fn the_agent_serves_services_created_through_the_api() {
         &[HTTP],
     ));
     agent
-        .wait_for(&mut sandbox, "kept programmed", |rows| rows.len() == 1)
+        .wait_for(&mut sandbox, "kept programmed", |rows| {
+            rows.iter().filter(|r| !r.draining).count() == 1
+        })
         .unwrap();
     api.forbid("services", true);
     api.compact();

@@ -100,6 +100,8 @@ fn main() -> anyhow::Result<()> {
                 "--test",
                 "load",
                 "--test",
+                "attach",
+                "--test",
                 "e2e",
                 "--test",
                 "sandbox",

@@ -6,14 +6,24 @@
 //! Kernels 6.6 and later attach through tcx links, pinned in `<pin dir>/links/` (a link lives
 //! while its pin does). Older kernels attach cls_bpf filters through netlink at a fixed
 //! priority and handle, replaced in place; such filters outlive the process by themselves.
+//!
+//! A new pod's first packets (typically its first DNS query) must already be translated, so
+//! the programs are attached as the kernel announces the interface (see [`AttachThread`]), on
+//! a thread of their own that never waits for a sync of the maps.
 use std::{
     collections::HashMap,
-    ffi::CStr,
+    ffi::{CStr, CString},
     io,
+    os::{
+        fd::{AsFd, AsRawFd},
+        unix::net::UnixStream,
+    },
     path::{Path, PathBuf},
+    thread::JoinHandle,
+    time::{Duration, Instant},
 };
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use aya::{
     Ebpf,
     programs::{
@@ -25,7 +35,15 @@ use aya::{
     util::KernelVersion,
 };
 
-use super::{PROG_EGRESS, PROG_INGRESS};
+use super::{
+    PROG_EGRESS, PROG_INGRESS,
+    link_events::{LinkEvent, LinkEvents},
+};
+
+/// How often the interfaces are listed anyway: a safety net for attachments that failed and
+/// for notifications lost without the kernel saying so (when it says so, they are listed at
+/// once).
+const RESCAN_PERIOD: Duration = Duration::from_secs(10);
 
 /// Where our netlink filters sit (kernels before 6.6): a fixed place, so a restarted agent
 /// replaces them instead of adding more.
@@ -36,6 +54,108 @@ const DIRECTIONS: [(&str, TcAttachType, &str); 2] = [
     (PROG_INGRESS, TcAttachType::Ingress, "ingress"),
     (PROG_EGRESS, TcAttachType::Egress, "egress"),
 ];
+
+/// The BPF object (its programs) and the [`Attacher`], on a thread of their own: a matching
+/// interface gets the programs within a millisecond or so of appearing, whatever the rest of
+/// the agent is doing (a long sync, say). Dropping this stops the thread (the programs stay
+/// attached).
+pub struct AttachThread {
+    /// Closing `stop` wakes the thread up, and it ends.
+    stop: Option<UnixStream>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl AttachThread {
+    /// Attaches the programs of `ebpf` to the interfaces matching `pattern` there are (failing
+    /// if that fails), then starts the thread that attaches them to those that appear or get a
+    /// matching name later.
+    pub fn start(mut ebpf: Ebpf, pattern: &str, pin_dir: &Path) -> anyhow::Result<Self> {
+        // Subscribed before listing: an interface appearing meanwhile is in one or the other.
+        let events = LinkEvents::subscribe().context("subscribing to link notifications")?;
+        let mut attacher = Attacher::new(pattern, pin_dir)?;
+        attacher.scan(&mut ebpf)?;
+        let (stop, stopped) = UnixStream::pair()?;
+        let thread = std::thread::Builder::new()
+            .name("attach".into())
+            .spawn(move || attach_loop(ebpf, attacher, events, stopped))
+            .context("starting the attach thread")?;
+        Ok(Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// An error once the thread has ended, which it does only by panicking: pods that start
+    /// from then on are not served.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+            bail!(
+                "the attach thread stopped: new pod interfaces get no programs; restart the agent"
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for AttachThread {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The attach thread: link notifications as they come, a full listing now and then.
+fn attach_loop(mut ebpf: Ebpf, mut attacher: Attacher, mut events: LinkEvents, stop: UnixStream) {
+    let mut batch = Vec::new();
+    let mut next_scan = Instant::now() + RESCAN_PERIOD;
+    loop {
+        let pollfd = |fd: std::os::fd::BorrowedFd<'_>| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut fds = [pollfd(events.as_fd()), pollfd(stop.as_fd())];
+        // Rounded up: waking up a little early would only loop.
+        let wait = next_scan.saturating_duration_since(Instant::now());
+        let timeout = wait.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: poll(2) on two pollfds we own, for the duration of the call.
+        if unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                tracing::warn!("waiting for link notifications: {e}");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            continue;
+        }
+        if fds[1].revents != 0 {
+            return; // the dataplane is gone
+        }
+        let mut rescan = Instant::now() >= next_scan;
+        if fds[0].revents != 0 {
+            if let Err(e) = events.read(&mut batch) {
+                // ENOBUFS: the kernel's queue overflowed (a burst of interfaces).
+                tracing::warn!("link notifications lost ({e}); listing the interfaces again");
+                rescan = true;
+                if e.raw_os_error() != Some(libc::ENOBUFS) {
+                    // Something else, which might come back at once: the listings every
+                    // second carry on meanwhile, rather than a busy loop.
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+            for event in batch.drain(..) {
+                attacher.handle(&mut ebpf, event);
+            }
+        }
+        if rescan {
+            if let Err(e) = attacher.scan(&mut ebpf) {
+                tracing::warn!("listing the interfaces to attach to: {e:#}");
+            }
+            next_scan = Instant::now() + RESCAN_PERIOD;
+        }
+    }
+}
 
 /// Interfaces matched by a pattern, and the ifindex each was attached at (a pod that restarts
 /// gets an interface of the same name with a new index).
@@ -71,19 +191,58 @@ impl Attacher {
         self.attached
             .retain(|name, index| present.get(name) == Some(index));
         for (name, index) in present {
-            if self.attached.contains_key(&name) {
-                continue;
-            }
-            match self.attach(ebpf, &name, index) {
-                Ok(()) => {
-                    tracing::info!(interface = %name, "attached tc programs");
-                    self.attached.insert(name, index);
-                }
-                // The interface may vanish between listing and attaching (a pod deleted).
-                Err(e) => tracing::warn!(interface = %name, "cannot attach tc programs: {e:#}"),
+            if !self.attached.contains_key(&name) {
+                self.attach_and_record(ebpf, name, index);
             }
         }
         self.forget_gone_pins(&all)
+    }
+
+    /// Follows a link notification: attaches to an interface that appeared, or got a
+    /// matching name (CNI plugins often make a veth under a temporary name, or in the pod's
+    /// namespace, then rename it or move it here); forgets one that went away.
+    pub fn handle(&mut self, ebpf: &mut Ebpf, event: LinkEvent) {
+        match event {
+            LinkEvent::Changed { index, name } => {
+                // Most notifications are about an interface we know (going up, say).
+                if self.attached.get(&name) == Some(&index) {
+                    return;
+                }
+                // Renamed: its old name no longer designates it (its programs stay).
+                self.attached.retain(|_, i| *i != index);
+                if glob_match(&self.pattern, &name) {
+                    self.attach_and_record(ebpf, name, index);
+                }
+            }
+            LinkEvent::Removed { index } => {
+                self.attached.retain(|_, i| *i != index);
+                // Its links died with it; their pins go too.
+                for (_, _, direction) in DIRECTIONS {
+                    let _ = std::fs::remove_file(self.pin(index, direction));
+                }
+            }
+        }
+    }
+
+    fn attach_and_record(&mut self, ebpf: &mut Ebpf, name: String, index: u32) {
+        // The programs are attached by name: the name must still be this interface's (it may
+        // have been renamed or deleted since it was listed; the next notification says).
+        if ifindex(&name) != Some(index) {
+            tracing::debug!(interface = %name, index, "no longer there under that name");
+            return;
+        }
+        match self.attach(ebpf, &name, index) {
+            Ok(()) => {
+                tracing::info!(interface = %name, "attached tc programs");
+                self.attached.insert(name, index);
+            }
+            // The interface may vanish between listing and attaching (a pod deleted).
+            Err(e) => tracing::warn!(interface = %name, "cannot attach tc programs: {e:#}"),
+        }
+    }
+
+    fn pin(&self, index: u32, direction: &str) -> PathBuf {
+        self.links_dir.join(format!("tc-{index}-{direction}"))
     }
 
     fn attach(&self, ebpf: &mut Ebpf, interface: &str, index: u32) -> anyhow::Result<()> {
@@ -99,8 +258,7 @@ impl Attacher {
                 .context("program missing")?
                 .try_into()?;
             if self.tcx {
-                let pin = self.links_dir.join(format!("tc-{index}-{direction}"));
-                attach_tcx(prog, interface, attach_type, &pin)
+                attach_tcx(prog, interface, attach_type, &self.pin(index, direction))
             } else {
                 attach_netlink(prog, interface, attach_type)
             }
@@ -220,6 +378,14 @@ pub fn detach_all(pattern: &str, pin_dir: &Path) -> anyhow::Result<usize> {
         }
     }
     Ok(detached)
+}
+
+/// The index of the interface called `name`, if there is one.
+fn ifindex(name: &str) -> Option<u32> {
+    let name = CString::new(name).ok()?;
+    // SAFETY: if_nametoindex reads a NUL-terminated string.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (index != 0).then_some(index)
 }
 
 /// The interfaces of this network namespace, by name with their index.

@@ -28,7 +28,8 @@ use aya::{
 };
 use proxy_common::{
     AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be16, Be32, MAP_AGENT_STATE,
-    MAP_BACKENDS, MAP_SERVICES, SERVICE_DRAINING, ServiceKey, ServiceValue,
+    MAP_BACKENDS, MAP_SERVICES, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+    ServiceValue,
 };
 
 use crate::{
@@ -52,6 +53,8 @@ pub struct ServiceMaps {
     /// What the services map holds: each frontend's backend ids, in slot order (none for a
     /// draining frontend; 0 for a slot a damaged map lost).
     frontends: HashMap<Frontend, Vec<u32>>,
+    /// What slot 0 of each frontend holds.
+    heads: HashMap<Frontend, ServiceValue>,
     /// Removed frontends still in the map as draining heads, and when they go.
     draining_frontends: HashMap<Frontend, Instant>,
     /// Which frontends each service port put there.
@@ -130,6 +133,7 @@ impl ServiceMaps {
         }
         let keys: Vec<ServiceKey> = services.keys().collect::<Result<_, _>>()?;
         let mut frontends = HashMap::new();
+        let mut heads = HashMap::new();
         let mut draining_frontends = HashMap::new();
         let mut used_slots = 0;
         let mut damaged = 0;
@@ -153,6 +157,7 @@ impl ServiceMaps {
             }
             used_slots += slots.len() + 1;
             frontends.insert(*key, slots);
+            heads.insert(*key, head);
         }
         if damaged > 0 {
             tracing::warn!(
@@ -193,6 +198,7 @@ impl ServiceMaps {
             backends_max,
             drain_period,
             frontends,
+            heads,
             draining_frontends,
             owners: HashMap::new(),
             claims: HashMap::new(),
@@ -224,8 +230,8 @@ impl ServiceMaps {
         for spn in &ports {
             let old = self.owners.remove(spn).unwrap_or_default();
             let mut owned = Vec::new();
-            for (fe, backends) in desired_frontends(state, spn) {
-                match self.program(spn, &fe, &backends) {
+            for Wanted { fe, head, backends } in desired_frontends(state, spn) {
+                match self.program(spn, &fe, head, &backends) {
                     Ok(()) => {
                         owned.push(fe);
                         self.claims.insert(fe, spn.clone());
@@ -283,12 +289,13 @@ impl ServiceMaps {
         self.owners.get(spn).is_some_and(|o| o.contains(fe))
     }
 
-    /// Makes `fe` send to `backends` (the endpoints of `spn`), in that slot order. On failure,
-    /// the maps keep serving what `fe` had before.
+    /// Makes `fe` send to `backends` (the endpoints of `spn`), in that slot order, with `head`
+    /// (its flags) in slot 0. On failure, the maps keep serving what `fe` had before.
     fn program(
         &mut self,
         spn: &ServicePortName,
         fe: &Frontend,
+        head: ServiceValue,
         backends: &[Backend],
     ) -> anyhow::Result<()> {
         if backends.len() > usize::from(u16::MAX) {
@@ -331,7 +338,11 @@ impl ServiceMaps {
             // A new id that is not written yet is simply never used: no undo needed.
             ids.push(self.acquire(spn, &old, b)?);
         }
-        if let Err(e) = self.write_slots(fe, &old, &ids, existed) {
+        let head = ServiceValue {
+            count: ids.len() as u16,
+            ..head
+        };
+        if let Err(e) = self.write_slots(fe, &old, &ids, head) {
             self.restore_slots(fe, &old, &ids);
             return Err(e);
         }
@@ -405,13 +416,13 @@ impl ServiceMaps {
         Ok(id)
     }
 
-    /// Writes the backend slots that differ from `old`, then slot 0 with the new count.
+    /// Writes the backend slots that differ from `old`, then slot 0 if it changed.
     fn write_slots(
         &mut self,
         fe: &Frontend,
         old: &[u32],
         ids: &[u32],
-        existed: bool,
+        head: ServiceValue,
     ) -> anyhow::Result<()> {
         for (i, id) in ids.iter().enumerate() {
             if old.get(i) != Some(id) {
@@ -424,15 +435,11 @@ impl ServiceMaps {
                     .with_context(|| format!("writing slot {} of {}", i + 1, describe(fe)))?;
             }
         }
-        if old.len() != ids.len() || !existed || self.draining_frontends.contains_key(fe) {
-            let head = ServiceValue {
-                backend_id: 0,
-                count: ids.len() as u16,
-                flags: 0,
-            };
+        if self.heads.get(fe) != Some(&head) {
             self.services
                 .insert(fe, head, 0)
                 .with_context(|| format!("writing {}", describe(fe)))?;
+            self.heads.insert(*fe, head);
         }
         Ok(())
     }
@@ -465,14 +472,11 @@ impl ServiceMaps {
         let Some(ids) = self.frontends.get(fe).cloned() else {
             return Ok(());
         };
-        let head = ServiceValue {
-            backend_id: 0,
-            count: 0,
-            flags: SERVICE_DRAINING,
-        };
+        let head = ServiceValue::head(0, SERVICE_DRAINING, 0);
         self.services
             .insert(fe, head, 0)
             .with_context(|| format!("writing {}", describe(fe)))?;
+        self.heads.insert(*fe, head);
         self.claims.remove(fe);
         // Packets no longer see the slots; what follows is cleanup (slots left by a failure
         // here are invisible, and the next agent start deletes them).
@@ -510,7 +514,7 @@ impl ServiceMaps {
             .flatten()
             .copied()
             .collect();
-        let listed: HashSet<Backend> = desired_backends(state, spn, |_| true).into_iter().collect();
+        let listed: HashSet<Backend> = listed_backends(state, spn).into_iter().collect();
         let leaving: Vec<(Backend, u32)> = ids
             .iter()
             .filter(|(_, id)| !in_slots.contains(id))
@@ -581,6 +585,7 @@ impl ServiceMaps {
             self.remove_slot(&fe)?;
             self.draining_frontends.remove(&fe);
             self.frontends.remove(&fe);
+            self.heads.remove(&fe);
             self.used_slots -= 1;
         }
         let done: Vec<u32> = self
@@ -664,27 +669,19 @@ impl Errors {
     }
 }
 
-/// The endpoints of `spn` that `usable` accepts, as backends. IPv4 TCP and UDP only for now:
-/// IPv6 addresses and SCTP ports are kept in the model and skipped here (the programs could not
-/// match them).
-fn desired_backends(
-    state: &DesiredState,
-    spn: &ServicePortName,
-    usable: impl Fn(&crate::model::Endpoint) -> bool,
+/// `endpoints` as backends of a port of `protocol`. IPv4 only for now: IPv6 addresses are kept
+/// in the model and skipped here (the programs could not match them).
+fn as_backends<'a>(
+    endpoints: impl IntoIterator<Item = &'a crate::model::Endpoint>,
+    protocol: Protocol,
 ) -> Vec<Backend> {
-    let Some(sp) = state.services.get(spn) else {
-        return Vec::new();
-    };
-    let proto = sp.protocol.number();
-    state
-        .endpoints_of(spn)
-        .iter()
-        .filter(|ep| usable(ep))
+    endpoints
+        .into_iter()
         .filter_map(|ep| match ep.ip {
             IpAddr::V4(ip) => Some(Backend {
                 addr: Be32::from_octets(ip.octets()),
                 port: Be16::new(ep.port),
-                proto,
+                proto: protocol.number(),
                 flags: 0,
             }),
             IpAddr::V6(_) => None,
@@ -692,11 +689,24 @@ fn desired_backends(
         .collect()
 }
 
-/// The frontends a service port should have, each with its backends.
-pub fn desired_frontends(
-    state: &DesiredState,
-    spn: &ServicePortName,
-) -> Vec<(Frontend, Vec<Backend>)> {
+/// Every endpoint the state lists for `spn`, usable or not.
+fn listed_backends(state: &DesiredState, spn: &ServicePortName) -> Vec<Backend> {
+    state.services.get(spn).map_or_else(Vec::new, |sp| {
+        as_backends(state.endpoints_of(spn), sp.protocol)
+    })
+}
+
+/// A frontend as a service port wants it: slot 0 (flags, affinity) and the backends.
+pub struct Wanted {
+    pub fe: Frontend,
+    /// Slot 0 without its count (the writer sets it).
+    pub head: ServiceValue,
+    pub backends: Vec<Backend>,
+}
+
+/// The frontends a service port should have, each with its slot 0 and backends. TCP and UDP
+/// only: SCTP ports are kept in the model and skipped here.
+pub fn desired_frontends(state: &DesiredState, spn: &ServicePortName) -> Vec<Wanted> {
     let Some(sp) = state
         .services
         .get(spn)
@@ -704,15 +714,28 @@ pub fn desired_frontends(
     else {
         return Vec::new();
     };
-    let proto = sp.protocol.number();
-    let backends = desired_backends(state, spn, |ep| ep.ready);
+    let backends = as_backends(state.cluster_endpoints(spn), sp.protocol);
+    let mut flags = 0;
+    if sp.internal_traffic_local {
+        flags |= SERVICE_LOCAL_ONLY;
+    }
+    if sp.session_affinity_timeout.is_some() {
+        flags |= SERVICE_AFFINITY;
+    }
+    let head = ServiceValue::head(0, flags, sp.session_affinity_timeout.unwrap_or(0));
     sp.cluster_ips
         .iter()
         .filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some((
-                ServiceKey::new(Be32::from_octets(ip.octets()), Be16::new(sp.port), proto, 0),
-                backends.clone(),
-            )),
+            IpAddr::V4(ip) => Some(Wanted {
+                fe: ServiceKey::new(
+                    Be32::from_octets(ip.octets()),
+                    Be16::new(sp.port),
+                    sp.protocol.number(),
+                    0,
+                ),
+                head,
+                backends: backends.clone(),
+            }),
             IpAddr::V6(_) => None,
         })
         .collect()

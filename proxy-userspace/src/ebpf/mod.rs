@@ -1,6 +1,7 @@
 //! The ebpf mode: tc programs on pod-facing interfaces, driven by pinned BPF hash maps.
 mod attach;
 pub mod bpffs;
+mod link_events;
 pub mod maps;
 
 use std::{path::Path, time::Duration};
@@ -12,9 +13,10 @@ use aya::{
     programs::SchedClassifier,
 };
 use proxy_common::{
-    AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, Backend, CtKey, CtValue,
-    DROP_REASON_NAMES, DROPS_ENTRIES, LAYOUT_VERSION, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_DROPS, MAP_SERVICES, ServiceKey, ServiceValue,
+    AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
+    AffinityValue, Backend, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES, LAYOUT_VERSION,
+    MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK, MAP_DROPS, MAP_SERVICES,
+    ServiceKey, ServiceValue,
 };
 
 pub use attach::Attacher;
@@ -106,7 +108,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 5] = [
+const LAYOUTS: [Layout; 6] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -134,6 +136,13 @@ const LAYOUTS: [Layout; 5] = [
         key_size: size_of::<u32>(),
         value_size: size_of::<u64>(),
         entries: Some(AGENT_STATE_ENTRIES),
+    },
+    Layout {
+        name: MAP_AFFINITY,
+        map_type: MapType::LruHash,
+        key_size: size_of::<AffinityKey>(),
+        value_size: size_of::<AffinityValue>(),
+        entries: None,
     },
     Layout {
         name: MAP_DROPS,
@@ -207,7 +216,7 @@ fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
 
 /// The programs' drop counters (summed over CPUs), read from the loaded object, exported on
 /// `/metrics` as `kubeproxy_bpf_dropped_packets_total{reason}`.
-pub fn export_drop_counters(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+fn export_drop_counters(ebpf: &mut Ebpf) -> anyhow::Result<()> {
     let drops: PerCpuArray<_, u64> = ebpf
         .take_map(MAP_DROPS)
         .context("map DROPS missing")?
@@ -276,20 +285,18 @@ pub fn cleanup(pin_dir: &Path, pod_interfaces: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The ebpf [`Dataplane`]: the loaded programs, the maps they read, and the interfaces they
-/// are attached to.
+/// The ebpf [`Dataplane`]: the maps the programs read, and the programs, attached to the pod
+/// interfaces by a thread of their own (so that a new pod never waits for a sync).
 pub struct EbpfDataplane {
-    ebpf: Ebpf,
     maps: ServiceMaps,
-    attacher: Attacher,
+    attacher: attach::AttachThread,
 }
 
 impl EbpfDataplane {
-    /// Loads the programs (see [`load`]) and attaches them to every interface whose name
-    /// matches `pod_interfaces` (and to matching interfaces that appear later, in
-    /// [`Dataplane::housekeeping`]).
-    /// Removed endpoints and Services keep their established TCP connections for
-    /// `drain_period`.
+    /// Loads the programs (see [`load`]), starts forwarding their logs and exporting their
+    /// drop counters, and attaches them to every interface whose name matches
+    /// `pod_interfaces`, now and as such interfaces appear. Removed endpoints and Services keep
+    /// their established TCP connections for `drain_period`.
     pub fn new(
         pin_dir: &Path,
         sizes: MapSizes,
@@ -298,18 +305,10 @@ impl EbpfDataplane {
     ) -> anyhow::Result<Self> {
         let mut ebpf = load(pin_dir, sizes)?;
         let maps = ServiceMaps::take_from(&mut ebpf, drain_period)?;
-        let mut attacher = Attacher::new(pod_interfaces, pin_dir)?;
-        attacher.scan(&mut ebpf)?;
-        Ok(Self {
-            ebpf,
-            maps,
-            attacher,
-        })
-    }
-
-    /// The loaded object, e.g. to start aya-log's reader on it.
-    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
-        &mut self.ebpf
+        spawn_bpf_logger(&mut ebpf);
+        export_drop_counters(&mut ebpf)?;
+        let attacher = attach::AttachThread::start(ebpf, pod_interfaces, pin_dir)?;
+        Ok(Self { maps, attacher })
     }
 }
 
@@ -319,13 +318,13 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn housekeeping(&mut self) -> anyhow::Result<()> {
-        self.attacher.scan(&mut self.ebpf)
+        self.attacher.check()
     }
 }
 
 /// Forwards the programs' aya-log records to our log output (the `log` records become tracing
 /// events through tracing-subscriber's bridge).
-pub fn spawn_bpf_logger(ebpf: &mut Ebpf) {
+fn spawn_bpf_logger(ebpf: &mut Ebpf) {
     let logger = match aya_log::EbpfLogger::init(ebpf) {
         Ok(logger) => logger,
         Err(e) => {

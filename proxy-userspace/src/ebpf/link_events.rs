@@ -1,0 +1,253 @@
+//! The kernel's notifications of network interfaces appearing, changing (a rename, a move
+//! into this namespace, going up) and disappearing: rtnetlink's link group, read from a
+//! NETLINK_ROUTE socket. A few fields of two message types are all we need, so they are read
+//! here rather than through a netlink crate.
+use std::{
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+};
+
+/// rtnetlink's interface name attribute (`IFLA_IFNAME`, linux/if_link.h).
+const IFLA_IFNAME: u16 = 3;
+/// The flag bits of an attribute's type (`NLA_F_NESTED | NLA_F_NET_BYTEORDER`).
+const NLA_FLAGS: u16 = 0xc000;
+/// `struct nlmsghdr` and `struct ifinfomsg`.
+const NLMSG_HDRLEN: usize = 16;
+const IFINFOMSG_LEN: usize = 16;
+/// Asked for as the socket's receive buffer: a burst of pods starting (a few messages of
+/// 1-2 KiB each) must not overflow it. Overflowing loses notifications (ENOBUFS), which the
+/// caller makes up for by listing the interfaces again.
+const RECEIVE_BUFFER: libc::c_int = 4 << 20;
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum LinkEvent {
+    /// RTM_NEWLINK: the interface `index` exists and is now called `name` (sent when it
+    /// appears, is renamed or moved here, and on other changes such as going up).
+    Changed { index: u32, name: String },
+    /// RTM_DELLINK: the interface `index` is gone (deleted, or moved to another namespace).
+    Removed { index: u32 },
+}
+
+/// A NETLINK_ROUTE socket subscribed to link notifications.
+pub struct LinkEvents {
+    fd: OwnedFd,
+    buf: Vec<u8>,
+}
+
+impl LinkEvents {
+    /// Subscribes (in the calling thread's network namespace). Notifications queue from here
+    /// on, so an interface listed after this is never missed.
+    pub fn subscribe() -> io::Result<Self> {
+        // SAFETY: plain socket(2); the fd is owned below.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                libc::NETLINK_ROUTE,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a new descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Beyond net.core.rmem_max with CAP_NET_ADMIN (which the agent has); else the default.
+        if setsockopt_int(&fd, libc::SO_RCVBUFFORCE, RECEIVE_BUFFER).is_err() {
+            let _ = setsockopt_int(&fd, libc::SO_RCVBUF, RECEIVE_BUFFER);
+        }
+        // SAFETY: sockaddr_nl is plain data; all zeroes is a valid value.
+        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        addr.nl_groups = libc::RTMGRP_LINK as u32;
+        // SAFETY: bind(2) with a valid sockaddr_nl and its size.
+        let r = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_nl).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            fd,
+            // Link messages are a few KiB; the kernel sends one a datagram.
+            buf: vec![0; 64 << 10],
+        })
+    }
+
+    /// Appends the queued notifications to `out`, without blocking. ENOBUFS (the kernel's
+    /// queue overflowed, or a datagram was too long for our buffer) means some were lost: the
+    /// socket works on, but the interfaces must be listed again.
+    pub fn read(&mut self, out: &mut Vec<LinkEvent>) -> io::Result<()> {
+        loop {
+            // SAFETY: sockaddr_nl is plain data; all zeroes is a valid value.
+            let mut from: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+            let mut from_len = std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t;
+            // SAFETY: recvfrom(2) into our buffer, with its length, and a sockaddr_nl.
+            let n = unsafe {
+                libc::recvfrom(
+                    self.fd.as_raw_fd(),
+                    self.buf.as_mut_ptr().cast(),
+                    self.buf.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_TRUNC,
+                    (&mut from as *mut libc::sockaddr_nl).cast(),
+                    &mut from_len,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                return match e.raw_os_error() {
+                    Some(libc::EAGAIN) => Ok(()),
+                    Some(libc::EINTR) => continue,
+                    _ => Err(e),
+                };
+            }
+            let n = n as usize;
+            if n > self.buf.len() {
+                return Err(io::Error::from_raw_os_error(libc::ENOBUFS));
+            }
+            // Only the kernel's (port 0); another process could send to our port.
+            if from.nl_pid == 0 {
+                parse(&self.buf[..n], out);
+            }
+        }
+    }
+}
+
+impl AsFd for LinkEvents {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+fn setsockopt_int(fd: &OwnedFd, option: libc::c_int, value: libc::c_int) -> io::Result<()> {
+    // SAFETY: setsockopt(2) with a c_int value and its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn align4(len: usize) -> usize {
+    (len + 3) & !3
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_ne_bytes([b[at], b[at + 1]])
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The link notifications among the netlink messages of one datagram.
+fn parse(mut buf: &[u8], out: &mut Vec<LinkEvent>) {
+    while buf.len() >= NLMSG_HDRLEN {
+        let len = u32_at(buf, 0) as usize;
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            return;
+        }
+        if let Some(event) = parse_link(u16_at(buf, 4), &buf[NLMSG_HDRLEN..len]) {
+            out.push(event);
+        }
+        buf = &buf[align4(len).min(buf.len())..];
+    }
+}
+
+/// An RTM_NEWLINK or RTM_DELLINK message body: `struct ifinfomsg`, then attributes.
+fn parse_link(kind: u16, body: &[u8]) -> Option<LinkEvent> {
+    if !(kind == libc::RTM_NEWLINK || kind == libc::RTM_DELLINK) || body.len() < IFINFOMSG_LEN {
+        return None;
+    }
+    // A bridge also sends these about its ports (family AF_BRIDGE), with RTM_DELLINK when a
+    // port merely leaves the bridge: only the interface's own (AF_UNSPEC) count.
+    if body[0] != libc::AF_UNSPEC as u8 {
+        return None;
+    }
+    let index = u32_at(body, 4);
+    if kind == libc::RTM_DELLINK {
+        return Some(LinkEvent::Removed { index });
+    }
+    let mut attrs = &body[IFINFOMSG_LEN..];
+    while attrs.len() >= 4 {
+        let len = u16_at(attrs, 0) as usize;
+        if len < 4 || len > attrs.len() {
+            return None;
+        }
+        if u16_at(attrs, 2) & !NLA_FLAGS == IFLA_IFNAME {
+            let value = &attrs[4..len];
+            let name = value.split(|&b| b == 0).next().unwrap_or_default();
+            return Some(LinkEvent::Changed {
+                index,
+                name: String::from_utf8_lossy(name).into_owned(),
+            });
+        }
+        attrs = &attrs[align4(len).min(attrs.len())..];
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A netlink message: header, ifinfomsg, attributes (type, payload).
+    fn message(kind: u16, family: u8, index: u32, attrs: &[(u16, &[u8])]) -> Vec<u8> {
+        let mut body = vec![family, 0, 0, 0];
+        body.extend(index.to_ne_bytes());
+        body.extend([0; 8]); // flags, change
+        for (kind, payload) in attrs {
+            body.extend((4 + payload.len() as u16).to_ne_bytes());
+            body.extend(kind.to_ne_bytes());
+            body.extend(*payload);
+            body.resize(align4(body.len()), 0);
+        }
+        let mut msg = ((NLMSG_HDRLEN + body.len()) as u32).to_ne_bytes().to_vec();
+        msg.extend(kind.to_ne_bytes());
+        msg.extend([0; 10]); // flags, seq, pid
+        msg.extend(body);
+        msg
+    }
+
+    #[test]
+    fn link_notifications() {
+        let mtu = 1500u32.to_ne_bytes();
+        let mut datagram = message(
+            libc::RTM_NEWLINK,
+            0,
+            7,
+            &[(4, &mtu), (IFLA_IFNAME, b"veth-a\0")],
+        );
+        // Two messages in one datagram; the second is another kind of message.
+        datagram.extend(message(libc::RTM_NEWADDR, 0, 7, &[]));
+        let mut out = Vec::new();
+        parse(&datagram, &mut out);
+        parse(&message(libc::RTM_DELLINK, 0, 7, &[]), &mut out);
+        // A bridge port's notifications are not the interface's.
+        parse(&message(libc::RTM_DELLINK, 7, 8, &[]), &mut out);
+        // Truncated: ignored, not a panic.
+        parse(&datagram[..datagram.len() - 40], &mut out);
+        parse(&datagram[..10], &mut out);
+        assert_eq!(
+            out,
+            [
+                LinkEvent::Changed {
+                    index: 7,
+                    name: "veth-a".into()
+                },
+                LinkEvent::Removed { index: 7 },
+            ]
+        );
+    }
+}

@@ -1,0 +1,193 @@
+//! Service policies under BPF_PROG_TEST_RUN: terminating endpoints as the fallback when none is
+//! ready (KEP-1669), internalTrafficPolicy: Local, sessionAffinity: ClientIP.
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr},
+};
+
+use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray};
+use proxy_common::{AffinityKey, AffinityValue, DROP_NO_LOCAL_ENDPOINTS, MAP_AFFINITY, MAP_DROPS};
+use proxy_tests::{
+    fixtures::*,
+    packet::Spec,
+    privileged,
+    programs::{Programs, Svc, TC_ACT_SHOT, add_service},
+};
+use proxy_userspace::{
+    inspect,
+    model::{DesiredState, Endpoint, Protocol, ServicePortName},
+};
+
+/// The TCP service `web` on VIP:80 with `endpoints` as given (conditions and node), on node1.
+fn web(
+    endpoints: Vec<Endpoint>,
+    configure: impl FnOnce(&mut proxy_userspace::model::ServicePort),
+) -> DesiredState {
+    let mut state = DesiredState {
+        node_name: "node1".into(),
+        ..DesiredState::default()
+    };
+    let key = add_service(
+        &mut state,
+        &Svc {
+            name: "web",
+            vip: VIP,
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: &[],
+        },
+    );
+    configure(state.services.get_mut(&key).unwrap());
+    state.endpoints.insert(key, endpoints);
+    state
+}
+
+fn web_key(state: &DesiredState) -> ServicePortName {
+    state.services.keys().next().unwrap().clone()
+}
+
+/// An endpoint on port 8080 with these conditions, on `node`.
+fn ep(ip: Ipv4Addr, node: &str, ready: bool, serving: bool, terminating: bool) -> Endpoint {
+    Endpoint {
+        ip: IpAddr::V4(ip),
+        port: 8080,
+        ready,
+        serving,
+        terminating,
+        node_name: Some(node.into()),
+        zone: None,
+    }
+}
+
+/// The backends new connections from `client` reach (one SYN from each of `n` ports).
+fn reached(p: &Programs, client: Ipv4Addr, ports: std::ops::Range<u16>) -> BTreeSet<Ipv4Addr> {
+    ports
+        .map(|sport| dnat(p, &Spec::tcp(client, sport, VIP, 80)).dst)
+        .collect()
+}
+
+fn load(test: &str, state: &DesiredState) -> Option<Programs> {
+    if !privileged(test) {
+        return None;
+    }
+    let mut p = Programs::load(SMALL).expect("loading the BPF programs");
+    p.program(state).expect("programming the maps");
+    Some(p)
+}
+
+#[test]
+fn terminating_endpoints_serve_when_none_is_ready() {
+    // A rollout's last old pods: terminating and still serving; one of them no longer serves.
+    let mut state = web(
+        vec![
+            ep(BE1, "node1", false, true, true),
+            ep(BE2, "node1", false, false, true),
+        ],
+        |_| {},
+    );
+    let Some(mut p) = load("terminating_endpoints_serve_when_none_is_ready", &state) else {
+        return;
+    };
+    assert_eq!(reached(&p, CLIENT, 40000..40030), BTreeSet::from([BE1]));
+    // A ready endpoint appears: it takes every new connection.
+    let key = web_key(&state);
+    state
+        .endpoints
+        .get_mut(&key)
+        .unwrap()
+        .push(ep(BE3, "node2", true, true, false));
+    p.program(&state).unwrap();
+    assert_eq!(reached(&p, CLIENT, 41000..41030), BTreeSet::from([BE3]));
+}
+
+#[test]
+fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
+    let mut state = web(
+        vec![
+            ep(BE1, "node1", true, true, false),
+            ep(BE3, "node2", true, true, false),
+        ],
+        |sp| sp.internal_traffic_local = true,
+    );
+    let Some(mut p) = load(
+        "internal_traffic_policy_local_uses_only_this_nodes_endpoints",
+        &state,
+    ) else {
+        return;
+    };
+    assert_eq!(reached(&p, CLIENT, 42000..42030), BTreeSet::from([BE1]));
+    let shown = inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
+    assert!(shown.contains("[internal traffic local]"), "{shown}");
+    // No local endpoint left: dropped (and counted), as kube-proxy does; never sent elsewhere.
+    let key = web_key(&state);
+    state.endpoints.get_mut(&key).unwrap().remove(0);
+    p.program(&state).unwrap();
+    let (verdict, _) = p.run("tc_ingress", &Spec::tcp(CLIENT, 42100, VIP, 80).build());
+    assert_eq!(verdict, TC_ACT_SHOT);
+    let drops: PerCpuArray<_, u64> =
+        Map::PerCpuArray(MapData::from_pin(p.bpffs.path().join(MAP_DROPS)).unwrap())
+            .try_into()
+            .unwrap();
+    let counted: u64 = drops.get(&DROP_NO_LOCAL_ENDPOINTS, 0).unwrap().iter().sum();
+    assert_eq!(counted, 1);
+}
+
+fn affinity_map(p: &Programs) -> BpfHashMap<MapData, AffinityKey, AffinityValue> {
+    let data = MapData::from_pin(p.bpffs.path().join(MAP_AFFINITY)).unwrap();
+    Map::LruHashMap(data).try_into().unwrap()
+}
+
+#[test]
+fn session_affinity_sends_a_clients_new_connections_to_one_backend() {
+    let endpoints = [BE1, BE2, BE3]
+        .map(|ip| ep(ip, "node1", true, true, false))
+        .to_vec();
+    let mut state = web(endpoints, |sp| sp.session_affinity_timeout = Some(60));
+    let Some(mut p) = load(
+        "session_affinity_sends_a_clients_new_connections_to_one_backend",
+        &state,
+    ) else {
+        return;
+    };
+    // Each client sticks to one backend over many connections; clients spread.
+    let mut chosen = BTreeSet::new();
+    for client in 1..=30u8 {
+        let client = Ipv4Addr::new(10, 244, 1, 100 + client);
+        let backends = reached(&p, client, 43000..43010);
+        assert_eq!(backends.len(), 1, "client {client}: {backends:?}");
+        chosen.extend(backends);
+    }
+    assert_eq!(chosen.len(), 3, "30 clients should reach all 3 backends");
+    let shown = inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
+    assert!(shown.contains("[affinity 60s]"), "{shown}");
+    assert_eq!(inspect::affinity(p.bpffs.path()).unwrap().len(), 30);
+
+    // Past the timeout, a client's next connection picks anew (and is remembered again).
+    let mut map = affinity_map(&p);
+    let mut after: BTreeSet<Ipv4Addr> = BTreeSet::new();
+    for round in 0..40u16 {
+        // Expired before each connection, so each one picks at random.
+        let entries: Vec<_> = map.iter().map(Result::unwrap).collect();
+        for (k, mut v) in entries {
+            v.last_used_ns = v.last_used_ns.saturating_sub(61_000_000_000);
+            map.insert(k, v, 0).unwrap();
+        }
+        after.extend(reached(&p, CLIENT, 45000 + round..45001 + round));
+    }
+    assert!(
+        after.len() > 1,
+        "expired affinity must pick anew: {after:?}"
+    );
+
+    // The backend a client is bound to leaves the service: the client moves, and sticks again.
+    let bound = *reached(&p, CLIENT, 46000..46001).first().unwrap();
+    let key = web_key(&state);
+    state
+        .endpoints
+        .get_mut(&key)
+        .unwrap()
+        .retain(|e| e.ip != IpAddr::V4(bound));
+    p.program(&state).unwrap();
+    let moved = reached(&p, CLIENT, 46100..46110);
+    assert!(moved.len() == 1 && !moved.contains(&bound), "{moved:?}");
+}
