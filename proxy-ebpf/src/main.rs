@@ -6,8 +6,10 @@
 mod conntrack;
 mod egress;
 mod ingress;
+mod lb;
 mod maps;
 mod packet;
+mod reject;
 
 use aya_ebpf::{
     bindings::TC_ACT_SHOT, helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext,

@@ -10,9 +10,9 @@ use proxy_common::{Be16, Be32, CtKey, DROP_REWRITE_FAILED, IPPROTO_TCP, IPPROTO_
 pub struct Drop(pub u32);
 
 /// A helper call failed after the packet may have been partly rewritten.
-const FAILED: Drop = Drop(DROP_REWRITE_FAILED);
+pub const FAILED: Drop = Drop(DROP_REWRITE_FAILED);
 
-const ETH_HLEN: usize = 14;
+pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
@@ -135,6 +135,11 @@ impl Flow {
         self.tcp_flags & TCP_RST != 0
     }
 
+    /// Whether the IPv4 header carries options.
+    pub fn has_ip_options(&self) -> bool {
+        self.l4_off != IPV4_MIN
+    }
+
     /// The first packet of a TCP connection.
     pub fn syn_only(&self) -> bool {
         self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
@@ -198,7 +203,13 @@ pub fn bounce(ctx: &TcContext) -> Result<i32, Drop> {
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);
     ctx.store(0, &swapped, 0).map_err(|_| FAILED)?;
+    Ok(send_back(ctx))
+}
+
+/// Redirects the packet out of the interface it came in on.
+#[inline(always)]
+pub fn send_back(ctx: &TcContext) -> i32 {
     // SAFETY: reading the context's ifindex; bpf_redirect has no memory arguments.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    Ok(unsafe { aya_ebpf::helpers::bpf_redirect(ifindex, 0) } as i32)
+    unsafe { aya_ebpf::helpers::bpf_redirect(ifindex, 0) as i32 }
 }

@@ -109,6 +109,42 @@ fn ihl(frame: &[u8]) -> usize {
     ((frame[ETH_HLEN] & 0x0f) as usize) * 4
 }
 
+/// Checks an ICMP port unreachable about `offending` (a frame sent from a pod), as the programs
+/// build it when they reject: from the offending packet's destination to its source, both
+/// checksums right, quoting its IP header and the first 8 bytes after it; MACs swapped.
+pub fn assert_port_unreachable(frame: &[u8], offending: &[u8]) {
+    let ihl = ihl(offending);
+    assert_eq!(frame.len(), ETH_HLEN + 20 + 8 + ihl + 8, "reply length");
+    assert_eq!(
+        (&frame[0..6], &frame[6..12]),
+        (&offending[6..12], &offending[0..6]),
+        "back to the sender"
+    );
+    let ip = &frame[ETH_HLEN..];
+    let off = &offending[ETH_HLEN..];
+    assert_eq!(ip[0], 0x45);
+    assert_eq!(ip[9], 1, "ICMP");
+    assert_eq!(
+        u16::from_be_bytes([ip[2], ip[3]]) as usize,
+        frame.len() - ETH_HLEN
+    );
+    assert_eq!(&ip[12..16], &off[16..20], "from the service address");
+    assert_eq!(&ip[16..20], &off[12..16], "to the client");
+    assert_eq!(
+        u16::from_be_bytes([ip[10], ip[11]]),
+        ip_checksum(frame),
+        "IP checksum"
+    );
+    let icmp = &ip[20..];
+    assert_eq!(
+        (icmp[0], icmp[1]),
+        (3, 3),
+        "destination unreachable, port unreachable"
+    );
+    assert_eq!(fold(sum16(icmp, 0)), 0, "ICMP checksum");
+    assert_eq!(&icmp[8..], &off[..ihl + 8], "the quote");
+}
+
 /// The IPv4 header checksum that the frame's header should carry.
 pub fn ip_checksum(frame: &[u8]) -> u16 {
     let mut hdr = frame[ETH_HLEN..ETH_HLEN + ihl(frame)].to_vec();

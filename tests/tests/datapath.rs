@@ -264,11 +264,30 @@ fn endpoint_changes_apply_to_established_flows_only_when_their_backend_goes() {
 }
 
 #[test]
-fn service_without_endpoints_passes() {
-    let Some((p, _)) = setup("service_without_endpoints_passes", &[]) else {
+fn a_service_without_endpoints_is_refused_at_once() {
+    let Some((p, _)) = setup("a_service_without_endpoints_is_refused_at_once", &[]) else {
         return;
     };
-    untouched(&p, "tc_ingress", &Spec::tcp(CLIENT, 40000, VIP, 80).build());
+    const TC_ACT_REDIRECT: u32 = 7;
+    for spec in [
+        Spec::tcp(CLIENT, 40000, VIP, 80),
+        Spec::udp(CLIENT, 40000, VIP, 80),
+        Spec {
+            payload: vec![7; 1400],
+            ..Spec::udp(CLIENT, 40001, VIP, 80)
+        },
+    ] {
+        let frame = spec.build();
+        let (verdict, out) = p.run("tc_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "sent back to the pod");
+        packet::assert_port_unreachable(&out, &frame);
+    }
+    // With IP options the quote does not fit the reply's fixed layout: passed as before.
+    let with_options = Spec {
+        ip_options: vec![1, 1, 1, 0],
+        ..Spec::tcp(CLIENT, 40002, VIP, 80)
+    };
+    untouched(&p, "tc_ingress", &with_options.build());
 }
 
 #[test]

@@ -11,6 +11,7 @@ use proxy_tests::{
     agent::{AgentRun, edit_manifest, remove_endpoint},
     privileged, tcp_request, tcp_session, udp_request, udp_session,
 };
+use proxy_userspace::manifest::Object;
 
 const EXAMPLE: &str = include_str!("../../examples/services.yaml");
 const WEB: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80);
@@ -188,6 +189,52 @@ fn endpoint_and_service_changes_apply_live() {
         set(&["be1", "be2", "be3"])
     );
     assert_eq!(spread(&sandbox, REMOTE, false, 3), set(&["be4"]));
+}
+
+#[test]
+fn a_service_without_endpoints_is_refused_at_once() {
+    let Some((mut sandbox, agent)) = cluster("a_service_without_endpoints_is_refused_at_once")
+    else {
+        return;
+    };
+    // remote (TCP) and dns-like (UDP) lose their endpoints (their EndpointSlices go); the
+    // Services stay.
+    edit_manifest(&agent.manifest, |objects| {
+        objects.retain(|o| {
+            !matches!(o, Object::EndpointSlice(_))
+                || !["remote-m4b8d", "dns-like-q9fzt"].contains(&o.key().name.as_str())
+        })
+    })
+    .unwrap();
+    agent
+        .wait_for(
+            &mut sandbox,
+            "remote and dns-like without endpoints",
+            |rows| {
+                [REMOTE, DNS].iter().all(|addr| {
+                    rows.iter().any(|r| {
+                        r.address == addr.to_string() && r.backends.is_empty() && !r.draining
+                    })
+                })
+            },
+        )
+        .unwrap();
+    let client = &sandbox.pod("client").ns;
+    let (tcp, udp, took) = client.run(|| {
+        let started = Instant::now();
+        let tcp = std::net::TcpStream::connect_timeout(&REMOTE, Duration::from_secs(5));
+        let udp = std::net::UdpSocket::bind("0.0.0.0:0").and_then(|socket| {
+            socket.connect(DNS)?;
+            socket.set_read_timeout(Some(Duration::from_secs(5)))?;
+            socket.send(b"hi")?;
+            socket.recv(&mut [0u8; 64])
+        });
+        (tcp.map(|_| ()), udp.map(|_| ()), started.elapsed())
+    });
+    let refused = std::io::ErrorKind::ConnectionRefused;
+    assert_eq!(tcp.map_err(|e| e.kind()), Err(refused), "TCP");
+    assert_eq!(udp.map_err(|e| e.kind()), Err(refused), "UDP");
+    assert!(took < Duration::from_secs(1), "refused after {took:?}");
 }
 
 #[test]

@@ -1,0 +1,83 @@
+//! Backend selection for a new flow to a service frontend, shared by the tc path (ingress) and
+//! the socket path (sock): both must choose alike.
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use proxy_common::{
+    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, CtKey, DROP_NO_BACKEND, ServiceKey,
+    ServiceValue,
+};
+
+use crate::{
+    maps::{AFFINITY, BACKENDS, SERVICES},
+    packet::Drop,
+};
+
+/// sessionAffinity ClientIP: the backend of the client's last new flow to this frontend while
+/// that is within the service's timeout and the backend takes new flows; otherwise a random
+/// one, remembered for the client's next flows.
+#[inline(always)]
+pub fn affinity_backend(
+    key: &CtKey,
+    svc_key: &ServiceKey,
+    svc: &ServiceValue,
+    now: u64,
+) -> Result<Option<(u32, Backend)>, Drop> {
+    let client = AffinityKey {
+        client: key.saddr,
+        vip: key.daddr,
+        vport: key.dport,
+        proto: key.proto,
+        pad: 0,
+    };
+    let timeout_ns = u64::from(svc.affinity_timeout_secs()) * 1_000_000_000;
+    if let Some(last) = AFFINITY.get_ptr_mut(&client) {
+        // SAFETY: an LRU map value; a concurrent update at worst gives another fresh backend.
+        let last = unsafe { &mut *last };
+        if now.saturating_sub(last.last_used_ns) <= timeout_ns
+            && let Some(backend) = unsafe { BACKENDS.get(last.backend_id) }
+            && backend.flags & BACKEND_DRAINING == 0
+            && backend.proto == key.proto
+        {
+            last.last_used_ns = now;
+            return Ok(Some((last.backend_id, *backend)));
+        }
+    }
+    let picked = select_backend(svc_key, svc.count)?;
+    if let Some((backend_id, _)) = picked {
+        let value = AffinityValue {
+            backend_id,
+            pad: 0,
+            last_used_ns: now,
+        };
+        let _ = AFFINITY.insert(&client, &value, 0);
+    }
+    Ok(picked)
+}
+
+/// A random backend of the service `svc_key`, which had `count` of them when its head was
+/// read; `None` when it has none.
+#[inline(always)]
+pub fn select_backend(svc_key: &ServiceKey, count: u16) -> Result<Option<(u32, Backend)>, Drop> {
+    if count == 0 {
+        return Ok(None);
+    }
+    if let Some(found) = pick(svc_key, count) {
+        return Ok(Some(found));
+    }
+    // The agent shrank the service between the head lookup and ours: read the count again.
+    let count = match unsafe { SERVICES.get(svc_key) } {
+        Some(ServiceValue { count: 0, .. }) | None => return Ok(None),
+        Some(svc) => svc.count,
+    };
+    // Never pass a packet to a service address untranslated (it would follow the default
+    // route): drop it, and the client retransmits.
+    pick(svc_key, count).map(Some).ok_or(Drop(DROP_NO_BACKEND))
+}
+
+#[inline(always)]
+pub fn pick(svc_key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
+    let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
+    let slot_key = ServiceKey::new(svc_key.addr, svc_key.port, svc_key.proto, slot);
+    let backend_id = unsafe { SERVICES.get(slot_key) }?.backend_id;
+    let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;
+    Some((backend_id, backend))
+}

@@ -1,0 +1,82 @@
+//! Rejecting a packet to a service port without endpoints, as kube-proxy does: the pod gets an
+//! ICMP port unreachable from the service address at once, so its connect() (or its next UDP
+//! receive) fails in milliseconds instead of after a timeout.
+//!
+//! The packet itself becomes the answer: cut to the size of the reply, rewritten, and sent
+//! back out of the interface it came in on (no routing, so no reverse-path check on the
+//! service address as a source).
+use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_skb_change_tail, programs::TcContext};
+
+use crate::packet::{self, Drop, ETH_HLEN, FAILED, Flow};
+
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
+const IPV4_HLEN: usize = 20;
+const ICMP_HLEN: usize = 8;
+/// What an ICMP error quotes of the offending packet besides its IP header (RFC 792).
+const QUOTED_L4: usize = 8;
+const IP_OFF: usize = ETH_HLEN;
+const ICMP_OFF: usize = IP_OFF + IPV4_HLEN;
+const QUOTE_OFF: usize = ICMP_OFF + ICMP_HLEN;
+const REPLY_LEN: usize = QUOTE_OFF + IPV4_HLEN + QUOTED_L4;
+
+/// Turns `flow`'s packet into an ICMP port unreachable from its destination (the service
+/// address) to its source, and sends it back to the pod. A packet with IP options passes
+/// untouched (its quote would not fit this fixed layout; such packets are rare).
+#[inline(always)]
+pub fn reject(ctx: &TcContext, flow: &Flow) -> Result<i32, Drop> {
+    if flow.has_ip_options() {
+        return Ok(TC_ACT_UNSPEC);
+    }
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
+    let offending: [u8; IPV4_HLEN] = ctx.load(IP_OFF).map_err(|_| FAILED)?;
+    let l4: [u8; QUOTED_L4] = ctx.load(IP_OFF + IPV4_HLEN).map_err(|_| FAILED)?;
+    // SAFETY: the helper takes the context's skb and plain integers.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY_LEN as u32, 0) } != 0 {
+        return Err(FAILED);
+    }
+    let mut eth = [0u8; ETH_HLEN];
+    eth[..6].copy_from_slice(&macs[6..]);
+    eth[6..12].copy_from_slice(&macs[..6]);
+    eth[12] = 0x08; // IPv4
+    let mut ip = [0u8; IPV4_HLEN];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((REPLY_LEN - ETH_HLEN) as u16).to_be_bytes());
+    ip[8] = 64; // TTL
+    ip[9] = 1; // ICMP
+    ip[12..16].copy_from_slice(&offending[16..20]);
+    ip[16..20].copy_from_slice(&offending[12..16]);
+    let csum = checksum(sum_words(&ip));
+    ip[10..12].copy_from_slice(&csum.to_be_bytes());
+    let mut icmp = [0u8; ICMP_HLEN];
+    icmp[0] = ICMP_DEST_UNREACH;
+    icmp[1] = ICMP_PORT_UNREACH;
+    let csum = checksum(sum_words(&icmp) + sum_words(&offending) + sum_words(&l4));
+    icmp[2..4].copy_from_slice(&csum.to_be_bytes());
+    ctx.store(0, &eth, 0).map_err(|_| FAILED)?;
+    ctx.store(IP_OFF, &ip, 0).map_err(|_| FAILED)?;
+    ctx.store(ICMP_OFF, &icmp, 0).map_err(|_| FAILED)?;
+    ctx.store(QUOTE_OFF, &offending, 0).map_err(|_| FAILED)?;
+    ctx.store(QUOTE_OFF + IPV4_HLEN, &l4, 0)
+        .map_err(|_| FAILED)?;
+    Ok(packet::send_back(ctx))
+}
+
+/// The one's-complement sum of `bytes` as big-endian 16-bit words (an even length).
+#[inline(always)]
+fn sum_words<const N: usize>(bytes: &[u8; N]) -> u32 {
+    let mut sum = 0u32;
+    let mut i = 0;
+    while i + 1 < N {
+        sum += u32::from(u16::from_be_bytes([bytes[i], bytes[i + 1]]));
+        i += 2;
+    }
+    sum
+}
+
+#[inline(always)]
+fn checksum(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
