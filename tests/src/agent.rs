@@ -89,10 +89,10 @@ impl AgentRun {
                 api.kubeconfig(&kubeconfig)?;
                 arg(&"--kubeconfig");
                 arg(&kubeconfig);
-                arg(&"--hostname-override");
-                arg(&node);
             }
         }
+        arg(&"--hostname-override");
+        arg(&node);
         arg(&"--min-sync-period");
         arg(&"0s");
         arg(&"--bpf-pin-dir");

@@ -8,7 +8,7 @@ use std::{
 
 use proxy_tests::{
     BACKEND_PORT, Sandbox, TcpConn, UdpConn,
-    agent::{AgentRun, edit_manifest, remove_endpoint},
+    agent::{AgentRun, edit_manifest, remove_endpoint, set_conditions},
     privileged, tcp_request, tcp_session, udp_request, udp_session,
 };
 use proxy_userspace::manifest::Object;
@@ -235,6 +235,68 @@ fn a_service_without_endpoints_is_refused_at_once() {
     assert_eq!(tcp.map_err(|e| e.kind()), Err(refused), "TCP");
     assert_eq!(udp.map_err(|e| e.kind()), Err(refused), "UDP");
     assert!(took < Duration::from_secs(1), "refused after {took:?}");
+}
+
+#[test]
+fn affinity_local_traffic_and_terminating_endpoints_apply_end_to_end() {
+    let Some((mut sandbox, agent)) =
+        cluster("affinity_local_traffic_and_terminating_endpoints_apply_end_to_end")
+    else {
+        return;
+    };
+    // web gets sessionAffinity ClientIP; dns-like (be1 on node1, be4 on node2) gets
+    // internalTrafficPolicy Local; the client pod is on node1.
+    edit_manifest(&agent.manifest, |objects| {
+        for object in objects.iter_mut() {
+            let Object::Service(svc) = object else {
+                continue;
+            };
+            let spec = svc.spec.get_or_insert_default();
+            match svc.metadata.name.as_deref() {
+                Some("web") => spec.session_affinity = Some("ClientIP".into()),
+                Some("dns-like") => spec.internal_traffic_policy = Some("Local".into()),
+                _ => {}
+            }
+        }
+    })
+    .unwrap();
+    agent
+        .wait_for(&mut sandbox, "the policies", |rows| {
+            rows.iter()
+                .any(|r| r.address == WEB.to_string() && r.affinity_timeout_seconds == Some(10800))
+                && rows
+                    .iter()
+                    .any(|r| r.address == DNS.to_string() && r.local_only)
+        })
+        .unwrap();
+    let web = spread(&sandbox, WEB, false, 20);
+    assert_eq!(
+        web.len(),
+        1,
+        "affinity: one backend for the client, got {web:?}"
+    );
+    assert_eq!(
+        spread(&sandbox, DNS, true, 20),
+        set(&["be1"]),
+        "node1's endpoint only"
+    );
+
+    // A rollout's end: every web endpoint terminating but still serving. They keep answering
+    // new connections (and affinity holds) rather than the service refusing.
+    let syncs = || agent.log_text().matches("sync done").count();
+    let before = syncs();
+    edit_manifest(&agent.manifest, |objects| {
+        for ip in ["10.244.1.11", "10.244.1.12", "10.244.1.13"] {
+            set_conditions(objects, "web", ip, false, true, true);
+        }
+    })
+    .unwrap();
+    agent
+        .wait_for(&mut sandbox, "web terminating", |_| syncs() > before)
+        .unwrap();
+    assert_eq!(spread(&sandbox, WEB, false, 10), web);
+    let affinity = agent.inspect_cli("affinity", &[]).unwrap();
+    assert!(affinity.contains("10.244.1.10"), "{affinity}");
 }
 
 #[test]
