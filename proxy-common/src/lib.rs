@@ -64,6 +64,11 @@ pub const MAP_CONNTRACK: &str = "CONNTRACK";
 pub const MAP_AGENT_STATE: &str = "AGENT_STATE";
 pub const MAP_DROPS: &str = "DROPS";
 pub const MAP_AFFINITY: &str = "AFFINITY";
+pub const MAP_MAGLEV: &str = "MAGLEV";
+pub const MAP_CONFIG: &str = "CONFIG";
+/// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
+pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
+pub const CONFIG_ENTRIES: u32 = 1;
 /// [`MAP_AGENT_STATE`] index of the first backend id never handed out.
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
 /// [`MAP_AGENT_STATE`] index of the layout version of the pinned maps ([`LAYOUT_VERSION`]).
@@ -72,7 +77,7 @@ pub const AGENT_STATE_ENTRIES: u32 = 2;
 /// The meaning of the pinned maps' contents. Raised whenever a release changes what a key or
 /// value means (not only its size), so that an agent never misreads maps an older one left.
 /// 2: backend ids per service port, draining backends and frontends. 3: slot 0 flags for
-/// local-only and session affinity, the affinity map.
+/// local-only, session affinity and Maglev; the affinity, Maglev and config maps.
 pub const LAYOUT_VERSION: u64 = 3;
 
 /// Why a program dropped a packet: the index of its counter in the per-CPU [`MAP_DROPS`] array.
@@ -144,6 +149,37 @@ pub const SERVICE_LOCAL_ONLY: u16 = 2;
 /// backend of its last flow to this frontend while that is within the timeout (seconds, held in
 /// slot 0's `backend_id`) and the backend still takes new flows.
 pub const SERVICE_AFFINITY: u16 = 4;
+/// [`ServiceValue::flags`] of slot 0: new flows pick their backend by Maglev consistent hashing
+/// of the 5-tuple (the same backend on every node) from the frontend's table in [`MAP_MAGLEV`],
+/// instead of at random.
+pub const SERVICE_MAGLEV: u16 = 8;
+
+/// Entries of a Maglev table per [`MAP_MAGLEV`] value: a table of size M is stored in
+/// ceil(M / 1024) values keyed by the frontend with `slot` = the chunk's index.
+pub const MAGLEV_CHUNK: usize = 1024;
+
+/// Part of a frontend's Maglev table: backend ids.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct MaglevChunk {
+    pub ids: [u32; MAGLEV_CHUNK],
+}
+
+/// The hash of a flow that picks its Maglev table entry: a fixed function of the 5-tuple as the
+/// client sent it, so that every node picks the same backend for it.
+#[inline(always)]
+pub fn flow_hash(key: &CtKey) -> u32 {
+    let ports = (u32::from(key.sport.get()) << 16) | u32::from(key.dport.get());
+    let mut h = key.saddr.get() ^ key.daddr.get().rotate_left(16);
+    h = h.wrapping_mul(0x9e37_79b1) ^ ports;
+    h = h.wrapping_mul(0x85eb_ca6b) ^ u32::from(key.proto);
+    // murmur3's finalizer: every input bit reaches every output bit.
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
 
 /// [`Backend::flags`]: the endpoint left its service port (not ready, terminating, or gone from
 /// the EndpointSlice). Established TCP connections stay on it; a SYN, and any UDP packet, picks
@@ -278,4 +314,5 @@ mod user {
     unsafe impl aya::Pod for CtValue {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for MaglevChunk {}
 }

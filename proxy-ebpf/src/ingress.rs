@@ -1,16 +1,15 @@
 //! Packets leaving a pod: a packet to a service address is sent to a backend (DNAT). The first
-//! packet of a flow picks a backend at random and records the choice in conntrack; later packets
-//! follow that record while it is within its lifetime and its backend may keep it (see
-//! [`conntrack::established`]).
+//! packet of a flow picks a backend (`lb.rs`: affinity, random or Maglev) and records the choice
+//! in conntrack; later packets follow that record while it is within its lifetime and its
+//! backend may keep it (see [`conntrack::established`]).
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
-    DROP_HAIRPIN_WITHOUT_FLOW, DROP_NO_LOCAL_ENDPOINTS, HAIRPIN_ADDR, SERVICE_AFFINITY,
-    SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+    DROP_HAIRPIN_WITHOUT_FLOW, DROP_NO_LOCAL_ENDPOINTS, HAIRPIN_ADDR, SERVICE_DRAINING,
+    SERVICE_LOCAL_ONLY, ServiceKey,
 };
 
 use crate::{
-    conntrack,
-    lb::{affinity_backend, select_backend},
+    conntrack, lb,
     maps::SERVICES,
     packet::{self, Drop, End},
     reject,
@@ -38,12 +37,8 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     let backend = match conntrack::established(&flow, now) {
         Some(backend) => backend,
         None => {
-            let picked = if svc.flags & SERVICE_AFFINITY != 0 {
-                affinity_backend(&key, &svc_key, &svc, now)?
-            } else {
-                select_backend(&svc_key, svc.count)?
-            };
-            let Some((backend_id, backend)) = picked else {
+            let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)?
+            else {
                 if svc.flags & SERVICE_LOCAL_ONLY != 0 {
                     return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
                 }

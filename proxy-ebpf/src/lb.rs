@@ -2,14 +2,73 @@
 //! the socket path (sock): both must choose alike.
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, CtKey, DROP_NO_BACKEND, ServiceKey,
-    ServiceValue,
+    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, CONFIG_MAGLEV_TABLE_SIZE, CtKey,
+    DROP_NO_BACKEND, MAGLEV_CHUNK, SERVICE_AFFINITY, SERVICE_MAGLEV, ServiceKey, ServiceValue,
+    flow_hash,
 };
 
 use crate::{
-    maps::{AFFINITY, BACKENDS, SERVICES},
+    maps::{AFFINITY, BACKENDS, CONFIG, MAGLEV, SERVICES},
     packet::Drop,
 };
+
+/// The backend for a new flow `key` to the frontend `svc_key` (whose slot 0 is `svc`): the
+/// client's affinity if the service has one, else by the service's algorithm. `None` when the
+/// service has no backend.
+#[inline(always)]
+pub fn new_flow_backend(
+    key: &CtKey,
+    svc_key: &ServiceKey,
+    svc: &ServiceValue,
+    now: u64,
+) -> Result<Option<(u32, Backend)>, Drop> {
+    if svc.flags & SERVICE_AFFINITY != 0 {
+        affinity_backend(key, svc_key, svc, now)
+    } else {
+        by_algorithm(key, svc_key, svc)
+    }
+}
+
+#[inline(always)]
+fn by_algorithm(
+    key: &CtKey,
+    svc_key: &ServiceKey,
+    svc: &ServiceValue,
+) -> Result<Option<(u32, Backend)>, Drop> {
+    if svc.flags & SERVICE_MAGLEV != 0
+        && svc.count != 0
+        && let Some(found) = maglev_backend(key, svc_key)
+    {
+        return Ok(Some(found));
+    }
+    select_backend(svc_key, svc.count)
+}
+
+/// The frontend's Maglev table entry for the flow's hash, if the table is there and its
+/// backend takes new flows (otherwise the caller picks at random: the agent is rewriting the
+/// table, or the endpoint just left).
+#[inline(always)]
+fn maglev_backend(key: &CtKey, svc_key: &ServiceKey) -> Option<(u32, Backend)> {
+    let size = *CONFIG.get(CONFIG_MAGLEV_TABLE_SIZE)?;
+    if size == 0 {
+        return None;
+    }
+    let index = flow_hash(key) % size;
+    let chunk_key = ServiceKey::new(
+        svc_key.addr,
+        svc_key.port,
+        svc_key.proto,
+        (index / MAGLEV_CHUNK as u32) as u16,
+    );
+    let chunk = unsafe { MAGLEV.get(chunk_key) }?;
+    // The mask keeps the index within the chunk for the verifier (MAGLEV_CHUNK is 2^10).
+    let backend_id = chunk.ids[index as usize % MAGLEV_CHUNK & (MAGLEV_CHUNK - 1)];
+    let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;
+    if backend.flags & BACKEND_DRAINING != 0 || backend.proto != key.proto {
+        return None;
+    }
+    Some((backend_id, backend))
+}
 
 /// sessionAffinity ClientIP: the backend of the client's last new flow to this frontend while
 /// that is within the service's timeout and the backend takes new flows; otherwise a random
@@ -41,7 +100,7 @@ pub fn affinity_backend(
             return Ok(Some((last.backend_id, *backend)));
         }
     }
-    let picked = select_backend(svc_key, svc.count)?;
+    let picked = by_algorithm(key, svc_key, svc)?;
     if let Some((backend_id, _)) = picked {
         let value = AffinityValue {
             backend_id,

@@ -1,5 +1,6 @@
 //! tc programs for pod-facing interfaces: ClusterIP DNAT with conntrack (ingress, packets leaving a
-//! pod) and reverse NAT of the replies (egress, packets going to a pod).
+//! pod) and reverse NAT of the replies (egress, packets going to a pod); cgroup socket programs
+//! for host-network clients (sock.rs: translated at connect(), their packets untouched).
 #![no_std]
 #![no_main]
 
@@ -10,9 +11,13 @@ mod lb;
 mod maps;
 mod packet;
 mod reject;
+mod sock;
 
 use aya_ebpf::{
-    bindings::TC_ACT_SHOT, helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext,
+    bindings::TC_ACT_SHOT,
+    helpers::bpf_ktime_get_ns,
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
 };
 use aya_log_ebpf::error;
 use proxy_common::DROPS_LAST_LOG;
@@ -29,6 +34,31 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     verdict(&ctx, egress::try_egress(&ctx))
+}
+
+/// connect() of a socket in the programs' cgroup: a service address of a host-network client
+/// becomes a backend's (sock.rs).
+#[cgroup_sock_addr(connect4)]
+pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// sendmsg() to an address (unconnected UDP): as connect().
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// recvmsg() of a UDP socket: a reply from the backend shows the service address as its source.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+/// getpeername(): the service address the socket connected to, not the backend's.
+#[cgroup_sock_addr(getpeername4)]
+pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 /// At most one drop log line per CPU this often: a flood of bad packets must not flood the log

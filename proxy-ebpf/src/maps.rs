@@ -6,9 +6,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DROPS_ENTRIES,
-    ServiceKey, ServiceValue,
+    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue,
+    DROPS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue,
 };
+
+use crate::sock::{SockRevNatKey, SockRevNatValue};
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
 /// nodes use a small part of it.
@@ -39,3 +41,24 @@ pub static DROPS: PerCpuArray<u64> = PerCpuArray::pinned(DROPS_ENTRIES, 0);
 /// flow picks anew).
 #[map(name = "AFFINITY")]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(1 << 16, 0);
+
+/// Host-network sockets sent to a backend in place of a service address (sock.rs): socket
+/// cookie and backend -> the service address, for getpeername() and UDP receives. LRU, 65536
+/// entries (entries outlive their socket: cookies are never reused, and the least recently
+/// used make room).
+#[map(name = "SOCK_REVNAT")]
+pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> = LruHashMap::pinned(1 << 16, 0);
+
+/// Index 0: the cookie of the node's own network namespace, written by the agent at start;
+/// only sockets there get socket-level translation (sock.rs).
+#[map(name = "HOST_NETNS")]
+pub static HOST_NETNS: Array<u64> = Array::pinned(1, 0);
+
+/// Maglev tables of the frontends that use Maglev, 1024 backend ids a value (keyed by the
+/// frontend with `slot` = the chunk). Not preallocated: 4 KiB a value, a 16381 table is 16.
+#[map(name = "MAGLEV")]
+pub static MAGLEV: HashMap<ServiceKey, MaglevChunk> = HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+/// Settings the agent writes at load (`proxy_common::CONFIG_*`).
+#[map(name = "CONFIG")]
+pub static CONFIG: Array<u32> = Array::pinned(CONFIG_ENTRIES, 0);

@@ -7,7 +7,8 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_FORWARD, CtKey,
     CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES,
-    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey, ServiceValue,
+    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, ServiceKey,
+    ServiceValue,
 };
 use serde::Serialize;
 
@@ -36,6 +37,8 @@ pub struct ServiceRow {
     pub local_only: bool,
     /// sessionAffinity ClientIP, with this timeout.
     pub affinity_timeout_seconds: Option<u32>,
+    /// New flows pick by Maglev (else at random).
+    pub maglev: bool,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord, Clone)]
@@ -131,6 +134,7 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
             local_only: head.flags & SERVICE_LOCAL_ONLY != 0,
             affinity_timeout_seconds: (head.flags & SERVICE_AFFINITY != 0)
                 .then(|| head.affinity_timeout_secs()),
+            maglev: head.flags & SERVICE_MAGLEV != 0,
         });
     }
     rows.sort();
@@ -244,6 +248,9 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
         }
         if let Some(timeout) = r.affinity_timeout_seconds {
             policies.push(format!("affinity {timeout}s"));
+        }
+        if r.maglev {
+            policies.push("maglev".to_owned());
         }
         let list = match policies.is_empty() {
             true => list,

@@ -6,8 +6,9 @@ use proxy_userspace::{
     agent::{self, AgentConfig, Source},
     dataplane::Dataplane,
     duration::parse_duration,
-    ebpf::{EbpfDataplane, MapSizes},
-    inspect,
+    ebpf::{EbpfDataplane, MapSizes, WriterConfig},
+    inspect, maglev,
+    model::LbAlgorithm,
 };
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
@@ -31,7 +32,7 @@ enum LoggingFormat {
 #[derive(Subcommand)]
 enum Command {
     /// Program this node so that Services reach their endpoints.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Print what the datapath's pinned maps hold.
     Inspect(InspectArgs),
 }
@@ -75,6 +76,12 @@ struct AgentArgs {
     /// bpffs directory where the maps are pinned (mounted if it is not on bpffs).
     #[arg(long, default_value = DEFAULT_PIN_DIR)]
     bpf_pin_dir: PathBuf,
+    /// A cgroup v2 directory for the socket programs that let host-network clients (this
+    /// network namespace's) reach services; they see the sockets of every process below it.
+    /// cgroup2 is mounted there if the directory is empty or missing (Cilium's cgroup-root, which
+    /// works on unified and hybrid hosts alike). Empty: host-network clients are not served.
+    #[arg(long, default_value = "/run/kube-proxy-ebpf/cgroupv2")]
+    bpf_cgroup_path: PathBuf,
     /// Interfaces facing pods, by name (`*` matches any run; comma-separated patterns).
     #[arg(long, default_value = "veth*,cali*,lxc*,cni*")]
     pod_interfaces: String,
@@ -93,8 +100,18 @@ struct AgentArgs {
     /// EndpointSlice drains for as long as it is listed; this period counts from its removal.
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     bpf_drain_period: Duration,
-    /// Remove what the agent installed (its tc programs on the pod interfaces, the pinned maps
-    /// and links) and exit (kube-proxy's flag), e.g. before going back to kube-proxy.
+    /// How new flows pick an endpoint: `random`, or `maglev` (consistent hashing: the same
+    /// endpoint for a flow on every node). A Service overrides it with the annotation
+    /// `service.kube-proxy-ebpf.io/lb-algorithm`.
+    #[arg(long, value_enum, default_value = "random")]
+    lb_algorithm: LbAlgorithm,
+    /// Entries of each Maglev table: a prime (Cilium's sizes: 251 ... 16381 ... 131071). Larger
+    /// tables spread flows more evenly and cost 4 bytes an entry per Service using Maglev.
+    #[arg(long, default_value_t = maglev::DEFAULT_TABLE_SIZE, value_parser = maglev::parse_table_size)]
+    lb_maglev_table_size: u32,
+    /// Remove what the agent installed (its tc programs on the pod interfaces, its socket
+    /// programs on the cgroup, the pinned maps and links) and exit (kube-proxy's flag), e.g.
+    /// before going back to kube-proxy.
     #[arg(long)]
     cleanup: bool,
 }
@@ -122,7 +139,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging(cli.logging_format);
     match cli.command {
-        Command::Agent(args) => run_agent(args),
+        Command::Agent(args) => run_agent(*args),
         Command::Inspect(args) => run_inspect(args),
     }
 }
@@ -183,8 +200,13 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                 let dp = EbpfDataplane::new(
                     &args.bpf_pin_dir,
                     sizes,
-                    args.bpf_drain_period,
+                    WriterConfig {
+                        drain_period: args.bpf_drain_period,
+                        lb_algorithm: args.lb_algorithm,
+                        maglev_table_size: args.lb_maglev_table_size,
+                    },
                     &args.pod_interfaces,
+                    &args.bpf_cgroup_path,
                 )?;
                 tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
                 Ok(Box::new(dp))

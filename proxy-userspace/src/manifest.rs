@@ -119,66 +119,74 @@ fn describe_object_error(
 
 /// Parses a manifest. Errs only when the text as a whole cannot be read.
 pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
-    let documents = read_documents(text)?;
-    let mut parser = Parser {
-        text,
-        from_yaml: documents.is_yaml,
-        manifest: Manifest::default(),
-    };
-    for (index, value) in documents.values.into_iter().enumerate() {
-        parser.add(index, "", value, None);
-    }
-    Ok(parser.manifest)
+    let mut objects = Vec::new();
+    let Parsed { errors, ignored } = parse_each(text, |object| objects.push(object))?;
+    Ok(Manifest {
+        objects,
+        errors,
+        ignored,
+    })
 }
 
-struct Documents {
-    values: Vec<Value>,
-    /// False when the text was read as a JSON stream.
-    is_yaml: bool,
+/// What [`parse_each`] found besides the objects.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Parsed {
+    /// Documents that are not usable, as in [`Manifest::errors`].
+    pub errors: Vec<ManifestError>,
+    /// Objects of other kinds, as in [`Manifest::ignored`].
+    pub ignored: usize,
+}
+
+/// [`parse`], handing each object to `each` as soon as it is read (in file order) instead of
+/// collecting them: only one document is held at a time, so a caller that keeps less than the
+/// whole object needs far less memory. On error, `each` may already have seen objects from
+/// before the broken part; they must not be used, as with [`parse`].
+pub fn parse_each(text: &str, each: impl FnMut(Object)) -> Result<Parsed, ManifestError> {
+    let mut parser = Parser {
+        text,
+        from_yaml: true,
+        each,
+        parsed: Parsed::default(),
+    };
+    // JSON is read as JSON first: it may be indented with tabs, which YAML forbids. A text that
+    // is not one JSON stream as a whole is read as YAML (a flow mapping looks like JSON).
+    if looks_like_json(text) {
+        let json: Result<Vec<serde_json::Value>, _> = serde_json::Deserializer::from_str(text)
+            .into_iter()
+            .collect();
+        if let Ok(json) = json {
+            parser.from_yaml = false;
+            for (index, value) in json.into_iter().enumerate() {
+                let value =
+                    serde_yaml::to_value(value).map_err(|e| ManifestError::Syntax(e.to_string()))?;
+                parser.add(index, "", value, None);
+            }
+            return Ok(parser.parsed);
+        }
+    }
+    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let value = Value::deserialize(document).map_err(|e| ManifestError::Syntax(e.to_string()))?;
+        parser.add(index, "", value, None);
+    }
+    Ok(parser.parsed)
 }
 
 fn looks_like_json(text: &str) -> bool {
     text.trim_start().starts_with(['{', '['])
 }
 
-fn read_documents(text: &str) -> Result<Documents, ManifestError> {
-    // JSON is read as JSON first: it may be indented with tabs, which YAML forbids.
-    if looks_like_json(text) {
-        let json: Result<Vec<serde_json::Value>, _> = serde_json::Deserializer::from_str(text)
-            .into_iter()
-            .collect();
-        if let Ok(json) = json {
-            let values = json
-                .iter()
-                .map(serde_yaml::to_value)
-                .collect::<Result<_, _>>()
-                .map_err(|e| ManifestError::Syntax(e.to_string()))?;
-            return Ok(Documents {
-                values,
-                is_yaml: false,
-            });
-        }
-    }
-    let values = serde_yaml::Deserializer::from_str(text)
-        .map(Value::deserialize)
-        .collect::<Result<_, _>>()
-        .map_err(|e| ManifestError::Syntax(e.to_string()))?;
-    Ok(Documents {
-        values,
-        is_yaml: true,
-    })
-}
-
-struct Parser<'a> {
+struct Parser<'a, F> {
     text: &'a str,
+    /// False when the text was read as a JSON stream.
     from_yaml: bool,
-    manifest: Manifest,
+    each: F,
+    parsed: Parsed,
 }
 
-impl Parser<'_> {
+impl<F: FnMut(Object)> Parser<'_, F> {
     /// Adds document `index` (or the item at `path` inside it). Items of a typed list such as
     /// ServiceList may omit their kind, as the API server's list responses do: `item_kind`.
-    fn add(&mut self, index: usize, path: &str, value: Value, item_kind: Option<&str>) {
+    fn add(&mut self, index: usize, path: &str, mut value: Value, item_kind: Option<&str>) {
         let error = |object: Option<String>, message: String| ManifestError::Object {
             document: index + 1,
             path: path.to_owned(),
@@ -191,13 +199,13 @@ impl Parser<'_> {
         }
         if !value.is_mapping() {
             let message = "not a Kubernetes object (expected a mapping with apiVersion and kind)";
-            self.manifest.errors.push(error(None, message.to_owned()));
+            self.parsed.errors.push(error(None, message.to_owned()));
             return;
         }
         let kind = value.get("kind").and_then(Value::as_str).or(item_kind);
         let Some(kind) = kind.map(str::to_owned) else {
             let message = "has no kind";
-            self.manifest.errors.push(error(None, message.to_owned()));
+            self.parsed.errors.push(error(None, message.to_owned()));
             return;
         };
         let object = match kind.as_str() {
@@ -205,28 +213,30 @@ impl Parser<'_> {
             "EndpointSlice" => self.deserialize(index, path, value, &kind, Object::EndpointSlice),
             // `kubectl get -o yaml` prints a List; typed lists (ServiceList...) look the same.
             list if list.ends_with("List") => {
-                match value.get("items") {
+                let items = value.as_mapping_mut().and_then(|m| m.remove("items"));
+                match items {
                     None | Some(Value::Null) => {}
                     Some(Value::Sequence(items)) => {
-                        for (i, item) in items.iter().enumerate() {
+                        // Item by item, each dropped once read.
+                        for (i, item) in items.into_iter().enumerate() {
                             let item_path = if path.is_empty() {
                                 format!("items[{i}]")
                             } else {
                                 format!("{path}.items[{i}]")
                             };
                             let item_kind = list.strip_suffix("List").filter(|k| !k.is_empty());
-                            self.add(index, &item_path, item.clone(), item_kind);
+                            self.add(index, &item_path, item, item_kind);
                         }
                     }
                     Some(_) => {
                         let message = "items is not a list".to_owned();
-                        self.manifest.errors.push(error(Some(kind), message));
+                        self.parsed.errors.push(error(Some(kind), message));
                     }
                 }
                 return;
             }
             _ => {
-                self.manifest.ignored += 1;
+                self.parsed.ignored += 1;
                 return;
             }
         };
@@ -236,9 +246,9 @@ impl Parser<'_> {
                 if meta.namespace.as_deref().is_none_or(str::is_empty) {
                     meta.namespace = Some(DEFAULT_NAMESPACE.to_owned());
                 }
-                self.manifest.objects.push(object);
+                (self.each)(object);
             }
-            Err((object, message)) => self.manifest.errors.push(error(Some(object), message)),
+            Err((object, message)) => self.parsed.errors.push(error(Some(object), message)),
         }
     }
 
@@ -547,6 +557,64 @@ endpoints:
                 "demo/remote [10.96.0.30] -> 10.244.2.11:8080",
                 "demo/web:http [10.96.0.10] -> 10.244.1.11:8080,10.244.1.12:8080,10.244.1.13:8080",
             ]
+        );
+    }
+
+    #[test]
+    fn parse_each_streams_in_file_order() {
+        let text = "
+kind: Service
+metadata: {name: a}
+---
+kind: List
+items:
+- {kind: EndpointSlice, metadata: {name: b}, addressType: IPv4}
+- {kind: Service, metadata: {name: c}}
+- {kind: Service, metadata: {name: bad}, spec: {ports: [{port: x}]}}
+---
+kind: ConfigMap
+---
+kind: ServiceList
+items: [{metadata: {name: d}}]
+";
+        let mut seen = Vec::new();
+        let parsed = parse_each(text, |object| seen.push(object.to_string())).unwrap();
+        assert_eq!(
+            seen,
+            [
+                "Service default/a",
+                "EndpointSlice default/b",
+                "Service default/c",
+                "Service default/d"
+            ]
+        );
+        assert_eq!(parsed.ignored, 1);
+        assert_eq!(parsed.errors.len(), 1);
+        let manifest = parse(text).unwrap();
+        assert_eq!(keys(&manifest), seen);
+        assert_eq!((manifest.errors, manifest.ignored), (parsed.errors, 1));
+
+        // A broken document fails the whole text, even after objects were handed out.
+        let broken = format!("{text}---\nkind: [Service\n");
+        let mut count = 0;
+        let err = parse_each(&broken, |_| count += 1).unwrap_err();
+        assert!(matches!(err, ManifestError::Syntax(_)), "{err}");
+        assert_eq!(count, 4);
+    }
+
+    #[test]
+    fn tagged_lists_are_read() {
+        // The items of a tagged List are read as before (the tag is ignored); a tagged items
+        // value is not a list.
+        let manifest = parse(
+            "!list {kind: List, items: [{kind: Service, metadata: {name: a}}]}\n---\n\
+             {kind: List, items: !seq [{kind: Service, metadata: {name: b}}]}",
+        )
+        .unwrap();
+        assert_eq!(keys(&manifest), ["Service default/a"]);
+        assert_eq!(
+            errors(&manifest),
+            ["document 2 (List): items is not a list"]
         );
     }
 }

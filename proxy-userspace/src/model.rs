@@ -14,7 +14,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
@@ -29,14 +29,17 @@ pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 /// The largest affinity timeout the API accepts (1 day).
 const MAX_AFFINITY_TIMEOUT: i32 = 86400;
 
+/// A namespaced object's name. The strings are shared: the tracker, the desired state and a
+/// dataplane's bookkeeping each keep copies of the names of every service port, so a copy is a
+/// reference count rather than two allocations.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NamespacedName {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl NamespacedName {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
         Self {
             namespace: namespace.into(),
             name: name.into(),
@@ -102,12 +105,12 @@ impl FromStr for Protocol {
 pub struct ServicePortName {
     pub service: NamespacedName,
     /// The port's name; "" for the single unnamed port a service may have.
-    pub port: String,
+    pub port: Arc<str>,
     pub protocol: Protocol,
 }
 
 impl ServicePortName {
-    pub fn new(service: NamespacedName, port: impl Into<String>, protocol: Protocol) -> Self {
+    pub fn new(service: NamespacedName, port: impl Into<Arc<str>>, protocol: Protocol) -> Self {
         Self {
             service,
             port: port.into(),
@@ -117,7 +120,7 @@ impl ServicePortName {
 
     /// The smallest name of `service`'s ports, to range over them in a sorted map.
     fn first_of(service: &NamespacedName) -> Self {
-        Self::new(service.clone(), String::new(), Protocol::Tcp)
+        Self::new(service.clone(), "", Protocol::Tcp)
     }
 }
 
@@ -164,7 +167,22 @@ pub struct ServicePort {
     pub external_traffic_local: bool,
     /// internalTrafficPolicy is Local.
     pub internal_traffic_local: bool,
+    /// The Service's [`LB_ALGORITHM_ANNOTATION`], if set (else the agent's `--lb-algorithm`).
+    pub lb_algorithm: Option<LbAlgorithm>,
 }
+
+/// How new flows pick an endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LbAlgorithm {
+    /// At random (kube-proxy's iptables and nftables modes do the same).
+    Random,
+    /// Maglev consistent hashing of the 5-tuple: the same endpoint for a flow on every node,
+    /// and few flows move when an endpoint comes or goes.
+    Maglev,
+}
+
+/// A Service annotation choosing its [`LbAlgorithm`] (`random` or `maglev`).
+pub const LB_ALGORITHM_ANNOTATION: &str = "service.kube-proxy-ebpf.io/lb-algorithm";
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Endpoint {
@@ -173,8 +191,9 @@ pub struct Endpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    /// Shared with the tracker's copy of the slice (and with every port the endpoint serves).
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
 }
 
 /// What the dataplane should program.
@@ -285,21 +304,23 @@ fn cluster_ip_strings(spec: &k8s_openapi::api::core::v1::ServiceSpec) -> Vec<Str
     }
 }
 
-/// The ports of one service, as parsed from the Service object.
-type ServiceInfo = BTreeMap<ServicePortName, ServicePort>;
+/// The ports of one service, as parsed from the Service object, sorted by name. A boxed slice
+/// rather than a map: most services have one or two ports, and a map's node would take about
+/// 2 KiB each.
+type ServiceInfo = Box<[(ServicePortName, ServicePort)]>;
 
 /// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
 /// that comparing two versions says whether anything programmable changed.
 #[derive(Debug, PartialEq, Eq)]
 struct SliceInfo {
     service: NamespacedName,
-    ports: Vec<SlicePort>,
-    endpoints: Vec<SliceEndpoint>,
+    ports: Box<[SlicePort]>,
+    endpoints: Box<[SliceEndpoint]>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
 struct SlicePort {
-    name: String,
+    name: Arc<str>,
     protocol: Protocol,
     port: u16,
 }
@@ -310,8 +331,65 @@ struct SliceEndpoint {
     ready: bool,
     serving: bool,
     terminating: bool,
-    node_name: Option<String>,
-    zone: Option<String>,
+    node_name: Option<Arc<str>>,
+    zone: Option<Arc<str>>,
+}
+
+/// A Service reduced to what the tracker records of it: what a source computes from the object
+/// (without holding the tracker) and may keep to compare with the next version.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceUpdate {
+    pub key: NamespacedName,
+    /// None: not proxied (`skip_reason` says why); the tracker treats it as deleted.
+    ports: Option<Arc<ServiceInfo>>,
+    /// Why it is not proxied (see [`service_skip_reason`]).
+    pub skip_reason: Option<&'static str>,
+}
+
+impl ServiceUpdate {
+    /// Reads a Service; errs when it cannot be programmed (the tracker then keeps the last valid
+    /// version).
+    pub fn parse(svc: &Service) -> Result<Self, InvalidObject> {
+        let key = object_key("Service", &svc.metadata)?;
+        let ports = parse_service(&key, svc).map_err(|reason| InvalidObject {
+            kind: "Service",
+            key: key.clone(),
+            reason,
+        })?;
+        Ok(Self {
+            key,
+            ports: ports.map(Arc::new),
+            skip_reason: service_skip_reason(svc),
+        })
+    }
+}
+
+/// An EndpointSlice reduced to what the tracker records of it; see [`ServiceUpdate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SliceUpdate {
+    pub key: NamespacedName,
+    /// None: not proxied (headless, another proxy's, FQDN); the tracker treats it as deleted.
+    info: Option<Arc<SliceInfo>>,
+    /// The endpoints left out of it.
+    skipped: Vec<SkippedEndpoint>,
+}
+
+impl SliceUpdate {
+    /// Reads an EndpointSlice; errs when it cannot be programmed at all. Endpoints that cannot
+    /// be programmed are left out (and listed, to be reported).
+    pub fn parse(slice: &EndpointSlice) -> Result<Self, InvalidObject> {
+        let key = object_key("EndpointSlice", &slice.metadata)?;
+        let parsed = parse_slice(&key, slice).map_err(|reason| InvalidObject {
+            kind: "EndpointSlice",
+            key: key.clone(),
+            reason,
+        })?;
+        let (info, skipped) = match parsed {
+            Some((info, skipped)) => (Some(Arc::new(info)), skipped),
+            None => (None, Vec::new()),
+        };
+        Ok(Self { key, info, skipped })
+    }
 }
 
 /// Everything one service's desired state is computed from. Cloning is cheap (reference counts).
@@ -330,9 +408,9 @@ pub struct ChangeTracker {
     services: HashMap<NamespacedName, Arc<ServiceInfo>>,
     /// Keyed by the slice's own namespace/name.
     slices: HashMap<NamespacedName, Arc<SliceInfo>>,
-    /// Owner service -> its slices. Slices may arrive before their service, so an entry can exist
-    /// without a service.
-    slices_by_service: HashMap<NamespacedName, BTreeSet<NamespacedName>>,
+    /// Owner service -> its slices, sorted (a service has few). Slices may arrive before their
+    /// service, so an entry can exist without a service.
+    slices_by_service: HashMap<NamespacedName, Vec<NamespacedName>>,
     /// The endpoints skipped in each slice's current version (slices with none are absent), so
     /// that each is reported once rather than on every update of its slice.
     skipped: HashMap<NamespacedName, Vec<SkippedEndpoint>>,
@@ -349,17 +427,17 @@ impl ChangeTracker {
     /// Records the latest version of a Service. A service that is not proxied (see
     /// [`service_skip_reason`]) counts as deleted.
     pub fn update_service(&mut self, svc: &Service) -> Result<(), InvalidObject> {
-        let key = object_key("Service", &svc.metadata)?;
-        let info = parse_service(&key, svc).map_err(|reason| InvalidObject {
-            kind: "Service",
-            key: key.clone(),
-            reason,
-        })?;
-        self.change(&key, |t| match info {
-            Some(info) => t.services.insert(key.clone(), Arc::new(info)),
-            None => t.services.remove(&key),
-        });
+        self.set_service(&ServiceUpdate::parse(svc)?);
         Ok(())
+    }
+
+    /// [`ChangeTracker::update_service`] with the Service already read.
+    pub fn set_service(&mut self, update: &ServiceUpdate) {
+        let key = &update.key;
+        self.change(key, |t| match &update.ports {
+            Some(ports) => t.services.insert(key.clone(), Arc::clone(ports)),
+            None => t.services.remove(key),
+        });
     }
 
     pub fn delete_service(&mut self, key: &NamespacedName) {
@@ -375,43 +453,44 @@ impl ChangeTracker {
         &mut self,
         slice: &EndpointSlice,
     ) -> Result<Vec<SkippedEndpoint>, InvalidObject> {
-        let key = object_key("EndpointSlice", &slice.metadata)?;
-        let info = parse_slice(&key, slice).map_err(|reason| InvalidObject {
-            kind: "EndpointSlice",
-            key: key.clone(),
-            reason,
-        })?;
-        let Some((info, skipped)) = info else {
-            self.delete_slice(&key);
-            return Ok(Vec::new());
+        Ok(self.set_slice(&SliceUpdate::parse(slice)?))
+    }
+
+    /// [`ChangeTracker::update_slice`] with the EndpointSlice already read.
+    pub fn set_slice(&mut self, update: &SliceUpdate) -> Vec<SkippedEndpoint> {
+        let key = &update.key;
+        let Some(info) = &update.info else {
+            self.delete_slice(key);
+            return Vec::new();
         };
-        let reported = self.skipped.remove(&key).unwrap_or_default();
+        let skipped = &update.skipped;
+        let reported = self.skipped.remove(key).unwrap_or_default();
         let new: Vec<SkippedEndpoint> = skipped
             .iter()
             .filter(|s| !reported.contains(s))
             .cloned()
             .collect();
         if !skipped.is_empty() {
-            self.skipped.insert(key.clone(), skipped);
+            self.skipped.insert(key.clone(), skipped.clone());
         }
-        let owner = info.service.clone();
+        let owner = &info.service;
         let old_owner = self
             .slices
-            .get(&key)
+            .get(key)
             .map(|old| old.service.clone())
-            .filter(|old| *old != owner);
+            .filter(|old| old != owner);
         // A relabelled slice leaves its old service: both services change.
         if let Some(old_owner) = &old_owner {
-            self.change(old_owner, |t| t.unlink_slice(old_owner, &key));
+            self.change(old_owner, |t| t.unlink_slice(old_owner, key));
         }
-        self.change(&owner, |t| {
-            t.slices_by_service
-                .entry(owner.clone())
-                .or_default()
-                .insert(key.clone());
-            t.slices.insert(key.clone(), Arc::new(info));
+        self.change(owner, |t| {
+            let slices = t.slices_by_service.entry(owner.clone()).or_default();
+            if let Err(at) = slices.binary_search(key) {
+                slices.insert(at, key.clone());
+            }
+            t.slices.insert(key.clone(), Arc::clone(info));
         });
-        Ok(new)
+        new
     }
 
     /// Forgets the slice named `key` (its own namespace/name).
@@ -458,15 +537,14 @@ impl ChangeTracker {
             self.pending.insert(service.clone(), previous);
         }
         mutate(self);
-        let current = self.inputs(service);
-        if self.pending.get(service) == Some(&current) {
+        if self.pending.get(service) == Some(&self.inputs(service)) {
             self.pending.remove(service);
         }
     }
 
     fn unlink_slice(&mut self, owner: &NamespacedName, slice: &NamespacedName) {
         if let Some(slices) = self.slices_by_service.get_mut(owner) {
-            slices.remove(slice);
+            slices.retain(|s| s != slice);
             if slices.is_empty() {
                 self.slices_by_service.remove(owner);
             }
@@ -488,47 +566,49 @@ impl ChangeTracker {
 
     /// The desired state of one service: its ports, and for each port the endpoints of every
     /// slice port with the same name and protocol (this is how named target ports resolve: the
-    /// slice carries the number each endpoint uses).
-    fn render(
-        &self,
-        service: &NamespacedName,
-    ) -> (ServiceInfo, BTreeMap<ServicePortName, Vec<Endpoint>>) {
+    /// slice carries the number each endpoint uses). Both sorted by port name.
+    fn render(&self, service: &NamespacedName) -> Rendered {
         let Some(ports) = self.services.get(service) else {
             return Default::default();
         };
-        let mut endpoints: BTreeMap<ServicePortName, Vec<Endpoint>> = BTreeMap::new();
+        // Index i holds the endpoints of ports[i].
+        let mut endpoints: Vec<Vec<Endpoint>> = vec![Vec::new(); ports.len()];
         for slice_name in self.slices_by_service.get(service).into_iter().flatten() {
             let slice = &self.slices[slice_name];
             for slice_port in &slice.ports {
-                let spn = ServicePortName::new(
-                    service.clone(),
-                    slice_port.name.clone(),
-                    slice_port.protocol,
-                );
-                if !ports.contains_key(&spn) {
+                let Some(i) = ports.iter().position(|(spn, _)| {
+                    spn.port == slice_port.name && spn.protocol == slice_port.protocol
+                }) else {
                     continue;
-                }
-                endpoints
-                    .entry(spn)
-                    .or_default()
-                    .extend(slice.endpoints.iter().map(|ep| Endpoint {
-                        ip: ep.ip,
-                        port: slice_port.port,
-                        ready: ep.ready,
-                        serving: ep.serving,
-                        terminating: ep.terminating,
-                        node_name: ep.node_name.clone(),
-                        zone: ep.zone.clone(),
-                    }));
+                };
+                endpoints[i].extend(slice.endpoints.iter().map(|ep| Endpoint {
+                    ip: ep.ip,
+                    port: slice_port.port,
+                    ready: ep.ready,
+                    serving: ep.serving,
+                    terminating: ep.terminating,
+                    node_name: ep.node_name.clone(),
+                    zone: ep.zone.clone(),
+                }));
             }
         }
-        endpoints.retain(|_, eps| {
-            dedup_endpoints(eps);
-            !eps.is_empty()
-        });
-        ((**ports).clone(), endpoints)
+        let endpoints = ports
+            .iter()
+            .zip(endpoints)
+            .filter_map(|((spn, _), mut eps)| {
+                dedup_endpoints(&mut eps);
+                (!eps.is_empty()).then(|| (spn.clone(), eps))
+            })
+            .collect();
+        (ports.to_vec(), endpoints)
     }
 }
+
+/// One service's ports and the endpoints of each port that has some, both sorted by name.
+type Rendered = (
+    Vec<(ServicePortName, ServicePort)>,
+    Vec<(ServicePortName, Vec<Endpoint>)>,
+);
 
 /// Sorts by (ip, port) and keeps one of each. An endpoint can be listed twice (briefly, while the
 /// EndpointSlice controller moves it between slices); the copy that can take traffic wins, so a
@@ -545,24 +625,25 @@ fn dedup_endpoints(eps: &mut Vec<Endpoint>) {
     eps.dedup_by(|later, kept| (later.ip, later.port) == (kept.ip, kept.port));
 }
 
-/// Makes `service`'s entries in `map` equal to `wanted`, recording the keys that changed.
+/// Makes `service`'s entries in `map` equal to `wanted` (sorted by name), recording the keys
+/// that changed.
 fn sync_range<V: PartialEq>(
     map: &mut BTreeMap<ServicePortName, V>,
     service: &NamespacedName,
-    mut wanted: BTreeMap<ServicePortName, V>,
+    wanted: Vec<(ServicePortName, V)>,
     changed: &mut BTreeSet<ServicePortName>,
 ) {
     let stale: Vec<ServicePortName> = map
         .range(ServicePortName::first_of(service)..)
         .take_while(|(spn, _)| spn.service == *service)
-        .filter(|(spn, _)| !wanted.contains_key(*spn))
+        .filter(|(spn, _)| wanted.binary_search_by(|(w, _)| w.cmp(spn)).is_err())
         .map(|(spn, _)| spn.clone())
         .collect();
     for spn in stale {
         map.remove(&spn);
         changed.insert(spn);
     }
-    while let Some((spn, value)) = wanted.pop_first() {
+    for (spn, value) in wanted {
         if map.get(&spn) != Some(&value) {
             map.insert(spn.clone(), value);
             changed.insert(spn);
@@ -677,8 +758,24 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
         && traffic_policy("spec.externalTrafficPolicy", &spec.external_traffic_policy)?;
     let internal_traffic_local =
         traffic_policy("spec.internalTrafficPolicy", &spec.internal_traffic_policy)?;
+    let lb_algorithm = match svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(LB_ALGORITHM_ANNOTATION))
+        .map(String::as_str)
+    {
+        None => None,
+        Some("random") => Some(LbAlgorithm::Random),
+        Some("maglev") => Some(LbAlgorithm::Maglev),
+        Some(other) => {
+            return Err(format!(
+                "metadata.annotations[{LB_ALGORITHM_ANNOTATION:?}] {other:?} is not random or maglev"
+            ));
+        }
+    };
 
-    let mut ports = ServiceInfo::new();
+    let mut ports = Vec::new();
     for (i, port) in spec.ports.iter().flatten().enumerate() {
         let name = port.name.clone().unwrap_or_default();
         let at = if name.is_empty() {
@@ -714,12 +811,12 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
             Some(n) => Some(port_number(&format!("{at}: nodePort"), n)?),
         };
         let spn = ServicePortName::new(key.clone(), name, protocol);
-        if ports.contains_key(&spn) {
+        if ports.iter().any(|(other, _)| *other == spn) {
             return Err(format!(
                 "{at}: another port has the same name and protocol ({protocol})"
             ));
         }
-        ports.insert(
+        ports.push((
             spn,
             ServicePort {
                 cluster_ips: cluster_ips.clone(),
@@ -732,10 +829,12 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
                 session_affinity_timeout,
                 external_traffic_local,
                 internal_traffic_local,
+                lb_algorithm,
             },
-        );
+        ));
     }
-    Ok(Some(ports))
+    ports.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(Some(ports.into_boxed_slice()))
 }
 
 /// True for "Local"; unset means "Cluster".
@@ -753,12 +852,13 @@ fn parse_slice(
     key: &NamespacedName,
     slice: &EndpointSlice,
 ) -> Result<Option<(SliceInfo, Vec<SkippedEndpoint>)>, String> {
-    let labels = slice.metadata.labels.clone().unwrap_or_default();
-    if labels.contains_key(SERVICE_PROXY_NAME_LABEL) || labels.contains_key(HEADLESS_LABEL) {
+    let labels = slice.metadata.labels.as_ref();
+    let has = |label| labels.is_some_and(|l| l.contains_key(label));
+    if has(SERVICE_PROXY_NAME_LABEL) || has(HEADLESS_LABEL) {
         return Ok(None);
     }
-    let service = match labels.get(SERVICE_NAME_LABEL) {
-        Some(name) if !name.is_empty() => NamespacedName::new(key.namespace.clone(), name.clone()),
+    let service = match labels.and_then(|l| l.get(SERVICE_NAME_LABEL)) {
+        Some(name) if !name.is_empty() => NamespacedName::new(key.namespace.clone(), name.as_str()),
         _ => {
             return Err(format!(
                 "metadata.labels has no {SERVICE_NAME_LABEL}, so it belongs to no Service"
@@ -780,7 +880,7 @@ fn parse_slice(
         // No number means "all ports" in the API; kube-proxy skips such ports, and so do we.
         let Some(number) = port.port else { continue };
         ports.push(SlicePort {
-            name: port.name.clone().unwrap_or_default(),
+            name: port.name.as_deref().unwrap_or_default().into(),
             protocol: Protocol::parse_or_tcp(port.protocol.as_deref())
                 .map_err(|e| format!("{at}: {e}"))?,
             port: port_number(&format!("{at}: port"), number)?,
@@ -800,21 +900,22 @@ fn parse_slice(
                 continue;
             }
         };
-        let conditions = ep.conditions.clone().unwrap_or_default();
+        let condition =
+            |get: fn(&EndpointConditions) -> Option<bool>| ep.conditions.as_ref().and_then(get);
         // kube-proxy's reading of unset conditions: ready and serving true, terminating false.
         endpoints.push(SliceEndpoint {
             ip,
-            ready: conditions.ready.unwrap_or(true),
-            serving: conditions.serving.unwrap_or(true),
-            terminating: conditions.terminating.unwrap_or(false),
-            node_name: ep.node_name.clone(),
-            zone: ep.zone.clone(),
+            ready: condition(|c| c.ready).unwrap_or(true),
+            serving: condition(|c| c.serving).unwrap_or(true),
+            terminating: condition(|c| c.terminating).unwrap_or(false),
+            node_name: ep.node_name.as_deref().map(Arc::from),
+            zone: ep.zone.as_deref().map(Arc::from),
         });
     }
     let info = SliceInfo {
         service,
-        ports,
-        endpoints,
+        ports: ports.into_boxed_slice(),
+        endpoints: endpoints.into_boxed_slice(),
     };
     Ok(Some((info, skipped)))
 }
@@ -1620,5 +1721,71 @@ endpoints:
         tracker.apply(&mut state);
         local(&mut state);
         assert!(ips(&state).is_empty(), "no usable local endpoint");
+    }
+
+    #[test]
+    fn updates_keep_only_what_reaches_the_state() {
+        // A source compares updates to see whether an object changed: a label, an annotation or
+        // a pod reference does not count; a port or a condition does.
+        let base = ServiceUpdate::parse(&service(WEB)).unwrap();
+        let labelled = WEB.replace(
+            "name: web, namespace: default",
+            "name: web, namespace: default, labels: {app: web}, annotations: {a: b}",
+        );
+        assert_eq!(ServiceUpdate::parse(&service(&labelled)).unwrap(), base);
+        let moved = WEB.replace("port: 9090", "port: 9100");
+        assert_ne!(ServiceUpdate::parse(&service(&moved)).unwrap(), base);
+        let headless = ServiceUpdate::parse(&service(&WEB.replace("10.96.0.10", "None"))).unwrap();
+        assert_eq!(headless.skip_reason, Some("it is headless (clusterIP: None)"));
+        assert_ne!(headless, base);
+
+        let endpoints = |extra: &str| {
+            format!("[{{addresses: [10.244.1.11], nodeName: node1{extra}}}]")
+        };
+        let base = SliceUpdate::parse(&slice_of("web", "web-1", "IPv4", &endpoints(""))).unwrap();
+        let pod = ", targetRef: {kind: Pod, name: web-abc}, hostname: web-abc";
+        let same = slice_of("web", "web-1", "IPv4", &endpoints(pod));
+        assert_eq!(SliceUpdate::parse(&same).unwrap(), base);
+        let not_ready = endpoints(", conditions: {ready: false}");
+        let changed = slice_of("web", "web-1", "IPv4", &not_ready);
+        assert_ne!(SliceUpdate::parse(&changed).unwrap(), base);
+
+        // Applying an update is the same as applying the object.
+        let mut by_object = ChangeTracker::new();
+        let mut by_update = ChangeTracker::new();
+        by_object.update_service(&service(WEB)).unwrap();
+        by_object.update_slice(&changed).unwrap();
+        by_update.set_service(&ServiceUpdate::parse(&service(WEB)).unwrap());
+        by_update.set_slice(&SliceUpdate::parse(&changed).unwrap());
+        let (mut a, mut b) = (DesiredState::default(), DesiredState::default());
+        assert_eq!(by_object.apply(&mut a), by_update.apply(&mut b));
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn names_are_shared_not_copied() {
+        // The state's copies of a service's names and of an endpoint's node name point at the
+        // tracker's strings: a large cluster holds each name once.
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker
+            .update_slice(&slice_of(
+                "web",
+                "web-1",
+                "IPv4",
+                "[{addresses: [10.244.1.11], nodeName: node1}]",
+            ))
+            .unwrap();
+        tracker.apply(&mut state);
+        let (spn, port) = state.services.first_key_value().unwrap();
+        let (ep_spn, eps) = state.endpoints.first_key_value().unwrap();
+        assert!(Arc::ptr_eq(&spn.service.name, &ep_spn.service.name));
+        assert_eq!(port.port, 80);
+        let again = state.clone();
+        let node = eps[0].node_name.as_ref().unwrap();
+        let copy = again.endpoints[ep_spn][0].node_name.as_ref().unwrap();
+        assert!(Arc::ptr_eq(node, copy));
+        assert_eq!(&**node, "node1");
     }
 }

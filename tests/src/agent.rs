@@ -1,9 +1,12 @@
 //! The agent as a process in a sandbox node, on a manifest file, with its maps on a private
-//! bpffs; and editing that manifest the way an operator would.
+//! bpffs and its socket programs on a cgroup of its own; and editing that manifest the way an
+//! operator would.
 use std::{
     io::{Read, Write},
+    os::{fd::AsRawFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
     time::{Duration, Instant},
 };
 
@@ -13,7 +16,9 @@ use proxy_userspace::{
     manifest::{self, Object},
 };
 
-use crate::{HOST_IF_PATTERN, Sandbox, apiserver::ApiServer, find_bin, programs::PrivateBpffs};
+use crate::{
+    HOST_IF_PATTERN, NS_PREFIX, Sandbox, apiserver::ApiServer, find_bin, programs::PrivateBpffs,
+};
 
 pub const AGENT_BIN_ENV: &str = "PROXY_USERSPACE_BIN";
 
@@ -43,6 +48,8 @@ pub struct AgentRun {
     pub manifest: PathBuf,
     pub log: PathBuf,
     pub bpffs: PrivateBpffs,
+    /// The agent's `--bpf-cgroup-path`: host-network clients put in it reach services.
+    pub cgroup: TestCgroup,
     node: String,
     dir: PathBuf,
 }
@@ -76,6 +83,7 @@ impl AgentRun {
         let manifest = dir.join("services.yaml");
         let log = dir.join("agent.log");
         let bpffs = PrivateBpffs::new()?;
+        let cgroup = TestCgroup::new()?;
         let mut args: Vec<std::ffi::OsString> = Vec::new();
         let mut arg = |a: &dyn AsRef<std::ffi::OsStr>| args.push(a.as_ref().to_owned());
         match source {
@@ -97,6 +105,8 @@ impl AgentRun {
         arg(&"0s");
         arg(&"--bpf-pin-dir");
         arg(&bpffs.path());
+        arg(&"--bpf-cgroup-path");
+        arg(&cgroup.path());
         arg(&"--pod-interfaces");
         arg(&HOST_IF_PATTERN);
         arg(&"--healthz-bind-address");
@@ -120,6 +130,7 @@ impl AgentRun {
             manifest,
             log,
             bpffs,
+            cgroup,
             node: node.to_owned(),
             dir,
         };
@@ -295,6 +306,115 @@ impl AgentRun {
 impl Drop for AgentRun {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A cgroup of a test's own, for an agent's socket programs (`--bpf-cgroup-path`), so that tests
+/// never attach them to the machine's root cgroup: made under the machine's cgroup2 mount (or,
+/// without one, on a cgroup2 mounted for it), removed on drop. Processes put in it with
+/// [`TestCgroup::enter`] are the clients those programs see.
+pub struct TestCgroup {
+    path: PathBuf,
+    /// The cgroup2 mount made for it, unmounted on drop.
+    mounted: Option<PathBuf>,
+}
+
+impl TestCgroup {
+    pub fn new() -> Result<Self> {
+        static COUNTER: AtomicU32 = AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        let (root, mounted) = match cgroup2_mount() {
+            Some(root) => (root, None),
+            None => {
+                let at = std::env::temp_dir().join(format!("{NS_PREFIX}{pid}-cgroup2-{n}"));
+                proxy_userspace::ebpf::cgroup::ensure(&at)
+                    .context("no cgroup2 mounted, and mounting one failed")?;
+                (at.clone(), Some(at))
+            }
+        };
+        if n == 0 {
+            remove_stale_cgroups(&root);
+        }
+        let path = root.join(format!("{NS_PREFIX}{pid}-cg{n}"));
+        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self { path, mounted })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Makes `cmd` move itself into this cgroup before it runs its program (a socket belongs
+    /// to the cgroup of the process that created it).
+    pub fn enter(&self, cmd: &mut Command) -> Result<()> {
+        let procs = self.path.join("cgroup.procs");
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&procs)
+            .with_context(|| format!("opening {}", procs.display()))?;
+        // SAFETY: the closure only calls write(2) (async-signal-safe) on an fd it owns.
+        unsafe {
+            cmd.pre_exec(move || {
+                // "0": the writing process itself.
+                if libc::write(file.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        // Processes that just exited may take a moment to leave it.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while let Err(e) = std::fs::remove_dir(&self.path) {
+            if e.kind() == std::io::ErrorKind::NotFound || Instant::now() > deadline {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    eprintln!("warning: removing cgroup {}: {e}", self.path.display());
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if let Some(at) = &self.mounted {
+            let _ = proxy_userspace::ebpf::bpffs::unmount(at);
+            let _ = std::fs::remove_dir(at);
+        }
+    }
+}
+
+/// Where cgroup2 is mounted, if it is.
+fn cgroup2_mount() -> Option<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let mount_point = fields.nth(1)?;
+        (fields.next()? == "cgroup2").then(|| PathBuf::from(mount_point))
+    })
+}
+
+/// Removes the (empty) cgroups of test processes that no longer exist.
+fn remove_stale_cgroups(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(NS_PREFIX))
+            .and_then(|rest| rest.split_once("-cg"))
+            .map(|(pid, _)| pid.to_owned())
+        else {
+            continue;
+        };
+        if pid.bytes().all(|b| b.is_ascii_digit()) && !Path::new("/proc").join(&pid).exists() {
+            let _ = std::fs::remove_dir(entry.path());
+        }
     }
 }
 

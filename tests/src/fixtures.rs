@@ -4,7 +4,7 @@
 use std::{net::Ipv4Addr, time::Duration};
 
 use proxy_userspace::{
-    ebpf::{MapSizes, ServiceMaps},
+    ebpf::{MapSizes, ServiceMaps, WriterConfig},
     model::{DesiredState, Protocol, ServicePortName},
 };
 
@@ -131,5 +131,9 @@ pub fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec
 /// A new map writer on the pinned maps, as a restarted agent's.
 pub fn restart(p: &mut Programs, sizes: MapSizes, drain_period: Duration) {
     let mut reloaded = proxy_userspace::ebpf::load(p.bpffs.path(), sizes).unwrap();
-    p.maps = ServiceMaps::take_from(&mut reloaded, drain_period).unwrap();
+    let writer = WriterConfig {
+        drain_period,
+        ..WriterConfig::default()
+    };
+    p.maps = ServiceMaps::take_from(&mut reloaded, writer).unwrap();
 }

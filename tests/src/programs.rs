@@ -16,7 +16,7 @@ use aya::{
 use proxy_common::{CtKey, CtValue, MAP_CONNTRACK};
 use proxy_userspace::{
     dataplane::Scope,
-    ebpf::{self, MapSizes, ServiceMaps, bpffs, maps::DEFAULT_DRAIN_PERIOD},
+    ebpf::{self, MapSizes, ServiceMaps, WriterConfig, bpffs, maps::DEFAULT_DRAIN_PERIOD},
     model::{
         DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName, TargetPort,
     },
@@ -103,7 +103,11 @@ impl Programs {
     pub fn load_draining(sizes: MapSizes, drain_period: Duration) -> anyhow::Result<Self> {
         let bpffs = PrivateBpffs::new()?;
         let mut ebpf = ebpf::load(bpffs.path(), sizes)?;
-        let maps = ServiceMaps::take_from(&mut ebpf, drain_period)?;
+        let writer = WriterConfig {
+            drain_period,
+            ..WriterConfig::default()
+        };
+        let maps = ServiceMaps::take_from(&mut ebpf, writer)?;
         Ok(Self { ebpf, maps, bpffs })
     }
 
@@ -191,6 +195,7 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
             session_affinity_timeout: None,
             external_traffic_local: false,
             internal_traffic_local: false,
+            lb_algorithm: None,
         },
     );
     let endpoints = svc

@@ -19,7 +19,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue};
 use proxy_tests::{
     BACKEND_PORT, HOST_IF_PATTERN, Pod, Sandbox,
-    agent::{AgentRun, agent_bin},
+    agent::{AgentRun, TestCgroup, agent_bin},
     patience, privileged,
     programs::PrivateBpffs,
 };
@@ -111,9 +111,17 @@ fn bulk_services(count: usize, endpoints: usize) -> String {
 
 /// The agent in node1 on `manifest`, with maps big enough for the bulk services; its log
 /// goes to `log`. Returns its pid (the sandbox stops it).
-fn spawn_agent(sandbox: &mut Sandbox, pin_dir: &Path, manifest: &Path, log: &Path) -> u32 {
+fn spawn_agent(
+    sandbox: &mut Sandbox,
+    pin_dir: &Path,
+    cgroup: &TestCgroup,
+    manifest: &Path,
+    log: &Path,
+) -> u32 {
     let mut cmd = Command::new(agent_bin().unwrap());
     cmd.arg("agent")
+        .arg("--bpf-cgroup-path")
+        .arg(cgroup.path())
         .arg("--manifest")
         .arg(manifest)
         .arg("--bpf-pin-dir")
@@ -173,6 +181,7 @@ fn a_new_pod_is_served_while_a_long_sync_runs() {
     let mut sandbox = Sandbox::build().expect("building the sandbox");
     sandbox.start_backends(BACKEND_PORT).unwrap();
     let bpffs = PrivateBpffs::new().unwrap();
+    let cgroup = TestCgroup::new().unwrap();
     let dir = tempdir(&sandbox.prefix);
     let manifest = dir.join("services.yaml");
     let log = dir.join("agent.log");
@@ -180,7 +189,7 @@ fn a_new_pod_is_served_while_a_long_sync_runs() {
     // The example's services first, so that dns-like is in the (pinned) maps before the
     // restarted agent's long sync starts, and stays there throughout.
     std::fs::write(&manifest, EXAMPLE).unwrap();
-    let pid = spawn_agent(&mut sandbox, bpffs.path(), &manifest, &log);
+    let pid = spawn_agent(&mut sandbox, bpffs.path(), &cgroup, &manifest, &log);
     wait_for_log(&log, "full sync done", Duration::from_secs(10));
     sandbox.stop(pid).unwrap();
     let before = services_entries(bpffs.path(), usize::MAX);
@@ -192,7 +201,7 @@ fn a_new_pod_is_served_while_a_long_sync_runs() {
     let bulk = bulk_services(20_000 / slowness, 4);
     std::fs::write(&manifest, format!("{EXAMPLE}\n{bulk}")).unwrap();
     let log2 = dir.join("agent2.log");
-    spawn_agent(&mut sandbox, bpffs.path(), &manifest, &log2);
+    spawn_agent(&mut sandbox, bpffs.path(), &cgroup, &manifest, &log2);
     wait_for_log(&log2, "ebpf dataplane loaded", Duration::from_secs(60));
     let deadline = Instant::now() + patience(Duration::from_secs(30));
     while services_entries(bpffs.path(), before + 1) <= before {

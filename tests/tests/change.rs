@@ -21,7 +21,7 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     dataplane::Scope,
-    ebpf::{self, ServiceMaps, bpffs::PinDirLock, maps::DEFAULT_DRAIN_PERIOD},
+    ebpf::{self, ServiceMaps, WriterConfig, bpffs::PinDirLock, maps::DEFAULT_DRAIN_PERIOD},
     inspect,
     model::{DesiredState, Protocol, ServicePortName},
 };
@@ -454,7 +454,7 @@ fn pinned_maps_of_another_layout_are_migrated_or_recreated() {
     assert_eq!(state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0).unwrap(), 5000);
     assert_eq!(state.get(&AGENT_STATE_LAYOUT, 0).unwrap(), LAYOUT_VERSION);
     // New backends get ids above the carried-over counter.
-    let mut maps = ServiceMaps::take_from(&mut loaded, DEFAULT_DRAIN_PERIOD).unwrap();
+    let mut maps = ServiceMaps::take_from(&mut loaded, WriterConfig::default()).unwrap();
     let mut desired = DesiredState::default();
     set_endpoints(&mut desired, "web", VIP, 80, Protocol::Tcp, &[(BE1, 8080)]);
     maps.sync(&desired, Scope::All).unwrap();

@@ -156,7 +156,7 @@ fn endpoint_and_service_changes_apply_live() {
     // The Service goes away: its address stops answering new connections (it drains: the
     // connections established through it would keep their backend).
     edit_manifest(&agent.manifest, |objects| {
-        objects.retain(|o| o.key().name != "remote")
+        objects.retain(|o| &*o.key().name != "remote")
     })
     .unwrap();
     agent
@@ -202,7 +202,7 @@ fn a_service_without_endpoints_is_refused_at_once() {
     edit_manifest(&agent.manifest, |objects| {
         objects.retain(|o| {
             !matches!(o, Object::EndpointSlice(_))
-                || !["remote-m4b8d", "dns-like-q9fzt"].contains(&o.key().name.as_str())
+                || !["remote-m4b8d", "dns-like-q9fzt"].contains(&&*o.key().name)
         })
     })
     .unwrap();

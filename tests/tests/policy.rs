@@ -1,5 +1,5 @@
 //! Service policies under BPF_PROG_TEST_RUN: terminating endpoints as the fallback when none is
-//! ready (KEP-1669), internalTrafficPolicy: Local, sessionAffinity: ClientIP.
+//! ready (KEP-1669), internalTrafficPolicy: Local, sessionAffinity: ClientIP, Maglev.
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
@@ -190,4 +190,77 @@ fn session_affinity_sends_a_clients_new_connections_to_one_backend() {
     p.program(&state).unwrap();
     let moved = reached(&p, CLIENT, 46100..46110);
     assert!(moved.len() == 1 && !moved.contains(&bound), "{moved:?}");
+}
+
+#[test]
+fn maglev_picks_the_same_backend_on_every_node_and_moves_few_flows() {
+    let five: Vec<Endpoint> = (1..=5)
+        .map(|i| ep(Ipv4Addr::new(10, 244, 3, i), "node1", true, true, false))
+        .collect();
+    let maglev = |sp: &mut proxy_userspace::model::ServicePort| {
+        sp.lb_algorithm = Some(proxy_userspace::model::LbAlgorithm::Maglev)
+    };
+    let state = web(five.clone(), maglev);
+    let Some(node1) = load(
+        "maglev_picks_the_same_backend_on_every_node_and_moves_few_flows",
+        &state,
+    ) else {
+        return;
+    };
+    // Another node, whose backend ids differ (another service was programmed first).
+    let mut node2 = Programs::load(SMALL).unwrap();
+    let mut other = state.clone();
+    add_service(
+        &mut other,
+        &Svc {
+            name: "aaa",
+            vip: Ipv4Addr::new(10, 96, 9, 9),
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: &[(BE3, 80), (BE2, 80)],
+        },
+    );
+    node2.program(&other).unwrap();
+    let shown = inspect::services_table(&inspect::services(node1.bpffs.path()).unwrap());
+    assert!(shown.contains("[maglev]"), "{shown}");
+    let flows: Vec<Spec> = (0..300u16)
+        .map(|i| {
+            Spec::tcp(
+                Ipv4Addr::new(10, 244, 1, (i % 50) as u8 + 1),
+                20000 + i,
+                VIP,
+                80,
+            )
+        })
+        .collect();
+    let on = |p: &Programs| -> Vec<Ipv4Addr> { flows.iter().map(|f| dnat(p, f).dst).collect() };
+    let before = on(&node1);
+    assert_eq!(before, on(&node2), "every node must pick alike");
+    let spread: BTreeSet<_> = before.iter().collect();
+    assert_eq!(spread.len(), 5, "300 flows should reach all 5 backends");
+    // One endpoint goes (a third node programmed without it): only its flows move.
+    let gone = Ipv4Addr::new(10, 244, 3, 1);
+    let four = web(
+        five.into_iter()
+            .filter(|e| e.ip != IpAddr::V4(gone))
+            .collect(),
+        maglev,
+    );
+    let node3 = load(
+        "maglev_picks_the_same_backend_on_every_node_and_moves_few_flows",
+        &four,
+    )
+    .unwrap();
+    let after = on(&node3);
+    let kept = before
+        .iter()
+        .zip(&after)
+        .filter(|(b, a)| **b != gone && b == a)
+        .count();
+    let stayed = before.iter().filter(|b| **b != gone).count();
+    assert!(
+        kept * 100 >= stayed * 95,
+        "{kept} of {stayed} flows not on the removed backend kept theirs"
+    );
+    assert!(!after.contains(&gone));
 }

@@ -38,9 +38,11 @@ enum Cmd {
     },
     /// Start the sandbox cluster and the agent, and show Services at work.
     Demo,
-    /// Run a benchmark (`datapath`: the tc program under BPF_PROG_TEST_RUN).
+    /// Run a benchmark: `datapath` (the tc program under BPF_PROG_TEST_RUN) or `agent` (the
+    /// agent on 1 to 30k services: time to its first full sync, memory). Arguments after it go
+    /// to the benchmark (`cargo xtask bench agent --help`).
     Bench {
-        #[arg(default_value = "datapath")]
+        #[arg(default_value = "datapath", value_parser = ["datapath", "agent"])]
         which: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -105,6 +107,8 @@ fn main() -> anyhow::Result<()> {
                 "e2e",
                 "--test",
                 "sandbox",
+                "--test",
+                "host",
             ];
             test.extend(args.iter().map(String::as_str));
             let mut cmd = cargo_cmd();

@@ -17,7 +17,7 @@
 //! its drain gets its old id back, so its flows are untouched.
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr},
     time::{Duration, Instant},
 };
 
@@ -27,14 +27,16 @@ use aya::{
     maps::{Array, HashMap as BpfHashMap, IterableMap, MapData, MapError},
 };
 use proxy_common::{
-    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be16, Be32, MAP_AGENT_STATE,
-    MAP_BACKENDS, MAP_SERVICES, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_MAGLEV_TABLE_SIZE,
+    MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV, MAP_SERVICES, MaglevChunk,
+    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, ServiceKey,
     ServiceValue,
 };
 
 use crate::{
     dataplane::{NotProgrammable, Scope},
-    model::{DesiredState, Protocol, ServicePortName},
+    maglev,
+    model::{DesiredState, LbAlgorithm, Protocol, ServicePortName},
 };
 
 /// A service address as the datapath matches it: slot 0 of the services map.
@@ -44,12 +46,38 @@ pub type Frontend = ServiceKey;
 /// through it, by default (`--bpf-drain-period`).
 pub const DEFAULT_DRAIN_PERIOD: Duration = Duration::from_secs(3600);
 
+/// How the map writer programs: what a change keeps, and how new flows pick backends.
+#[derive(Clone, Copy, Debug)]
+pub struct WriterConfig {
+    /// How long removed endpoints and Services keep their established TCP connections.
+    pub drain_period: Duration,
+    /// The algorithm of Services without the annotation (`--lb-algorithm`).
+    pub lb_algorithm: LbAlgorithm,
+    /// Maglev's table size, a prime (`--lb-maglev-table-size`).
+    pub maglev_table_size: u32,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        Self {
+            drain_period: DEFAULT_DRAIN_PERIOD,
+            lb_algorithm: LbAlgorithm::Random,
+            maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
+        }
+    }
+}
+
 pub struct ServiceMaps {
     services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
     backends: BpfHashMap<MapData, u32, Backend>,
     services_max: usize,
     backends_max: usize,
     drain_period: Duration,
+    lb_algorithm: LbAlgorithm,
+    maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
+    maglev_table_size: u32,
+    /// The pinned tables were made for another table size: rewrite each at its next sync.
+    maglev_stale: bool,
     /// What the services map holds: each frontend's backend ids, in slot order (none for a
     /// draining frontend; 0 for a slot a damaged map lost).
     frontends: HashMap<Frontend, Vec<u32>>,
@@ -93,9 +121,10 @@ const LOST: u32 = 0;
 
 impl ServiceMaps {
     /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
-    /// (ids stay stable across restarts, so established flows keep their backend). Removed
-    /// endpoints and Services keep their established TCP connections for `drain_period`.
-    pub fn take_from(ebpf: &mut Ebpf, drain_period: Duration) -> anyhow::Result<Self> {
+    /// (ids stay stable across restarts, so established flows keep their backend).
+    pub fn take_from(ebpf: &mut Ebpf, config: WriterConfig) -> anyhow::Result<Self> {
+        maglev::validate_size(config.maglev_table_size)
+            .context("--lb-maglev-table-size must be a prime up to 131071 (e.g. 16381)")?;
         let mut take = |name: &str| {
             ebpf.take_map(name)
                 .with_context(|| format!("map {name} missing"))
@@ -103,15 +132,23 @@ impl ServiceMaps {
         let services: BpfHashMap<_, ServiceKey, ServiceValue> = take(MAP_SERVICES)?.try_into()?;
         let backends: BpfHashMap<_, u32, Backend> = take(MAP_BACKENDS)?.try_into()?;
         let agent_state: Array<_, u64> = take(MAP_AGENT_STATE)?.try_into()?;
-        Self::recover(services, backends, agent_state, drain_period)
+        let maglev: BpfHashMap<_, ServiceKey, MaglevChunk> = take(MAP_MAGLEV)?.try_into()?;
+        let mut settings: Array<_, u32> = take(MAP_CONFIG)?.try_into()?;
+        let pinned_size = settings.get(&CONFIG_MAGLEV_TABLE_SIZE, 0)?;
+        settings.set(CONFIG_MAGLEV_TABLE_SIZE, config.maglev_table_size, 0)?;
+        let mut maps = Self::recover(services, backends, agent_state, maglev, config)?;
+        maps.maglev_stale = pinned_size != 0 && pinned_size != config.maglev_table_size;
+        Ok(maps)
     }
 
     fn recover(
         mut services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
         backends: BpfHashMap<MapData, u32, Backend>,
         agent_state: Array<MapData, u64>,
-        drain_period: Duration,
+        maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
+        config: WriterConfig,
     ) -> anyhow::Result<Self> {
+        let drain_period = config.drain_period;
         let services_max = services.map().info()?.max_entries() as usize;
         let backends_max = backends.map().info()?.max_entries() as usize;
         let now = Instant::now();
@@ -197,6 +234,10 @@ impl ServiceMaps {
             services_max,
             backends_max,
             drain_period,
+            lb_algorithm: config.lb_algorithm,
+            maglev,
+            maglev_table_size: config.maglev_table_size,
+            maglev_stale: false,
             frontends,
             heads,
             draining_frontends,
@@ -230,7 +271,7 @@ impl ServiceMaps {
         for spn in &ports {
             let old = self.owners.remove(spn).unwrap_or_default();
             let mut owned = Vec::new();
-            for Wanted { fe, head, backends } in desired_frontends(state, spn) {
+            for Wanted { fe, head, backends } in desired_frontends(state, spn, self.lb_algorithm) {
                 match self.program(spn, &fe, head, &backends) {
                     Ok(()) => {
                         owned.push(fe);
@@ -342,9 +383,21 @@ impl ServiceMaps {
             count: ids.len() as u16,
             ..head
         };
+        let had_maglev = self
+            .heads
+            .get(fe)
+            .is_some_and(|h| h.flags & SERVICE_MAGLEV != 0);
+        let maglev = head.flags & SERVICE_MAGLEV != 0;
+        if maglev && (!had_maglev || old != ids || self.maglev_stale) {
+            // Before slot 0 points new flows at it; ids no longer in it only lose new flows.
+            self.write_maglev(fe, backends, &ids)?;
+        }
         if let Err(e) = self.write_slots(fe, &old, &ids, head) {
             self.restore_slots(fe, &old, &ids);
             return Err(e);
+        }
+        if had_maglev && !maglev {
+            self.remove_maglev(fe)?;
         }
         // The new slots are live from here on.
         self.used_slots = self.used_slots + ids.len() + 1 - if existed { old.len() + 1 } else { 0 };
@@ -416,6 +469,67 @@ impl ServiceMaps {
         Ok(id)
     }
 
+    /// Writes the Maglev table of `fe` for `backends` (with these `ids`), in chunks.
+    fn write_maglev(
+        &mut self,
+        fe: &Frontend,
+        backends: &[Backend],
+        ids: &[u32],
+    ) -> anyhow::Result<()> {
+        let members: Vec<maglev::MaglevBackend> = backends
+            .iter()
+            .zip(ids)
+            .map(|(b, id)| {
+                maglev::MaglevBackend::new(
+                    IpAddr::V4(Ipv4Addr::from(b.addr.octets())),
+                    b.port.get(),
+                    *id,
+                )
+            })
+            .collect();
+        let table = maglev::table(&members, self.maglev_table_size)?;
+        for (i, part) in table.chunks(MAGLEV_CHUNK).enumerate() {
+            let mut chunk = MaglevChunk {
+                ids: [LOST; MAGLEV_CHUNK],
+            };
+            chunk.ids[..part.len()].copy_from_slice(part);
+            self.maglev
+                .insert(
+                    ServiceKey {
+                        slot: i as u16,
+                        ..*fe
+                    },
+                    chunk,
+                    0,
+                )
+                .with_context(|| {
+                    format!(
+                        "writing the Maglev table of {} (the MAGLEV map holds 1048576 chunks of \
+                         1024 entries)",
+                        describe(fe)
+                    )
+                })?;
+        }
+        Ok(())
+    }
+
+    fn remove_maglev(&mut self, fe: &Frontend) -> anyhow::Result<()> {
+        let chunks = (self.maglev_table_size as usize).div_ceil(MAGLEV_CHUNK);
+        for i in 0..chunks {
+            match self.maglev.remove(&ServiceKey {
+                slot: i as u16,
+                ..*fe
+            }) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("deleting the Maglev table of {}", describe(fe)));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Writes the backend slots that differ from `old`, then slot 0 if it changed.
     fn write_slots(
         &mut self,
@@ -476,7 +590,13 @@ impl ServiceMaps {
         self.services
             .insert(fe, head, 0)
             .with_context(|| format!("writing {}", describe(fe)))?;
-        self.heads.insert(*fe, head);
+        let had_maglev = self
+            .heads
+            .insert(*fe, head)
+            .is_some_and(|h| h.flags & SERVICE_MAGLEV != 0);
+        if had_maglev {
+            self.remove_maglev(fe)?;
+        }
         self.claims.remove(fe);
         // Packets no longer see the slots; what follows is cleanup (slots left by a failure
         // here are invisible, and the next agent start deletes them).
@@ -704,9 +824,14 @@ pub struct Wanted {
     pub backends: Vec<Backend>,
 }
 
-/// The frontends a service port should have, each with its slot 0 and backends. TCP and UDP
-/// only: SCTP ports are kept in the model and skipped here.
-pub fn desired_frontends(state: &DesiredState, spn: &ServicePortName) -> Vec<Wanted> {
+/// The frontends a service port should have, each with its slot 0 and backends, new flows
+/// picking by `lb_algorithm` unless the Service says otherwise. TCP and UDP only: SCTP ports
+/// are kept in the model and skipped here.
+pub fn desired_frontends(
+    state: &DesiredState,
+    spn: &ServicePortName,
+    lb_algorithm: LbAlgorithm,
+) -> Vec<Wanted> {
     let Some(sp) = state
         .services
         .get(spn)
@@ -721,6 +846,9 @@ pub fn desired_frontends(state: &DesiredState, spn: &ServicePortName) -> Vec<Wan
     }
     if sp.session_affinity_timeout.is_some() {
         flags |= SERVICE_AFFINITY;
+    }
+    if sp.lb_algorithm.unwrap_or(lb_algorithm) == LbAlgorithm::Maglev {
+        flags |= SERVICE_MAGLEV;
     }
     let head = ServiceValue::head(0, flags, sp.session_affinity_timeout.unwrap_or(0));
     sp.cluster_ips

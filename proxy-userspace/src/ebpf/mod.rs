@@ -1,10 +1,12 @@
-//! The ebpf mode: tc programs on pod-facing interfaces, driven by pinned BPF hash maps.
+//! The ebpf mode: tc programs on pod-facing interfaces and socket programs for host-network
+//! clients, driven by pinned BPF hash maps.
 mod attach;
 pub mod bpffs;
+pub mod cgroup;
 mod link_events;
 pub mod maps;
 
-use std::{path::Path, time::Duration};
+use std::path::Path;
 
 use anyhow::{Context, bail};
 use aya::{
@@ -14,14 +16,15 @@ use aya::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
-    AffinityValue, Backend, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES, LAYOUT_VERSION,
-    MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONNTRACK, MAP_DROPS, MAP_SERVICES,
-    ServiceKey, ServiceValue,
+    AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES,
+    LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK,
+    MAP_DROPS, MAP_MAGLEV, MAP_SERVICES, MaglevChunk, ServiceKey, ServiceValue,
 };
 
 pub use attach::Attacher;
 use attach::detach_all;
-pub use maps::ServiceMaps;
+use cgroup::{MAP_HOST_NETNS, MAP_SOCK_REVNAT, SockRevNatKey, SockRevNatValue};
+pub use maps::{ServiceMaps, WriterConfig};
 
 use crate::{
     dataplane::{Dataplane, Scope},
@@ -87,6 +90,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         prog.load()
             .with_context(|| format!("the kernel's verifier rejected {name}"))?;
     }
+    cgroup::load_programs(&mut ebpf)?;
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
         .context("map AGENT_STATE missing")?
@@ -108,7 +112,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 6] = [
+const LAYOUTS: [Layout; 10] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -145,11 +149,39 @@ const LAYOUTS: [Layout; 6] = [
         entries: None,
     },
     Layout {
+        name: MAP_MAGLEV,
+        map_type: MapType::Hash,
+        key_size: size_of::<ServiceKey>(),
+        value_size: size_of::<MaglevChunk>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_CONFIG,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: Some(CONFIG_ENTRIES),
+    },
+    Layout {
         name: MAP_DROPS,
         map_type: MapType::PerCpuArray,
         key_size: size_of::<u32>(),
         value_size: size_of::<u64>(),
         entries: Some(DROPS_ENTRIES),
+    },
+    Layout {
+        name: MAP_SOCK_REVNAT,
+        map_type: MapType::LruHash,
+        key_size: size_of::<SockRevNatKey>(),
+        value_size: size_of::<SockRevNatValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_HOST_NETNS,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u64>(),
+        entries: Some(1),
     },
 ];
 
@@ -192,6 +224,10 @@ fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
         let what = match layout.name {
             MAP_CONNTRACK => "established flows are reset",
             MAP_SERVICES | MAP_BACKENDS => "services are programmed again by the first sync",
+            MAP_SOCK_REVNAT => {
+                "host-network sockets connected earlier show their backend, not the service, \
+                 as their peer"
+            }
             _ => "its contents are carried over",
         };
         tracing::warn!(
@@ -265,9 +301,9 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
 }
 
 /// `agent --cleanup`: detaches the programs from the interfaces matching `pod_interfaces` and
-/// removes everything the agent pinned under `pin_dir`.
+/// from the cgroup, and removes everything the agent pinned under `pin_dir`.
 pub fn cleanup(pin_dir: &Path, pod_interfaces: &str) -> anyhow::Result<()> {
-    let detached = detach_all(pod_interfaces, pin_dir)?;
+    let detached = detach_all(pod_interfaces, pin_dir)? + cgroup::detach_all(pin_dir)?;
     let mut removed = 0;
     // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
     for name in LAYOUTS.map(|l| l.name) {
@@ -294,17 +330,27 @@ pub struct EbpfDataplane {
 
 impl EbpfDataplane {
     /// Loads the programs (see [`load`]), starts forwarding their logs and exporting their
-    /// drop counters, and attaches them to every interface whose name matches
-    /// `pod_interfaces`, now and as such interfaces appear. Removed endpoints and Services keep
-    /// their established TCP connections for `drain_period`.
+    /// drop counters, attaches the socket programs to the cgroup `cgroup` (for the clients of
+    /// this process's network namespace) and the tc programs to every interface whose name
+    /// matches `pod_interfaces`, now and as such interfaces appear. `writer` says how the
+    /// maps are programmed (drain period, load-balancing algorithm).
     pub fn new(
         pin_dir: &Path,
         sizes: MapSizes,
-        drain_period: Duration,
+        writer: WriterConfig,
         pod_interfaces: &str,
+        cgroup: &Path,
     ) -> anyhow::Result<Self> {
         let mut ebpf = load(pin_dir, sizes)?;
-        let maps = ServiceMaps::take_from(&mut ebpf, drain_period)?;
+        if cgroup.as_os_str().is_empty() {
+            tracing::warn!(
+                "--bpf-cgroup-path is empty: host-network clients do not reach services"
+            );
+        } else {
+            let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
+            cgroup::attach(&mut ebpf, cgroup, pin_dir, netns)?;
+        }
+        let maps = ServiceMaps::take_from(&mut ebpf, writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
         let attacher = attach::AttachThread::start(ebpf, pod_interfaces, pin_dir)?;

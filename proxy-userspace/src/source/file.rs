@@ -21,8 +21,8 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
 
-use crate::manifest::{self, Manifest, Object};
-use crate::model::{ChangeTracker, NamespacedName, service_skip_reason};
+use crate::manifest::{self, ManifestError, Object};
+use crate::model::{ChangeTracker, InvalidObject, NamespacedName, ServiceUpdate, SliceUpdate};
 use crate::runner::SyncHandle;
 
 /// How long the directory must stay quiet before a reload: one save is often several events
@@ -64,13 +64,15 @@ pub async fn run(
             source.path.display()
         )
     })?;
-    let manifest = manifest::parse(&text).with_context(|| {
+    let load = read(&text).with_context(|| {
         format!(
             "the manifest {} is unreadable, so nothing was programmed; fix it and start again",
             source.path.display()
         )
     })?;
-    source.apply(manifest, &tracker)?;
+    // The text is not needed any more (and may be large): free it before the tracker grows.
+    drop(text);
+    source.apply(load, &tracker)?;
     // Even an empty first load must reach the dataplane: it clears what an earlier run left.
     sync.request();
     // The receiver may have stopped waiting; the source keeps running either way.
@@ -135,7 +137,78 @@ async fn settle(events: &mut mpsc::UnboundedReceiver<notify::Result<notify::Even
     }
 }
 
+/// An object's kind and namespace/name.
 type ObjectKey = (&'static str, NamespacedName);
+
+/// What the tracker needs of one object of the file (not the object itself: only what reaches
+/// the desired state), kept until the next load to see what changed.
+#[derive(Clone, Debug, PartialEq)]
+enum Entry {
+    Service(Result<ServiceUpdate, InvalidObject>),
+    Slice(Result<SliceUpdate, InvalidObject>),
+}
+
+impl Entry {
+    fn new(object: &Object) -> Self {
+        match object {
+            Object::Service(svc) => Entry::Service(ServiceUpdate::parse(svc)),
+            Object::EndpointSlice(slice) => Entry::Slice(SliceUpdate::parse(slice)),
+        }
+    }
+
+    /// The object's namespace/name (the parsed form's, so the key shares its strings).
+    fn key(&self) -> &NamespacedName {
+        match self {
+            Entry::Service(Ok(update)) => &update.key,
+            Entry::Slice(Ok(update)) => &update.key,
+            Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => &invalid.key,
+        }
+    }
+}
+
+/// One load of the file, read but not applied yet.
+#[derive(Debug)]
+struct Load {
+    entries: BTreeMap<ObjectKey, Entry>,
+    /// Objects defined more than once, to be reported: as with `kubectl apply`, the later
+    /// definition wins.
+    duplicates: Vec<ObjectKey>,
+    /// Unusable documents, each to be reported.
+    errors: Vec<ManifestError>,
+    /// Objects of other kinds.
+    ignored: usize,
+}
+
+/// Reads a manifest into what the tracker needs. Each object is reduced to its [`Entry`] as soon
+/// as it is parsed, so the objects themselves are never all held at once. Errs when the text as
+/// a whole is unreadable.
+fn read(text: &str) -> Result<Load, ManifestError> {
+    let mut entries = Vec::new();
+    let parsed = manifest::parse_each(text, |object| {
+        let entry = Entry::new(&object);
+        entries.push(((object.kind(), entry.key().clone()), entry));
+    })?;
+    // Sorted first, so that the map is built with full nodes (inserting one by one would leave
+    // them about half full: a few MiB with tens of thousands of objects). The sort is stable and
+    // the map keeps the last of equal keys: the later definition wins.
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    let duplicates = entries
+        .windows(2)
+        .filter(|pair| pair[0].0 == pair[1].0)
+        .map(|pair| pair[0].0.clone())
+        .collect();
+    Ok(Load {
+        entries: BTreeMap::from_iter(entries),
+        duplicates,
+        errors: parsed.errors,
+        ignored: parsed.ignored,
+    })
+}
+
+/// "Service demo/web", as in the log lines about an object.
+fn describe(key: &ObjectKey) -> String {
+    format!("{} {}", key.0, key.1)
+}
 
 /// What one load did, for the log line and for tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -149,9 +222,9 @@ struct LoadStats {
 
 struct FileSource {
     path: PathBuf,
-    /// The objects of the last load, as written in the file (invalid ones included: the tracker
-    /// kept their previous valid version, and they are not retried until they change).
-    snapshot: BTreeMap<ObjectKey, Object>,
+    /// The objects of the last load as the tracker was given them (invalid ones included: the
+    /// tracker kept their previous valid version, and they are not retried until they change).
+    snapshot: BTreeMap<ObjectKey, Entry>,
 }
 
 impl FileSource {
@@ -175,8 +248,8 @@ impl FileSource {
                 return Ok(false);
             }
         };
-        let manifest = match manifest::parse(&text) {
-            Ok(manifest) => manifest,
+        let load = match read(&text) {
+            Ok(load) => load,
             Err(e) => {
                 tracing::warn!(
                     "the manifest {path} is unreadable ({e}); keeping the services loaded before"
@@ -184,78 +257,78 @@ impl FileSource {
                 return Ok(false);
             }
         };
-        self.apply(manifest, tracker)?;
+        drop(text);
+        self.apply(load, tracker)?;
         Ok(lock(tracker)?.has_pending())
     }
 
-    /// Feeds the tracker the difference between `manifest` and the previous load.
-    fn apply(
-        &mut self,
-        manifest: Manifest,
-        tracker: &Mutex<ChangeTracker>,
-    ) -> anyhow::Result<LoadStats> {
+    /// Feeds the tracker the difference between `load` and the previous load. An object counts
+    /// as changed when what the tracker is given of it changed (a new annotation does not
+    /// count, a new endpoint does).
+    fn apply(&mut self, load: Load, tracker: &Mutex<ChangeTracker>) -> anyhow::Result<LoadStats> {
         let path = self.path.display();
-        let mut errors = manifest.errors.len();
-        for error in &manifest.errors {
+        let mut errors = load.errors.len();
+        for error in &load.errors {
             tracing::warn!("{path}: {error}; skipped");
         }
-        let mut next = BTreeMap::new();
-        for object in manifest.objects {
-            let key = (object.kind(), object.key());
-            if next.contains_key(&key) {
-                // As with `kubectl apply`, the later definition wins.
-                tracing::warn!("{path}: {object} is defined twice; using the last definition");
-            }
-            next.insert(key, object);
+        for key in &load.duplicates {
+            tracing::warn!(
+                "{path}: {} is defined twice; using the last definition",
+                describe(key)
+            );
         }
         let mut changed = 0;
         let mut tracker = lock(tracker)?;
-        for (key, object) in &next {
-            if self.snapshot.get(key) == Some(object) {
+        for (key, entry) in &load.entries {
+            if self.snapshot.get(key) == Some(entry) {
                 continue;
             }
             changed += 1;
-            let result = match object {
-                Object::Service(svc) => {
-                    if let Some(reason) = service_skip_reason(svc) {
-                        tracing::info!("{path}: {object} is not proxied: {reason}");
+            let invalid = match entry {
+                Entry::Service(Ok(update)) => {
+                    if let Some(reason) = update.skip_reason {
+                        tracing::info!("{path}: {} is not proxied: {reason}", describe(key));
                     }
-                    tracker.update_service(svc)
+                    tracker.set_service(update);
+                    None
                 }
-                Object::EndpointSlice(slice) => tracker.update_slice(slice).map(|skipped| {
+                Entry::Slice(Ok(update)) => {
+                    let skipped = tracker.set_slice(update);
                     errors += skipped.len();
                     for endpoint in skipped {
                         tracing::warn!("{path}: {endpoint}");
                     }
-                }),
+                    None
+                }
+                Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => Some(invalid),
             };
-            if let Err(invalid) = result {
+            if let Some(invalid) = invalid {
                 errors += 1;
                 tracing::warn!("{path}: {invalid}; this version is not applied");
             }
         }
-        for (key, object) in &self.snapshot {
-            if next.contains_key(key) {
+        for (key, entry) in &self.snapshot {
+            if load.entries.contains_key(key) {
                 continue;
             }
             changed += 1;
-            match object {
-                Object::Service(_) => tracker.delete_service(&key.1),
-                Object::EndpointSlice(_) => tracker.delete_slice(&key.1),
+            match entry {
+                Entry::Service(_) => tracker.delete_service(&key.1),
+                Entry::Slice(_) => tracker.delete_slice(&key.1),
             }
         }
         drop(tracker);
         let stats = LoadStats {
-            objects: next.len(),
+            objects: load.entries.len(),
             changed,
             errors,
         };
-        self.snapshot = next;
+        self.snapshot = load.entries;
         tracing::info!(
             objects = stats.objects,
             changed = stats.changed,
             errors = stats.errors,
-            ignored = manifest.ignored,
+            ignored = load.ignored,
             "loaded the manifest {path}"
         );
         Ok(stats)
@@ -530,9 +603,7 @@ endpoints: [{}]
         let tracker = Mutex::new(ChangeTracker::new());
         let mut source = FileSource::new(PathBuf::from("test.yaml"));
         let load = |source: &mut FileSource, text: &str| {
-            source
-                .apply(manifest::parse(text).unwrap(), &tracker)
-                .unwrap()
+            source.apply(read(text).unwrap(), &tracker).unwrap()
         };
         let mut state = DesiredState::default();
 
@@ -587,5 +658,30 @@ endpoints: [{}]
         assert_eq!(stats.objects, 2);
         tracker.lock().unwrap().apply(&mut state);
         assert_eq!(summary(&state), ["demo/web:http -> 10.244.1.11:8080"]);
+    }
+
+    #[test]
+    fn changes_that_reach_nothing_are_not_counted() {
+        // The file source keeps what the tracker was given of each object, not the object: an
+        // edit to a label counts as no change, an edit to an address does.
+        let tracker = Mutex::new(ChangeTracker::new());
+        let mut source = FileSource::new(PathBuf::from("test.yaml"));
+        let text = manifest(&[WEB]);
+        source.apply(read(&text).unwrap(), &tracker).unwrap();
+        let labelled = text.replace(
+            "metadata: {name: web, namespace: demo}",
+            "metadata: {name: web, namespace: demo, labels: {team: a}}",
+        );
+        assert_ne!(labelled, text);
+        let stats = source.apply(read(&labelled).unwrap(), &tracker).unwrap();
+        assert_eq!((stats.objects, stats.changed), (2, 0));
+        let moved = labelled.replace("10.96.0.10", "10.96.0.11");
+        let stats = source.apply(read(&moved).unwrap(), &tracker).unwrap();
+        assert_eq!(stats.changed, 1);
+
+        // Only what the source keeps is left once the text is read: the objects' entries.
+        let load = read(&moved).unwrap();
+        assert_eq!(load.entries.len(), 2);
+        assert!(load.duplicates.is_empty());
     }
 }

@@ -1,0 +1,169 @@
+//! Host-network clients (processes in the node's own network namespace: kubelet probes,
+//! host-network pods, the agent itself) reach services by socket-level translation, as Cilium's
+//! socket LB does: connect() and sendmsg() to a service address get a backend's address
+//! instead, before any packet exists, so the connection is translated once and its packets need
+//! no NAT. The choice is recorded per socket, so that recvmsg() and getpeername() show the
+//! service address again (a UDP client may check where replies come from).
+//!
+//! Only sockets of the node's own network namespace are translated: pods' sockets (often in the
+//! same cgroup tree) are served by the tc programs, and must not be translated twice.
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns},
+    programs::SockAddrContext,
+};
+use proxy_common::{Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, SERVICE_LOCAL_ONLY, ServiceKey};
+
+use crate::{
+    lb,
+    maps::{DROPS, HOST_NETNS, SERVICES, SOCK_REVNAT},
+    packet::Drop,
+};
+
+/// The call goes on (with the address as the program left it).
+const ALLOW: i32 = 1;
+/// The call fails with EPERM.
+const REFUSE: i32 = 0;
+
+/// The source address of host-network clients for backend selection (their client in the
+/// affinity map): at connect() the source is not chosen yet, and to kube-proxy every such
+/// client is the node itself. No pod sends from 0.0.0.0, so their entries never mix with pods'.
+const HOST_CLIENT: Be32 = Be32::new(0);
+
+/// [`SOCK_REVNAT`] key: a socket (its cookie, unique for the boot) and the backend it was sent
+/// to.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    pub addr: Be32,
+    pub port: Be16,
+    pub pad: u16,
+}
+
+/// [`SOCK_REVNAT`] value: the service address the socket asked for.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SockRevNatValue {
+    pub addr: Be32,
+    pub port: Be16,
+    pub pad: u16,
+}
+
+/// connect4 and sendmsg4: a TCP or UDP service address of a host-network socket becomes one of
+/// the service's backends, picked as the tc path picks one for a new flow (lb.rs).
+#[inline(always)]
+pub fn translate(ctx: &SockAddrContext) -> i32 {
+    match try_translate(ctx) {
+        Ok(verdict) => verdict,
+        Err(Drop(reason)) => {
+            // Counted with the tc path's drops: a refused connect() is this path's drop.
+            if let Some(count) = DROPS.get_ptr_mut(reason) {
+                // SAFETY: a per-CPU value: no other program touches it while this one runs here.
+                unsafe { *count += 1 };
+            }
+            REFUSE
+        }
+    }
+}
+
+#[inline(always)]
+fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
+    // SAFETY: the kernel passes a valid context; the fields used are readable (and the
+    // address and port writable) for connect4 and sendmsg4.
+    let sa = unsafe { &mut *ctx.sock_addr };
+    // Protocol numbers fit a byte; other than TCP and UDP, the lookup below finds nothing.
+    let proto = read(&sa.protocol) as u8;
+    let (vip, vport) = (
+        Be32::from_raw(read(&sa.user_ip4)),
+        port(read(&sa.user_port)),
+    );
+    let svc_key = ServiceKey::new(vip, vport, proto, 0);
+    // SAFETY: services values are plain data; the agent replaces them whole.
+    let Some(svc) = (unsafe { SERVICES.get(svc_key) }).copied() else {
+        return Ok(ALLOW); // not a service
+    };
+    if !in_host_netns(ctx) {
+        return Ok(ALLOW); // a pod's socket: the tc programs translate its packets
+    }
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // The flow as the tc path would see it, but for its source, not chosen yet: the node (see
+    // HOST_CLIENT), and the socket's cookie for the port, so that Maglev spreads sockets and
+    // keeps an unconnected UDP socket's datagrams on one backend.
+    let flow = CtKey {
+        saddr: HOST_CLIENT,
+        daddr: vip,
+        sport: Be16::from_raw(cookie as u16),
+        dport: vport,
+        proto,
+        pad: [0; 3],
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some((_, backend)) = lb::new_flow_backend(&flow, &svc_key, &svc, now)? else {
+        if svc.flags & SERVICE_LOCAL_ONLY != 0 {
+            // The tc path drops such packets; a socket is told at once instead.
+            return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
+        }
+        // No usable endpoint, or a removed (draining) service: the address stays as it is.
+        return Ok(ALLOW);
+    };
+    let key = SockRevNatKey {
+        cookie,
+        addr: backend.addr,
+        port: backend.port,
+        pad: 0,
+    };
+    let value = SockRevNatValue {
+        addr: vip,
+        port: vport,
+        pad: 0,
+    };
+    // Recorded before the rewrite, so no reply can come before it. LRU: when full, the least
+    // recently used sockets lose it (getpeername and UDP receives then show the backend).
+    let _ = SOCK_REVNAT.insert(key, value, 0);
+    sa.user_ip4 = backend.addr.raw();
+    sa.user_port = u32::from(backend.port.raw());
+    Ok(ALLOW)
+}
+
+/// Reads a context field whole: the verifier refuses narrower loads of some of them, which the
+/// compiler would otherwise make where only a byte or two is used.
+#[inline(always)]
+fn read(field: &u32) -> u32 {
+    // SAFETY: a reference to a readable context field.
+    unsafe { core::ptr::read_volatile(field) }
+}
+
+/// The port of a `user_port` field: network byte order, in its first two bytes.
+#[inline(always)]
+fn port(field: u32) -> Be16 {
+    Be16::from_raw(field as u16)
+}
+
+/// Whether the socket belongs to the node's own network namespace, whose cookie the agent
+/// wrote into [`HOST_NETNS`] (0, never a namespace's cookie, until it has).
+#[inline(always)]
+fn in_host_netns(ctx: &SockAddrContext) -> bool {
+    let host = HOST_NETNS.get(0).copied().unwrap_or(0);
+    host != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host
+}
+
+/// recvmsg4 and getpeername4: a backend address this socket was sent to in place of a service
+/// address shows as that service address. The kernel requires these programs to return 1.
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext) -> i32 {
+    // SAFETY: as in try_translate; the address and port are writable for these hooks too.
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let key = SockRevNatKey {
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr: Be32::from_raw(read(&sa.user_ip4)),
+        port: port(read(&sa.user_port)),
+        pad: 0,
+    };
+    // SAFETY: plain data, written whole.
+    if let Some(service) = unsafe { SOCK_REVNAT.get(key) } {
+        sa.user_ip4 = service.addr.raw();
+        sa.user_port = u32::from(service.port.raw());
+    }
+    ALLOW
+}

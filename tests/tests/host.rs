@@ -1,0 +1,528 @@
+//! Host-network clients (processes in a node's own network namespace) reach services through
+//! the socket programs (proxy-ebpf's sock.rs) on a cgroup of the test's own (never the
+//! machine's root cgroup): program level (the programs alone, on a namespace with backends on
+//! its loopback) and end to end (the agent in the sandbox's node1).
+//!
+//! Clients are child processes (this test binary again, running only `host_client_child`),
+//! moved into the cgroup and a network namespace before they start: a socket belongs to the
+//! cgroup of the process that made it.
+use std::{
+    collections::BTreeSet,
+    io::{BufRead, BufReader, Write},
+    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use proxy_tests::{
+    BACKEND_PORT, NS_PREFIX, Netns, Sandbox,
+    agent::{AgentRun, TestCgroup},
+    backend_bin, client_timeout,
+    fixtures::SMALL,
+    privileged,
+    programs::{Programs, Svc, add_service, spn},
+};
+use proxy_userspace::{
+    ebpf::{self, cgroup},
+    inspect,
+    model::{DesiredState, Protocol},
+};
+
+/// Makes this binary a client: the operations to run (see [`clients`]).
+const CHILD_ENV: &str = "PROXY_TESTS_HOST_CLIENT";
+/// Marks the lines of the client's answers on its stdout.
+const RESULT: &str = "HOST-CLIENT-RESULT";
+
+/// What a client saw: its own address, its peer (getpeername for connected sockets, the source
+/// of the reply for `udp-sendto`) and the reply.
+#[derive(Debug)]
+struct Answer {
+    local: SocketAddr,
+    peer: SocketAddr,
+    reply: String,
+}
+
+impl Answer {
+    /// The backend that answered (its pod name).
+    fn name(&self) -> &str {
+        self.reply.split_whitespace().next().unwrap_or_default()
+    }
+}
+
+/// Runs `ops` in one client process inside `ns` and `cgroup`, in order; each one's answer, or
+/// its error. An op is `tcp` (connect, getpeername, a `whoami` line), `udp` (a connected
+/// socket: the same) or `udp-sendto` (an unconnected socket: sendto, recvfrom), with the
+/// address to use.
+fn clients(
+    ns: &Netns,
+    cgroup: &TestCgroup,
+    ops: &[(&str, SocketAddr)],
+) -> Vec<Result<Answer, String>> {
+    let encoded: Vec<String> = ops
+        .iter()
+        .map(|(op, addr)| format!("{op} {addr}"))
+        .collect();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "host_client_child",
+        "--exact",
+        "--nocapture",
+        "--test-threads",
+        "1",
+        "-q",
+    ])
+    .env(CHILD_ENV, encoded.join(";"))
+    .stdin(Stdio::null());
+    ns.enter(&mut cmd).unwrap();
+    cgroup.enter(&mut cmd).unwrap();
+    let out = cmd.output().expect("running a client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let answers: Vec<Result<Answer, String>> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix(RESULT))
+        .map(|l| parse_answer(l.trim()))
+        .collect();
+    assert!(
+        out.status.success() && answers.len() == ops.len(),
+        "the client in {} failed ({}):\n{stdout}\n{}",
+        ns.name,
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    answers
+}
+
+fn parse_answer(line: &str) -> Result<Answer, String> {
+    if let Some(error) = line.strip_prefix("err ") {
+        return Err(error.to_owned());
+    }
+    let mut fields = line.strip_prefix("ok ").expect("ok or err").splitn(3, ' ');
+    let mut addr = || fields.next().unwrap().parse::<SocketAddr>().unwrap();
+    let (local, peer) = (addr(), addr());
+    Ok(Answer {
+        local,
+        peer,
+        reply: fields.next().unwrap_or_default().to_owned(),
+    })
+}
+
+/// The client process ([`clients`]); without its environment variable, a test that passes.
+#[test]
+fn host_client_child() {
+    let Ok(ops) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    for op in ops.split(';') {
+        let (kind, addr) = op.split_once(' ').expect("an op and an address");
+        let line = match client_op(kind, addr.parse().expect("an address")) {
+            Ok(a) => format!("ok {} {} {}", a.local, a.peer, a.reply),
+            Err(e) => format!("err {e:#}"),
+        };
+        println!("{RESULT} {line}");
+    }
+}
+
+fn client_op(kind: &str, addr: SocketAddr) -> anyhow::Result<Answer> {
+    let timeout = client_timeout();
+    if kind == "tcp" {
+        let stream = TcpStream::connect_timeout(&addr, timeout)?;
+        stream.set_read_timeout(Some(timeout))?;
+        (&stream).write_all(b"whoami\n")?;
+        let mut reply = String::new();
+        BufReader::new(&stream).read_line(&mut reply)?;
+        return Ok(Answer {
+            local: stream.local_addr()?,
+            peer: stream.peer_addr()?,
+            reply: reply.trim().to_owned(),
+        });
+    }
+    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    socket.set_read_timeout(Some(timeout))?;
+    let mut buf = [0u8; 1500];
+    let (n, peer) = match kind {
+        "udp" => {
+            socket.connect(addr)?;
+            socket.send(b"whoami\n")?;
+            (socket.recv(&mut buf)?, socket.peer_addr()?)
+        }
+        "udp-sendto" => {
+            socket.send_to(b"whoami\n", addr)?;
+            socket.recv_from(&mut buf)?
+        }
+        _ => anyhow::bail!("unknown client op {kind}"),
+    };
+    Ok(Answer {
+        local: socket.local_addr()?,
+        peer,
+        reply: String::from_utf8_lossy(&buf[..n]).trim().to_owned(),
+    })
+}
+
+/// The answers of `ops`, all of which must have succeeded.
+fn ok(answers: Vec<Result<Answer, String>>) -> Vec<Answer> {
+    answers
+        .into_iter()
+        .enumerate()
+        .map(|(i, a)| a.unwrap_or_else(|e| panic!("client op {i}: {e}")))
+        .collect()
+}
+
+fn names<'a>(answers: impl IntoIterator<Item = &'a Answer>) -> BTreeSet<String> {
+    answers.into_iter().map(|a| a.name().to_owned()).collect()
+}
+
+fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    (ip, port).into()
+}
+
+/// The programs attached to the cgroup at `path` itself, as bpftool lists them.
+fn attached(path: &Path) -> usize {
+    let out = Command::new("bpftool")
+        .args(["-j", "cgroup", "show"])
+        .arg(path)
+        .output()
+        .expect("running bpftool");
+    assert!(out.status.success(), "bpftool: {out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    if text.trim().is_empty() {
+        return 0; // bpftool prints nothing for a cgroup without programs
+    }
+    let list: serde_json::Value = serde_json::from_str(&text).expect("bpftool's JSON");
+    list.as_array().expect("a list").len()
+}
+
+// ---- program level: the socket programs on a namespace of their own ----
+
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 5, 1);
+/// A TCP service without endpoints.
+const EMPTY: Ipv4Addr = Ipv4Addr::new(10, 96, 5, 2);
+/// internalTrafficPolicy Local, no local endpoint.
+const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 96, 5, 3);
+/// sessionAffinity ClientIP.
+const STICKY: Ipv4Addr = Ipv4Addr::new(10, 96, 5, 4);
+/// A deleted service (a draining frontend).
+const GONE: Ipv4Addr = Ipv4Addr::new(10, 96, 5, 5);
+
+/// The socket programs attached to a cgroup of their own, translating the sockets of `ns` (a
+/// namespace with only a loopback, and no route to any service address), whose backends `a`
+/// (port 8081) and `b` (8082) run on its loopback; `other` is a namespace like it, with a
+/// backend `other` on 8081.
+struct Lab {
+    programs: Programs,
+    cgroup: TestCgroup,
+    ns: Netns,
+    other: Netns,
+    backends: Vec<Child>,
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for child in &mut self.backends {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Lab {
+    fn new(test: &str) -> Option<Lab> {
+        if !privileged(test) {
+            return None;
+        }
+        let name = |role: &str| format!("{NS_PREFIX}{}-{test:.20}-{role}", std::process::id());
+        let mut lab = Lab {
+            programs: Programs::load(SMALL).expect("loading the BPF programs"),
+            cgroup: TestCgroup::new().expect("a cgroup for the test"),
+            ns: Netns::create(&name("host")).unwrap(),
+            other: Netns::create(&name("other")).unwrap(),
+            backends: Vec::new(),
+        };
+        for (ns, backend, port) in [
+            (&lab.ns, "a", 8081),
+            (&lab.ns, "b", 8082),
+            (&lab.other, "other", 8081),
+        ] {
+            ns.ip(&["link", "set", "lo", "up"]).unwrap();
+            let mut cmd = Command::new(backend_bin().unwrap());
+            cmd.args(["--name", backend, "--port", &port.to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null());
+            ns.enter(&mut cmd).unwrap();
+            lab.backends.push(cmd.spawn().unwrap());
+            wait_listening(ns, port);
+        }
+        let cookie = lab.ns.run(cgroup::own_netns_cookie).unwrap();
+        cgroup::attach(
+            &mut lab.programs.ebpf,
+            lab.cgroup.path(),
+            lab.programs.bpffs.path(),
+            cookie,
+        )
+        .expect("attaching the socket programs");
+        Some(lab)
+    }
+
+    fn clients(&self, ops: &[(&str, SocketAddr)]) -> Vec<Result<Answer, String>> {
+        clients(&self.ns, &self.cgroup, ops)
+    }
+}
+
+fn wait_listening(ns: &Netns, port: u16) {
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
+    while !ns.run(|| TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok()) {
+        assert!(Instant::now() < deadline, "no backend on port {port}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The lab's services: TCP and UDP on [`VIP`] (backends a and b), and one of each kind the
+/// socket path treats apart.
+fn lab_state() -> DesiredState {
+    let mut state = DesiredState {
+        node_name: "node1".into(),
+        ..Default::default()
+    };
+    let (a, b) = ((Ipv4Addr::LOCALHOST, 8081), (Ipv4Addr::LOCALHOST, 8082));
+    let mut add = |name, vip, port, protocol, endpoints: &[(Ipv4Addr, u16)]| {
+        add_service(
+            &mut state,
+            &Svc {
+                name,
+                vip,
+                port,
+                protocol,
+                endpoints,
+            },
+        )
+    };
+    add("web", VIP, 80, Protocol::Tcp, &[a, b]);
+    add("dns", VIP, 53, Protocol::Udp, &[a, b]);
+    let empty = add("empty", EMPTY, 80, Protocol::Tcp, &[]);
+    let local = add("local", LOCAL, 80, Protocol::Tcp, &[a]);
+    let sticky = add("sticky", STICKY, 80, Protocol::Tcp, &[a, b]);
+    add("gone", GONE, 80, Protocol::Tcp, &[a, b]);
+    state.endpoints.remove(&empty);
+    // Its endpoint has no node: not local.
+    state
+        .services
+        .get_mut(&local)
+        .unwrap()
+        .internal_traffic_local = true;
+    state
+        .services
+        .get_mut(&sticky)
+        .unwrap()
+        .session_affinity_timeout = Some(3600);
+    state
+}
+
+#[test]
+fn program_translates_host_sockets_at_connect_and_back() {
+    let Some(mut lab) = Lab::new("program_translates_host_sockets_at_connect_and_back") else {
+        return;
+    };
+    let mut state = lab_state();
+    lab.programs.program(&state).unwrap();
+    // "gone" deleted: its frontend drains.
+    let gone = spn("gone", Protocol::Tcp);
+    state.services.remove(&gone);
+    state.endpoints.remove(&gone);
+    lab.programs.program(&state).unwrap();
+
+    let (web, dns) = (sa(VIP, 80), sa(VIP, 53));
+    let mut ops = vec![("tcp", web); 20];
+    ops.extend([("udp", dns); 20]);
+    ops.extend([("udp-sendto", dns); 5]);
+    let answers = ok(lab.clients(&ops));
+    for (answer, (op, addr)) in answers.iter().zip(&ops) {
+        // getpeername, and where UDP replies come from: the service address.
+        assert_eq!(answer.peer, *addr, "{op}: {answer:?}");
+        // The backend saw the client's own address: nothing was NATed on the way.
+        assert!(
+            answer.reply.ends_with(&answer.local.port().to_string()),
+            "{answer:?}"
+        );
+    }
+    assert_eq!(names(&answers[..20]), set(&["a", "b"]), "TCP");
+    assert_eq!(names(&answers[20..40]), set(&["a", "b"]), "UDP");
+
+    // sessionAffinity: one backend for every connection.
+    let sticky = ok(lab.clients(&[("tcp", sa(STICKY, 80)); 10]));
+    assert_eq!(names(&sticky).len(), 1, "{sticky:?}");
+
+    // Left as they are (so unreachable here: no route): a service without endpoints, a
+    // deleted one; refused at once: internalTrafficPolicy Local without a local endpoint.
+    let refused = lab.clients(&[
+        ("tcp", sa(EMPTY, 80)),
+        ("tcp", sa(GONE, 80)),
+        ("tcp", sa(LOCAL, 80)),
+    ]);
+    for result in &refused[..2] {
+        let e = result.as_ref().expect_err("no translation");
+        assert!(e.contains("unreachable"), "{e}");
+    }
+    let e = refused[2].as_ref().expect_err("refused");
+    assert!(e.contains("not permitted"), "{e}");
+
+    // Not translated: a socket of another namespace in the same cgroup (its own backend on
+    // 8081 would answer if it were), and a socket of the namespace outside the cgroup.
+    let other = clients(
+        &lab.other,
+        &lab.cgroup,
+        &[("tcp", web), ("tcp", sa(Ipv4Addr::LOCALHOST, 8081))],
+    );
+    let e = other[0].as_ref().expect_err("another namespace: untouched");
+    assert!(e.contains("unreachable"), "{e}");
+    assert_eq!(other[1].as_ref().unwrap().name(), "other");
+    let outside = lab
+        .ns
+        .run(|| TcpStream::connect_timeout(&web, client_timeout()));
+    assert!(
+        outside.is_err(),
+        "a socket outside the cgroup was translated"
+    );
+}
+
+#[test]
+fn program_links_are_replaced_in_place_and_removed_by_cleanup() {
+    let Some(mut lab) = Lab::new("program_links_are_replaced_in_place_and_removed_by_cleanup")
+    else {
+        return;
+    };
+    lab.programs.program(&lab_state()).unwrap();
+    let web = sa(VIP, 80);
+    assert_eq!(attached(lab.cgroup.path()), cgroup::SOCK_PROGRAMS.len());
+
+    // A restarted agent: the programs loaded again on the pinned maps, attached in place of
+    // the old ones (which go when this process closes them).
+    let pin_dir = lab.programs.bpffs.path().to_owned();
+    let mut again = ebpf::load(&pin_dir, SMALL).unwrap();
+    let cookie = lab.ns.run(cgroup::own_netns_cookie).unwrap();
+    cgroup::attach(&mut again, lab.cgroup.path(), &pin_dir, cookie).unwrap();
+    drop(again);
+    assert_eq!(attached(lab.cgroup.path()), cgroup::SOCK_PROGRAMS.len());
+    let answers = ok(lab.clients(&[("tcp", web), ("udp-sendto", sa(VIP, 53))]));
+    assert_eq!(answers[0].peer, web);
+    assert_eq!(answers[1].peer, sa(VIP, 53));
+
+    // `agent --cleanup`'s part: nothing attached any more, and nothing translated.
+    let removed = cgroup::detach_all(&pin_dir).unwrap();
+    assert_eq!(removed, cgroup::SOCK_PROGRAMS.len());
+    assert_eq!(attached(lab.cgroup.path()), 0);
+    assert!(!pin_dir.join(cgroup::LINKS_DIR).exists());
+    let e = lab
+        .clients(&[("tcp", web)])
+        .remove(0)
+        .expect_err("detached");
+    assert!(e.contains("unreachable"), "{e}");
+}
+
+#[test]
+fn cgroup2_is_mounted_on_an_empty_directory_only() {
+    if !privileged("cgroup2_is_mounted_on_an_empty_directory_only") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("{NS_PREFIX}{}-cgroup2", std::process::id()));
+    let _ = std::fs::remove_dir(&dir);
+    cgroup::ensure(&dir).unwrap();
+    assert!(cgroup::is_cgroup2(&dir).unwrap());
+    cgroup::ensure(&dir).unwrap(); // already there: nothing to do
+    proxy_userspace::ebpf::bpffs::unmount(&dir).unwrap();
+    // A directory with something in it is never mounted over (a cgroup v1 /sys/fs/cgroup).
+    std::fs::write(dir.join("file"), "").unwrap();
+    let e = cgroup::ensure(&dir).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("not a cgroup2 directory"),
+        "{e:#}"
+    );
+    assert!(!cgroup::is_cgroup2(&dir).unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---- end to end: the agent in the sandbox ----
+
+const EXAMPLE: &str = include_str!("../../examples/services.yaml");
+const WEB: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80);
+const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 20)), 53);
+const REMOTE: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 30)), 80);
+
+#[test]
+fn host_network_clients_reach_services() {
+    if !privileged("host_network_clients_reach_services") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let mut agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("the agent");
+    let node1 = Netns::open(&sandbox.node1.name);
+    let host = |agent: &AgentRun, ops: &[(&str, SocketAddr)]| clients(&node1, &agent.cgroup, ops);
+
+    let mut ops = vec![("tcp", WEB); 30];
+    ops.extend([("tcp", REMOTE); 3]);
+    ops.extend([("udp", DNS); 20]);
+    ops.extend([("udp-sendto", DNS); 5]);
+    let answers = ok(host(&agent, &ops));
+    for (answer, (op, addr)) in answers.iter().zip(&ops) {
+        assert_eq!(answer.peer, *addr, "{op}: {answer:?}\n{}", agent.log_text());
+    }
+    assert_eq!(names(&answers[..30]), set(&["be1", "be2", "be3"]));
+    // be4 lives on node2.
+    assert_eq!(names(&answers[30..33]), set(&["be4"]));
+    assert_eq!(names(&answers[33..53]), set(&["be1", "be4"]));
+    // Translated at connect(): no conntrack entry for any of these flows.
+    let flows = inspect::conntrack(agent.bpffs.path()).unwrap();
+    for answer in &answers[..33] {
+        let local = answer.local.to_string();
+        assert!(
+            !flows
+                .iter()
+                .any(|f| f.source == local || f.destination == local),
+            "a host flow went through conntrack: {answer:?}"
+        );
+    }
+
+    // Other namespaces in the same cgroup are left alone: the external client's connection
+    // to the service address is not translated (node1 has no route for it), though it
+    // reaches a pod; a pod's connection is translated by the tc programs (its flow is in
+    // conntrack with the service address), once.
+    let ext = Netns::open(&sandbox.ext.name);
+    let be1 = sa(Ipv4Addr::new(10, 244, 1, 11), BACKEND_PORT);
+    let from_ext = clients(&ext, &agent.cgroup, &[("tcp", WEB), ("tcp", be1)]);
+    assert!(
+        from_ext[0].is_err(),
+        "translated outside node1: {:?}",
+        from_ext[0]
+    );
+    assert_eq!(from_ext[1].as_ref().unwrap().name(), "be1");
+    let pod = Netns::open(&sandbox.pod("client").ns.name);
+    let from_pod = ok(clients(&pod, &agent.cgroup, &[("tcp", WEB)])).remove(0);
+    assert_eq!(from_pod.peer, WEB);
+    let flows = inspect::conntrack(agent.bpffs.path()).unwrap();
+    assert!(
+        flows.iter().any(|f| f.direction == "forward"
+            && f.source == from_pod.local.to_string()
+            && f.destination == WEB.to_string()),
+        "the pod's flow did not reach the tc programs with the service address"
+    );
+
+    // The programs outlive the agent, and a restarted agent replaces them in place.
+    agent.stop(&mut sandbox).unwrap();
+    assert_eq!(ok(host(&agent, &[("tcp", WEB)]))[0].peer, WEB);
+    agent.start_again(&mut sandbox).unwrap();
+    assert_eq!(attached(agent.cgroup.path()), cgroup::SOCK_PROGRAMS.len());
+    assert_eq!(ok(host(&agent, &[("udp-sendto", DNS)]))[0].peer, DNS);
+
+    // `agent --cleanup`: nothing attached to the cgroup any more.
+    agent.stop(&mut sandbox).unwrap();
+    agent.cleanup(&sandbox).unwrap();
+    assert_eq!(attached(agent.cgroup.path()), 0);
+    assert!(
+        host(&agent, &[("tcp", WEB)])[0].is_err(),
+        "translated after cleanup"
+    );
+}
