@@ -9,10 +9,15 @@
 //! same cgroup tree) are served by the tc programs, and must not be translated twice.
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns},
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, SERVICE_LOCAL_ONLY, ServiceKey};
+use proxy_common::{
+    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+};
+
+/// What a refused connect() or sendmsg() returns (bpf_set_retval takes it negated).
+const ECONNREFUSED: i32 = 111;
 
 use crate::{
     lb,
@@ -104,8 +109,14 @@ fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
             // The tc path drops such packets; a socket is told at once instead.
             return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
         }
-        // No usable endpoint, or a removed (draining) service: the address stays as it is.
-        return Ok(ALLOW);
+        if svc.flags & SERVICE_DRAINING != 0 {
+            return Ok(ALLOW); // a removed service: as if it were not there
+        }
+        // No usable endpoint: refused at once, as kube-proxy's REJECT rules make it (the tc
+        // path answers pods with an ICMP port unreachable to the same effect).
+        // SAFETY: a helper with a plain integer argument.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        return Ok(REFUSE);
     };
     let key = SockRevNatKey {
         cookie,

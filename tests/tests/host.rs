@@ -355,17 +355,18 @@ fn program_translates_host_sockets_at_connect_and_back() {
     let sticky = ok(lab.clients(&[("tcp", sa(STICKY, 80)); 10]));
     assert_eq!(names(&sticky).len(), 1, "{sticky:?}");
 
-    // Left as they are (so unreachable here: no route): a service without endpoints, a
-    // deleted one; refused at once: internalTrafficPolicy Local without a local endpoint.
+    // Refused at once, as kube-proxy's REJECT: a service without endpoints (connect() and a
+    // UDP send); left as it is (so unreachable here: no route): a deleted one; refused too:
+    // internalTrafficPolicy Local without a local endpoint.
     let refused = lab.clients(&[
         ("tcp", sa(EMPTY, 80)),
         ("tcp", sa(GONE, 80)),
         ("tcp", sa(LOCAL, 80)),
     ]);
-    for result in &refused[..2] {
-        let e = result.as_ref().expect_err("no translation");
-        assert!(e.contains("unreachable"), "{e}");
-    }
+    let e = refused[0].as_ref().expect_err("refused");
+    assert!(e.contains("refused"), "{e}");
+    let e = refused[1].as_ref().expect_err("no translation");
+    assert!(e.contains("unreachable"), "{e}");
     let e = refused[2].as_ref().expect_err("refused");
     assert!(e.contains("not permitted"), "{e}");
 
@@ -413,6 +414,11 @@ fn program_links_are_replaced_in_place_and_removed_by_cleanup() {
     // `agent --cleanup`'s part: nothing attached any more, and nothing translated.
     let removed = cgroup::detach_all(&pin_dir).unwrap();
     assert_eq!(removed, cgroup::SOCK_PROGRAMS.len());
+    // The kernel releases a link whose last reference went in a work item: soon, not at once.
+    let deadline = std::time::Instant::now() + proxy_tests::patience(Duration::from_secs(2));
+    while attached(lab.cgroup.path()) != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(attached(lab.cgroup.path()), 0);
     assert!(!pin_dir.join(cgroup::LINKS_DIR).exists());
     let e = lab
