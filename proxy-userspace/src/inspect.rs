@@ -189,7 +189,11 @@ pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<AffinityRow>> {
     for entry in map.iter() {
         let (k, v) = entry?;
         rows.push(AffinityRow {
-            client: ip(k.client).to_string(),
+            // The socket programs record host-network clients as 0.0.0.0: this node.
+            client: match k.client.get() {
+                0 => "this node".to_owned(),
+                _ => ip(k.client).to_string(),
+            },
             service: format!("{}:{}", ip(k.vip), k.vport.get()),
             protocol: proto_name(k.proto),
             backend_id: v.backend_id,

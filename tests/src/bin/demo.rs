@@ -1,5 +1,6 @@
 //! `cargo xtask demo`: the agent in the sandbox cluster on the example manifest, driven by
-//! real clients (curl) from the client pod, with a live endpoint change and `inspect`.
+//! real clients (curl) from the client pod and from node1 itself (host network), with a live
+//! endpoint change, session affinity and `inspect`.
 //!
 //! Needs root and BPF; exits non-zero (with the agent log) if any step fails.
 
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use proxy_tests::agent::{AgentRun, edit_manifest, remove_endpoint};
 use proxy_tests::{BACKEND_PORT, EXT_IP, NODE_CIDR, NODE1_IP, NODE2_IP, Sandbox};
-use proxy_userspace::inspect;
+use proxy_userspace::{inspect, manifest::Object};
 
 const EXAMPLE: &str = include_str!("../../../examples/services.yaml");
 
@@ -138,6 +139,34 @@ fn tour(sandbox: &mut Sandbox, agent: &AgentRun) -> Result<()> {
     let spread = curl_spread(sandbox, "http://10.96.0.10/", 30)?;
     check_spread("web", &spread, &["be2", "be3"])?;
 
+    step("A process on node1 itself (host network, e.g. the kubelet) reaches the services");
+    println!("    socket programs on the agent's cgroup send its connect() to an endpoint: no NAT");
+    let spread = curl_spread_from(&host_client(sandbox, agent), "http://10.96.0.10/", 20)?;
+    check_spread("web from node1", &spread, &["be2", "be3"])?;
+    let spread = curl_spread_from(&host_client(sandbox, agent), "http://10.96.0.30/", 3)?;
+    check_spread("remote from node1", &spread, &["be4"])?;
+
+    step("Session affinity: web gets sessionAffinity ClientIP in the manifest");
+    edit_manifest(&agent.manifest, |objects| {
+        for object in objects.iter_mut() {
+            if let Object::Service(svc) = object
+                && svc.metadata.name.as_deref() == Some("web")
+            {
+                svc.spec.get_or_insert_default().session_affinity = Some("ClientIP".into());
+            }
+        }
+    })?;
+    agent.wait_for(sandbox, "web with affinity", |rows| {
+        rows.iter()
+            .any(|r| r.address == WEB.to_string() && r.affinity_timeout_seconds.is_some())
+    })?;
+    let spread = curl_spread(sandbox, "http://10.96.0.10/", 20)?;
+    check_one("web from the client pod", &spread)?;
+    let spread = curl_spread_from(&host_client(sandbox, agent), "http://10.96.0.10/", 20)?;
+    check_one("web from node1", &spread)?;
+    step("proxy-userspace inspect affinity");
+    print_indented(&agent.inspect_cli("affinity", &[])?, usize::MAX);
+
     step("proxy-userspace inspect services");
     print_indented(&agent.inspect_cli("services", &[])?, usize::MAX);
     step("proxy-userspace inspect conntrack (first 10 lines)");
@@ -161,12 +190,34 @@ fn print_topology(sandbox: &Sandbox) {
 /// `n` curl runs from the client pod (each a new connection); counts the answering backends.
 fn curl_spread(sandbox: &Sandbox, url: &str, n: usize) -> Result<BTreeMap<String, usize>> {
     let client = &sandbox.pod("client").ns;
+    curl_spread_from(&|| Ok(client.cmd("curl")), url, n)
+}
+
+/// A curl command in node1's network namespace, in the cgroup whose sockets the agent's socket
+/// programs see: a host-network client.
+fn host_client<'a>(
+    sandbox: &'a Sandbox,
+    agent: &'a AgentRun,
+) -> impl Fn() -> Result<std::process::Command> + 'a {
+    move || {
+        let mut cmd = proxy_tests::Netns::open(&sandbox.node("node1").name).cmd("curl");
+        agent.cgroup.enter(&mut cmd)?;
+        Ok(cmd)
+    }
+}
+
+/// `n` curl runs of commands from `curl` (each a new connection); counts the answering
+/// backends.
+fn curl_spread_from(
+    curl: &dyn Fn() -> Result<std::process::Command>,
+    url: &str,
+    n: usize,
+) -> Result<BTreeMap<String, usize>> {
     let t = Instant::now();
     progress(&format!("    curl -sS --max-time 2 {url}  x{n} "));
     let mut counts = BTreeMap::new();
     for i in 1..=n {
-        let out = client
-            .cmd("curl")
+        let out = curl()?
             .args(["-sS", "--max-time", "2", url])
             .output()
             .context("running curl")?;
@@ -210,6 +261,17 @@ fn check_spread(service: &str, counts: &BTreeMap<String, usize>, expected: &[&st
     let seen: Vec<&str> = counts.keys().map(String::as_str).collect();
     if seen != expected {
         bail!("{service}: expected answers from {expected:?}, got {counts:?}");
+    }
+    Ok(())
+}
+
+/// Prints a histogram of `counts` and fails unless exactly one backend answered.
+fn check_one(what: &str, counts: &BTreeMap<String, usize>) -> Result<()> {
+    for (name, count) in counts {
+        println!("      {name:<6} {:<30} {count}", "█".repeat(*count));
+    }
+    if counts.len() != 1 {
+        bail!("{what}: expected one backend for every connection, got {counts:?}");
     }
     Ok(())
 }
