@@ -41,12 +41,14 @@ fn web_and_dns_load(sandbox: &Sandbox, long_conns: usize) -> load::LoadHandle {
     config.tcp = Some(WEB);
     config.udp = Some(DNS);
     config.long_conns = long_conns;
-    config.max_duration = Duration::from_secs(40);
+    // Under emulation (the 6.1 VM) restarts are slow: the load must outlast them.
+    config.max_duration = proxy_tests::patience(Duration::from_secs(40));
     load::start(config).expect("starting the load")
 }
 
+/// Waits `ms` milliseconds, longer under emulation (so that traffic flows between steps).
 fn sleep_ms(ms: u64) {
-    std::thread::sleep(Duration::from_millis(ms));
+    std::thread::sleep(proxy_tests::patience(Duration::from_millis(ms)));
 }
 
 /// What is attached to pod interface `dev` of node1, per direction: the programs the kernel
