@@ -21,6 +21,7 @@ mod netns;
 pub mod packet;
 pub mod programs;
 pub mod rbac;
+pub mod reference;
 mod sandbox;
 
 use std::io::Write;

@@ -1,0 +1,1028 @@
+//! A reference model of the datapath: what the tc programs of `proxy-ebpf` should do to one
+//! frame, given what the services and backends maps hold and what conntrack (and the session
+//! affinity map) remembers. Written apart from the BPF code (its own parser, its own checksum
+//! arithmetic, its own conntrack state machine), from the semantics that ARCHITECTURE.md
+//! ("Datapath"), `proxy-common` and the programs' documentation state, so that `tests/fuzz.rs`
+//! can send the same frames through both and compare verdicts and bytes.
+//!
+//! - `tc_ingress` (a frame leaving a pod): anything but an unfragmented, well-formed IPv4 TCP or
+//!   UDP packet passes unchanged. One to the hairpin address is a pod answering its own
+//!   connection through a service: it is turned around (from the service address, to the pod,
+//!   Ethernet addresses swapped, redirected) when its flow is live, and dropped otherwise. One to
+//!   a service address follows its flow while the flow is live and its backend may keep it;
+//!   otherwise it starts a new flow on a backend picked at random from the service's slots
+//!   (with session affinity: on the backend of the client's last new flow to that address while
+//!   that was within the timeout and the backend takes new flows). The destination becomes the
+//!   backend; a pod reaching itself also gets the hairpin address as its source and is
+//!   redirected. A service without a backend for a new flow refuses it, as kube-proxy does: the
+//!   frame becomes an ICMP port unreachable from the service address, sent back to the pod (but
+//!   a removed service's, draining, passes as if it were not there, and so does a packet with IP
+//!   options, which that fixed-size answer does not quote); one whose traffic must stay on the
+//!   node (internalTrafficPolicy: Local) drops it. Anything else passes, and a bare SYN forgets
+//!   the reply entry on its reverse 5-tuple (the pod now talks to that address directly).
+//! - `tc_egress` (a frame to a pod): a reply of a live flow gets the service address back as
+//!   its source; a reply entry whose flow is over is forgotten; everything else passes.
+//!
+//! Conntrack is keyed as the real one is, two entries a flow, each by the 5-tuple that its
+//! direction's packets carry: which packets meet which entry (and which flows share one) is part
+//! of the behaviour being modelled. The model cannot predict the programs' random backend
+//! choice: [`Model::ingress`] asks its caller which of the candidates was taken, then holds the
+//! flow to it.
+//!
+//! Time is the model's own, in whole seconds, advanced only by [`Model::advance`]; an entry is
+//! expired when it has been idle for longer than its lifetime. The harness keeps the kernel's
+//! clock in step with it (tests/fuzz.rs).
+use std::{collections::BTreeMap, net::Ipv4Addr, path::Path};
+
+use anyhow::{Context, bail};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use proxy_common::{
+    BACKEND_DRAINING, Backend, CT_LIFETIME_CLOSING_NS, CT_LIFETIME_TCP_NS, CT_LIFETIME_UDP_NS,
+    MAP_BACKENDS, MAP_SERVICES, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+    ServiceValue,
+};
+
+use crate::programs::{TC_ACT_SHOT, TC_ACT_UNSPEC};
+
+/// The verdict of `bpf_redirect`: the frame leaves through the interface it came in on.
+pub const TC_ACT_REDIRECT: u32 = 7;
+/// The source given to a pod's packets to itself through a service (and the address its replies
+/// go to).
+pub const HAIRPIN: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const IP_MIN: usize = 20;
+const FIN: u8 = 0x01;
+const SYN: u8 = 0x02;
+const RST: u8 = 0x04;
+const ACK: u8 = 0x10;
+
+/// A flow's 5-tuple as one direction's packets carry it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Tuple {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+}
+
+impl Tuple {
+    pub fn reversed(self) -> Self {
+        Self {
+            src: self.dst,
+            dst: self.src,
+            sport: self.dport,
+            dport: self.sport,
+            proto: self.proto,
+        }
+    }
+}
+
+impl std::fmt::Display for Tuple {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let proto = match self.proto {
+            TCP => "tcp",
+            UDP => "udp",
+            _ => "?",
+        };
+        write!(
+            f,
+            "{proto} {}:{} -> {}:{}",
+            self.src, self.sport, self.dst, self.dport
+        )
+    }
+}
+
+/// Why a frame is not the datapath's to translate (it passes unchanged).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Skip {
+    /// Shorter than an Ethernet and a minimal IPv4 header.
+    Short,
+    NotIpv4,
+    /// IP version other than 4, or a header length below 20 bytes.
+    BadIpHeader,
+    /// A piece of a fragmented datagram: only the first has ports, and the rest would miss the
+    /// rewrite.
+    Fragment,
+    NotTcpUdp,
+    /// The total length cannot hold the headers, or the frame does not hold the total length.
+    BadLength,
+}
+
+/// What the model reads from a frame it may translate.
+#[derive(Clone, Copy, Debug)]
+pub struct Headers {
+    pub tuple: Tuple,
+    /// The TCP flags byte (zero for UDP).
+    pub tcp_flags: u8,
+    /// Where the TCP/UDP header starts in the frame.
+    pub l4: usize,
+}
+
+impl Headers {
+    /// The first packet of a TCP connection: SYN without ACK (other bits do not matter).
+    pub fn syn_only(&self) -> bool {
+        self.tuple.proto == TCP && self.tcp_flags & (SYN | ACK) == SYN
+    }
+
+    fn fin(&self) -> bool {
+        self.tuple.proto == TCP && self.tcp_flags & FIN != 0
+    }
+
+    fn rst(&self) -> bool {
+        self.tuple.proto == TCP && self.tcp_flags & RST != 0
+    }
+
+    /// Where the TCP or UDP checksum is.
+    pub fn l4_checksum_at(&self) -> usize {
+        self.l4 + if self.tuple.proto == TCP { 16 } else { 6 }
+    }
+}
+
+fn be16(b: &[u8]) -> u16 {
+    u16::from_be_bytes([b[0], b[1]])
+}
+
+fn addr(b: &[u8]) -> Ipv4Addr {
+    Ipv4Addr::new(b[0], b[1], b[2], b[3])
+}
+
+/// Reads the headers of an Ethernet frame carrying an unfragmented IPv4 TCP or UDP packet whose
+/// headers are all there and consistent; anything else is not the datapath's business.
+/// Contents the datapath does not depend on are not judged: checksums, IP options, the TCP data
+/// offset, the UDP length, bytes after the IP total length (Ethernet padding).
+pub fn parse(frame: &[u8]) -> Result<Headers, Skip> {
+    if frame.len() < ETH_HLEN + IP_MIN {
+        return Err(Skip::Short);
+    }
+    if be16(&frame[12..]) != ETH_P_IP {
+        return Err(Skip::NotIpv4);
+    }
+    let ip = &frame[ETH_HLEN..];
+    let header_len = usize::from(ip[0] & 0x0f) * 4;
+    if ip[0] >> 4 != 4 || header_len < IP_MIN {
+        return Err(Skip::BadIpHeader);
+    }
+    // More-fragments, or a non-zero offset; don't-fragment and the reserved bit do not matter.
+    if be16(&ip[6..]) & 0x3fff != 0 {
+        return Err(Skip::Fragment);
+    }
+    let proto = ip[9];
+    let l4_len = match proto {
+        TCP => 20,
+        UDP => 8,
+        _ => return Err(Skip::NotTcpUdp),
+    };
+    let total = usize::from(be16(&ip[2..]));
+    if total < header_len + l4_len || frame.len() < ETH_HLEN + total {
+        return Err(Skip::BadLength);
+    }
+    let l4 = ETH_HLEN + header_len;
+    Ok(Headers {
+        tuple: Tuple {
+            src: addr(&ip[12..]),
+            dst: addr(&ip[16..]),
+            sport: be16(&frame[l4..]),
+            dport: be16(&frame[l4 + 2..]),
+            proto,
+        },
+        tcp_flags: if proto == TCP { frame[l4 + 13] } else { 0 },
+        l4,
+    })
+}
+
+/// A checksum after some of the 16-bit words it covers changed: RFC 1624, eqn. 3,
+/// `HC' = ~(~HC + ~m + m')` in one's complement arithmetic, for every word `m` in `removed` and
+/// `m'` in `added`.
+///
+/// One's complement has two zeros. Linux's `csum_replace` (behind the programs' checksum
+/// helpers) always adds a non-zero term, so its sum is never +0: a zero result is written as
+/// 0x0000, never 0xffff. The same here: a sum of zero, either way written, gives 0x0000.
+fn adjust_checksum(old: u16, removed: &[u16], added: &[u16]) -> u16 {
+    let mut sum = u32::from(!old);
+    sum += removed.iter().map(|w| u32::from(!w)).sum::<u32>();
+    sum += added.iter().map(|&w| u32::from(w)).sum::<u32>();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    if sum == 0 { 0 } else { !(sum as u16) }
+}
+
+fn words(a: Ipv4Addr) -> [u16; 2] {
+    let o = a.octets();
+    [
+        u16::from_be_bytes([o[0], o[1]]),
+        u16::from_be_bytes([o[2], o[3]]),
+    ]
+}
+
+/// `frame` with the source and destination (address, port) replaced, and the IPv4 header and
+/// TCP/UDP checksums adjusted for what changed (the TCP/UDP one covers the addresses through
+/// its pseudo-header). A UDP checksum of zero ("none") stays zero, and a UDP checksum that
+/// comes out as zero is sent as 0xffff (RFC 768). Nothing changes: the checksums stay as sent.
+fn rewrite(frame: &[u8], h: &Headers, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> Vec<u8> {
+    let t = h.tuple;
+    let mut out = frame.to_vec();
+    let (mut addr_old, mut addr_new, mut port_old, mut port_new) = (vec![], vec![], vec![], vec![]);
+    for ((old_addr, old_port), (new_addr, new_port)) in
+        [((t.src, t.sport), src), ((t.dst, t.dport), dst)]
+    {
+        if old_addr != new_addr {
+            addr_old.extend(words(old_addr));
+            addr_new.extend(words(new_addr));
+        }
+        if old_port != new_port {
+            port_old.push(old_port);
+            port_new.push(new_port);
+        }
+    }
+    let ip_csum = ETH_HLEN + 10;
+    if !addr_old.is_empty() {
+        let c = adjust_checksum(be16(&out[ip_csum..]), &addr_old, &addr_new);
+        out[ip_csum..ip_csum + 2].copy_from_slice(&c.to_be_bytes());
+    }
+    let l4_csum = h.l4_checksum_at();
+    let old = be16(&out[l4_csum..]);
+    let unchanged = addr_old.is_empty() && port_old.is_empty();
+    let none = t.proto == UDP && old == 0;
+    if !unchanged && !none {
+        let removed = [addr_old, port_old].concat();
+        let added = [addr_new, port_new].concat();
+        let mut c = adjust_checksum(old, &removed, &added);
+        if t.proto == UDP && c == 0 {
+            c = 0xffff;
+        }
+        out[l4_csum..l4_csum + 2].copy_from_slice(&c.to_be_bytes());
+    }
+    out[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&src.0.octets());
+    out[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&dst.0.octets());
+    out[h.l4..h.l4 + 2].copy_from_slice(&src.1.to_be_bytes());
+    out[h.l4 + 2..h.l4 + 4].copy_from_slice(&dst.1.to_be_bytes());
+    out
+}
+
+/// The Internet checksum (RFC 1071) of `data` (an even length).
+fn internet_checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = data.chunks(2).map(|w| u32::from(be16(w))).sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// The answer to `frame` (an IPv4 packet without options) when nothing listens at its
+/// destination: an ICMP destination unreachable, port unreachable (RFC 792: type 3, code 3,
+/// quoting the IP header and the first 8 bytes of what followed it), from that destination back
+/// to the source. Ethernet addresses swapped; a plain IPv4 header (no id, no flags, TTL 64).
+fn port_unreachable(frame: &[u8], h: &Headers) -> Vec<u8> {
+    let quoted = &frame[ETH_HLEN..h.l4 + 8];
+    let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(quoted);
+    let c = internet_checksum(&icmp);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let mut ip = [0u8; IP_MIN];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((IP_MIN + icmp.len()) as u16).to_be_bytes());
+    ip[8] = 64;
+    ip[9] = 1; // ICMP
+    ip[12..16].copy_from_slice(&h.tuple.dst.octets());
+    ip[16..20].copy_from_slice(&h.tuple.src.octets());
+    let c = internet_checksum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut out = Vec::with_capacity(ETH_HLEN + ip.len() + icmp.len());
+    out.extend_from_slice(&frame[6..12]);
+    out.extend_from_slice(&frame[..6]);
+    out.extend_from_slice(&ETH_P_IP.to_be_bytes());
+    out.extend_from_slice(&ip);
+    out.extend_from_slice(&icmp);
+    out
+}
+
+/// Back to the sender: the Ethernet destination and source swap places.
+fn swap_macs(frame: &mut [u8]) {
+    let (dst, rest) = frame.split_at_mut(6);
+    dst.swap_with_slice(&mut rest[..6]);
+}
+
+/// A service address: slot 0 of the services map.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Frontend {
+    /// The backend ids of slots 1..=count, in slot order (empty for a draining frontend).
+    pub slots: Vec<u32>,
+    /// Removed, kept only for the connections established through it.
+    pub draining: bool,
+    /// Only this node's endpoints may serve it (internalTrafficPolicy: Local).
+    pub local_only: bool,
+    /// sessionAffinity ClientIP, with this timeout in seconds.
+    pub affinity_secs: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackendEntry {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: u8,
+    /// Left its service port: keeps its established TCP connections, takes nothing new.
+    pub draining: bool,
+}
+
+/// What the services and backends maps hold, as the programs see it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tables {
+    /// By (address, port, protocol).
+    pub frontends: BTreeMap<(Ipv4Addr, u16, u8), Frontend>,
+    pub backends: BTreeMap<u32, BackendEntry>,
+}
+
+impl Tables {
+    /// Reads the SERVICES and BACKENDS maps pinned in `pin_dir`. Fails when a frontend counts a
+    /// slot that is missing or names a backend that is not there: the map writer never leaves
+    /// the maps so between two syncs, and the model's pick of a backend relies on it.
+    pub fn read(pin_dir: &Path) -> anyhow::Result<Self> {
+        let services: BpfHashMap<_, ServiceKey, ServiceValue> =
+            Map::HashMap(MapData::from_pin(pin_dir.join(MAP_SERVICES))?).try_into()?;
+        let backends_map: BpfHashMap<_, u32, Backend> =
+            Map::HashMap(MapData::from_pin(pin_dir.join(MAP_BACKENDS))?).try_into()?;
+        let mut backends = BTreeMap::new();
+        for entry in backends_map.iter() {
+            let (id, b) = entry?;
+            backends.insert(
+                id,
+                BackendEntry {
+                    addr: Ipv4Addr::from(b.addr.octets()),
+                    port: b.port.get(),
+                    proto: b.proto,
+                    draining: b.flags & BACKEND_DRAINING != 0,
+                },
+            );
+        }
+        let entries: BTreeMap<ServiceKey, ServiceValue> =
+            services.iter().collect::<Result<_, _>>()?;
+        let mut frontends = BTreeMap::new();
+        for (key, head) in entries.iter().filter(|(k, _)| k.slot == 0) {
+            let fe = (Ipv4Addr::from(key.addr.octets()), key.port.get(), key.proto);
+            let mut slots = Vec::new();
+            for slot in 1..=head.count {
+                let id = entries
+                    .get(&ServiceKey { slot, ..*key })
+                    .with_context(|| format!("{fe:?} counts slot {slot}, which is missing"))?
+                    .backend_id;
+                let Some(b) = backends.get(&id) else {
+                    bail!("slot {slot} of {fe:?} names backend {id}, which is missing");
+                };
+                if b.proto != key.proto || b.draining {
+                    bail!("slot {slot} of {fe:?} names backend {id}, {b:?}");
+                }
+                slots.push(id);
+            }
+            let known = SERVICE_DRAINING | SERVICE_LOCAL_ONLY | SERVICE_AFFINITY;
+            if head.flags & !known != 0 {
+                bail!(
+                    "{fe:?} has flags {:#x}, which the model does not know",
+                    head.flags
+                );
+            }
+            frontends.insert(
+                fe,
+                Frontend {
+                    slots,
+                    draining: head.flags & SERVICE_DRAINING != 0,
+                    local_only: head.flags & SERVICE_LOCAL_ONLY != 0,
+                    affinity_secs: (head.flags & SERVICE_AFFINITY != 0)
+                        .then(|| head.affinity_timeout_secs()),
+                },
+            );
+        }
+        Ok(Self {
+            frontends,
+            backends,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Keyed client -> service address: the flow itself, naming its backend.
+    Forward,
+    /// Keyed backend -> client (or -> [`HAIRPIN`]): what the replies must come from.
+    Reply,
+}
+
+/// A conntrack entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub direction: Direction,
+    pub backend_id: u32,
+    /// The service address and port the client used.
+    pub vip: Ipv4Addr,
+    pub vport: u16,
+    /// This direction sent a FIN.
+    pub fin: bool,
+    /// The flow is over (a RST, or a FIN each way): it lives on for the closing lifetime only,
+    /// and is not refreshed.
+    pub closing: bool,
+    /// Model time of the last refresh.
+    pub last_seen: u64,
+    /// Refreshed (or written) by a packet since [`Model::clear_refreshed`]. For the harness,
+    /// which checks that the kernel's entry was refreshed too, and no other.
+    pub refreshed: bool,
+    /// Where the flow was sent (not in the kernel's entry; for generating the backend's replies).
+    pub backend: (Ipv4Addr, u16),
+}
+
+/// A client of a service address with session affinity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Client {
+    pub client: Ipv4Addr,
+    pub vip: Ipv4Addr,
+    pub vport: u16,
+    pub proto: u8,
+}
+
+/// The backend a client of a service address with session affinity sticks to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Affinity {
+    pub backend_id: u32,
+    /// Model time of the client's last new flow that went to it.
+    pub last_used: u64,
+    /// As [`Entry::refreshed`].
+    pub refreshed: bool,
+}
+
+/// A backend a new flow may be given: one named in a slot of its service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub id: u32,
+    pub addr: Ipv4Addr,
+    pub port: u16,
+}
+
+/// What the model decided for one frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Event {
+    /// Passed unchanged: not a packet to translate.
+    Skipped(Skip),
+    /// Passed unchanged: ingress, to no service address.
+    NotService,
+    /// Passed unchanged: to a removed service (draining) without a live flow, or to a service
+    /// without backends but with IP options (not refused).
+    NoBackend,
+    /// Dropped: to a service whose traffic stays on the node, with no endpoint here.
+    NoLocalEndpoint,
+    /// Ingress: to a service without backends: answered with an ICMP port unreachable.
+    Rejected,
+    /// Ingress: a new flow, sent to a backend.
+    NewFlow,
+    /// Ingress: a packet of a live flow, sent to its backend.
+    Established,
+    /// Egress: passed unchanged, not a reply of a live flow.
+    NoReply,
+    /// Egress: a reply, from the service address again.
+    ReverseNat,
+    /// Ingress: a pod's reply to itself through a service, turned around and redirected.
+    HairpinReply,
+    /// Ingress: to the hairpin address without a live flow behind it: dropped.
+    HairpinDrop,
+}
+
+/// Conntrack details of a decision, for coverage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Note {
+    /// An established TCP connection stayed on its draining backend.
+    DrainKept,
+    /// A flow left its draining backend (a SYN, or UDP).
+    DrainLeft,
+    /// The flow's backend is gone (or now of another protocol).
+    BackendGone,
+    /// The flow had expired.
+    Expired,
+    /// A bare SYN on a closed flow's 5-tuple: a new flow.
+    Reopened,
+    /// A closed flow's packet: followed, not refreshed.
+    ClosedFollowed,
+    /// This packet closed its flow.
+    Closed,
+    /// The reply entry (evicted, deleted, or taken by another flow) was written again.
+    ReplyRewritten,
+    /// A reply entry without a live flow was deleted.
+    ReplyForgotten,
+    /// A bare SYN to a non-service address deleted the reply entry on its reverse 5-tuple.
+    DirectSynForgot,
+    /// A new flow went to the backend its client sticks to (session affinity).
+    AffinityKept,
+    /// The backend a client stuck to was not kept (its last new flow too long ago, or the
+    /// backend gone or draining).
+    AffinityLapsed,
+    /// A new flow was picked a backend at random and its client now sticks to it.
+    AffinityNew,
+}
+
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub verdict: u32,
+    pub frame: Vec<u8>,
+    pub event: Event,
+    /// The frame was translated for a pod reaching itself (source set to [`HAIRPIN`]).
+    pub hairpin: bool,
+    pub notes: Vec<Note>,
+}
+
+impl Outcome {
+    fn pass(frame: &[u8], event: Event, notes: Vec<Note>) -> Self {
+        Self {
+            verdict: TC_ACT_UNSPEC,
+            frame: frame.to_vec(),
+            event,
+            hairpin: false,
+            notes,
+        }
+    }
+}
+
+/// The lifetime of an entry, in seconds.
+fn lifetime(e: &Entry, proto: u8) -> u64 {
+    let ns = if e.closing {
+        CT_LIFETIME_CLOSING_NS
+    } else if proto == TCP {
+        CT_LIFETIME_TCP_NS
+    } else {
+        CT_LIFETIME_UDP_NS
+    };
+    ns / 1_000_000_000
+}
+
+/// Where the backend's replies to the flow `t` come from and go to: to the client, or, when
+/// the client is the backend itself, to the hairpin address its packets were given.
+fn reply_tuple(t: &Tuple, backend: (Ipv4Addr, u16)) -> Tuple {
+    Tuple {
+        src: backend.0,
+        dst: if backend.0 == t.src { HAIRPIN } else { t.src },
+        sport: backend.1,
+        dport: t.sport,
+        proto: t.proto,
+    }
+}
+
+/// A backend for a new flow to `fe`, at random among its slots: `pick` says which one the
+/// program took. None when there is none; `Err` with the candidates when `pick` says none of
+/// them.
+fn random_backend(
+    tables: &Tables,
+    h: &Headers,
+    fe: &Frontend,
+    pick: impl FnOnce(&Headers, &[Candidate]) -> Option<usize>,
+) -> Result<Option<Candidate>, Vec<Candidate>> {
+    let candidates: Vec<Candidate> = fe
+        .slots
+        .iter()
+        .map(|id| {
+            let b = tables.backends[id];
+            Candidate {
+                id: *id,
+                addr: b.addr,
+                port: b.port,
+            }
+        })
+        .collect();
+    if candidates.is_empty() {
+        return Ok(None);
+    }
+    match pick(h, &candidates) {
+        Some(i) => Ok(Some(candidates[i])),
+        None => Err(candidates),
+    }
+}
+
+/// The datapath model: the maps as last read, conntrack, session affinity, and the time.
+#[derive(Clone, Debug, Default)]
+pub struct Model {
+    tables: Tables,
+    conntrack: BTreeMap<Tuple, Entry>,
+    affinity: BTreeMap<Client, Affinity>,
+    now: u64,
+}
+
+impl Model {
+    pub fn new(tables: Tables) -> Self {
+        Self {
+            tables,
+            ..Self::default()
+        }
+    }
+
+    /// The maps changed (the agent synced).
+    pub fn set_tables(&mut self, tables: Tables) {
+        self.tables = tables;
+    }
+
+    pub fn tables(&self) -> &Tables {
+        &self.tables
+    }
+
+    pub fn conntrack(&self) -> &BTreeMap<Tuple, Entry> {
+        &self.conntrack
+    }
+
+    pub fn affinity(&self) -> &BTreeMap<Client, Affinity> {
+        &self.affinity
+    }
+
+    pub fn now(&self) -> u64 {
+        self.now
+    }
+
+    /// Lets `secs` seconds pass.
+    pub fn advance(&mut self, secs: u64) {
+        self.now += secs;
+    }
+
+    /// Entries idle longer than `max` seconds are taken as idle `max`: the test can only move the
+    /// kernel's record of a last use back to the boot, and must not ask the model for more. Both
+    /// agree on everything as long as `max` is past every lifetime that matters.
+    pub fn cap_idle(&mut self, max: u64) {
+        let oldest = self.now.saturating_sub(max);
+        for e in self.conntrack.values_mut() {
+            e.last_seen = e.last_seen.max(oldest);
+        }
+        for a in self.affinity.values_mut() {
+            a.last_used = a.last_used.max(oldest);
+        }
+    }
+
+    pub fn clear_refreshed(&mut self) {
+        for e in self.conntrack.values_mut() {
+            e.refreshed = false;
+        }
+        for a in self.affinity.values_mut() {
+            a.refreshed = false;
+        }
+    }
+
+    fn live(&self, e: &Entry, proto: u8) -> bool {
+        self.now - e.last_seen <= lifetime(e, proto)
+    }
+
+    /// `tc_ingress` on `frame`. For a new flow, `pick` is given the candidates (the backends in
+    /// the service's slots) and says which one the program took; `Err` with the candidates when
+    /// it says none of them.
+    pub fn ingress(
+        &mut self,
+        frame: &[u8],
+        pick: impl FnOnce(&Headers, &[Candidate]) -> Option<usize>,
+    ) -> Result<Outcome, Vec<Candidate>> {
+        let h = match parse(frame) {
+            Ok(h) => h,
+            Err(why) => return Ok(Outcome::pass(frame, Event::Skipped(why), vec![])),
+        };
+        let t = h.tuple;
+        let mut notes = Vec::new();
+        if t.dst == HAIRPIN {
+            // The pod is both ends: its reply goes back to itself, from the service address.
+            let pod = t.src;
+            return Ok(match self.reply_of_live_flow(&h, pod, &mut notes) {
+                Some(vip) => {
+                    let mut out = rewrite(frame, &h, vip, (pod, t.dport));
+                    swap_macs(&mut out);
+                    Outcome {
+                        verdict: TC_ACT_REDIRECT,
+                        frame: out,
+                        event: Event::HairpinReply,
+                        hairpin: true,
+                        notes,
+                    }
+                }
+                // Routed on, it would leave the node with a link-local destination.
+                None => Outcome {
+                    verdict: TC_ACT_SHOT,
+                    frame: frame.to_vec(),
+                    event: Event::HairpinDrop,
+                    hairpin: true,
+                    notes,
+                },
+            });
+        }
+        let Some(fe) = self
+            .tables
+            .frontends
+            .get(&(t.dst, t.dport, t.proto))
+            .cloned()
+        else {
+            let reverse = t.reversed();
+            if h.syn_only()
+                && self
+                    .conntrack
+                    .get(&reverse)
+                    .is_some_and(|e| e.direction == Direction::Reply)
+            {
+                self.conntrack.remove(&reverse);
+                notes.push(Note::DirectSynForgot);
+            }
+            return Ok(Outcome::pass(frame, Event::NotService, notes));
+        };
+        let (backend, event) = match self.follow_flow(&h, &mut notes) {
+            Some(backend) => (backend, Event::Established),
+            None => {
+                let chosen = match fe.affinity_secs {
+                    Some(timeout) => self.sticky_backend(&h, &fe, timeout, pick, &mut notes)?,
+                    None => random_backend(&self.tables, &h, &fe, pick)?,
+                };
+                let Some(c) = chosen else {
+                    return Ok(self.no_backend(frame, &h, &fe, notes));
+                };
+                self.record(&t, c);
+                ((c.addr, c.port), Event::NewFlow)
+            }
+        };
+        let hairpin = backend.0 == t.src;
+        let src = if hairpin {
+            // Its reply would otherwise never leave the pod: it must come to a foreign address.
+            (HAIRPIN, t.sport)
+        } else {
+            (t.src, t.sport)
+        };
+        let mut out = rewrite(frame, &h, src, backend);
+        let verdict = if hairpin {
+            swap_macs(&mut out);
+            TC_ACT_REDIRECT
+        } else {
+            TC_ACT_UNSPEC
+        };
+        Ok(Outcome {
+            verdict,
+            frame: out,
+            event,
+            hairpin,
+            notes,
+        })
+    }
+
+    /// A new flow to `fe`, which has none of its backends to give it.
+    fn no_backend(&self, frame: &[u8], h: &Headers, fe: &Frontend, notes: Vec<Note>) -> Outcome {
+        if fe.local_only {
+            return Outcome {
+                verdict: TC_ACT_SHOT,
+                frame: frame.to_vec(),
+                event: Event::NoLocalEndpoint,
+                hairpin: false,
+                notes,
+            };
+        }
+        if fe.draining || h.l4 != ETH_HLEN + IP_MIN {
+            return Outcome::pass(frame, Event::NoBackend, notes);
+        }
+        Outcome {
+            verdict: TC_ACT_REDIRECT,
+            frame: port_unreachable(frame, h),
+            event: Event::Rejected,
+            hairpin: false,
+            notes,
+        }
+    }
+
+    /// Session affinity: the backend the client of `h` sticks to while its last new flow to
+    /// `fe` is at most `timeout` seconds ago and the backend takes new flows (it exists and is
+    /// not draining); otherwise a random one, which the client sticks to from now on.
+    fn sticky_backend(
+        &mut self,
+        h: &Headers,
+        fe: &Frontend,
+        timeout: u32,
+        pick: impl FnOnce(&Headers, &[Candidate]) -> Option<usize>,
+        notes: &mut Vec<Note>,
+    ) -> Result<Option<Candidate>, Vec<Candidate>> {
+        let t = h.tuple;
+        let client = Client {
+            client: t.src,
+            vip: t.dst,
+            vport: t.dport,
+            proto: t.proto,
+        };
+        if let Some(a) = self.affinity.get(&client)
+            && self.now - a.last_used <= u64::from(timeout)
+            && let Some(b) = self.tables.backends.get(&a.backend_id)
+            && !b.draining
+            && b.proto == t.proto
+        {
+            let c = Candidate {
+                id: a.backend_id,
+                addr: b.addr,
+                port: b.port,
+            };
+            let a = self.affinity.get_mut(&client).unwrap();
+            a.last_used = self.now;
+            a.refreshed = true;
+            notes.push(Note::AffinityKept);
+            return Ok(Some(c));
+        }
+        if self.affinity.contains_key(&client) {
+            notes.push(Note::AffinityLapsed);
+        }
+        let chosen = random_backend(&self.tables, h, fe, pick)?;
+        if let Some(c) = chosen {
+            let a = Affinity {
+                backend_id: c.id,
+                last_used: self.now,
+                refreshed: true,
+            };
+            self.affinity.insert(client, a);
+            notes.push(Note::AffinityNew);
+        }
+        Ok(chosen)
+    }
+
+    /// `tc_egress` on `frame`.
+    pub fn egress(&mut self, frame: &[u8]) -> Outcome {
+        let h = match parse(frame) {
+            Ok(h) => h,
+            Err(why) => return Outcome::pass(frame, Event::Skipped(why), vec![]),
+        };
+        let t = h.tuple;
+        let mut notes = Vec::new();
+        match self.reply_of_live_flow(&h, t.dst, &mut notes) {
+            Some(vip) => Outcome {
+                verdict: TC_ACT_UNSPEC,
+                frame: rewrite(frame, &h, vip, (t.dst, t.dport)),
+                event: Event::ReverseNat,
+                hairpin: false,
+                notes,
+            },
+            None => Outcome::pass(frame, Event::NoReply, notes),
+        }
+    }
+
+    /// The backend of the live flow `h` belongs to, if that backend may keep it; the flow's
+    /// entries are refreshed (and its reply entry written again if it is not the flow's).
+    fn follow_flow(&mut self, h: &Headers, notes: &mut Vec<Note>) -> Option<(Ipv4Addr, u16)> {
+        let t = h.tuple;
+        let e = self.conntrack.get(&t)?;
+        if e.direction != Direction::Forward {
+            return None;
+        }
+        if !self.live(e, t.proto) {
+            notes.push(Note::Expired);
+            return None;
+        }
+        // A new connection on the 5-tuple of a closed one.
+        if e.closing && h.syn_only() {
+            notes.push(Note::Reopened);
+            return None;
+        }
+        let id = e.backend_id;
+        let Some(b) = self.tables.backends.get(&id).filter(|b| b.proto == t.proto) else {
+            notes.push(Note::BackendGone);
+            return None;
+        };
+        let backend = (b.addr, b.port);
+        if b.draining {
+            // Only established TCP connections outlive their endpoint's removal.
+            if t.proto == UDP || h.syn_only() {
+                notes.push(Note::DrainLeft);
+                return None;
+            }
+            notes.push(Note::DrainKept);
+        }
+        let reply = reply_tuple(&t, backend);
+        let reply_ours = self
+            .conntrack
+            .get(&reply)
+            .is_some_and(|r| r.direction == Direction::Reply && r.backend_id == id);
+        self.touch(&t, reply_ours.then_some(&reply), h, notes);
+        if !reply_ours {
+            // Evicted, deleted, or another flow's: the flow's replies need it back. It carries
+            // whether the flow is over, not the forward direction's FIN.
+            let forward = self.conntrack[&t].clone();
+            self.conntrack.insert(
+                reply,
+                Entry {
+                    direction: Direction::Reply,
+                    fin: false,
+                    ..forward
+                },
+            );
+            notes.push(Note::ReplyRewritten);
+        }
+        Some(backend)
+    }
+
+    /// A new flow `t` to `c`: both of its entries.
+    fn record(&mut self, t: &Tuple, c: Candidate) {
+        let entry = Entry {
+            direction: Direction::Forward,
+            backend_id: c.id,
+            vip: t.dst,
+            vport: t.dport,
+            fin: false,
+            closing: false,
+            last_seen: self.now,
+            refreshed: true,
+            backend: (c.addr, c.port),
+        };
+        let reply = Entry {
+            direction: Direction::Reply,
+            ..entry.clone()
+        };
+        self.conntrack
+            .insert(reply_tuple(t, (c.addr, c.port)), reply);
+        self.conntrack.insert(*t, entry);
+    }
+
+    /// For a packet of `h` (a backend's, to `client`): the service address and port to put back
+    /// as its source, if it is a reply of a live flow. A reply entry that is not (its flow
+    /// expired, went to another backend, or is gone) is deleted.
+    fn reply_of_live_flow(
+        &mut self,
+        h: &Headers,
+        client: Ipv4Addr,
+        notes: &mut Vec<Note>,
+    ) -> Option<(Ipv4Addr, u16)> {
+        let t = h.tuple;
+        let r = self.conntrack.get(&t)?;
+        if r.direction != Direction::Reply {
+            return None;
+        }
+        let (vip, vport, id) = (r.vip, r.vport, r.backend_id);
+        let forward = Tuple {
+            src: client,
+            dst: vip,
+            sport: t.dport,
+            dport: vport,
+            proto: t.proto,
+        };
+        let live = self.conntrack.get(&forward).is_some_and(|f| {
+            f.direction == Direction::Forward && f.backend_id == id && self.live(f, t.proto)
+        });
+        if !live {
+            self.conntrack.remove(&t);
+            notes.push(Note::ReplyForgotten);
+            return None;
+        }
+        self.touch(&t, Some(&forward), h, notes);
+        Some((vip, vport))
+    }
+
+    /// A packet of the flow went the way of the entry `this` (`other`: the flow's entry the other
+    /// way, when known). A flow has one lifetime: both entries are refreshed. A RST, or a FIN
+    /// from each side, closes the flow; a closed flow is not refreshed any more.
+    fn touch(&mut self, this: &Tuple, other: Option<&Tuple>, h: &Headers, notes: &mut Vec<Note>) {
+        let now = self.now;
+        let e = self.conntrack.get_mut(this).expect("touching an entry");
+        if e.closing {
+            notes.push(Note::ClosedFollowed);
+            return;
+        }
+        e.last_seen = now;
+        e.refreshed = true;
+        e.fin |= h.fin();
+        let this_fin = e.fin;
+        let mut closed = h.rst();
+        if let Some(other) = other {
+            let o = self.conntrack.get_mut(other).expect("touching an entry");
+            o.last_seen = now;
+            o.refreshed = true;
+            closed |= this_fin && o.fin;
+            o.closing |= closed;
+        }
+        if closed {
+            self.conntrack.get_mut(this).unwrap().closing = true;
+            notes.push(Note::Closed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::packet::{self, Spec};
+
+    #[test]
+    fn adjusted_checksums_equal_recomputed_ones() {
+        let client = Ipv4Addr::new(10, 244, 1, 10);
+        let vip = Ipv4Addr::new(10, 96, 0, 10);
+        let backend = Ipv4Addr::new(10, 244, 2, 11);
+        for sport in [1, 40000, 65535] {
+            for spec in [
+                Spec::tcp(client, sport, vip, 80),
+                Spec::udp(client, sport, vip, 80),
+            ] {
+                let frame = spec.build();
+                let h = parse(&frame).unwrap();
+                let out = rewrite(&frame, &h, (client, sport), (backend, 8080));
+                packet::assert_checksums(&out, false);
+                let seen = packet::read(&out);
+                assert_eq!((seen.dst, seen.dport), (backend, 8080));
+            }
+        }
+    }
+
+    #[test]
+    fn a_zero_sum_is_written_as_zero() {
+        // 0x1234 replaced by itself: the checksum of an all-zero sum stays in one form.
+        assert_eq!(adjust_checksum(0xffff, &[0x1234], &[0x1234]), 0);
+        assert_eq!(adjust_checksum(0x0000, &[0x1234], &[0x1234]), 0);
+        assert_eq!(adjust_checksum(0xabcd, &[0x1234], &[0x1234]), 0xabcd);
+    }
+}
