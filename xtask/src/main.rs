@@ -109,6 +109,8 @@ fn main() -> anyhow::Result<()> {
                 "sandbox",
                 "--test",
                 "host",
+                "--test",
+                "policy",
             ];
             test.extend(args.iter().map(String::as_str));
             let mut cmd = cargo_cmd();
