@@ -66,6 +66,8 @@ pub const MAP_DROPS: &str = "DROPS";
 pub const MAP_AFFINITY: &str = "AFFINITY";
 pub const MAP_MAGLEV: &str = "MAGLEV";
 pub const MAP_CONFIG: &str = "CONFIG";
+pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
+pub const MAP_HOST_NETNS: &str = "HOST_NETNS";
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 pub const CONFIG_ENTRIES: u32 = 1;
@@ -221,6 +223,26 @@ pub struct AffinityValue {
     pub last_used_ns: u64,
 }
 
+/// Key of [`MAP_SOCK_REVNAT`]: a host-network socket (its cookie, unique for the boot) and the
+/// backend the socket programs sent it to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    pub addr: Be32,
+    pub port: Be16,
+    pub pad: u16,
+}
+
+/// Value of [`MAP_SOCK_REVNAT`]: the service address the socket asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct SockRevNatValue {
+    pub addr: Be32,
+    pub port: Be16,
+    pub pad: u16,
+}
+
 /// A backend: where a service's traffic is sent. Keyed by a `u32` id in the backends map. Ids
 /// belong to one service port (two services sharing a pod have two ids for it), so that the
 /// draining flag says whether the endpoint is still in that service.
@@ -315,4 +337,6 @@ mod user {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for MaglevChunk {}
+    unsafe impl aya::Pod for SockRevNatKey {}
+    unsafe impl aya::Pod for SockRevNatValue {}
 }

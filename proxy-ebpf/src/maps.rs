@@ -7,10 +7,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue,
-    DROPS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue,
+    DROPS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
 };
-
-use crate::sock::{SockRevNatKey, SockRevNatValue};
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
 /// nodes use a small part of it.

@@ -14,6 +14,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+    SockRevNatKey, SockRevNatValue,
 };
 
 /// What a refused connect() or sendmsg() returns (bpf_set_retval takes it negated).
@@ -34,26 +35,6 @@ const REFUSE: i32 = 0;
 /// affinity map): at connect() the source is not chosen yet, and to kube-proxy every such
 /// client is the node itself. No pod sends from 0.0.0.0, so their entries never mix with pods'.
 const HOST_CLIENT: Be32 = Be32::new(0);
-
-/// [`SOCK_REVNAT`] key: a socket (its cookie, unique for the boot) and the backend it was sent
-/// to.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct SockRevNatKey {
-    pub cookie: u64,
-    pub addr: Be32,
-    pub port: Be16,
-    pub pad: u16,
-}
-
-/// [`SOCK_REVNAT`] value: the service address the socket asked for.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct SockRevNatValue {
-    pub addr: Be32,
-    pub port: Be16,
-    pub pad: u16,
-}
 
 /// connect4 and sendmsg4: a TCP or UDP service address of a host-network socket becomes one of
 /// the service's backends, picked as the tc path picks one for a new flow (lb.rs).

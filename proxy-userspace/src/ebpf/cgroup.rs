@@ -25,8 +25,7 @@ use aya::{
     maps::Array,
     programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink},
 };
-use bytemuck::{Pod, Zeroable};
-use proxy_common::{Be16, Be32};
+use proxy_common::MAP_HOST_NETNS;
 
 pub const PROG_CONNECT4: &str = "sock_connect4";
 pub const PROG_SENDMSG4: &str = "sock_sendmsg4";
@@ -39,36 +38,8 @@ pub const SOCK_PROGRAMS: [&str; 4] = [
     PROG_GETPEERNAME4,
 ];
 
-/// The pinned maps of the socket programs (their layouts belong in proxy-common, beside the
-/// other maps').
-pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
-pub const MAP_HOST_NETNS: &str = "HOST_NETNS";
-
 /// Where the links are pinned, under the pin directory.
 pub const LINKS_DIR: &str = "cgroup-links";
-
-/// Key of SOCK_REVNAT: a socket (its cookie) and the backend it was sent to.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct SockRevNatKey {
-    pub cookie: u64,
-    pub addr: Be32,
-    pub port: Be16,
-    pub pad: u16,
-}
-
-/// Value of SOCK_REVNAT: the service address the socket asked for.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct SockRevNatValue {
-    pub addr: Be32,
-    pub port: Be16,
-    pub pad: u16,
-}
-
-// SAFETY: bytemuck::Pod: no padding, every bit pattern valid.
-unsafe impl aya::Pod for SockRevNatKey {}
-unsafe impl aya::Pod for SockRevNatValue {}
 
 const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
 

@@ -322,6 +322,10 @@ impl ServiceMaps {
                     .failures
                     .push(format!("expiring drained entries: {e:#}"));
             }
+            if errors.failures.is_empty() {
+                // Every table was written for the current size (or failed and stays stale).
+                self.maglev_stale = false;
+            }
         }
         errors.into_result(ports.len())
     }
@@ -648,13 +652,7 @@ impl ServiceMaps {
                 Some(previous.unwrap_or(now + self.drain_period))
             };
             if !self.draining.contains_key(&id) {
-                let flagged = Backend {
-                    flags: b.flags | BACKEND_DRAINING,
-                    ..b
-                };
-                self.backends
-                    .insert(id, flagged, 0)
-                    .with_context(|| format!("flagging backend {id} draining"))?;
+                self.flag_draining(id, b)?;
             }
             self.draining.insert(id, until);
         }
@@ -681,16 +679,22 @@ impl ServiceMaps {
             .map(|(id, s)| (*id, s.backend))
             .collect();
         for (id, b) in unclaimed {
-            let flagged = Backend {
-                flags: b.flags | BACKEND_DRAINING,
-                ..b
-            };
-            self.backends
-                .insert(id, flagged, 0)
-                .with_context(|| format!("flagging backend {id} draining"))?;
+            self.flag_draining(id, b)?;
             self.draining.insert(id, Some(now + self.drain_period));
         }
         Ok(())
+    }
+
+    /// Marks backend `id` (endpoint `b`) draining in the map: no new flows, established TCP
+    /// connections stay.
+    fn flag_draining(&mut self, id: u32, b: Backend) -> anyhow::Result<()> {
+        let flagged = Backend {
+            flags: b.flags | BACKEND_DRAINING,
+            ..b
+        };
+        self.backends
+            .insert(id, flagged, 0)
+            .with_context(|| format!("flagging backend {id} draining"))
     }
 
     /// Deletes the draining frontends and backends whose drain period is over.

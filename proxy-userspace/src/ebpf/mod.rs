@@ -18,12 +18,12 @@ use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
     AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES,
     LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK,
-    MAP_DROPS, MAP_MAGLEV, MAP_SERVICES, MaglevChunk, ServiceKey, ServiceValue,
+    MAP_DROPS, MAP_HOST_NETNS, MAP_MAGLEV, MAP_SERVICES, MAP_SOCK_REVNAT, MaglevChunk, ServiceKey,
+    ServiceValue, SockRevNatKey, SockRevNatValue,
 };
 
 pub use attach::Attacher;
 use attach::detach_all;
-use cgroup::{MAP_HOST_NETNS, MAP_SOCK_REVNAT, SockRevNatKey, SockRevNatValue};
 pub use maps::{ServiceMaps, WriterConfig};
 
 use crate::{
