@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::Context;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use crate::{
     dataplane::{Dataplane, NotProgrammable, Scope},
@@ -16,7 +16,7 @@ use crate::{
     metrics::{self, METRICS},
     model::{ChangeTracker, DesiredState},
     runner::{RunnerConfig, SyncRunner},
-    source,
+    service_health, source,
 };
 
 pub struct AgentConfig {
@@ -136,6 +136,11 @@ pub async fn run(
         node_name: config.node_name,
         ..DesiredState::default()
     };
+    // The health check node ports of LoadBalancer Services with externalTrafficPolicy Local,
+    // fed after each successful sync and served on their own task, so binding never holds up
+    // a sync (and a port that cannot be bound is only logged).
+    let (health_checks, watched) = watch::channel(service_health::HealthChecks::new());
+    let health_check_server = tokio::spawn(service_health::run(health.clone(), watched));
     // The first sync, periodic resyncs and retries after a failure look at everything.
     let mut full = true;
     let sync = move || {
@@ -169,6 +174,8 @@ pub async fn run(
                     Scope::Changed(c) => tracing::info!(changed = c.len(), ?elapsed, "sync done"),
                 }
                 full = false;
+                // Replaced even when equal: each sync retries the ports that failed to bind.
+                health_checks.send_replace(service_health::health_checks(&state));
             }
             Err(e) => {
                 tracing::error!(?elapsed, "sync failed (will retry): {e:#}");
@@ -193,6 +200,7 @@ pub async fn run(
         }
     };
     housekeeping.abort();
+    health_check_server.abort();
     for server in running {
         server.abort();
     }

@@ -11,4 +11,5 @@ pub mod manifest;
 pub mod metrics;
 pub mod model;
 pub mod runner;
+pub mod service_health;
 pub mod source;

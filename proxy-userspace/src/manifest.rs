@@ -17,6 +17,9 @@ use serde_yaml::Value;
 
 use crate::model::NamespacedName;
 
+mod split;
+use split::Piece;
+
 /// Where objects without `metadata.namespace` go, as with `kubectl apply`.
 pub const DEFAULT_NAMESPACE: &str = "default";
 
@@ -138,9 +141,10 @@ pub struct Parsed {
 }
 
 /// [`parse`], handing each object to `each` as soon as it is read (in file order) instead of
-/// collecting them: only one document is held at a time, so a caller that keeps less than the
-/// whole object needs far less memory. On error, `each` may already have seen objects from
-/// before the broken part; they must not be used, as with [`parse`].
+/// collecting them: one YAML document, or one item of a List, is held at a time (a JSON text is
+/// read whole), so a caller that keeps less than the whole object needs far less memory. On
+/// error, `each` may already have seen objects from before the broken part; they must not be
+/// used, as with [`parse`].
 pub fn parse_each(text: &str, each: impl FnMut(Object)) -> Result<Parsed, ManifestError> {
     let mut parser = Parser {
         text,
@@ -157,16 +161,24 @@ pub fn parse_each(text: &str, each: impl FnMut(Object)) -> Result<Parsed, Manife
         if let Ok(json) = json {
             parser.from_yaml = false;
             for (index, value) in json.into_iter().enumerate() {
-                let value =
-                    serde_yaml::to_value(value).map_err(|e| ManifestError::Syntax(e.to_string()))?;
+                let value = serde_yaml::to_value(value)
+                    .map_err(|e| ManifestError::Syntax(e.to_string()))?;
                 parser.add(index, "", value, None);
             }
             return Ok(parser.parsed);
         }
     }
-    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let value = Value::deserialize(document).map_err(|e| ManifestError::Syntax(e.to_string()))?;
-        parser.add(index, "", value, None);
+    // Piece by piece where the text allows it (see `split`), else document by document. Only
+    // Lists gain from it (other documents are read one at a time anyway), and finding the
+    // pieces reads the text once more: a text without "List" is not looked at twice.
+    let pieces = if text.contains("List") {
+        split::split(text)
+    } else {
+        None
+    };
+    match pieces {
+        Some(pieces) => parser.add_pieces(&pieces)?,
+        None => parser.add_documents()?,
     }
     Ok(parser.parsed)
 }
@@ -184,6 +196,58 @@ struct Parser<'a, F> {
 }
 
 impl<F: FnMut(Object)> Parser<'_, F> {
+    /// Reads the text document by document (serde_yaml holds one whole document at a time).
+    fn add_documents(&mut self) -> Result<(), ManifestError> {
+        for (index, document) in serde_yaml::Deserializer::from_str(self.text).enumerate() {
+            let value =
+                Value::deserialize(document).map_err(|e| ManifestError::Syntax(e.to_string()))?;
+            self.add(index, "", value, None);
+        }
+        Ok(())
+    }
+
+    /// Reads the text piece by piece: what [`Parser::add_documents`] does, holding one item of
+    /// a List at a time.
+    fn add_pieces(&mut self, pieces: &[Piece]) -> Result<(), ManifestError> {
+        for (index, piece) in pieces.iter().enumerate() {
+            match piece {
+                Piece::Document(range) => {
+                    let value = self.read_piece(&self.text[range.clone()])?;
+                    self.add(index, "", value, None);
+                }
+                Piece::List {
+                    kind,
+                    items,
+                    others,
+                } => {
+                    for other in others {
+                        self.read_piece(&other.text(self.text))?;
+                    }
+                    let item_kind = kind.strip_suffix("List").filter(|k| !k.is_empty());
+                    for (i, item) in items.iter().enumerate() {
+                        let value = self.read_piece(&item.text(self.text))?;
+                        self.add(index, &format!("items[{i}]"), value, item_kind);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One piece as a value. A piece that does not read (a duplicate key, say) fails the whole
+    /// text, with the message reading it whole gives.
+    fn read_piece(&self, piece: &str) -> Result<Value, ManifestError> {
+        serde_yaml::from_str(piece).map_err(|piece_error| {
+            let whole_error = serde_yaml::Deserializer::from_str(self.text)
+                .find_map(|document| Value::deserialize(document).err());
+            ManifestError::Syntax(match whole_error {
+                Some(e) => e.to_string(),
+                // Not expected: `split` only cuts texts whose pieces read as the whole does.
+                None => format!("{piece_error} (in a part of the manifest read on its own)"),
+            })
+        })
+    }
+
     /// Adds document `index` (or the item at `path` inside it). Items of a typed list such as
     /// ServiceList may omit their kind, as the API server's list responses do: `item_kind`.
     fn add(&mut self, index: usize, path: &str, mut value: Value, item_kind: Option<&str>) {
@@ -261,7 +325,6 @@ impl<F: FnMut(Object)> Parser<'_, F> {
         kind: &str,
         wrap: fn(T) -> Object,
     ) -> Result<Object, (String, String)> {
-        let name = describe(&value, kind);
         match T::deserialize(&value) {
             Ok(object) => Ok(wrap(object)),
             Err(e) => {
@@ -269,7 +332,7 @@ impl<F: FnMut(Object)> Parser<'_, F> {
                     .located::<T>(index, path)
                     .or_else(|| error_with_field::<T>(&value))
                     .unwrap_or_else(|| e.to_string());
-                Err((name, message))
+                Err((describe(&value, kind), message))
             }
         }
     }
@@ -319,6 +382,175 @@ mod tests {
 
     fn errors(manifest: &Manifest) -> Vec<String> {
         manifest.errors.iter().map(ToString::to_string).collect()
+    }
+
+    /// The manifest read document by document, as serde_yaml reads it: what reading it piece by
+    /// piece must give.
+    fn parse_whole(text: &str) -> Result<Manifest, ManifestError> {
+        let mut objects = Vec::new();
+        let parsed = {
+            let mut parser = Parser {
+                text,
+                from_yaml: true,
+                each: |object| objects.push(object),
+                parsed: Parsed::default(),
+            };
+            parser.add_documents()?;
+            parser.parsed
+        };
+        Ok(Manifest {
+            objects,
+            errors: parsed.errors,
+            ignored: parsed.ignored,
+        })
+    }
+
+    /// Whether `text` is read with at least one List item by item.
+    fn split_into_items(text: &str) -> bool {
+        split::split(text).is_some_and(|pieces| {
+            pieces
+                .iter()
+                .any(|piece| matches!(piece, Piece::List { items, .. } if !items.is_empty()))
+        })
+    }
+
+    const KUBECTL_ITEM: &str = "\
+- apiVersion: v1
+  kind: Service
+  metadata:
+    annotations:
+      note: |
+        a literal
+        block
+      folded: >-
+        folded
+        text
+    labels: {app: NAME, 'quoted key': \"x\"}
+    name: NAME
+    namespace: demo
+  spec:
+    clusterIP: 10.96.0.1 # a comment
+    description: a plain scalar
+      continued on the next line
+    ports:
+    - name: http
+      port: 80
+      targetPort: 8080
+
+# a comment between items, at column 0
+- addressType: IPv4
+  apiVersion: discovery.k8s.io/v1
+  endpoints:
+  - addresses:
+    - 10.244.1.11
+    conditions: {ready: true}
+  kind: EndpointSlice
+  metadata:
+    labels:
+      kubernetes.io/service-name: NAME
+    name: NAME-1
+  ports:
+  - {name: http, port: 8080}
+";
+
+    fn kubectl_list(names: &[&str]) -> String {
+        let items: String = names
+            .iter()
+            .map(|name| KUBECTL_ITEM.replace("NAME", name))
+            .collect();
+        format!("apiVersion: v1\nitems:\n{items}kind: List\nmetadata:\n  resourceVersion: \"\"\n")
+    }
+
+    #[test]
+    fn lists_are_read_item_by_item() {
+        let text = kubectl_list(&["a", "b", "c"]);
+        assert!(split_into_items(&text));
+        let manifest = parse(&text).unwrap();
+        assert_eq!(manifest.objects.len(), 6);
+        assert!(manifest.errors.is_empty(), "{:?}", manifest.errors);
+        assert_eq!(manifest, parse_whole(&text).unwrap());
+        let Object::Service(svc) = &manifest.objects[2] else {
+            panic!("{}", manifest.objects[2]);
+        };
+        let annotations = svc.metadata.annotations.as_ref().unwrap();
+        assert_eq!(annotations["note"], "a literal\nblock\n");
+        assert_eq!(annotations["folded"], "folded text");
+
+        // Many items come out in file order, errors too.
+        let names: Vec<String> = (0..300).map(|i| format!("s{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let text = kubectl_list(&names).replace("port: 80\n", "port: eighty\n");
+        let manifest = parse(&text).unwrap();
+        assert_eq!(manifest, parse_whole(&text).unwrap());
+        assert_eq!((manifest.objects.len(), manifest.errors.len()), (300, 300));
+        assert_eq!(
+            manifest.objects[299].to_string(),
+            "EndpointSlice default/s299-1"
+        );
+    }
+
+    #[test]
+    fn pieces_read_as_the_whole_text() {
+        let list = kubectl_list(&["a", "b"]);
+        let example = include_str!("../../examples/services.yaml");
+        let split_cases = [
+            example.to_owned(),
+            list.clone(),
+            list.replace('\n', "\r\n"),
+            // Indented items, the kind first and quoted, a typed list with kind-less items,
+            // a List inside a List.
+            list.lines()
+                .map(|line| match line {
+                    "apiVersion: v1" | "items:" | "kind: List" | "metadata:" => format!("{line}\n"),
+                    line if line.starts_with("  resourceVersion") => format!("{line}\n"),
+                    line => format!("  {line}\n"),
+                })
+                .collect(),
+            format!("kind: \"List\"\n{}", list.replace("kind: List\n", "")),
+            "kind: ServiceList\nitems:\n- metadata: {name: a}\n  spec: {clusterIP: 10.96.0.1}\n"
+                .to_owned(),
+            "items:\n- kind: List\n  items:\n  - {kind: Service, metadata: {name: a}}\nkind: List\n"
+                .to_owned(),
+            // Several documents; invalid items; an empty document; an end marker.
+            format!(
+                "{example}---\n{list}...\n---\n---\nkind: Service\nmetadata: {{name: x}}\n---\n\
+                 kind: List\nitems:\n- kind: Service\n  metadata: {{name: bad}}\n  spec: {{ports: [{{port: x}}]}}\n\
+                 - just a string\n- kind: Secret\n"
+            ),
+            // A duplicate key in an item, in the List's metadata: the whole text fails.
+            list.replacen("    name: a\n", "    name: a\n    name: b\n", 1),
+            list.replace("  resourceVersion: \"\"\n", "  resourceVersion: \"\"\n  resourceVersion: \"\"\n"),
+            // A syntax error inside an item.
+            list.replacen("    name: a\n", "    name: [a\n", 1),
+        ];
+        for text in &split_cases {
+            assert_eq!(parse(text), parse_whole(text), "{text}");
+        }
+        assert!(split_into_items(&split_cases[0]));
+        assert!(split_into_items(&split_cases[2]));
+        assert!(split_into_items(&split_cases[3]));
+        assert!(split_into_items(&split_cases[4]));
+        assert!(split_into_items(&split_cases[5]));
+
+        // Read whole: lists with anchors, tags, directives, flow items, items that are not
+        // mappings, a duplicate or non-string top-level key, deep nesting, a byte order mark.
+        let deep = format!("{}1{}", "[".repeat(120), "]".repeat(120));
+        let whole_cases = [
+            list.replacen("  spec:\n", "  spec: &spec\n", 1),
+            format!("{list}---\nkind: List\nitems:\n- *x\n"),
+            list.replacen("- apiVersion: v1\n", "- !svc\n  apiVersion: v1\n", 1),
+            format!("%YAML 1.1\n---\n{list}"),
+            "kind: List\nitems: [{kind: Service, metadata: {name: a}}]\n".to_owned(),
+            "kind: List\nitems:\n- just a string\n".to_owned(),
+            format!("{list}kind: List\n"),
+            format!("1: x\n{list}"),
+            format!("kind: List\nitems:\n- kind: Service\n  spec: {deep}\n"),
+            format!("\u{feff}{list}"),
+        ];
+        for text in &whole_cases {
+            assert_eq!(parse(text), parse_whole(text), "{text}");
+            assert!(!split_into_items(text), "{text}");
+        }
     }
 
     #[test]

@@ -7,11 +7,11 @@
 //! its inputs as last applied (`previous`) next to the live ones (`current`), and a change that
 //! returns a service to its applied inputs is dropped.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointSlice};
@@ -100,22 +100,49 @@ impl FromStr for Protocol {
     }
 }
 
-/// One port of one service: the unit that is programmed.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServicePortName {
+/// One port of one service: the unit that is programmed. Its fields are [`PortName`]'s.
+///
+/// A shared pointer, 8 bytes: the tracker, the desired state and a dataplane's bookkeeping keep
+/// several copies of every service port's name, mostly as map keys, so with tens of thousands
+/// of ports the copies' size, not the names', is what counts. Compared, ordered and hashed by
+/// value.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName(Arc<PortName>);
+
+/// What a [`ServicePortName`] names.
+#[derive(PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PortName {
     pub service: NamespacedName,
     /// The port's name; "" for the single unnamed port a service may have.
     pub port: Arc<str>,
     pub protocol: Protocol,
 }
 
+impl std::ops::Deref for ServicePortName {
+    type Target = PortName;
+
+    fn deref(&self) -> &PortName {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServicePortName")
+            .field("service", &self.service)
+            .field("port", &self.port)
+            .field("protocol", &self.protocol)
+            .finish()
+    }
+}
+
 impl ServicePortName {
     pub fn new(service: NamespacedName, port: impl Into<Arc<str>>, protocol: Protocol) -> Self {
-        Self {
+        Self(Arc::new(PortName {
             service,
             port: port.into(),
             protocol,
-        }
+        }))
     }
 
     /// The smallest name of `service`'s ports, to range over them in a sorted map.
@@ -169,6 +196,10 @@ pub struct ServicePort {
     pub internal_traffic_local: bool,
     /// The Service's [`LB_ALGORITHM_ANNOTATION`], if set (else the agent's `--lb-algorithm`).
     pub lb_algorithm: Option<LbAlgorithm>,
+    /// spec.healthCheckNodePort, kept only where kube-proxy serves it: LoadBalancer Services
+    /// with externalTrafficPolicy Local (see `service_health.rs`). A Service-wide field, on
+    /// each of its ports.
+    pub health_check_node_port: Option<u16>,
 }
 
 /// How new flows pick an endpoint.
@@ -505,6 +536,16 @@ impl ChangeTracker {
         });
     }
 
+    /// The Services the tracker holds (proxied ones, at their last valid version).
+    pub fn service_keys(&self) -> Vec<NamespacedName> {
+        self.services.keys().cloned().collect()
+    }
+
+    /// The EndpointSlices the tracker holds (see [`ChangeTracker::service_keys`]).
+    pub fn slice_keys(&self) -> Vec<NamespacedName> {
+        self.slices.keys().cloned().collect()
+    }
+
     /// True when some service's inputs differ from those last applied. [`apply`] may still report
     /// nothing when the difference does not reach the desired state (an endpoint moved from one
     /// slice to another, say).
@@ -518,14 +559,40 @@ impl ChangeTracker {
     /// endpoints changed (added, modified or removed). Changes that cancel out (A->B->A) are
     /// dropped. The work is proportional to the changed services, not to all of them.
     pub fn apply(&mut self, state: &mut DesiredState) -> BTreeSet<ServicePortName> {
+        let pending = std::mem::take(&mut self.pending);
+        if state.services.is_empty() && state.endpoints.is_empty() {
+            return self.apply_fresh(pending.into_keys(), state);
+        }
         let mut changed = BTreeSet::new();
-        for service in std::mem::take(&mut self.pending).into_keys() {
+        for service in pending.into_keys() {
             let (ports, endpoints) = self.render(&service);
             // `state` holds what was applied last: diffing against it (rather than against the
             // saved inputs) keeps `state` exact whatever it held before.
             sync_range(&mut state.services, &service, ports, &mut changed);
             sync_range(&mut state.endpoints, &service, endpoints, &mut changed);
         }
+        changed
+    }
+
+    /// [`ChangeTracker::apply`] to an empty state (the first sync): the maps are built at once
+    /// from sorted entries, which fills their nodes (inserting one by one leaves them about
+    /// two-thirds full: megabytes with tens of thousands of services) and takes less time.
+    fn apply_fresh(
+        &self,
+        services: impl Iterator<Item = NamespacedName>,
+        state: &mut DesiredState,
+    ) -> BTreeSet<ServicePortName> {
+        let (mut ports, mut endpoints) = (Vec::new(), Vec::new());
+        for service in services {
+            let (p, e) = self.render(&service);
+            ports.extend(p);
+            endpoints.extend(e);
+        }
+        let changed = (ports.iter().map(|(spn, _)| spn.clone()))
+            .chain(endpoints.iter().map(|(spn, _)| spn.clone()))
+            .collect();
+        state.services = BTreeMap::from_iter(ports);
+        state.endpoints = BTreeMap::from_iter(endpoints);
         changed
     }
 
@@ -651,10 +718,34 @@ fn sync_range<V: PartialEq>(
     }
 }
 
+/// A string that many objects share (a namespace, a node, zone or port name), kept once
+/// however many objects name it. Strings no object uses any more are dropped as the set grows,
+/// so it stays within twice the names in use.
+fn shared(name: &str) -> Arc<str> {
+    #[derive(Default)]
+    struct Shared {
+        names: HashSet<Arc<str>>,
+        /// Its size after the last clean-up.
+        kept: usize,
+    }
+    static SHARED: LazyLock<Mutex<Shared>> = LazyLock::new(Default::default);
+    let mut shared = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(name) = shared.names.get(name) {
+        return Arc::clone(name);
+    }
+    if shared.names.len() >= 2 * shared.kept.max(512) {
+        shared.names.retain(|name| Arc::strong_count(name) > 1);
+        shared.kept = shared.names.len();
+    }
+    let name = Arc::<str>::from(name);
+    shared.names.insert(Arc::clone(&name));
+    name
+}
+
 fn object_key(kind: &'static str, meta: &ObjectMeta) -> Result<NamespacedName, InvalidObject> {
     let key = NamespacedName::new(
-        meta.namespace.clone().unwrap_or_default(),
-        meta.name.clone().unwrap_or_default(),
+        shared(meta.namespace.as_deref().unwrap_or_default()),
+        meta.name.as_deref().unwrap_or_default(),
     );
     let missing = if key.name.is_empty() {
         "metadata.name"
@@ -756,6 +847,13 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
     let externally_reachable = type_ != "ClusterIP" || !external_ips.is_empty();
     let external_traffic_local = externally_reachable
         && traffic_policy("spec.externalTrafficPolicy", &spec.external_traffic_policy)?;
+    // kube-proxy's NeedsHealthCheck: anywhere else the field is ignored, so not validated.
+    let health_check_node_port = match spec.health_check_node_port {
+        Some(n) if n != 0 && type_ == "LoadBalancer" && external_traffic_local => {
+            Some(port_number("spec.healthCheckNodePort", n)?)
+        }
+        _ => None,
+    };
     let internal_traffic_local =
         traffic_policy("spec.internalTrafficPolicy", &spec.internal_traffic_policy)?;
     let lb_algorithm = match svc
@@ -810,7 +908,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
             }
             Some(n) => Some(port_number(&format!("{at}: nodePort"), n)?),
         };
-        let spn = ServicePortName::new(key.clone(), name, protocol);
+        let spn = ServicePortName::new(key.clone(), shared(&name), protocol);
         if ports.iter().any(|(other, _)| *other == spn) {
             return Err(format!(
                 "{at}: another port has the same name and protocol ({protocol})"
@@ -830,6 +928,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
                 external_traffic_local,
                 internal_traffic_local,
                 lb_algorithm,
+                health_check_node_port,
             },
         ));
     }
@@ -880,7 +979,7 @@ fn parse_slice(
         // No number means "all ports" in the API; kube-proxy skips such ports, and so do we.
         let Some(number) = port.port else { continue };
         ports.push(SlicePort {
-            name: port.name.as_deref().unwrap_or_default().into(),
+            name: shared(port.name.as_deref().unwrap_or_default()),
             protocol: Protocol::parse_or_tcp(port.protocol.as_deref())
                 .map_err(|e| format!("{at}: {e}"))?,
             port: port_number(&format!("{at}: port"), number)?,
@@ -908,8 +1007,8 @@ fn parse_slice(
             ready: condition(|c| c.ready).unwrap_or(true),
             serving: condition(|c| c.serving).unwrap_or(true),
             terminating: condition(|c| c.terminating).unwrap_or(false),
-            node_name: ep.node_name.as_deref().map(Arc::from),
-            zone: ep.zone.as_deref().map(Arc::from),
+            node_name: ep.node_name.as_deref().map(shared),
+            zone: ep.zone.as_deref().map(shared),
         });
     }
     let info = SliceInfo {
@@ -1736,12 +1835,14 @@ endpoints:
         let moved = WEB.replace("port: 9090", "port: 9100");
         assert_ne!(ServiceUpdate::parse(&service(&moved)).unwrap(), base);
         let headless = ServiceUpdate::parse(&service(&WEB.replace("10.96.0.10", "None"))).unwrap();
-        assert_eq!(headless.skip_reason, Some("it is headless (clusterIP: None)"));
+        assert_eq!(
+            headless.skip_reason,
+            Some("it is headless (clusterIP: None)")
+        );
         assert_ne!(headless, base);
 
-        let endpoints = |extra: &str| {
-            format!("[{{addresses: [10.244.1.11], nodeName: node1{extra}}}]")
-        };
+        let endpoints =
+            |extra: &str| format!("[{{addresses: [10.244.1.11], nodeName: node1{extra}}}]");
         let base = SliceUpdate::parse(&slice_of("web", "web-1", "IPv4", &endpoints(""))).unwrap();
         let pod = ", targetRef: {kind: Pod, name: web-abc}, hostname: web-abc";
         let same = slice_of("web", "web-1", "IPv4", &endpoints(pod));
@@ -1781,11 +1882,53 @@ endpoints:
         let (spn, port) = state.services.first_key_value().unwrap();
         let (ep_spn, eps) = state.endpoints.first_key_value().unwrap();
         assert!(Arc::ptr_eq(&spn.service.name, &ep_spn.service.name));
+        assert_eq!(std::mem::size_of::<ServicePortName>(), 8);
         assert_eq!(port.port, 80);
         let again = state.clone();
         let node = eps[0].node_name.as_ref().unwrap();
         let copy = again.endpoints[ep_spn][0].node_name.as_ref().unwrap();
         assert!(Arc::ptr_eq(node, copy));
         assert_eq!(&**node, "node1");
+    }
+
+    #[test]
+    fn shared_names_are_kept_once_and_dropped_unused() {
+        let used = shared("test-node-used");
+        assert!(Arc::ptr_eq(&used, &shared("test-node-used")));
+        let unused = Arc::downgrade(&shared("test-node-unused"));
+        for i in 0..5000 {
+            shared(&format!("test-node-filler-{i}"));
+        }
+        assert!(unused.upgrade().is_none(), "an unused name is dropped");
+        assert!(Arc::ptr_eq(&used, &shared("test-node-used")));
+    }
+
+    #[test]
+    fn a_fresh_state_is_built_as_incrementally() {
+        let build = |seeded: bool| {
+            let mut tracker = ChangeTracker::new();
+            for i in 0..50 {
+                let svc = WEB
+                    .replace("name: web", &format!("name: web{i}"))
+                    .replace("10.96.0.10", &format!("10.96.1.{i}"));
+                tracker.update_service(&service(&svc)).unwrap();
+                let endpoints = format!("[{{addresses: [10.244.1.{i}], nodeName: node{i}}}]");
+                let slice = slice_of(&format!("web{i}"), &format!("web{i}-1"), "IPv4", &endpoints);
+                tracker.update_slice(&slice).unwrap();
+            }
+            let mut state = DesiredState::default();
+            // Another service's entry: the state is not fresh, so it is updated port by port.
+            let seed = spn("seed", "", Protocol::Tcp);
+            if seeded {
+                state.endpoints.insert(seed.clone(), Vec::new());
+            }
+            let changed = tracker.apply(&mut state);
+            state.endpoints.remove(&seed);
+            (state, changed)
+        };
+        let (fresh, changed) = build(false);
+        assert_eq!((fresh.services.len(), fresh.endpoints.len()), (100, 50));
+        assert_eq!(changed.len(), 100);
+        assert_eq!((fresh, changed), build(true));
     }
 }

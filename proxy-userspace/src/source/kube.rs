@@ -10,7 +10,10 @@ use std::{
     collections::HashSet,
     fmt::Debug,
     path::Path,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use anyhow::Context;
@@ -74,6 +77,7 @@ pub async fn run(
         (tracker.clone(), sync.clone()),
         ChangeTracker::update_service,
         ChangeTracker::delete_service,
+        ChangeTracker::service_keys,
         {
             let gate = gate.clone();
             move || gate.lock().unwrap().done(|g| &mut g.services)
@@ -84,20 +88,34 @@ pub async fn run(
         (tracker, sync),
         update_slice,
         ChangeTracker::delete_slice,
+        ChangeTracker::slice_keys,
         move || gate.lock().unwrap().done(|g| &mut g.slices),
     );
     let node = {
         let name = node_name.clone();
+        // Whether the node was seen (and not deleted since): a re-list without it deletes it.
+        let seen = Arc::new(AtomicBool::new(false));
+        let known = Arc::clone(&seen);
         watch::<Node>(
             Api::all(client),
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
             move |change| match change {
                 Change::Apply(node) => {
+                    seen.store(true, Ordering::Relaxed);
                     let eligible = node_eligible(&node);
                     tracing::debug!(node = %name, eligible, "node updated");
                     health.set_node_eligible(eligible);
                 }
-                Change::Delete(_) => health.set_node_eligible(false),
+                Change::Delete(_) => {
+                    seen.store(false, Ordering::Relaxed);
+                    health.set_node_eligible(false);
+                }
+            },
+            move || {
+                let seen = known.load(Ordering::Relaxed);
+                seen.then(|| NamespacedName::new("", node_name.as_str()))
+                    .into_iter()
+                    .collect()
             },
             || {},
         )
@@ -112,12 +130,14 @@ async fn feed_tracker<K>(
     (tracker, sync): (Arc<Mutex<ChangeTracker>>, SyncHandle),
     update: fn(&mut ChangeTracker, &K) -> Result<(), InvalidObject>,
     delete: fn(&mut ChangeTracker, &NamespacedName),
+    keys: fn(&ChangeTracker) -> Vec<NamespacedName>,
     on_listed: impl FnMut(),
 ) -> anyhow::Result<()>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
     K::DynamicType: Default,
 {
+    let known_tracker = Arc::clone(&tracker);
     let on_change = move |change| {
         let mut t = tracker.lock().unwrap();
         match change {
@@ -126,7 +146,10 @@ where
         }
         sync.request();
     };
-    watch(api, watcher::Config::default(), on_change, on_listed).await
+    // What a re-list may have to delete: what the tracker holds. Objects it does not hold
+    // (never valid, or not proxied) have nothing to delete.
+    let known = move || keys(&known_tracker.lock().unwrap());
+    watch(api, watcher::Config::default(), on_change, known, on_listed).await
 }
 
 /// Both initial lists are done: release the first sync.
@@ -184,12 +207,17 @@ fn key_of<K: Resource>(obj: &K) -> NamespacedName {
 }
 
 /// Runs one watcher: applies its events through `on_change`, turns a re-list into deletions of
-/// whatever the new list lacks, calls `on_listed` after each complete list, and logs errors
-/// (the watcher retries with backoff).
+/// whatever the new list lacks of the `known` objects, calls `on_listed` after each complete
+/// list, and logs errors (the watcher retries with backoff).
+///
+/// The known objects are asked of the caller (the tracker already holds them) rather than kept
+/// here, and the first list, which has nothing to delete, keeps no key: with tens of thousands
+/// of objects either would be megabytes.
 async fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
     mut on_change: impl FnMut(Change<K>),
+    mut known: impl FnMut() -> Vec<NamespacedName>,
     mut on_listed: impl FnMut(),
 ) -> anyhow::Result<()>
 where
@@ -197,8 +225,10 @@ where
     K::DynamicType: Default,
 {
     let kind = K::plural(&K::DynamicType::default()).into_owned();
-    let mut known: HashSet<NamespacedName> = HashSet::new();
-    let mut listing: HashSet<NamespacedName> = HashSet::new();
+    // The keys of a re-list so far; None during the first list.
+    let mut listing: Option<HashSet<NamespacedName>> = None;
+    let mut listed = 0;
+    let mut listed_once = false;
     let mut failing = false;
     let mut stream = watcher(api, config).default_backoff().boxed();
     loop {
@@ -216,32 +246,36 @@ where
             failing = false;
         }
         match event {
-            watcher::Event::Init => listing.clear(),
+            watcher::Event::Init => {
+                listing = listed_once.then(HashSet::new);
+                listed = 0;
+            }
             watcher::Event::InitApply(obj) => {
-                listing.insert(key_of(&obj));
+                if let Some(listing) = &mut listing {
+                    listing.insert(key_of(&obj));
+                }
+                listed += 1;
                 on_change(Change::Apply(obj));
             }
             watcher::Event::InitDone => {
-                let gone: Vec<NamespacedName> = known.difference(&listing).cloned().collect();
-                if !gone.is_empty() {
-                    tracing::info!(resource = %kind, deleted = gone.len(), "re-list: objects deleted meanwhile");
+                if let Some(listing) = listing.take() {
+                    let gone: Vec<NamespacedName> = known()
+                        .into_iter()
+                        .filter(|key| !listing.contains(key))
+                        .collect();
+                    if !gone.is_empty() {
+                        tracing::info!(resource = %kind, deleted = gone.len(), "re-list: objects deleted meanwhile");
+                    }
+                    for key in gone {
+                        on_change(Change::Delete(key));
+                    }
                 }
-                for key in gone {
-                    on_change(Change::Delete(key));
-                }
-                known = std::mem::take(&mut listing);
-                tracing::info!(resource = %kind, objects = known.len(), "listed");
+                listed_once = true;
+                tracing::info!(resource = %kind, objects = listed, "listed");
                 on_listed();
             }
-            watcher::Event::Apply(obj) => {
-                known.insert(key_of(&obj));
-                on_change(Change::Apply(obj));
-            }
-            watcher::Event::Delete(obj) => {
-                let key = key_of(&obj);
-                known.remove(&key);
-                on_change(Change::Delete(key));
-            }
+            watcher::Event::Apply(obj) => on_change(Change::Apply(obj)),
+            watcher::Event::Delete(obj) => on_change(Change::Delete(key_of(&obj))),
         }
     }
 }

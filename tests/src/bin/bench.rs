@@ -1,6 +1,9 @@
 //! `cargo xtask bench datapath`: the tc ingress program under BPF_PROG_TEST_RUN, per packet, with
 //! 1 to 100k services in the maps (written by the agent's own map writer).
 //!
+//! `cargo xtask bench agent`: the agent process on 1 to 30k services, from its start to its first
+//! full sync, and its memory then (see `bench/agent.rs`).
+//!
 //! A test run repeats the program on the same buffer, and the program rewrites it, so a
 //! repeated packet would stop being a service packet after the first run. The established-flow
 //! figure therefore uses two services that point at each other (A -> B's address, B -> A's), so
@@ -23,16 +26,34 @@ use proxy_userspace::{
     model::{DesiredState, Protocol},
 };
 
+#[path = "bench/agent.rs"]
+mod agent;
+
 #[derive(Parser)]
 struct Args {
-    /// Only `datapath` exists so far.
+    /// `datapath` (the tc program, per packet) or `agent` (the agent process: time to its first
+    /// full sync, and its memory).
     which: String,
-    /// Service counts to measure with, comma-separated.
-    #[arg(long, default_value = "1,10000,100000", value_delimiter = ',')]
-    services: Vec<u32>,
-    /// Backends per service.
-    #[arg(long, default_value_t = 10)]
-    backends: u32,
+    /// Service counts to measure with, comma-separated [datapath: 1,10000,100000; agent:
+    /// 1,1000,10000,30000].
+    #[arg(long, value_delimiter = ',')]
+    services: Option<Vec<u32>>,
+    /// Backends (endpoints) per service [datapath: 10; agent: 3].
+    #[arg(long)]
+    backends: Option<u32>,
+    /// agent: where the agent reads the Services from.
+    #[arg(long, value_enum, default_value = "manifest")]
+    source: agent::SourceKind,
+    /// agent: how the manifest is written.
+    #[arg(long, value_enum, default_value = "list")]
+    manifest_format: agent::ManifestFormat,
+    /// agent: measurements per service count (the median is reported).
+    #[arg(long, default_value_t = 1)]
+    runs: u32,
+    /// agent: the agent binary to run [the proxy-userspace built next to this benchmark, or
+    /// $PROXY_USERSPACE_BIN].
+    #[arg(long)]
+    agent: Option<std::path::PathBuf>,
     /// Repetitions in the kernel for the repeatable figures.
     #[arg(long, default_value_t = 1_000_000)]
     repeat: u32,
@@ -52,9 +73,36 @@ fn vip(i: u32) -> Ipv4Addr {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.which != "datapath" {
-        bail!("unknown benchmark {:?}; available: datapath", args.which);
+    match args.which.as_str() {
+        "datapath" => datapath(&Datapath {
+            services: args.services.unwrap_or_else(|| vec![1, 10_000, 100_000]),
+            backends: args.backends.unwrap_or(10),
+            repeat: args.repeat,
+            new_flows: args.new_flows,
+        }),
+        "agent" => agent::run(&agent::Options {
+            services: args
+                .services
+                .unwrap_or_else(|| vec![1, 1_000, 10_000, 30_000]),
+            endpoints: args.backends.unwrap_or(3),
+            source: args.source,
+            format: args.manifest_format,
+            runs: args.runs.max(1),
+            agent: args.agent,
+        }),
+        other => bail!("unknown benchmark {other:?}; available: datapath, agent"),
     }
+}
+
+/// The datapath benchmark's settings.
+struct Datapath {
+    services: Vec<u32>,
+    backends: u32,
+    repeat: u32,
+    new_flows: u32,
+}
+
+fn datapath(args: &Datapath) -> anyhow::Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!(
             "the datapath benchmark loads BPF programs: run it as root (or with CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON)"
@@ -76,7 +124,7 @@ fn main() -> anyhow::Result<()> {
         "", "", rep, rep, rep, "1 run each", "1 run each"
     );
     for &count in &args.services {
-        let row = measure(&args, count).with_context(|| format!("with {count} services"))?;
+        let row = measure(args, count).with_context(|| format!("with {count} services"))?;
         println!(
             "{:>9} {:>11} {:>9.1} {:>13.1} {:>13.1} {:>13.1} {:>13.1}",
             count,
@@ -111,7 +159,7 @@ fn short(n: u32) -> String {
     }
 }
 
-fn measure(args: &Args, count: u32) -> anyhow::Result<Row> {
+fn measure(args: &Datapath, count: u32) -> anyhow::Result<Row> {
     let slots = count * (args.backends + 1) + 16;
     let sizes = MapSizes {
         services: slots,
