@@ -17,9 +17,6 @@ use proxy_common::{
     SockRevNatKey, SockRevNatValue,
 };
 
-/// What a refused connect() or sendmsg() returns (bpf_set_retval takes it negated).
-const ECONNREFUSED: i32 = 111;
-
 use crate::{
     lb,
     maps::{DROPS, HOST_NETNS, SERVICES, SOCK_REVNAT},
@@ -28,8 +25,10 @@ use crate::{
 
 /// The call goes on (with the address as the program left it).
 const ALLOW: i32 = 1;
-/// The call fails with EPERM.
+/// The call fails with EPERM, or with what bpf_set_retval set.
 const REFUSE: i32 = 0;
+/// What a refused connect() or sendmsg() returns (bpf_set_retval takes it negated).
+const ECONNREFUSED: i32 = 111;
 
 /// The source address of host-network clients for backend selection (their client in the
 /// affinity map): at connect() the source is not chosen yet, and to kube-proxy every such
