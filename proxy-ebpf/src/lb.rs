@@ -62,7 +62,7 @@ fn maglev_backend(key: &CtKey, svc_key: &ServiceKey) -> Option<(u32, Backend)> {
     );
     let chunk = unsafe { MAGLEV.get(chunk_key) }?;
     // The mask keeps the index within the chunk for the verifier (MAGLEV_CHUNK is 2^10).
-    let backend_id = chunk.ids[index as usize % MAGLEV_CHUNK & (MAGLEV_CHUNK - 1)];
+    let backend_id = chunk.ids[index as usize & (MAGLEV_CHUNK - 1)];
     let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;
     if backend.flags & BACKEND_DRAINING != 0 || backend.proto != key.proto {
         return None;
@@ -88,7 +88,7 @@ pub fn affinity_backend(
         pad: 0,
     };
     let timeout_ns = u64::from(svc.affinity_timeout_secs()) * 1_000_000_000;
-    if let Some(last) = AFFINITY.get_ptr_mut(&client) {
+    if let Some(last) = AFFINITY.get_ptr_mut(client) {
         // SAFETY: an LRU map value; a concurrent update at worst gives another fresh backend.
         let last = unsafe { &mut *last };
         if now.saturating_sub(last.last_used_ns) <= timeout_ns
@@ -107,7 +107,7 @@ pub fn affinity_backend(
             pad: 0,
             last_used_ns: now,
         };
-        let _ = AFFINITY.insert(&client, &value, 0);
+        let _ = AFFINITY.insert(client, value, 0);
     }
     Ok(picked)
 }
