@@ -15,6 +15,7 @@
 pub mod agent;
 pub mod apiserver;
 mod client;
+pub mod example;
 pub mod fixtures;
 pub mod load;
 mod netns;

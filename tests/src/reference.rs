@@ -443,6 +443,18 @@ pub struct Client {
     pub proto: u8,
 }
 
+impl Client {
+    /// The client of the flow `t` (client -> service address).
+    pub fn of(t: &Tuple) -> Self {
+        Self {
+            client: t.src,
+            vip: t.dst,
+            vport: t.dport,
+            proto: t.proto,
+        }
+    }
+}
+
 /// The backend a client of a service address with session affinity sticks to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Affinity {
@@ -795,12 +807,7 @@ impl Model {
         notes: &mut Vec<Note>,
     ) -> Result<Option<Candidate>, Vec<Candidate>> {
         let t = h.tuple;
-        let client = Client {
-            client: t.src,
-            vip: t.dst,
-            vport: t.dport,
-            proto: t.proto,
-        };
+        let client = Client::of(&t);
         if let Some(a) = self.affinity.get(&client)
             && self.now - a.last_used <= u64::from(timeout)
             && let Some(b) = self.tables.backends.get(&a.backend_id)

@@ -8,7 +8,7 @@
 //! datagram, one second for the answer, no retry.
 use std::{
     fmt::Write as _,
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    net::{Ipv4Addr, UdpSocket},
     path::Path,
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -17,16 +17,13 @@ use std::{
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue};
+use proxy_tests::example::{DNS, MANIFEST as EXAMPLE};
 use proxy_tests::{
     BACKEND_PORT, HOST_IF_PATTERN, Pod, Sandbox,
     agent::{AgentRun, TestCgroup, agent_bin},
     patience, privileged,
     programs::PrivateBpffs,
 };
-
-const EXAMPLE: &str = include_str!("../../examples/services.yaml");
-/// dns-like: be1 and be4.
-const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 20)), 53);
 
 /// The pod's first query to dns-like, sent once; the backend that answered.
 fn first_query(pod: &Pod) -> anyhow::Result<String> {

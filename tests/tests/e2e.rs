@@ -9,26 +9,10 @@ use std::{
 use proxy_tests::{
     BACKEND_PORT, Sandbox, TcpConn, UdpConn,
     agent::{AgentRun, edit_manifest, remove_endpoint, set_conditions},
+    example::{DNS, MANIFEST as EXAMPLE, REMOTE, WEB, cluster},
     privileged, tcp_request, tcp_session, udp_request, udp_session,
 };
 use proxy_userspace::manifest::Object;
-
-const EXAMPLE: &str = include_str!("../../examples/services.yaml");
-const WEB: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80);
-const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 20)), 53);
-const REMOTE: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 30)), 80);
-
-fn cluster(test: &str) -> Option<(Sandbox, AgentRun)> {
-    if !privileged(test) {
-        return None;
-    }
-    let mut sandbox = Sandbox::build().expect("building the sandbox");
-    sandbox
-        .start_backends(BACKEND_PORT)
-        .expect("starting the backends");
-    let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("starting the agent");
-    Some((sandbox, agent))
-}
 
 /// The backends that answered `n` new TCP connections (or UDP flows) to `addr`.
 fn spread(sandbox: &Sandbox, addr: SocketAddr, udp: bool, n: usize) -> BTreeSet<String> {

@@ -1522,13 +1522,7 @@ fn the_programs_agree_with_the_reference_model() {
         // Which backend the frame's client sticks to, if its destination has session affinity
         // (for the check of lapsed affinities below).
         let stuck = reference::parse(&frame.bytes).ok().and_then(|h| {
-            let t = h.tuple;
-            let client = Client {
-                client: t.src,
-                vip: t.dst,
-                vport: t.dport,
-                proto: t.proto,
-            };
+            let client = Client::of(&h.tuple);
             Some((client, run.model.affinity().get(&client)?.backend_id))
         });
         let expected = match frame.prog {

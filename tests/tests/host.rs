@@ -15,6 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use proxy_tests::example::{DNS, MANIFEST as EXAMPLE, REMOTE, WEB};
 use proxy_tests::{
     BACKEND_PORT, NS_PREFIX, Netns, Sandbox,
     agent::{AgentRun, TestCgroup},
@@ -451,11 +452,6 @@ fn cgroup2_is_mounted_on_an_empty_directory_only() {
 }
 
 // ---- end to end: the agent in the sandbox ----
-
-const EXAMPLE: &str = include_str!("../../examples/services.yaml");
-const WEB: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80);
-const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 20)), 53);
-const REMOTE: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 30)), 80);
 
 #[test]
 fn host_network_clients_reach_services() {

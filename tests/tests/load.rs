@@ -4,7 +4,6 @@
 //! roll over the way a Deployment rollout changes them. Every failure counts.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddr},
     time::{Duration, Instant},
 };
 
@@ -13,27 +12,11 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_tests::{
-    BACKEND_PORT, Sandbox,
+    Sandbox,
     agent::{AgentRun, add_endpoint, edit_manifest, remove_endpoint, set_conditions},
+    example::{DNS, WEB, cluster},
     load::{self, LoadConfig, Report},
-    privileged,
 };
-
-const EXAMPLE: &str = include_str!("../../examples/services.yaml");
-const WEB: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80);
-const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(10, 96, 0, 20)), 53);
-
-fn cluster(test: &str) -> Option<(Sandbox, AgentRun)> {
-    if !privileged(test) {
-        return None;
-    }
-    let mut sandbox = Sandbox::build().expect("building the sandbox");
-    sandbox
-        .start_backends(BACKEND_PORT)
-        .expect("starting the backends");
-    let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("starting the agent");
-    Some((sandbox, agent))
-}
 
 /// Load on web (short and long-lived TCP) and dns-like (UDP) from the client pod.
 fn web_and_dns_load(sandbox: &Sandbox, long_conns: usize) -> load::LoadHandle {

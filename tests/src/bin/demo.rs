@@ -6,20 +6,16 @@
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use proxy_tests::agent::{AgentRun, edit_manifest, remove_endpoint};
+use proxy_tests::example::{DNS, MANIFEST as EXAMPLE, REMOTE, WEB};
 use proxy_tests::{BACKEND_PORT, EXT_IP, NODE_CIDR, NODE1_IP, NODE2_IP, Sandbox};
 use proxy_userspace::{inspect, manifest::Object};
 
-const EXAMPLE: &str = include_str!("../../../examples/services.yaml");
-
-const WEB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80);
-const DNS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 20)), 53);
-const REMOTE: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 30)), 80);
 /// Service names as in the manifest (the datapath only knows addresses).
 const SERVICES: &[(&str, SocketAddr)] = &[("web", WEB), ("dns-like", DNS), ("remote", REMOTE)];
 
