@@ -68,9 +68,16 @@ pub const MAP_MAGLEV: &str = "MAGLEV";
 pub const MAP_CONFIG: &str = "CONFIG";
 pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
 pub const MAP_HOST_NETNS: &str = "HOST_NETNS";
+pub const MAP_NODE_ADDRS: &str = "NODE_ADDRS";
+pub const MAP_EXTERNAL_IFACES: &str = "EXTERNAL_IFACES";
+pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
-pub const CONFIG_ENTRIES: u32 = 1;
+/// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'
+/// endpoints are sent from when they did not come to a node address (LoadBalancer and
+/// external IPs): the node's primary address.
+pub const CONFIG_SNAT_ADDR: u32 = 1;
+pub const CONFIG_ENTRIES: u32 = 2;
 /// [`MAP_AGENT_STATE`] index of the first backend id never handed out.
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
 /// [`MAP_AGENT_STATE`] index of the layout version of the pinned maps ([`LAYOUT_VERSION`]).
@@ -79,8 +86,10 @@ pub const AGENT_STATE_ENTRIES: u32 = 2;
 /// The meaning of the pinned maps' contents. Raised whenever a release changes what a key or
 /// value means (not only its size), so that an agent never misreads maps an older one left.
 /// 2: backend ids per service port, draining backends and frontends. 3: slot 0 flags for
-/// local-only, session affinity and Maglev; the affinity, Maglev and config maps.
-pub const LAYOUT_VERSION: u64 = 3;
+/// local-only, session affinity and Maglev; the affinity, Maglev and config maps. 4: external
+/// frontends (NodePort, LoadBalancer, external IPs) with their scope, the NAT fields of
+/// conntrack (zero in what layout 3 wrote, which layout 4 reads as it is), local backends.
+pub const LAYOUT_VERSION: u64 = 4;
 
 /// Why a program dropped a packet: the index of its counter in the per-CPU [`MAP_DROPS`] array.
 pub const DROP_REWRITE_FAILED: u32 = 0;
@@ -93,7 +102,13 @@ pub const DROP_HAIRPIN_WITHOUT_FLOW: u32 = 2;
 /// A packet to a service whose traffic policy allows only this node's endpoints, and this node
 /// has none (kube-proxy drops these too).
 pub const DROP_NO_LOCAL_ENDPOINTS: u32 = 3;
-pub const DROP_REASONS: u32 = 4;
+/// A packet to a LoadBalancer address from a source outside its loadBalancerSourceRanges.
+pub const DROP_SOURCE_RANGE: u32 = 4;
+/// A new external flow to another node's endpoint found no free source port to translate to.
+pub const DROP_SNAT_PORTS_EXHAUSTED: u32 = 5;
+/// A translated external packet had no route to its new destination.
+pub const DROP_NO_ROUTE: u32 = 6;
+pub const DROP_REASONS: u32 = 7;
 /// The last [`MAP_DROPS`] entry: when this CPU last logged a drop (logs are rate limited).
 pub const DROPS_LAST_LOG: u32 = DROP_REASONS;
 pub const DROPS_ENTRIES: u32 = DROP_REASONS + 1;
@@ -103,10 +118,14 @@ pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] = [
     "no_backend",
     "hairpin_without_flow",
     "no_local_endpoints",
+    "source_range",
+    "snat_ports_exhausted",
+    "no_route",
 ];
 
 /// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);
-/// slots 1..=count hold one backend id each (after Cilium's `lb4_key`).
+/// slots 1..=count hold one backend id each (after Cilium's `lb4_key`). A NodePort frontend has
+/// address [`NODE_PORT_ADDR`]: it answers on every address in [`MAP_NODE_ADDRS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
 pub struct ServiceKey {
@@ -114,7 +133,9 @@ pub struct ServiceKey {
     pub port: Be16,
     pub slot: u16,
     pub proto: u8,
-    pub pad: [u8; 3],
+    /// [`SCOPE_EXTERNAL`] or [`SCOPE_INTERNAL`].
+    pub scope: u8,
+    pub pad: [u8; 2],
 }
 
 impl ServiceKey {
@@ -124,10 +145,24 @@ impl ServiceKey {
             port,
             slot,
             proto,
-            pad: [0; 3],
+            scope: SCOPE_EXTERNAL,
+            pad: [0; 2],
         }
     }
+
+    /// The same frontend's other scope (see [`SERVICE_TWO_SCOPES`]).
+    pub const fn with_scope(self, scope: u8) -> Self {
+        Self { scope, ..self }
+    }
 }
+
+/// The address of NodePort frontends: "each node address" (never a real one).
+pub const NODE_PORT_ADDR: Be32 = Be32::new(0);
+/// [`ServiceKey::scope`]: the frontend as every client sees it (the only scope most have).
+pub const SCOPE_EXTERNAL: u8 = 0;
+/// [`ServiceKey::scope`]: the endpoints of an externalTrafficPolicy Local frontend for clients
+/// inside the cluster (pods and the node), which kube-proxy sends to any endpoint.
+pub const SCOPE_INTERNAL: u8 = 1;
 
 /// Value of the services map. In slot 0: `count`, `flags` and, with [`SERVICE_AFFINITY`], the
 /// affinity timeout in seconds in `backend_id` ([`ServiceValue::affinity_timeout_secs`]); in
@@ -155,6 +190,42 @@ pub const SERVICE_AFFINITY: u16 = 4;
 /// of the 5-tuple (the same backend on every node) from the frontend's table in [`MAP_MAGLEV`],
 /// instead of at random.
 pub const SERVICE_MAGLEV: u16 = 8;
+/// [`ServiceValue::flags`] of slot 0: a NodePort, LoadBalancer or external IP frontend, served
+/// to clients outside the node (the XDP and external tc programs serve only these).
+pub const SERVICE_EXTERNAL: u16 = 16;
+/// [`ServiceValue::flags`] of slot 0: externalTrafficPolicy Local. This scope holds only the
+/// node's endpoints (and drops without them, with [`SERVICE_LOCAL_ONLY`]); clients inside the
+/// cluster use the frontend's [`SCOPE_INTERNAL`] entries instead. The client address is kept.
+pub const SERVICE_TWO_SCOPES: u16 = 32;
+/// [`ServiceValue::flags`] of slot 0: loadBalancerSourceRanges: only sources in
+/// [`MAP_SOURCE_RANGES`] for this frontend may use it from outside.
+pub const SERVICE_SOURCE_RANGES: u16 = 64;
+
+/// Key of [`MAP_SOURCE_RANGES`] (an LPM trie): a frontend, then a source prefix. The prefix
+/// length counts the 64 bits of the frontend fields plus the source prefix's own.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct SourceRangeKey {
+    pub addr: Be32,
+    pub port: Be16,
+    pub proto: u8,
+    pub pad: u8,
+    pub source: Be32,
+}
+
+/// Bits of a [`SourceRangeKey`] before its source address.
+pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 64;
+
+/// [`MAP_EXTERNAL_IFACES`] value flag: XDP may transmit out of this interface (XDP_TX,
+/// redirect). Not set where that could lose packets (see the agent's `xdp.rs`): the XDP
+/// program then leaves such packets to the tc program.
+pub const IFACE_XDP_FORWARD: u32 = 1;
+
+/// Source ports that external flows to other nodes' endpoints are translated to: above
+/// Linux's default ephemeral range (32768-60999), so that a translated flow never takes the
+/// 5-tuple of a connection the node itself opened to that endpoint.
+pub const SNAT_PORT_MIN: u16 = 61000;
+pub const SNAT_PORT_MAX: u16 = 65535;
 
 /// Entries of a Maglev table per [`MAP_MAGLEV`] value: a table of size M is stored in
 /// ceil(M / 1024) values keyed by the frontend with `slot` = the chunk's index.
@@ -187,6 +258,9 @@ pub fn flow_hash(key: &CtKey) -> u32 {
 /// the EndpointSlice). Established TCP connections stay on it; a SYN, and any UDP packet, picks
 /// a usable backend instead.
 pub const BACKEND_DRAINING: u8 = 1;
+/// [`Backend::flags`]: the endpoint runs on this node (external flows to it keep their client
+/// address; to others they are sent from the node).
+pub const BACKEND_LOCAL: u8 = 2;
 
 impl ServiceValue {
     /// Slot 0 of a service port.
@@ -276,6 +350,11 @@ pub const CT_REPLY: u8 = 2;
 pub const CT_CLOSING: u8 = 1;
 /// [`CtValue::flags`]: this entry's direction sent a FIN (a half-close keeps the flow open).
 pub const CT_FIN: u8 = 2;
+/// [`CtValue::flags`]: a flow from outside the node through an external frontend.
+pub const CT_EXTERNAL: u8 = 4;
+/// [`CtValue::flags`]: with [`CT_EXTERNAL`], sent to another node's endpoint from a node
+/// address and port ([`CtValue::nat_addr`]); its reply entry is keyed to that address.
+pub const CT_SNAT: u8 = 8;
 /// The source address of hairpin packets (a pod reaching itself through a service), so that
 /// its replies leave the pod and can be translated back; such a flow's reply entry is keyed
 /// pod -> this address. Link-local, never a pod's (Cilium uses the same).
@@ -316,13 +395,17 @@ pub struct CtValue {
     pub vport: Be16,
     /// [`CT_FORWARD`] or [`CT_REPLY`].
     pub direction: u8,
-    /// [`CT_CLOSING`], [`CT_FIN`].
+    /// [`CT_CLOSING`], [`CT_FIN`], [`CT_EXTERNAL`], [`CT_SNAT`].
     pub flags: u8,
-    pub pad: [u8; 4],
+    /// External flows: forward, the node address and port the flow is sent from
+    /// ([`CT_SNAT`]); reply, the client's address and port. Zero otherwise.
+    pub nat_addr: Be32,
     /// `bpf_ktime_get_ns()` of the last packet seen in this direction.
     pub last_seen_ns: u64,
+    pub nat_port: Be16,
+    pub pad: u16,
     /// Packets seen in this direction (not atomic: a statistic, not an accounting record).
-    pub packets: u64,
+    pub packets: u32,
 }
 
 #[cfg(feature = "user")]
@@ -339,4 +422,5 @@ mod user {
     unsafe impl aya::Pod for MaglevChunk {}
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNatValue {}
+    unsafe impl aya::Pod for SourceRangeKey {}
 }

@@ -3,10 +3,17 @@
 //! client, or backend -> [`HAIRPIN_ADDR`] for a pod reaching itself) names the service address
 //! the replies must come from. A reply entry is used only while its forward entry is live and
 //! names the same backend: the forward entry is the flow.
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns};
+//!
+//! An external flow sent to another node's endpoint ([`CT_SNAT`]) leaves from a node address
+//! and a port picked here; its reply entry is keyed to that address and port, and the NAT
+//! fields of its entries say where each direction's packets go back to.
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+};
 use proxy_common::{
-    BACKEND_DRAINING, Backend, Be16, Be32, CT_CLOSING, CT_FIN, CT_FORWARD, CT_REPLY, CtKey,
-    CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
+    BACKEND_DRAINING, Backend, Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FORWARD, CT_REPLY,
+    CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
 use crate::{
@@ -22,6 +29,19 @@ use crate::{
 /// its 5-tuple), so replies keep their reverse NAT.
 #[inline(always)]
 pub fn established(flow: &Flow, now: u64) -> Option<Backend> {
+    established_flow(flow, now).map(|live| live.backend)
+}
+
+/// A flow found in conntrack: its backend, and for an external flow sent from a node
+/// address, that address and port.
+pub struct Live {
+    pub backend: Backend,
+    pub snat: Option<(Be32, Be16)>,
+}
+
+/// [`established`], with the flow's source translation.
+#[inline(always)]
+pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     let key = &flow.key;
     let entry = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
@@ -41,7 +61,8 @@ pub fn established(flow: &Flow, now: u64) -> Option<Backend> {
     if backend.flags & BACKEND_DRAINING != 0 && (key.proto != IPPROTO_TCP || flow.syn_only()) {
         return None;
     }
-    let reply_key = reply_key(key, &backend);
+    let reply_key = reply_key(key, entry, &backend);
+    let snat = (entry.flags & CT_SNAT != 0).then_some((entry.nat_addr, entry.nat_port));
     let reply = CONNTRACK
         .get_ptr_mut(reply_key)
         .map(|r| unsafe { &mut *r })
@@ -52,12 +73,15 @@ pub fn established(flow: &Flow, now: u64) -> Option<Backend> {
             touch(entry, None, flow, now);
             let mut reply = *entry;
             reply.direction = CT_REPLY;
-            reply.flags &= CT_CLOSING;
+            reply.flags &= CT_CLOSING | CT_EXTERNAL | CT_SNAT;
             reply.packets = 0;
+            if entry.flags & CT_EXTERNAL != 0 {
+                (reply.nat_addr, reply.nat_port) = (key.saddr, key.sport);
+            }
             let _ = CONNTRACK.insert(reply_key, reply, BPF_ANY as u64);
         }
     }
-    Some(backend)
+    Some(Live { backend, snat })
 }
 
 /// A packet of the flow went in the direction of `this`: both entries are refreshed (a flow has
@@ -87,42 +111,116 @@ fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64)
     }
 }
 
-/// Where the backend's replies to the flow `key` come from and go to (for a hairpin flow, to
-/// [`HAIRPIN_ADDR`]: the source its packets were given).
+/// Where the backend's replies to the flow `key` (whose forward entry is `forward`) come from
+/// and go to: the client, or for a hairpin flow [`HAIRPIN_ADDR`] (the source its packets were
+/// given), or for a flow sent from a node address that address and port.
 #[inline(always)]
-fn reply_key(key: &CtKey, backend: &Backend) -> CtKey {
-    let hairpin = backend.addr == key.saddr;
+fn reply_key(key: &CtKey, forward: &CtValue, backend: &Backend) -> CtKey {
+    let (daddr, dport) = if forward.flags & CT_SNAT != 0 {
+        (forward.nat_addr, forward.nat_port)
+    } else {
+        let hairpin = backend.addr == key.saddr;
+        (if hairpin { HAIRPIN_ADDR } else { key.saddr }, key.sport)
+    };
     CtKey {
         saddr: backend.addr,
-        daddr: if hairpin { HAIRPIN_ADDR } else { key.saddr },
+        daddr,
         sport: backend.port,
-        dport: key.sport,
+        dport,
         proto: key.proto,
         pad: [0; 3],
     }
 }
 
-/// Records both directions of a new flow: the reply entry first, so that no reply can arrive
-/// before the record that reverse-NATs it.
+/// A new flow's forward entry, before any NAT field.
 #[inline(always)]
-pub fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64) {
-    let reply_key = reply_key(key, backend);
-    let mut value = CtValue {
+fn forward_value(key: &CtKey, backend_id: u32, flags: u8, now: u64) -> CtValue {
+    CtValue {
         backend_id,
         vip: key.daddr,
         vport: key.dport,
-        direction: CT_REPLY,
-        flags: 0,
-        pad: [0; 4],
+        direction: CT_FORWARD,
+        flags,
+        nat_addr: Be32::new(0),
         last_seen_ns: now,
+        nat_port: Be16::new(0),
+        pad: 0,
+        packets: 1,
+    }
+}
+
+/// Records both directions of a new flow: the reply entry first, so that no reply can arrive
+/// before the record that reverse-NATs it. `external`: the flow came from outside the node
+/// (its replies are translated on the way out of the node, and its reply entry names the
+/// client).
+#[inline(always)]
+pub fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64, external: bool) {
+    let flags = if external { CT_EXTERNAL } else { 0 };
+    let forward = forward_value(key, backend_id, flags, now);
+    let mut reply = CtValue {
+        direction: CT_REPLY,
         packets: 0,
+        ..forward
     };
+    if external {
+        (reply.nat_addr, reply.nat_port) = (key.saddr, key.sport);
+    }
     // LRU inserts make room by evicting the least recently used flow; a failure here (memory
     // pressure) only means the next packet of this flow picks a backend again.
-    let _ = CONNTRACK.insert(reply_key, value, BPF_ANY as u64);
-    value.direction = CT_FORWARD;
-    value.packets = 1;
-    let _ = CONNTRACK.insert(key, value, BPF_ANY as u64);
+    let _ = CONNTRACK.insert(reply_key(key, &forward, backend), reply, BPF_ANY as u64);
+    let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
+}
+
+/// Tries per new translated flow: a port is taken at random each time, so this many
+/// collisions in a row mean the range is nearly full for this endpoint.
+const SNAT_TRIES: u32 = 8;
+
+/// Records a new external flow sent to another node's endpoint from `node` and a free port
+/// (one that no live flow to the same endpoint uses from `node`), and returns that port.
+/// `None` when none was found: the packet is dropped and the client retries.
+#[inline(always)]
+pub fn record_snat_flow(
+    key: &CtKey,
+    backend_id: u32,
+    backend: &Backend,
+    node: Be32,
+    now: u64,
+) -> Option<Be16> {
+    let mut forward = forward_value(key, backend_id, CT_EXTERNAL | CT_SNAT, now);
+    forward.nat_addr = node;
+    let reply = CtValue {
+        direction: CT_REPLY,
+        packets: 0,
+        nat_addr: key.saddr,
+        nat_port: key.sport,
+        ..forward
+    };
+    let range = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
+    for _ in 0..SNAT_TRIES {
+        let port = Be16::new(SNAT_PORT_MIN + (unsafe { bpf_get_prandom_u32() } % range) as u16);
+        let reply_key = CtKey {
+            saddr: backend.addr,
+            daddr: node,
+            sport: backend.port,
+            dport: port,
+            proto: key.proto,
+            pad: [0; 3],
+        };
+        // A live flow holds this port (for this endpoint): another one. An expired one is
+        // overwritten; a free one is taken only if no other CPU took it meanwhile.
+        let flags = match unsafe { CONNTRACK.get(reply_key) } {
+            Some(old) if !old.expired(key.proto, now) => continue,
+            Some(_) => BPF_ANY,
+            None => BPF_NOEXIST,
+        };
+        if CONNTRACK.insert(reply_key, reply, flags as u64).is_err() {
+            continue;
+        }
+        forward.nat_port = port;
+        let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
+        return Some(port);
+    }
+    None
 }
 
 /// The reply entry of `flow` (a backend's packet to `client`) if its flow is live, touched along
@@ -130,20 +228,52 @@ pub fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64) {
 /// reply entry whose flow ended (expired, evicted, or now sent elsewhere) is deleted: later
 /// traffic on its 5-tuple (the client talking to the backend directly, say) is not a reply to
 /// the service.
+/// `external`: the packet leaves the node (only external flows' replies do), else it goes to a
+/// pod.
 #[inline(always)]
-pub fn reply(flow: &Flow, client: Be32) -> Option<(Be32, Be16)> {
+pub fn reply(flow: &Flow, client: Be32, external: bool) -> Option<(Be32, Be16)> {
     let entry = CONNTRACK.get_ptr_mut(flow.key)?;
     // SAFETY: see established().
     let entry = unsafe { &mut *entry };
-    if entry.direction != CT_REPLY {
+    let wanted = if external { CT_EXTERNAL } else { 0 };
+    if entry.direction != CT_REPLY || entry.flags & (CT_EXTERNAL | CT_SNAT) != wanted {
         return None;
     }
+    live_reply(flow, entry, client, flow.key.dport)
+}
+
+/// A reply of an external flow sent from a node address (a packet from the endpoint to that
+/// address and port), if its flow is live: the service address it must come from, and the
+/// client address and port it goes back to.
+#[inline(always)]
+pub fn snat_reply(flow: &Flow) -> Option<((Be32, Be16), (Be32, Be16))> {
+    let entry = CONNTRACK.get_ptr_mut(flow.key)?;
+    // SAFETY: see established().
+    let entry = unsafe { &mut *entry };
+    if entry.direction != CT_REPLY || entry.flags & CT_SNAT == 0 {
+        return None;
+    }
+    let client = (entry.nat_addr, entry.nat_port);
+    let service = live_reply(flow, entry, client.0, client.1)?;
+    Some((service, client))
+}
+
+/// The service address of the reply entry `entry` (of a flow from `client`:`client_port`),
+/// touched along with its flow's forward entry, if that is live and names the same backend;
+/// otherwise the reply entry is deleted.
+#[inline(always)]
+fn live_reply(
+    flow: &Flow,
+    entry: &mut CtValue,
+    client: Be32,
+    client_port: Be16,
+) -> Option<(Be32, Be16)> {
     let now = unsafe { bpf_ktime_get_ns() };
     let (vip, vport) = (entry.vip, entry.vport);
     let forward_key = CtKey {
         saddr: client,
         daddr: vip,
-        sport: flow.key.dport,
+        sport: client_port,
         dport: vport,
         proto: flow.key.proto,
         pad: [0; 3],

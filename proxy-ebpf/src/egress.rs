@@ -13,7 +13,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, Drop> {
         return Ok(TC_ACT_UNSPEC);
     };
     let client = flow.key.daddr;
-    let Some((vip, vport)) = conntrack::reply(&flow, client) else {
+    let Some((vip, vport)) = conntrack::reply(&flow, client, false) else {
         return Ok(TC_ACT_UNSPEC);
     };
     flow.rewrite(ctx, End::Source, vip, vport)?;

@@ -5,12 +5,11 @@
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
     DROP_HAIRPIN_WITHOUT_FLOW, DROP_NO_LOCAL_ENDPOINTS, HAIRPIN_ADDR, SERVICE_DRAINING,
-    SERVICE_LOCAL_ONLY, ServiceKey,
+    SERVICE_LOCAL_ONLY,
 };
 
 use crate::{
-    conntrack, lb,
-    maps::SERVICES,
+    conntrack, frontend, lb,
     packet::{self, Drop, End},
     reject,
 };
@@ -24,9 +23,7 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     if key.daddr == HAIRPIN_ADDR {
         return hairpin_reply(ctx, &mut flow);
     }
-    let svc_key = ServiceKey::new(key.daddr, key.dport, key.proto, 0);
-    // SAFETY: services values are plain data; the agent replaces them whole.
-    let Some(svc) = (unsafe { SERVICES.get(svc_key) }).copied() else {
+    let Some((svc_key, svc)) = frontend::internal(key.daddr, key.dport, key.proto) else {
         if flow.syn_only() {
             // A connection straight to a pod: replies on its 5-tuple are not from a service.
             conntrack::forget_reply(&key);
@@ -48,7 +45,7 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
                 // No usable endpoint: refused at once, as kube-proxy does.
                 return reject::reject(ctx, &flow);
             };
-            conntrack::record_flow(&key, backend_id, &backend, now);
+            conntrack::record_flow(&key, backend_id, &backend, now, false);
             backend
         }
     };
@@ -67,7 +64,7 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
 fn hairpin_reply(ctx: &TcContext, flow: &mut packet::Flow) -> Result<i32, Drop> {
     // The pod is the client: replies go back to its own address.
     let pod = flow.key.saddr;
-    let Some((vip, vport)) = conntrack::reply(flow, pod) else {
+    let Some((vip, vport)) = conntrack::reply(flow, pod, false) else {
         // No flow behind it: routed on, it would leave the node with a link-local address.
         return Err(Drop(DROP_HAIRPIN_WITHOUT_FLOW));
     };

@@ -1,23 +1,29 @@
 //! tc programs for pod-facing interfaces: ClusterIP DNAT with conntrack (ingress, packets leaving a
-//! pod) and reverse NAT of the replies (egress, packets going to a pod); cgroup socket programs
-//! for host-network clients (sock.rs: translated at connect(), their packets untouched).
+//! pod) and reverse NAT of the replies (egress, packets going to a pod); XDP and tc programs for
+//! the node's external interfaces: NodePort, LoadBalancer and external IP traffic from outside
+//! (external.rs, xdp.rs); cgroup socket programs for host-network clients (sock.rs: translated
+//! at connect(), their packets untouched).
 #![no_std]
 #![no_main]
 
 mod conntrack;
 mod egress;
+mod external;
+mod frontend;
 mod ingress;
 mod lb;
 mod maps;
 mod packet;
 mod reject;
 mod sock;
+mod xdp;
 
 use aya_ebpf::{
-    bindings::TC_ACT_SHOT,
+    EbpfContext,
+    bindings::{TC_ACT_SHOT, xdp_action},
     helpers::bpf_ktime_get_ns,
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use aya_log_ebpf::error;
 use proxy_common::DROPS_LAST_LOG;
@@ -34,6 +40,32 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     verdict(&ctx, egress::try_egress(&ctx))
+}
+
+/// A packet from outside arriving on an external interface (XDP): NodePort, LoadBalancer and
+/// external IP traffic translated before the stack sees it.
+#[xdp]
+pub fn xdp_external(ctx: XdpContext) -> u32 {
+    match xdp::try_xdp(&ctx) {
+        Ok(action) => action,
+        Err(packet::Drop(reason)) => {
+            count_drop(&ctx, reason);
+            xdp_action::XDP_DROP
+        }
+    }
+}
+
+/// The same as [`xdp_external`] on tc: what XDP left to the stack, or everything with
+/// `--xdp-mode tc`.
+#[classifier]
+pub fn tc_external_ingress(ctx: TcContext) -> i32 {
+    verdict(&ctx, external::try_external_ingress(&ctx))
+}
+
+/// A packet leaving on an external interface: replies of local endpoints to external clients.
+#[classifier]
+pub fn tc_external_egress(ctx: TcContext) -> i32 {
+    verdict(&ctx, external::try_external_egress(&ctx))
 }
 
 /// connect() of a socket in the programs' cgroup: a service address of a host-network client
@@ -71,10 +103,18 @@ const DROP_LOG_INTERVAL_NS: u64 = 10_000_000_000;
 /// say) still see it.
 #[inline(always)]
 fn verdict(ctx: &TcContext, r: Result<i32, packet::Drop>) -> i32 {
-    let reason = match r {
-        Ok(action) => return action,
-        Err(packet::Drop(reason)) => reason,
-    };
+    match r {
+        Ok(action) => action,
+        Err(packet::Drop(reason)) => {
+            count_drop(ctx, reason);
+            TC_ACT_SHOT
+        }
+    }
+}
+
+/// Counts a dropped packet, and logs it unless this CPU logged one lately.
+#[inline(always)]
+fn count_drop<C: EbpfContext>(ctx: &C, reason: u32) {
     if let Some(count) = DROPS.get_ptr_mut(reason) {
         // SAFETY: a per-CPU value: no other program touches it while this one runs here.
         unsafe { *count += 1 };
@@ -91,7 +131,6 @@ fn verdict(ctx: &TcContext, r: Result<i32, packet::Drop>) -> i32 {
             );
         }
     }
-    TC_ACT_SHOT
 }
 
 #[cfg(not(test))]

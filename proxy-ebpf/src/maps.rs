@@ -3,11 +3,12 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue,
+    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CtKey, CtValue,
     DROPS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    SourceRangeKey,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -60,3 +61,16 @@ pub static MAGLEV: HashMap<ServiceKey, MaglevChunk> = HashMap::pinned(1 << 20, B
 /// Settings the agent writes at load (`proxy_common::CONFIG_*`).
 #[map(name = "CONFIG")]
 pub static CONFIG: Array<u32> = Array::pinned(CONFIG_ENTRIES, 0);
+
+/// The node's addresses that NodePorts answer on (`--nodeport-addresses`), written by the agent.
+#[map(name = "NODE_ADDRS")]
+pub static NODE_ADDRS: HashMap<Be32, u32> = HashMap::pinned(256, 0);
+
+/// The external interfaces (by ifindex) and what XDP may do on them
+/// (`proxy_common::IFACE_XDP_FORWARD`).
+#[map(name = "EXTERNAL_IFACES")]
+pub static EXTERNAL_IFACES: HashMap<u32, u32> = HashMap::pinned(256, 0);
+
+/// loadBalancerSourceRanges: frontend and allowed source prefix -> 1 (never preallocated).
+#[map(name = "SOURCE_RANGES")]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::pinned(1 << 16, 0);

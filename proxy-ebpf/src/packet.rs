@@ -14,7 +14,8 @@ pub const FAILED: Drop = Drop(DROP_REWRITE_FAILED);
 
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
-const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+pub const IP_TTL_OFF: usize = ETH_HLEN + 8;
+pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IP_DADDR_OFF: usize = ETH_HLEN + 16;
 /// More-fragments flag and fragment offset.
@@ -25,7 +26,9 @@ pub struct Flow {
     pub key: CtKey,
     /// TCP flags (zero for UDP).
     tcp_flags: u8,
-    l4_off: usize,
+    pub l4_off: usize,
+    /// The IP header's total length (host order).
+    pub tot_len: u16,
 }
 
 const TCP_FIN: u8 = 0x01;
@@ -46,10 +49,6 @@ unsafe fn read<T: Copy>(p: usize) -> T {
 
 /// Reads the 5-tuple of an unfragmented IPv4 TCP/UDP packet. `None` for anything else, including
 /// malformed or truncated headers: such packets are not ours to rewrite and pass untouched.
-///
-/// Bounds are checked twice, each as a plain comparison of packet pointers with data_end, the
-/// form the verifier follows: once for the fixed headers, once for the L4 header behind the
-/// variable-length IP header.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Flow> {
     // Headers can sit partly outside the linear data (GRO, some drivers): pull them in once.
@@ -57,7 +56,16 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
     if ctx.data() + wanted > ctx.data_end() {
         ctx.pull_data(wanted as u32).ok()?;
     }
-    let (data, end) = (ctx.data(), ctx.data_end());
+    parse_headers(ctx.data(), ctx.data_end(), ctx.len() as usize)
+}
+
+/// [`parse`] on the linear data `data..end` of a packet of `len` bytes.
+///
+/// Bounds are checked twice, each as a plain comparison of packet pointers with data_end, the
+/// form the verifier follows: once for the fixed headers, once for the L4 header behind the
+/// variable-length IP header.
+#[inline(always)]
+pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
     if data + IPV4_MIN > end {
         return None;
     }
@@ -86,7 +94,7 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
         _ => return None,
     };
     // The IP header must claim at least the L4 header, and the packet must hold what it claims.
-    if tot_len < ihl + l4_hdr_len || (ctx.len() as usize) < ETH_HLEN + tot_len {
+    if tot_len < ihl + l4_hdr_len || len < ETH_HLEN + tot_len {
         return None;
     }
     let l4 = ip + ihl;
@@ -116,6 +124,7 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
         key,
         tcp_flags,
         l4_off: ETH_HLEN + ihl,
+        tot_len: tot_len as u16,
     })
 }
 
@@ -140,9 +149,26 @@ impl Flow {
         self.l4_off != IPV4_MIN
     }
 
+    /// The TCP/UDP checksum's offset.
+    pub fn l4_csum_off(&self) -> usize {
+        if self.key.proto == IPPROTO_TCP {
+            self.l4_off + 16
+        } else {
+            self.l4_off + 6
+        }
+    }
+
     /// The first packet of a TCP connection.
     pub fn syn_only(&self) -> bool {
         self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
+    /// Moves the tuple to `addr`:`port` at `end` (after the packet bytes were rewritten).
+    pub fn set(&mut self, end: End, addr: Be32, port: Be16) {
+        match end {
+            End::Source => (self.key.saddr, self.key.sport) = (addr, port),
+            End::Destination => (self.key.daddr, self.key.dport) = (addr, port),
+        }
     }
 
     /// Rewrites the source or destination address and port, updating the IP header checksum and
@@ -165,10 +191,11 @@ impl Flow {
                 self.l4_off + 2,
             ),
         };
-        let (csum_off, l4_flags) = if self.key.proto == IPPROTO_TCP {
-            (self.l4_off + 16, 0)
+        let csum_off = self.l4_csum_off();
+        let l4_flags = if self.key.proto == IPPROTO_TCP {
+            0
         } else {
-            (self.l4_off + 6, BPF_F_MARK_MANGLED_0 as u64)
+            BPF_F_MARK_MANGLED_0 as u64
         };
         if old_addr != addr {
             let (from, to) = (old_addr.raw() as u64, addr.raw() as u64);
@@ -185,10 +212,7 @@ impl Flow {
             ctx.store(port_off, &port.raw(), 0).map_err(|_| FAILED)?;
         }
         // Keep the tuple current, so a second rewrite computes its checksum deltas right.
-        match end {
-            End::Source => (self.key.saddr, self.key.sport) = (addr, port),
-            End::Destination => (self.key.daddr, self.key.dport) = (addr, port),
-        }
+        self.set(end, addr, port);
         Ok(())
     }
 }

@@ -13,13 +13,13 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
     SockRevNatKey, SockRevNatValue,
 };
 
 use crate::{
-    lb,
-    maps::{DROPS, HOST_NETNS, SERVICES, SOCK_REVNAT},
+    frontend, lb,
+    maps::{DROPS, HOST_NETNS, SOCK_REVNAT},
     packet::Drop,
 };
 
@@ -63,9 +63,7 @@ fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
         Be32::from_raw(read(&sa.user_ip4)),
         port(read(&sa.user_port)),
     );
-    let svc_key = ServiceKey::new(vip, vport, proto, 0);
-    // SAFETY: services values are plain data; the agent replaces them whole.
-    let Some(svc) = (unsafe { SERVICES.get(svc_key) }).copied() else {
+    let Some((svc_key, svc)) = frontend::internal(vip, vport, proto) else {
         return Ok(ALLOW); // not a service
     };
     if !in_host_netns(ctx) {

@@ -45,7 +45,7 @@ pub enum Source {
 /// the kernel.
 pub async fn run(
     config: AgentConfig,
-    make_dataplane: impl FnOnce() -> anyhow::Result<Box<dyn Dataplane>>,
+    make_dataplane: impl FnOnce(&[std::net::IpAddr]) -> anyhow::Result<Box<dyn Dataplane>>,
 ) -> anyhow::Result<()> {
     let tracker = Arc::new(Mutex::new(ChangeTracker::new()));
     // kube-proxy's health timeout: twice the sync period.
@@ -83,6 +83,8 @@ pub async fn run(
         }));
     }
     let (synced_tx, synced_rx) = oneshot::channel();
+    // The Node object's addresses (API source only), for --nodeport-addresses primary.
+    let mut node_ips = Vec::new();
     let mut source = match config.source {
         Source::File(path) => tokio::spawn(source::file::run(
             path,
@@ -93,6 +95,7 @@ pub async fn run(
         Source::Kubernetes { kubeconfig } => {
             let node_name = config.node_name.clone();
             let client = source::kube::client(kubeconfig.as_deref()).await?;
+            node_ips = source::kube::node_ips(&client, &node_name).await;
             tracing::info!(node = %node_name, "watching the API server");
             tokio::spawn(source::kube::run(
                 client,
@@ -114,7 +117,7 @@ pub async fn run(
         r = &mut source => return source_ended(r),
     }
 
-    let dataplane = Arc::new(Mutex::new(make_dataplane()?));
+    let dataplane = Arc::new(Mutex::new(make_dataplane(&node_ips)?));
     let housekeeping = {
         let dataplane = dataplane.clone();
         tokio::spawn(async move {

@@ -159,7 +159,7 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
             destination: format!("{}:{}", ip(k.daddr), k.dport.get()),
             service: format!("{}:{}", ip(v.vip), v.vport.get()),
             backend_id: v.backend_id,
-            packets: v.packets,
+            packets: u64::from(v.packets),
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
             closing: v.flags & CT_CLOSING != 0,
             expired: v.expired(k.proto, now),

@@ -6,7 +6,10 @@ use proxy_userspace::{
     agent::{self, AgentConfig, Source},
     dataplane::Dataplane,
     duration::parse_duration,
-    ebpf::{EbpfDataplane, MapSizes, WriterConfig},
+    ebpf::{
+        EbpfDataplane, ExternalConfig, MapSizes, WriterConfig,
+        external::{NodePortAddresses, XdpMode},
+    },
     inspect, maglev,
     model::LbAlgorithm,
 };
@@ -85,6 +88,17 @@ struct AgentArgs {
     /// Interfaces facing pods, by name (`*` matches any run; comma-separated patterns).
     #[arg(long, default_value = "veth*,cali*,lxc*,cni*")]
     pod_interfaces: String,
+    /// The node addresses NodePorts answer on (kube-proxy's flag): comma-separated CIDRs (every
+    /// address of the node within them), or `primary`: the Node object's InternalIP and
+    /// ExternalIP with the API source, the addresses of the default route's interface with
+    /// --manifest. Never loopback. The interfaces carrying them get the external programs.
+    #[arg(long, default_value = "primary")]
+    nodeport_addresses: NodePortAddresses,
+    /// How external traffic (NodePort, LoadBalancer, external IPs) is processed on those
+    /// interfaces: `native` XDP (in the driver; generic where the driver has none), `generic`
+    /// XDP, or `tc` only (the same logic on tc ingress, for NICs or kernels where XDP fails).
+    #[arg(long, value_enum, default_value = "native")]
+    xdp_mode: XdpMode,
     /// Size of the services map (one entry per service port and one per backend of each).
     #[arg(long, default_value_t = MapSizes::default().services)]
     bpf_services_max: u32,
@@ -189,7 +203,7 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         healthz_bind_address: Some(args.healthz_bind_address).filter(|a| !a.is_empty()),
         metrics_bind_address: Some(args.metrics_bind_address).filter(|a| !a.is_empty()),
     };
-    let make_dataplane = || -> anyhow::Result<Box<dyn Dataplane>> {
+    let make_dataplane = |node_ips: &[std::net::IpAddr]| -> anyhow::Result<Box<dyn Dataplane>> {
         match args.proxy_mode {
             ProxyMode::Ebpf => {
                 let sizes = MapSizes {
@@ -206,6 +220,11 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                         maglev_table_size: args.lb_maglev_table_size,
                     },
                     &args.pod_interfaces,
+                    ExternalConfig {
+                        addresses: args.nodeport_addresses.clone(),
+                        primary: node_ips.to_vec(),
+                        mode: args.xdp_mode,
+                    },
                     &args.bpf_cgroup_path,
                 )?;
                 tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");

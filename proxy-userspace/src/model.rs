@@ -196,6 +196,10 @@ pub struct ServicePort {
     pub internal_traffic_local: bool,
     /// The Service's [`LB_ALGORITHM_ANNOTATION`], if set (else the agent's `--lb-algorithm`).
     pub lb_algorithm: Option<LbAlgorithm>,
+    /// spec.loadBalancerSourceRanges (or kube-proxy's fallback, the
+    /// `service.beta.kubernetes.io/load-balancer-source-ranges` annotation) of a LoadBalancer
+    /// Service: the only sources its load balancer addresses accept. Empty: any source.
+    pub source_ranges: Vec<(IpAddr, u8)>,
     /// spec.healthCheckNodePort, kept only where kube-proxy serves it: LoadBalancer Services
     /// with externalTrafficPolicy Local (see `service_health.rs`). A Service-wide field, on
     /// each of its ports.
@@ -262,10 +266,32 @@ impl DesiredState {
             .services
             .get(spn)
             .is_some_and(|sp| sp.internal_traffic_local);
+        self.usable_endpoints(spn, local_only)
+    }
+
+    /// The endpoints that new connections from outside the node (to a NodePort, LoadBalancer
+    /// or external IP) go to: as [`Self::cluster_endpoints`], following the external traffic
+    /// policy instead of the internal one.
+    pub fn external_endpoints(&self, spn: &ServicePortName) -> Vec<&Endpoint> {
+        let local_only = self
+            .services
+            .get(spn)
+            .is_some_and(|sp| sp.external_traffic_local);
+        self.usable_endpoints(spn, local_only)
+    }
+
+    /// Whether `ep` runs on this node.
+    pub fn is_local(&self, ep: &Endpoint) -> bool {
+        ep.node_name.as_deref() == Some(self.node_name.as_str())
+    }
+
+    /// The ready endpoints of `spn` (only this node's if `local_only`), else the serving
+    /// terminating ones.
+    pub fn usable_endpoints(&self, spn: &ServicePortName, local_only: bool) -> Vec<&Endpoint> {
         let candidates: Vec<&Endpoint> = self
             .endpoints_of(spn)
             .iter()
-            .filter(|ep| !local_only || ep.node_name.as_deref() == Some(self.node_name.as_str()))
+            .filter(|ep| !local_only || self.is_local(ep))
             .collect();
         if candidates.iter().any(|ep| ep.ready) {
             candidates.into_iter().filter(|ep| ep.ready).collect()
@@ -856,6 +882,11 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
     };
     let internal_traffic_local =
         traffic_policy("spec.internalTrafficPolicy", &spec.internal_traffic_policy)?;
+    let source_ranges = if type_ == "LoadBalancer" {
+        source_ranges(svc)?
+    } else {
+        Vec::new()
+    };
     let lb_algorithm = match svc
         .metadata
         .annotations
@@ -928,12 +959,59 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
                 external_traffic_local,
                 internal_traffic_local,
                 lb_algorithm,
+                source_ranges: source_ranges.clone(),
                 health_check_node_port,
             },
         ));
     }
     ports.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(Some(ports.into_boxed_slice()))
+}
+
+/// The annotation kube-proxy reads when spec.loadBalancerSourceRanges is empty.
+const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+
+/// A LoadBalancer Service's source ranges (CIDRs), from the spec or else the annotation.
+fn source_ranges(svc: &Service) -> Result<Vec<(IpAddr, u8)>, String> {
+    let from_spec: Vec<String> = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.load_balancer_source_ranges.clone())
+        .unwrap_or_default();
+    let (field, values) = if from_spec.is_empty() {
+        let annotation = svc
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(SOURCE_RANGES_ANNOTATION))
+            .map(|v| {
+                v.split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        (
+            format!("metadata.annotations[{SOURCE_RANGES_ANNOTATION:?}]"),
+            annotation,
+        )
+    } else {
+        ("spec.loadBalancerSourceRanges".to_string(), from_spec)
+    };
+    values
+        .iter()
+        .map(|cidr| {
+            let bad = || format!("{field}: {cidr:?} is not a CIDR (like 203.0.113.0/24)");
+            let (addr, len) = cidr.trim().split_once('/').ok_or_else(bad)?;
+            let addr: IpAddr = addr.parse().map_err(|_| bad())?;
+            let len: u8 = len.parse().map_err(|_| bad())?;
+            let max = if addr.is_ipv4() { 32 } else { 128 };
+            if len > max {
+                return Err(bad());
+            }
+            Ok((addr, len))
+        })
+        .collect()
 }
 
 /// True for "Local"; unset means "Cluster".

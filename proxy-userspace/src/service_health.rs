@@ -262,6 +262,7 @@ mod tests {
             external_traffic_local: health_check_node_port.is_some(),
             internal_traffic_local: false,
             lb_algorithm: None,
+            source_ranges: vec![],
             health_check_node_port,
         }
     }

@@ -196,6 +196,7 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
             external_traffic_local: false,
             internal_traffic_local: false,
             lb_algorithm: None,
+            source_ranges: vec![],
             health_check_node_port: None,
         },
     );

@@ -1,5 +1,6 @@
 //! Attaching the tc programs to pod-facing interfaces, including those of pods that start
-//! later, so that they stay attached when the agent exits: a restarting agent (a rollout, a
+//! later, and the external programs (XDP and tc) to the interfaces that carry the node's
+//! addresses (see external.rs), so that they stay attached when the agent exits: a restarting agent (a rollout, a
 //! crash) must not leave pods without service translation. A new agent swaps its programs in
 //! atomically where the old ones were.
 //!
@@ -26,17 +27,23 @@ use std::{
 use anyhow::{Context, bail};
 use aya::{
     Ebpf,
+    maps::{Array, HashMap as BpfHashMap, MapData},
     programs::{
-        SchedClassifier, TcAttachType,
+        SchedClassifier, TcAttachType, Xdp, XdpMode as AttachMode,
         links::{FdLink, LinkError, PinnedLink},
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+        xdp::XdpLink,
     },
     sys::SyscallError,
     util::KernelVersion,
 };
+use proxy_common::{
+    Be32, CONFIG_SNAT_ADDR, IFACE_XDP_FORWARD, MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
+};
 
 use super::{
-    PROG_EGRESS, PROG_INGRESS,
+    PROG_EGRESS, PROG_EXT_EGRESS, PROG_EXT_INGRESS, PROG_INGRESS, PROG_XDP,
+    external::{self, InterfaceAddr, NodePortAddresses, XdpMode},
     link_events::{LinkEvent, LinkEvents},
 };
 
@@ -55,6 +62,21 @@ const DIRECTIONS: [(&str, TcAttachType, &str); 2] = [
     (PROG_EGRESS, TcAttachType::Egress, "egress"),
 ];
 
+/// The tc programs of external interfaces (beside XDP).
+const EXTERNAL_DIRECTIONS: [(&str, TcAttachType, &str); 2] = [
+    (PROG_EXT_INGRESS, TcAttachType::Ingress, "ext-ingress"),
+    (PROG_EXT_EGRESS, TcAttachType::Egress, "ext-egress"),
+];
+
+/// What external traffic is served on (`--nodeport-addresses`, `--xdp-mode`).
+#[derive(Clone, Debug)]
+pub struct ExternalConfig {
+    pub addresses: NodePortAddresses,
+    /// The Node object's addresses (API source), for `primary`.
+    pub primary: Vec<std::net::IpAddr>,
+    pub mode: XdpMode,
+}
+
 /// The BPF object (its programs) and the [`Attacher`], on a thread of their own: a matching
 /// interface gets the programs within a millisecond or so of appearing, whatever the rest of
 /// the agent is doing (a long sync, say). Dropping this stops the thread (the programs stay
@@ -69,10 +91,16 @@ impl AttachThread {
     /// Attaches the programs of `ebpf` to the interfaces matching `pattern` there are (failing
     /// if that fails), then starts the thread that attaches them to those that appear or get a
     /// matching name later.
-    pub fn start(mut ebpf: Ebpf, pattern: &str, pin_dir: &Path) -> anyhow::Result<Self> {
+    pub fn start(
+        mut ebpf: Ebpf,
+        pattern: &str,
+        external: ExternalConfig,
+        pin_dir: &Path,
+    ) -> anyhow::Result<Self> {
         // Subscribed before listing: an interface appearing meanwhile is in one or the other.
         let events = LinkEvents::subscribe().context("subscribing to link notifications")?;
         let mut attacher = Attacher::new(pattern, pin_dir)?;
+        attacher.external = Some(external);
         attacher.scan(&mut ebpf)?;
         let (stop, stopped) = UnixStream::pair()?;
         let thread = std::thread::Builder::new()
@@ -158,12 +186,18 @@ fn attach_loop(mut ebpf: Ebpf, mut attacher: Attacher, mut events: LinkEvents, s
 }
 
 /// Interfaces matched by a pattern, and the ifindex each was attached at (a pod that restarts
-/// gets an interface of the same name with a new index).
+/// gets an interface of the same name with a new index); the external interfaces likewise.
 pub struct Attacher {
     pattern: String,
+    pin_dir: PathBuf,
     links_dir: PathBuf,
     tcx: bool,
     attached: HashMap<String, u32>,
+    /// None: pod interfaces only (tests of the pod path).
+    external: Option<ExternalConfig>,
+    external_attached: HashMap<String, u32>,
+    /// The node addresses last written to NODE_ADDRS.
+    node_addrs: Vec<InterfaceAddr>,
 }
 
 impl Attacher {
@@ -173,9 +207,13 @@ impl Attacher {
             .with_context(|| format!("creating {}", links_dir.display()))?;
         Ok(Self {
             pattern: pattern.to_owned(),
+            pin_dir: pin_dir.to_owned(),
             links_dir,
             tcx: tcx_supported(),
             attached: HashMap::new(),
+            external: None,
+            external_attached: HashMap::new(),
+            node_addrs: Vec::new(),
         })
     }
 
@@ -195,7 +233,238 @@ impl Attacher {
                 self.attach_and_record(ebpf, name, index);
             }
         }
+        if let Err(e) = self.scan_external(ebpf, &all) {
+            tracing::warn!("serving external traffic: {e:#}");
+        }
         self.forget_gone_pins(&all)
+    }
+
+    /// Finds the node addresses (see external.rs), writes them for the programs, and attaches
+    /// the external programs to the interfaces carrying them (detaching them from interfaces
+    /// that no longer do).
+    fn scan_external(&mut self, ebpf: &mut Ebpf, all: &[(String, u32)]) -> anyhow::Result<()> {
+        let Some(config) = self.external.clone() else {
+            return Ok(());
+        };
+        let default_route = external::default_route_interface();
+        let selected = external::node_addresses(
+            &config.addresses,
+            &config.primary,
+            default_route.as_deref(),
+            &external::interface_addresses()?,
+        );
+        if selected != self.node_addrs {
+            self.write_node_addrs(ebpf, &selected, default_route.as_deref())?;
+        }
+        let wanted: HashMap<String, u32> = all
+            .iter()
+            .filter(|(name, _)| selected.iter().any(|a| a.interface == *name))
+            .cloned()
+            .collect();
+        let gone: Vec<(String, u32)> = self
+            .external_attached
+            .iter()
+            .filter(|(name, index)| wanted.get(*name) != Some(index))
+            .map(|(n, i)| (n.clone(), *i))
+            .collect();
+        for (name, index) in gone {
+            self.external_attached.remove(&name);
+            self.detach_external(ebpf, &name, index);
+        }
+        for (name, index) in wanted {
+            if self.external_attached.contains_key(&name) {
+                continue;
+            }
+            match self.attach_external(ebpf, &name, index, config.mode) {
+                Ok(mode) => {
+                    tracing::info!(interface = %name, mode, "attached external programs");
+                    self.external_attached.insert(name, index);
+                }
+                Err(e) => {
+                    tracing::warn!(interface = %name, "cannot attach external programs: {e:#}")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn write_node_addrs(
+        &mut self,
+        ebpf: &mut Ebpf,
+        selected: &[InterfaceAddr],
+        default_route: Option<&str>,
+    ) -> anyhow::Result<()> {
+        // Keyed by the raw address (network byte order), as the programs read it.
+        let mut map: BpfHashMap<_, u32, u32> = ebpf
+            .map_mut(MAP_NODE_ADDRS)
+            .context("map NODE_ADDRS missing")?
+            .try_into()?;
+        let raw = |a: &InterfaceAddr| Be32::from_octets(a.addr.octets()).raw();
+        for a in selected {
+            map.insert(raw(a), 0, 0).context("writing NODE_ADDRS")?;
+        }
+        let stale: Vec<u32> = map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !selected.iter().any(|a| raw(a) == *k))
+            .collect();
+        for k in stale {
+            let _ = map.remove(&k);
+        }
+        // Flows to other nodes' endpoints through a LoadBalancer or external IP leave from the
+        // primary address: the default route's interface's first, else the first selected.
+        let primary = selected
+            .iter()
+            .find(|a| Some(a.interface.as_str()) == default_route)
+            .or(selected.first())
+            .map_or(0, raw);
+        let mut config: Array<_, u32> =
+            aya::maps::Map::Array(MapData::from_pin(self.pin_dir.join(MAP_CONFIG))?).try_into()?;
+        config
+            .set(CONFIG_SNAT_ADDR, primary, 0)
+            .context("writing the SNAT address")?;
+        let shown: Vec<String> = selected
+            .iter()
+            .map(|a| format!("{} ({})", a.addr, a.interface))
+            .collect();
+        if selected.is_empty() {
+            tracing::warn!(
+                "no node address matches --nodeport-addresses: NodePorts are not served (with                  `primary` and the manifest source, the node needs a default route)"
+            );
+        } else {
+            tracing::info!(addresses = %shown.join(", "), "NodePorts answer on these addresses");
+        }
+        self.node_addrs = selected.to_vec();
+        Ok(())
+    }
+
+    /// Attaches XDP (unless `mode` is tc) and the external tc programs to `interface`; returns
+    /// the XDP mode it runs in.
+    fn attach_external(
+        &self,
+        ebpf: &mut Ebpf,
+        interface: &str,
+        index: u32,
+        mode: XdpMode,
+    ) -> anyhow::Result<&'static str> {
+        self.attach_tc(ebpf, interface, index, &EXTERNAL_DIRECTIONS)?;
+        let running = match mode {
+            XdpMode::Tc => {
+                self.remove_xdp_pins(index, None);
+                "tc"
+            }
+            XdpMode::Generic => {
+                self.attach_xdp(ebpf, interface, index, AttachMode::Skb, "generic")?;
+                "generic"
+            }
+            XdpMode::Native => {
+                match self.attach_xdp(ebpf, interface, index, AttachMode::Driver, "native") {
+                    Ok(()) => "native",
+                    Err(e) => {
+                        tracing::info!(
+                            interface,
+                            "native XDP not available ({e:#}); running generic XDP"
+                        );
+                        self.attach_xdp(ebpf, interface, index, AttachMode::Skb, "generic")?;
+                        "generic"
+                    }
+                }
+            }
+        };
+        let may_transmit = running != "tc"
+            && external::xdp_may_transmit(
+                if running == "native" {
+                    XdpMode::Native
+                } else {
+                    XdpMode::Generic
+                },
+                interface,
+            );
+        let mut ifaces: BpfHashMap<_, u32, u32> = ebpf
+            .map_mut(MAP_EXTERNAL_IFACES)
+            .context("map EXTERNAL_IFACES missing")?
+            .try_into()?;
+        let flags = if may_transmit { IFACE_XDP_FORWARD } else { 0 };
+        ifaces
+            .insert(index, flags, 0)
+            .context("writing EXTERNAL_IFACES")?;
+        if running == "native" && !may_transmit {
+            tracing::info!(
+                interface,
+                "a veth in native XDP mode: forwarded packets go through the tc program (XDP                  frames sent into a veth are dropped unless its peer has NAPI, which the agent                  cannot check); --xdp-mode generic transmits from XDP"
+            );
+        }
+        Ok(running)
+    }
+
+    /// Attaches the XDP program to `interface` in `flags`' mode through a link pinned as
+    /// `xdp-<index>-<mode>`, replacing the program of such a link in place; a link of the
+    /// other mode goes first (a link's mode is fixed).
+    fn attach_xdp(
+        &self,
+        ebpf: &mut Ebpf,
+        interface: &str,
+        index: u32,
+        flags: AttachMode,
+        mode: &str,
+    ) -> anyhow::Result<()> {
+        self.remove_xdp_pins(index, Some(mode));
+        let pin = self.links_dir.join(format!("xdp-{index}-{mode}"));
+        let prog: &mut Xdp = ebpf
+            .program_mut(PROG_XDP)
+            .context("program missing")?
+            .try_into()?;
+        if let Ok(pinned) = PinnedLink::from_pin(&pin) {
+            let link = XdpLink::try_from(FdLink::from(pinned))?;
+            match prog.attach_to_link(link) {
+                Ok(id) => {
+                    prog.take_link(id)?;
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::debug!(pin = %pin.display(), "pinned link not updatable: {e}");
+                    std::fs::remove_file(&pin)?;
+                }
+            }
+        }
+        let id = prog
+            .attach_to_if_index(index, flags)
+            .with_context(|| format!("attaching {PROG_XDP} to {interface} ({mode})"))?;
+        let link: FdLink = prog.take_link(id)?.try_into()?;
+        link.pin(&pin)
+            .with_context(|| format!("pinning the link at {}", pin.display()))?;
+        Ok(())
+    }
+
+    /// Removes the XDP link pins of interface `index` (detaching them), but for `keep`'s.
+    fn remove_xdp_pins(&self, index: u32, keep: Option<&str>) {
+        for mode in ["native", "generic"] {
+            if Some(mode) != keep {
+                let _ = std::fs::remove_file(self.links_dir.join(format!("xdp-{index}-{mode}")));
+            }
+        }
+    }
+
+    /// An interface that no longer carries a node address loses the external programs.
+    fn detach_external(&self, ebpf: &mut Ebpf, interface: &str, index: u32) {
+        self.remove_xdp_pins(index, None);
+        for (prog, attach_type, direction) in EXTERNAL_DIRECTIONS {
+            let _ = std::fs::remove_file(self.pin(index, direction));
+            if !self.tcx {
+                let _ = tc::qdisc_detach_program(interface, attach_type, prog);
+            }
+        }
+        if let Ok(mut ifaces) = ebpf
+            .map_mut(MAP_EXTERNAL_IFACES)
+            .context("map EXTERNAL_IFACES missing")
+            .and_then(|m| BpfHashMap::<_, u32, u32>::try_from(m).map_err(Into::into))
+        {
+            let _ = ifaces.remove(&index);
+        }
+        tracing::info!(
+            interface,
+            "detached external programs (no node address left)"
+        );
     }
 
     /// Follows a link notification: attaches to an interface that appeared, or got a
@@ -216,9 +485,16 @@ impl Attacher {
             }
             LinkEvent::Removed { index } => {
                 self.attached.retain(|_, i| *i != index);
+                self.external_attached.retain(|_, i| *i != index);
                 // Its links died with it; their pins go too.
-                for (_, _, direction) in DIRECTIONS {
+                for (_, _, direction) in DIRECTIONS.iter().chain(&EXTERNAL_DIRECTIONS) {
                     let _ = std::fs::remove_file(self.pin(index, direction));
+                }
+                self.remove_xdp_pins(index, None);
+            }
+            LinkEvent::Addresses => {
+                if let Err(e) = interfaces().and_then(|all| self.scan_external(ebpf, &all)) {
+                    tracing::warn!("serving external traffic: {e:#}");
                 }
             }
         }
@@ -246,13 +522,23 @@ impl Attacher {
     }
 
     fn attach(&self, ebpf: &mut Ebpf, interface: &str, index: u32) -> anyhow::Result<()> {
+        self.attach_tc(ebpf, interface, index, &DIRECTIONS)
+    }
+
+    fn attach_tc(
+        &self,
+        ebpf: &mut Ebpf,
+        interface: &str,
+        index: u32,
+        directions: &[(&str, TcAttachType, &str)],
+    ) -> anyhow::Result<()> {
         if !self.tcx {
             // cls_bpf needs the clsact qdisc; it may exist already.
             if let Err(e) = tc::qdisc_add_clsact(interface) {
                 tracing::debug!(interface, "clsact qdisc not added (may exist already): {e}");
             }
         }
-        for (name, attach_type, direction) in DIRECTIONS {
+        for &(name, attach_type, direction) in directions {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .context("program missing")?
@@ -273,7 +559,8 @@ impl Attacher {
             let entry = entry?;
             let name = entry.file_name();
             let index = name.to_str().and_then(|n| {
-                n.strip_prefix("tc-")?
+                n.strip_prefix("tc-")
+                    .or_else(|| n.strip_prefix("xdp-"))?
                     .split('-')
                     .next()?
                     .parse::<u32>()
@@ -366,12 +653,15 @@ pub fn detach_all(pattern: &str, pin_dir: &Path) -> anyhow::Result<usize> {
         }
     }
     if !tcx_supported() {
-        for (name, _) in interfaces()?
-            .iter()
-            .filter(|(name, _)| glob_match(pattern, name))
-        {
-            for (prog, attach_type, _) in DIRECTIONS {
-                if tc::qdisc_detach_program(name, attach_type, prog).is_ok() {
+        for (name, _) in interfaces()? {
+            // The external programs may be on any interface (the node's addresses may have
+            // moved since); the pod programs on those matching the pattern.
+            let pod = glob_match(pattern, &name);
+            for (prog, attach_type, _) in EXTERNAL_DIRECTIONS
+                .iter()
+                .chain(DIRECTIONS.iter().filter(|_| pod))
+            {
+                if tc::qdisc_detach_program(&name, *attach_type, prog).is_ok() {
                     detached += 1;
                 }
             }

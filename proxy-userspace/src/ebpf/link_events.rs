@@ -1,6 +1,6 @@
 //! The kernel's notifications of network interfaces appearing, changing (a rename, a move
-//! into this namespace, going up) and disappearing: rtnetlink's link group, read from a
-//! NETLINK_ROUTE socket. A few fields of two message types are all we need, so they are read
+//! into this namespace, going up) and disappearing, and of IPv4 addresses coming and going:
+//! rtnetlink's link and IPv4 address groups, read from a NETLINK_ROUTE socket. A few fields of two message types are all we need, so they are read
 //! here rather than through a netlink crate.
 use std::{
     io,
@@ -26,6 +26,9 @@ pub enum LinkEvent {
     Changed { index: u32, name: String },
     /// RTM_DELLINK: the interface `index` is gone (deleted, or moved to another namespace).
     Removed { index: u32 },
+    /// RTM_NEWADDR or RTM_DELADDR: an IPv4 address was added or removed somewhere (the node's
+    /// addresses, and so its external interfaces, may have changed).
+    Addresses,
 }
 
 /// A NETLINK_ROUTE socket subscribed to link notifications.
@@ -58,7 +61,7 @@ impl LinkEvents {
         // SAFETY: sockaddr_nl is plain data; all zeroes is a valid value.
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        addr.nl_groups = libc::RTMGRP_LINK as u32;
+        addr.nl_groups = (libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR) as u32;
         // SAFETY: bind(2) with a valid sockaddr_nl and its size.
         let r = unsafe {
             libc::bind(
@@ -165,8 +168,12 @@ fn parse(mut buf: &[u8], out: &mut Vec<LinkEvent>) {
     }
 }
 
-/// An RTM_NEWLINK or RTM_DELLINK message body: `struct ifinfomsg`, then attributes.
+/// An RTM_NEWLINK or RTM_DELLINK message body (`struct ifinfomsg`, then attributes), or an
+/// address notification.
 fn parse_link(kind: u16, body: &[u8]) -> Option<LinkEvent> {
+    if kind == libc::RTM_NEWADDR || kind == libc::RTM_DELADDR {
+        return Some(LinkEvent::Addresses);
+    }
     if !(kind == libc::RTM_NEWLINK || kind == libc::RTM_DELLINK) || body.len() < IFINFOMSG_LEN {
         return None;
     }
@@ -230,7 +237,7 @@ mod tests {
             &[(4, &mtu), (IFLA_IFNAME, b"veth-a\0")],
         );
         // Two messages in one datagram; the second is another kind of message.
-        datagram.extend(message(libc::RTM_NEWADDR, 0, 7, &[]));
+        datagram.extend(message(libc::RTM_NEWROUTE, 0, 7, &[]));
         let mut out = Vec::new();
         parse(&datagram, &mut out);
         parse(&message(libc::RTM_DELLINK, 0, 7, &[]), &mut out);
@@ -239,6 +246,8 @@ mod tests {
         // Truncated: ignored, not a panic.
         parse(&datagram[..datagram.len() - 40], &mut out);
         parse(&datagram[..10], &mut out);
+        // An address added (its body is not read).
+        parse(&message(libc::RTM_NEWADDR, 2, 7, &[]), &mut out);
         assert_eq!(
             out,
             [
@@ -247,6 +256,7 @@ mod tests {
                     name: "veth-a".into()
                 },
                 LinkEvent::Removed { index: 7 },
+                LinkEvent::Addresses,
             ]
         );
     }

@@ -24,13 +24,17 @@ use std::{
 use anyhow::{Context, anyhow};
 use aya::{
     Ebpf,
-    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData, MapError},
+    maps::{
+        Array, HashMap as BpfHashMap, IterableMap, MapData, MapError,
+        lpm_trie::{Key as LpmKey, LpmTrie},
+    },
 };
 use proxy_common::{
-    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_MAGLEV_TABLE_SIZE,
-    MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV, MAP_SERVICES, MaglevChunk,
-    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, ServiceKey,
-    ServiceValue,
+    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, BACKEND_LOCAL, Backend, Be16, Be32,
+    CONFIG_MAGLEV_TABLE_SIZE, MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV,
+    MAP_SERVICES, MAP_SOURCE_RANGES, MaglevChunk, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY,
+    SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SERVICE_SOURCE_RANGES,
+    SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
 };
 
 use crate::{
@@ -105,6 +109,9 @@ pub struct ServiceMaps {
     /// that dies mid-sync never lets its successor reuse one.
     reserved_until: u32,
     agent_state: Array<MapData, u64>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    /// The source ranges written for each frontend.
+    ranges: HashMap<Frontend, Vec<(Ipv4Addr, u8)>>,
 }
 
 struct IdState {
@@ -133,10 +140,18 @@ impl ServiceMaps {
         let backends: BpfHashMap<_, u32, Backend> = take(MAP_BACKENDS)?.try_into()?;
         let agent_state: Array<_, u64> = take(MAP_AGENT_STATE)?.try_into()?;
         let maglev: BpfHashMap<_, ServiceKey, MaglevChunk> = take(MAP_MAGLEV)?.try_into()?;
+        let source_ranges: LpmTrie<_, SourceRangeKey, u8> = take(MAP_SOURCE_RANGES)?.try_into()?;
         let mut settings: Array<_, u32> = take(MAP_CONFIG)?.try_into()?;
         let pinned_size = settings.get(&CONFIG_MAGLEV_TABLE_SIZE, 0)?;
         settings.set(CONFIG_MAGLEV_TABLE_SIZE, config.maglev_table_size, 0)?;
-        let mut maps = Self::recover(services, backends, agent_state, maglev, config)?;
+        let mut maps = Self::recover(
+            services,
+            backends,
+            agent_state,
+            maglev,
+            source_ranges,
+            config,
+        )?;
         maps.maglev_stale = pinned_size != 0 && pinned_size != config.maglev_table_size;
         Ok(maps)
     }
@@ -146,6 +161,7 @@ impl ServiceMaps {
         backends: BpfHashMap<MapData, u32, Backend>,
         agent_state: Array<MapData, u64>,
         maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
+        source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
         config: WriterConfig,
     ) -> anyhow::Result<Self> {
         let drain_period = config.drain_period;
@@ -250,6 +266,8 @@ impl ServiceMaps {
             next_id,
             reserved_until: next_id,
             agent_state,
+            ranges: recover_ranges(&source_ranges)?,
+            source_ranges,
         })
     }
 
@@ -271,8 +289,9 @@ impl ServiceMaps {
         for spn in &ports {
             let old = self.owners.remove(spn).unwrap_or_default();
             let mut owned = Vec::new();
-            for Wanted { fe, head, backends } in desired_frontends(state, spn, self.lb_algorithm) {
-                match self.program(spn, &fe, head, &backends) {
+            for wanted in desired_frontends(state, spn, self.lb_algorithm) {
+                let fe = wanted.fe;
+                match self.program(spn, &wanted) {
                     Ok(()) => {
                         owned.push(fe);
                         self.claims.insert(fe, spn.clone());
@@ -334,15 +353,11 @@ impl ServiceMaps {
         self.owners.get(spn).is_some_and(|o| o.contains(fe))
     }
 
-    /// Makes `fe` send to `backends` (the endpoints of `spn`), in that slot order, with `head`
-    /// (its flags) in slot 0. On failure, the maps keep serving what `fe` had before.
-    fn program(
-        &mut self,
-        spn: &ServicePortName,
-        fe: &Frontend,
-        head: ServiceValue,
-        backends: &[Backend],
-    ) -> anyhow::Result<()> {
+    /// Makes `wanted.fe` send to `wanted.backends` (the endpoints of `spn`), in that slot order,
+    /// with `wanted.head` (its flags) in slot 0, admitting only its source ranges if it has
+    /// some. On failure, the maps keep serving what the frontend had before.
+    fn program(&mut self, spn: &ServicePortName, wanted: &Wanted) -> anyhow::Result<()> {
+        let (fe, head, backends) = (&wanted.fe, wanted.head, wanted.backends.as_slice());
         if backends.len() > usize::from(u16::MAX) {
             return Err(NotProgrammable(format!(
                 "{} endpoints; a service port can have at most {} in the datapath",
@@ -396,10 +411,13 @@ impl ServiceMaps {
             // Before slot 0 points new flows at it; ids no longer in it only lose new flows.
             self.write_maglev(fe, backends, &ids)?;
         }
+        // Before slot 0 turns the check on; ranges no longer wanted go after it.
+        let stale_ranges = self.write_ranges(fe, &wanted.source_ranges)?;
         if let Err(e) = self.write_slots(fe, &old, &ids, head) {
             self.restore_slots(fe, &old, &ids);
             return Err(e);
         }
+        self.remove_ranges(fe, &stale_ranges)?;
         if had_maglev && !maglev {
             self.remove_maglev(fe)?;
         }
@@ -562,6 +580,53 @@ impl ServiceMaps {
         Ok(())
     }
 
+    /// Writes the source ranges `wanted` of `fe`; returns those written before and no longer
+    /// wanted (for [`Self::remove_ranges`] once slot 0 is written).
+    fn write_ranges(
+        &mut self,
+        fe: &Frontend,
+        wanted: &[(Ipv4Addr, u8)],
+    ) -> anyhow::Result<Vec<(Ipv4Addr, u8)>> {
+        let had = self.ranges.get(fe).cloned().unwrap_or_default();
+        for range in wanted.iter().filter(|r| !had.contains(r)) {
+            self.source_ranges
+                .insert(&range_key(fe, *range), 1, 0)
+                .with_context(|| {
+                    format!(
+                        "writing source range {}/{} of {}",
+                        range.0,
+                        range.1,
+                        describe(fe)
+                    )
+                })?;
+        }
+        if wanted.is_empty() {
+            self.ranges.remove(fe);
+        } else {
+            self.ranges.insert(*fe, wanted.to_vec());
+        }
+        Ok(had.into_iter().filter(|r| !wanted.contains(r)).collect())
+    }
+
+    fn remove_ranges(&mut self, fe: &Frontend, ranges: &[(Ipv4Addr, u8)]) -> anyhow::Result<()> {
+        for range in ranges {
+            match self.source_ranges.remove(&range_key(fe, *range)) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!(
+                            "deleting source range {}/{} of {}",
+                            range.0,
+                            range.1,
+                            describe(fe)
+                        )
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// After a failed [`Self::write_slots`]: puts `old` back into the slots the head counts and
     /// deletes the ones beyond it (best effort: the maps are failing already).
     fn restore_slots(&mut self, fe: &Frontend, old: &[u32], ids: &[u32]) {
@@ -590,10 +655,15 @@ impl ServiceMaps {
         let Some(ids) = self.frontends.get(fe).cloned() else {
             return Ok(());
         };
-        let head = ServiceValue::head(0, SERVICE_DRAINING, 0);
+        // Established flows from outside still find it (the programs for outside traffic look
+        // only at external frontends).
+        let external = self.heads.get(fe).map_or(0, |h| h.flags & SERVICE_EXTERNAL);
+        let head = ServiceValue::head(0, SERVICE_DRAINING | external, 0);
         self.services
             .insert(fe, head, 0)
             .with_context(|| format!("writing {}", describe(fe)))?;
+        let ranges = self.ranges.remove(fe).unwrap_or_default();
+        self.remove_ranges(fe, &ranges)?;
         let had_maglev = self
             .heads
             .insert(*fe, head)
@@ -749,6 +819,37 @@ impl ServiceMaps {
     }
 }
 
+/// The source-range trie's key for `range` of frontend `fe`.
+fn range_key(fe: &Frontend, (addr, len): (Ipv4Addr, u8)) -> LpmKey<SourceRangeKey> {
+    LpmKey::new(
+        SOURCE_RANGE_FRONTEND_BITS + u32::from(len),
+        SourceRangeKey {
+            addr: fe.addr,
+            port: fe.port,
+            proto: fe.proto,
+            pad: 0,
+            source: Be32::from_octets(addr.octets()),
+        },
+    )
+}
+
+/// The source ranges the pinned trie holds, by frontend (scope 0: only those have ranges).
+fn recover_ranges(
+    trie: &LpmTrie<MapData, SourceRangeKey, u8>,
+) -> anyhow::Result<HashMap<Frontend, Vec<(Ipv4Addr, u8)>>> {
+    let mut out: HashMap<Frontend, Vec<(Ipv4Addr, u8)>> = HashMap::new();
+    for key in trie.keys() {
+        let key = key.context("listing the source ranges")?;
+        let data = key.data();
+        let fe = ServiceKey::new(data.addr, data.port, data.proto, 0);
+        let len = key.prefix_len().saturating_sub(SOURCE_RANGE_FRONTEND_BITS) as u8;
+        out.entry(fe)
+            .or_default()
+            .push((Ipv4Addr::from(data.source.octets()), len));
+    }
+    Ok(out)
+}
+
 fn slot_value(backend_id: u32) -> ServiceValue {
     ServiceValue {
         backend_id,
@@ -793,9 +894,11 @@ impl Errors {
     }
 }
 
-/// `endpoints` as backends of a port of `protocol`. IPv4 only for now: IPv6 addresses are kept
-/// in the model and skipped here (the programs could not match them).
+/// `endpoints` as backends of a port of `protocol` (flagged local when on this node). IPv4
+/// only for now: IPv6 addresses are kept in the model and skipped here (the programs could not
+/// match them).
 fn as_backends<'a>(
+    state: &DesiredState,
     endpoints: impl IntoIterator<Item = &'a crate::model::Endpoint>,
     protocol: Protocol,
 ) -> Vec<Backend> {
@@ -806,7 +909,7 @@ fn as_backends<'a>(
                 addr: Be32::from_octets(ip.octets()),
                 port: Be16::new(ep.port),
                 proto: protocol.number(),
-                flags: 0,
+                flags: if state.is_local(ep) { BACKEND_LOCAL } else { 0 },
             }),
             IpAddr::V6(_) => None,
         })
@@ -816,7 +919,7 @@ fn as_backends<'a>(
 /// Every endpoint the state lists for `spn`, usable or not.
 fn listed_backends(state: &DesiredState, spn: &ServicePortName) -> Vec<Backend> {
     state.services.get(spn).map_or_else(Vec::new, |sp| {
-        as_backends(state.endpoints_of(spn), sp.protocol)
+        as_backends(state, state.endpoints_of(spn), sp.protocol)
     })
 }
 
@@ -826,11 +929,16 @@ pub struct Wanted {
     /// Slot 0 without its count (the writer sets it).
     pub head: ServiceValue,
     pub backends: Vec<Backend>,
+    /// loadBalancerSourceRanges (with [`SERVICE_SOURCE_RANGES`] in the head).
+    pub source_ranges: Vec<(Ipv4Addr, u8)>,
 }
 
 /// The frontends a service port should have, each with its slot 0 and backends, new flows
-/// picking by `lb_algorithm` unless the Service says otherwise. TCP and UDP only: SCTP ports
-/// are kept in the model and skipped here.
+/// picking by `lb_algorithm` unless the Service says otherwise: its cluster IPs, and where the
+/// Service is reachable from outside, its NodePort (on every node address), external IPs and
+/// load balancer addresses. With externalTrafficPolicy Local, those hold only this node's
+/// endpoints, and a second scope holds every endpoint for clients inside the cluster. TCP and
+/// UDP only: SCTP ports are kept in the model and skipped here.
 pub fn desired_frontends(
     state: &DesiredState,
     spn: &ServicePortName,
@@ -843,40 +951,110 @@ pub fn desired_frontends(
     else {
         return Vec::new();
     };
-    let backends = as_backends(state.cluster_endpoints(spn), sp.protocol);
-    let mut flags = 0;
-    if sp.internal_traffic_local {
-        flags |= SERVICE_LOCAL_ONLY;
-    }
+    let proto = sp.protocol.number();
+    let v4 = |ips: &[IpAddr]| -> Vec<Be32> {
+        ips.iter()
+            .filter_map(|ip| match ip {
+                IpAddr::V4(ip) => Some(Be32::from_octets(ip.octets())),
+                IpAddr::V6(_) => None,
+            })
+            .collect()
+    };
+    let mut policy = 0;
     if sp.session_affinity_timeout.is_some() {
-        flags |= SERVICE_AFFINITY;
+        policy |= SERVICE_AFFINITY;
     }
     if sp.lb_algorithm.unwrap_or(lb_algorithm) == LbAlgorithm::Maglev {
-        flags |= SERVICE_MAGLEV;
+        policy |= SERVICE_MAGLEV;
     }
-    let head = ServiceValue::head(0, flags, sp.session_affinity_timeout.unwrap_or(0));
-    sp.cluster_ips
+    let head = |flags: u16| {
+        ServiceValue::head(0, policy | flags, sp.session_affinity_timeout.unwrap_or(0))
+    };
+    let internal_flags = if sp.internal_traffic_local {
+        SERVICE_LOCAL_ONLY
+    } else {
+        0
+    };
+    let cluster = as_backends(state, state.cluster_endpoints(spn), sp.protocol);
+    let mut wanted: Vec<Wanted> = v4(&sp.cluster_ips)
+        .into_iter()
+        .map(|addr| Wanted {
+            fe: ServiceKey::new(addr, Be16::new(sp.port), proto, 0),
+            head: head(internal_flags),
+            backends: cluster.clone(),
+            source_ranges: Vec::new(),
+        })
+        .collect();
+
+    let mut external: Vec<(ServiceKey, bool)> = Vec::new();
+    if let Some(node_port) = sp.node_port {
+        external.push((
+            ServiceKey::new(NODE_PORT_ADDR, Be16::new(node_port), proto, 0),
+            false,
+        ));
+    }
+    for addr in v4(&sp.external_ips) {
+        external.push((ServiceKey::new(addr, Be16::new(sp.port), proto, 0), false));
+    }
+    for addr in v4(&sp.load_balancer_ips) {
+        external.push((ServiceKey::new(addr, Be16::new(sp.port), proto, 0), true));
+    }
+    if external.is_empty() {
+        return wanted;
+    }
+    let ranges: Vec<(Ipv4Addr, u8)> = sp
+        .source_ranges
         .iter()
-        .filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some(Wanted {
-                fe: ServiceKey::new(
-                    Be32::from_octets(ip.octets()),
-                    Be16::new(sp.port),
-                    sp.protocol.number(),
-                    0,
-                ),
-                head,
-                backends: backends.clone(),
-            }),
+        .filter_map(|(ip, len)| match ip {
+            IpAddr::V4(ip) => Some((*ip, *len)),
             IpAddr::V6(_) => None,
         })
-        .collect()
+        .collect();
+    // IPv6 ranges only: no IPv4 source may use the addresses.
+    let restricted = !sp.source_ranges.is_empty();
+    let external_backends = as_backends(state, state.external_endpoints(spn), sp.protocol);
+    let every_endpoint = as_backends(state, state.usable_endpoints(spn, false), sp.protocol);
+    for (fe, load_balancer) in external {
+        let mut flags = SERVICE_EXTERNAL;
+        if sp.external_traffic_local {
+            flags |= SERVICE_LOCAL_ONLY | SERVICE_TWO_SCOPES;
+        }
+        let limited = load_balancer && restricted;
+        if limited {
+            flags |= SERVICE_SOURCE_RANGES;
+        }
+        wanted.push(Wanted {
+            fe,
+            head: head(flags),
+            backends: external_backends.clone(),
+            source_ranges: if limited { ranges.clone() } else { Vec::new() },
+        });
+        if sp.external_traffic_local {
+            wanted.push(Wanted {
+                fe: fe.with_scope(SCOPE_INTERNAL),
+                head: head(0),
+                backends: every_endpoint.clone(),
+                source_ranges: Vec::new(),
+            });
+        }
+    }
+    wanted
 }
 
 fn describe(key: &ServiceKey) -> String {
     let [a, b, c, d] = key.addr.octets();
+    let addr = if key.addr == NODE_PORT_ADDR {
+        "node port ".to_string()
+    } else {
+        format!("{a}.{b}.{c}.{d}")
+    };
+    let scope = if key.scope == SCOPE_INTERNAL {
+        " (internal scope)"
+    } else {
+        ""
+    };
     format!(
-        "{a}.{b}.{c}.{d}:{}/{}",
+        "{addr}:{}/{}{scope}",
         key.port.get(),
         crate::inspect::proto_name(key.proto)
     )

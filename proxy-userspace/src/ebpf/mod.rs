@@ -3,6 +3,7 @@
 mod attach;
 pub mod bpffs;
 pub mod cgroup;
+pub mod external;
 mod link_events;
 pub mod maps;
 
@@ -12,18 +13,19 @@ use anyhow::{Context, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapInfo, MapType, PerCpuArray},
-    programs::SchedClassifier,
+    programs::{SchedClassifier, Xdp},
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
     AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES,
     LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK,
-    MAP_DROPS, MAP_HOST_NETNS, MAP_MAGLEV, MAP_SERVICES, MAP_SOCK_REVNAT, MaglevChunk, ServiceKey,
-    ServiceValue, SockRevNatKey, SockRevNatValue,
+    MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES,
+    MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey,
 };
 
-pub use attach::Attacher;
 use attach::detach_all;
+pub use attach::{Attacher, ExternalConfig};
 pub use maps::{ServiceMaps, WriterConfig};
 
 use crate::{
@@ -37,6 +39,9 @@ pub static BPF_OBJECT: &[u8] =
 
 pub const PROG_INGRESS: &str = "tc_ingress";
 pub const PROG_EGRESS: &str = "tc_egress";
+pub const PROG_XDP: &str = "xdp_external";
+pub const PROG_EXT_INGRESS: &str = "tc_external_ingress";
+pub const PROG_EXT_EGRESS: &str = "tc_external_egress";
 
 /// Map sizes, in entries. The defaults fit 100k service ports with ~10 endpoints each and 1M
 /// flows (two conntrack entries a flow).
@@ -82,7 +87,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
                 pin_dir.display()
             )
         })?;
-    for name in [PROG_INGRESS, PROG_EGRESS] {
+    for name in [PROG_INGRESS, PROG_EGRESS, PROG_EXT_INGRESS, PROG_EXT_EGRESS] {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the BPF object"))?
@@ -90,6 +95,12 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         prog.load()
             .with_context(|| format!("the kernel's verifier rejected {name}"))?;
     }
+    let xdp: &mut Xdp = ebpf
+        .program_mut(PROG_XDP)
+        .with_context(|| format!("program {PROG_XDP} missing from the BPF object"))?
+        .try_into()?;
+    xdp.load()
+        .with_context(|| format!("the kernel's verifier rejected {PROG_XDP}"))?;
     cgroup::load_programs(&mut ebpf)?;
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
@@ -112,7 +123,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 10] = [
+const LAYOUTS: [Layout; 13] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -183,6 +194,28 @@ const LAYOUTS: [Layout; 10] = [
         value_size: size_of::<u64>(),
         entries: Some(1),
     },
+    Layout {
+        name: MAP_NODE_ADDRS,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_EXTERNAL_IFACES,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_SOURCE_RANGES,
+        map_type: MapType::LpmTrie,
+        // The trie's key: a prefix length, then the data.
+        key_size: size_of::<u32>() + size_of::<SourceRangeKey>(),
+        value_size: size_of::<u8>(),
+        entries: None,
+    },
 ];
 
 /// Maps pinned by another release are reused only if this build reads them right: the same
@@ -207,7 +240,8 @@ fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
         Err(_) => (None, None),
     };
     // Layout 1 maps mean what layout 2 reads (ids shared by services are adopted by one
-    // service port; no entry is draining yet): reused as they are.
+    // service port; no entry is draining yet): reused as they are. Likewise layouts 2 and 3
+    // for layout 4 (no external frontend, zero NAT fields in conntrack).
     let newer = version.is_some_and(|v| v > LAYOUT_VERSION);
     for layout in &LAYOUTS {
         let pin = pin_dir.join(layout.name);
@@ -331,14 +365,16 @@ pub struct EbpfDataplane {
 impl EbpfDataplane {
     /// Loads the programs (see [`load`]), starts forwarding their logs and exporting their
     /// drop counters, attaches the socket programs to the cgroup `cgroup` (for the clients of
-    /// this process's network namespace) and the tc programs to every interface whose name
-    /// matches `pod_interfaces`, now and as such interfaces appear. `writer` says how the
+    /// this process's network namespace), the tc programs to every interface whose name
+    /// matches `pod_interfaces`, now and as such interfaces appear, and the external programs
+    /// to the interfaces carrying the node addresses `external` selects. `writer` says how the
     /// maps are programmed (drain period, load-balancing algorithm).
     pub fn new(
         pin_dir: &Path,
         sizes: MapSizes,
         writer: WriterConfig,
         pod_interfaces: &str,
+        external: ExternalConfig,
         cgroup: &Path,
     ) -> anyhow::Result<Self> {
         let mut ebpf = load(pin_dir, sizes)?;
@@ -353,7 +389,7 @@ impl EbpfDataplane {
         let maps = ServiceMaps::take_from(&mut ebpf, writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
-        let attacher = attach::AttachThread::start(ebpf, pod_interfaces, pin_dir)?;
+        let attacher = attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir)?;
         Ok(Self { maps, attacher })
     }
 }

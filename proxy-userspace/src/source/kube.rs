@@ -172,6 +172,35 @@ impl Gate {
     }
 }
 
+/// This node's primary addresses, as kube-proxy's `--nodeport-addresses primary` takes them: the
+/// Node object's InternalIP and ExternalIP addresses. Empty (with a warning) when the Node
+/// cannot be read: the caller then falls back to the default route's interface.
+pub async fn node_ips(client: &Client, node_name: &str) -> Vec<std::net::IpAddr> {
+    let api: Api<Node> = Api::all(client.clone());
+    let params = kube::api::ListParams::default().fields(&format!("metadata.name={node_name}"));
+    let nodes = match api.list(&params).await {
+        Ok(list) => list.items,
+        Err(e) => {
+            tracing::warn!(node = node_name, "reading the Node's addresses: {e}");
+            return Vec::new();
+        }
+    };
+    let ips: Vec<std::net::IpAddr> = nodes
+        .iter()
+        .filter_map(|n| n.status.as_ref()?.addresses.as_ref())
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| a.address.parse().ok())
+        .collect();
+    if ips.is_empty() {
+        tracing::warn!(
+            node = node_name,
+            "the Node has no InternalIP or ExternalIP address: NodePorts answer on the default              route's interface"
+        );
+    }
+    ips
+}
+
 /// kube-proxy's rule: a node being deleted (or marked for deletion by the cluster autoscaler)
 /// reports unhealthy on /healthz, so load balancers drain it.
 fn node_eligible(node: &Node) -> bool {

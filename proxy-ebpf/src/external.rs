@@ -1,0 +1,229 @@
+//! Packets from outside the node to its NodePorts, LoadBalancer and external IPs, on the
+//! interfaces that carry the node's addresses. The decision ([`decide`]) is shared by the XDP
+//! program (xdp.rs: the fast path) and the tc programs here, which handle what XDP leaves to
+//! the stack: packets with IP options, rejects, and forwarding where XDP cannot transmit or
+//! the next hop's address is not resolved yet (`bpf_redirect_neigh` resolves it).
+//!
+//! externalTrafficPolicy Cluster: a local endpoint gets the packet with the client's address
+//! (the stack delivers it to the pod; its replies are translated on their way out, by
+//! [`try_external_egress`]); another node's endpoint gets it from this node's address and a
+//! port picked in conntrack, so that its replies come back here and are translated back
+//! (forwarded by a route lookup: the stack would refuse a packet with its own source).
+//! externalTrafficPolicy Local: only local endpoints, the client's address kept.
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_UNSPEC, bpf_fib_lookup,
+    },
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh},
+    maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use proxy_common::{
+    BACKEND_LOCAL, Backend, Be16, Be32, CONFIG_SNAT_ADDR, CtKey, DROP_NO_LOCAL_ENDPOINTS,
+    DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE, SERVICE_DRAINING,
+    SERVICE_LOCAL_ONLY, SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS,
+    ServiceKey, SourceRangeKey,
+};
+
+use crate::{
+    conntrack, frontend, lb,
+    maps::{CONFIG, SOURCE_RANGES},
+    packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_TTL_OFF},
+    reject,
+};
+
+/// What to do with a packet that came from outside.
+pub enum Verdict {
+    /// Not for a frontend (or a removed one): on to the stack untouched.
+    Pass,
+    /// Rewrite the source to `src` and the destination to `dst` (either may be unchanged).
+    /// `forward`: send it out by a route lookup (its source is now a node address, or it is a
+    /// reply going back to the client); otherwise hand it to the stack (a local endpoint).
+    Nat {
+        src: (Be32, Be16),
+        dst: (Be32, Be16),
+        forward: bool,
+    },
+    /// No usable endpoint: answer with an ICMP port unreachable (tc only).
+    Reject,
+}
+
+/// The decision for `flow`, a packet that arrived on an external interface. Records new flows
+/// in conntrack.
+#[inline(always)]
+pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
+    let key = flow.key;
+    let to_node = frontend::is_node_addr(key.daddr);
+    if to_node && let Some((service, client)) = conntrack::snat_reply(flow) {
+        return Ok(Verdict::Nat {
+            src: service,
+            dst: client,
+            forward: true,
+        });
+    }
+    let Some((svc_key, svc)) = frontend::external(key.daddr, key.dport, key.proto) else {
+        return Ok(Verdict::Pass);
+    };
+    if svc.flags & SERVICE_SOURCE_RANGES != 0 && !source_allowed(&svc_key, key.saddr) {
+        return Err(Drop(DROP_SOURCE_RANGE));
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(live) = conntrack::established_flow(flow, now) {
+        return Ok(nat(&key, &live.backend, live.snat));
+    }
+    let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)? else {
+        if svc.flags & SERVICE_LOCAL_ONLY != 0 {
+            return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
+        }
+        if svc.flags & SERVICE_DRAINING != 0 {
+            return Ok(Verdict::Pass);
+        }
+        return Ok(Verdict::Reject);
+    };
+    if svc.flags & SERVICE_TWO_SCOPES != 0 || backend.flags & BACKEND_LOCAL != 0 {
+        conntrack::record_flow(&key, backend_id, &backend, now, true);
+        return Ok(nat(&key, &backend, None));
+    }
+    // Sent from the node address the client used, or for LoadBalancer and external IPs, from
+    // the node's primary address.
+    let node = if to_node {
+        key.daddr
+    } else {
+        Be32::from_raw(CONFIG.get(CONFIG_SNAT_ADDR).copied().unwrap_or(0))
+    };
+    if node.raw() == 0 {
+        return Err(Drop(DROP_NO_ROUTE));
+    }
+    let port = conntrack::record_snat_flow(&key, backend_id, &backend, node, now)
+        .ok_or(Drop(DROP_SNAT_PORTS_EXHAUSTED))?;
+    Ok(nat(&key, &backend, Some((node, port))))
+}
+
+#[inline(always)]
+fn nat(key: &CtKey, backend: &Backend, snat: Option<(Be32, Be16)>) -> Verdict {
+    Verdict::Nat {
+        src: snat.unwrap_or((key.saddr, key.sport)),
+        dst: (backend.addr, backend.port),
+        forward: snat.is_some(),
+    }
+}
+
+/// loadBalancerSourceRanges: whether `source` may use the frontend `svc_key`.
+#[inline(always)]
+fn source_allowed(svc_key: &ServiceKey, source: Be32) -> bool {
+    let key = Key::new(
+        SOURCE_RANGE_FRONTEND_BITS + 32,
+        SourceRangeKey {
+            addr: svc_key.addr,
+            port: svc_key.port,
+            proto: svc_key.proto,
+            pad: 0,
+            source,
+        },
+    );
+    SOURCE_RANGES.get(key).is_some()
+}
+
+/// A route lookup for a translated packet `key` (of `tot_len` bytes) that came in on
+/// `ifindex`: the return code, and the egress interface and MAC addresses on success.
+#[inline(always)]
+pub fn route<C: EbpfContext>(
+    ctx: &C,
+    key: &CtKey,
+    tot_len: u16,
+    ifindex: u32,
+) -> (i64, bpf_fib_lookup) {
+    // SAFETY: a plain C struct; all zeros is a valid (empty) lookup.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = 2; // AF_INET
+    params.l4_protocol = key.proto;
+    params.sport = key.sport.raw();
+    params.dport = key.dport.raw();
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.__bindgen_anon_3.ipv4_src = key.saddr.raw();
+    params.__bindgen_anon_4.ipv4_dst = key.daddr.raw();
+    params.ifindex = ifindex;
+    // SAFETY: the context and a lookup struct of the size given.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &mut params,
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    (rc, params)
+}
+
+/// A packet from outside, on the tc ingress of an external interface.
+#[inline(always)]
+pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
+    let Some(mut flow) = packet::parse(ctx) else {
+        return Ok(TC_ACT_UNSPEC);
+    };
+    match decide(&flow)? {
+        Verdict::Pass => Ok(TC_ACT_UNSPEC),
+        Verdict::Reject => reject::reject(ctx, &flow),
+        Verdict::Nat { src, dst, forward } => {
+            flow.rewrite(ctx, End::Destination, dst.0, dst.1)?;
+            flow.rewrite(ctx, End::Source, src.0, src.1)?;
+            if forward {
+                forward_tc(ctx, &flow)
+            } else {
+                Ok(TC_ACT_UNSPEC)
+            }
+        }
+    }
+}
+
+/// Sends a translated packet out by a route lookup, resolving the next hop if need be.
+#[inline(always)]
+fn forward_tc(ctx: &TcContext, flow: &Flow) -> Result<i32, Drop> {
+    // SAFETY: reading the context's ifindex.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let (rc, params) = route(ctx, &flow.key, flow.tot_len, ifindex);
+    let rc = rc as u32;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        return Err(Drop(DROP_NO_ROUTE));
+    }
+    decrement_ttl(ctx)?;
+    if rc == BPF_FIB_LKUP_RET_SUCCESS {
+        let mut macs = [0u8; 12];
+        macs[..6].copy_from_slice(&params.dmac);
+        macs[6..].copy_from_slice(&params.smac);
+        ctx.store(0, &macs, 0).map_err(|_| FAILED)?;
+        // SAFETY: a helper with plain integer arguments.
+        return Ok(unsafe { bpf_redirect(params.ifindex, 0) } as i32);
+    }
+    // SAFETY: no neighbour parameters (the kernel takes the next hop from its own lookup).
+    Ok(unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+}
+
+/// A forwarded packet loses a hop; one that has none left goes no further.
+#[inline(always)]
+fn decrement_ttl(ctx: &TcContext) -> Result<(), Drop> {
+    let word: [u8; 2] = ctx.load(IP_TTL_OFF).map_err(|_| FAILED)?;
+    if word[0] <= 1 {
+        return Err(Drop(DROP_NO_ROUTE));
+    }
+    let new = [word[0] - 1, word[1]];
+    let (from, to) = (u16::from_ne_bytes(word), u16::from_ne_bytes(new));
+    ctx.l3_csum_replace(IP_CSUM_OFF, from as u64, to as u64, 2)
+        .map_err(|_| FAILED)?;
+    ctx.store(IP_TTL_OFF, &new, 0).map_err(|_| FAILED)
+}
+
+/// A packet leaving the node on an external interface: a local endpoint's reply to an
+/// external client gets the frontend's address back as its source.
+#[inline(always)]
+pub fn try_external_egress(ctx: &TcContext) -> Result<i32, Drop> {
+    let Some(mut flow) = packet::parse(ctx) else {
+        return Ok(TC_ACT_UNSPEC);
+    };
+    let client = flow.key.daddr;
+    if let Some((vip, vport)) = conntrack::reply(&flow, client, true) {
+        flow.rewrite(ctx, End::Source, vip, vport)?;
+    }
+    Ok(TC_ACT_UNSPEC)
+}

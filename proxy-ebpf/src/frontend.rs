@@ -1,0 +1,53 @@
+//! Finding the frontend a packet (or a socket's destination) is for: a service address
+//! (ClusterIP, LoadBalancer, external IP) exactly, else a NodePort when the address is one of
+//! the node's. Clients inside the cluster and clients outside it may see different endpoints
+//! (externalTrafficPolicy Local): the scope says which.
+use proxy_common::{
+    Be16, Be32, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_EXTERNAL, SERVICE_TWO_SCOPES, ServiceKey,
+    ServiceValue,
+};
+
+use crate::maps::{NODE_ADDRS, SERVICES};
+
+/// Whether `addr` is one the node's NodePorts answer on.
+#[inline(always)]
+pub fn is_node_addr(addr: Be32) -> bool {
+    unsafe { NODE_ADDRS.get(addr) }.is_some()
+}
+
+/// The frontend at `addr`:`port` as a client inside the cluster (a pod, a host-network process)
+/// reaches it: any service address, and the NodePorts of this node's addresses, with the
+/// endpoints kube-proxy gives such clients.
+#[inline(always)]
+pub fn internal(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, ServiceValue)> {
+    let (key, svc) = lookup(addr, port, proto)?;
+    if svc.flags & SERVICE_TWO_SCOPES == 0 {
+        return Some((key, svc));
+    }
+    let key = key.with_scope(SCOPE_INTERNAL);
+    // SAFETY: services values are plain data; the agent replaces them whole.
+    let svc = unsafe { SERVICES.get(key) }.copied()?;
+    Some((key, svc))
+}
+
+/// The frontend at `addr`:`port` as a client outside the node reaches it: NodePort,
+/// LoadBalancer and external IP frontends only (a ClusterIP is not served from outside).
+#[inline(always)]
+pub fn external(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, ServiceValue)> {
+    lookup(addr, port, proto).filter(|(_, svc)| svc.flags & SERVICE_EXTERNAL != 0)
+}
+
+#[inline(always)]
+fn lookup(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, ServiceValue)> {
+    let key = ServiceKey::new(addr, port, proto, 0);
+    // SAFETY: as above.
+    if let Some(svc) = unsafe { SERVICES.get(key) } {
+        return Some((key, *svc));
+    }
+    if !is_node_addr(addr) {
+        return None;
+    }
+    let key = ServiceKey::new(NODE_PORT_ADDR, port, proto, 0);
+    let svc = unsafe { SERVICES.get(key) }.copied()?;
+    Some((key, svc))
+}
