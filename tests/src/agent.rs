@@ -78,7 +78,19 @@ impl AgentRun {
         source: AgentSource<'_>,
         expect_services: usize,
     ) -> Result<Self> {
-        let dir = std::env::temp_dir().join(format!("{}-agent", sandbox.prefix));
+        Self::start_with_args(sandbox, node, source, expect_services, &[])
+    }
+
+    /// [`AgentRun::start_from`], with `extra` arguments for the agent.
+    pub fn start_with_args(
+        sandbox: &mut Sandbox,
+        node: &str,
+        source: AgentSource<'_>,
+        expect_services: usize,
+        extra: &[&str],
+    ) -> Result<Self> {
+        // One directory an agent: two nodes may run one each.
+        let dir = std::env::temp_dir().join(format!("{}-agent-{node}", sandbox.prefix));
         std::fs::create_dir_all(&dir)?;
         let manifest = dir.join("services.yaml");
         let log = dir.join("agent.log");
@@ -123,6 +135,9 @@ impl AgentRun {
             "16384",
         ] {
             arg(&a);
+        }
+        for a in extra {
+            arg(a);
         }
         let mut run = Self {
             pid: 0,

@@ -12,6 +12,19 @@ pub const DNS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 
 /// remote (TCP): be4 on node2.
 pub const REMOTE: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 30)), 80);
 
+/// front (LoadBalancer, externalTrafficPolicy Cluster): be2 on node1, be4 on node2.
+pub const FRONT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 40)), 80);
+pub const FRONT_NODE_PORT: u16 = 30080;
+pub const FRONT_UDP_NODE_PORT: u16 = 30053;
+pub const FRONT_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 10)), 80);
+pub const FRONT_EXTERNAL_IP: SocketAddr =
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(198, 51, 100, 10)), 80);
+/// front-local (LoadBalancer, externalTrafficPolicy Local): be3 on node1 only.
+pub const FRONT_LOCAL_NODE_PORT: u16 = 30081;
+pub const FRONT_LOCAL_LB: SocketAddr =
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 11)), 80);
+pub const FRONT_LOCAL_HEALTH_PORT: u16 = 32100;
+
 /// The sandbox with its backends and the agent in node1 on [`MANIFEST`], synced; None (and a
 /// loud skip) where privileged tests cannot run.
 pub fn cluster(test: &str) -> Option<(Sandbox, AgentRun)> {

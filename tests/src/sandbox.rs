@@ -23,6 +23,10 @@ pub const NODE_CIDR: &str = "192.0.2.0/24";
 pub const POD_CIDR: &str = "10.244.0.0/16";
 /// The Service (ClusterIP) range.
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// Load balancer addresses (status.loadBalancer.ingress), routed by ext to node1.
+pub const LB_CIDR: &str = "203.0.113.0/24";
+/// External IPs (spec.externalIPs), routed by ext to node1.
+pub const EXTERNAL_IP_CIDR: &str = "198.51.100.0/24";
 /// Node-side pod interfaces are named `veth-<pod>`; the agent's interface pattern.
 pub const HOST_IF_PATTERN: &str = "veth-*";
 /// The node's interface on the node network (in each node namespace).
@@ -220,6 +224,9 @@ impl Sandbox {
                 format!("addr add {ip}/24 dev {NODE_IF}"),
                 format!("link set {NODE_IF} up"),
                 format!("route add {other_pods} via {other_ip}"),
+                // The node network's router (ext) has the default route: the interface
+                // that holds it carries the node's primary address (--nodeport-addresses).
+                format!("route add default via {EXT_IP}"),
             ]
         };
         let mut batches = vec![
@@ -239,6 +246,10 @@ impl Sandbox {
                     format!("link set {NODE_IF} up"),
                     format!("route add {SERVICE_CIDR} via {NODE1_IP}"),
                     format!("route add {POD_CIDR} via {NODE1_IP}"),
+                    // Load balancer and external IPs are routed to a node, as a cloud load
+                    // balancer or the network's router would.
+                    format!("route add {LB_CIDR} via {NODE1_IP}"),
+                    format!("route add {EXTERNAL_IP_CIDR} via {NODE1_IP}"),
                 ],
             ),
         ];

@@ -163,18 +163,9 @@ pub fn xdp_may_transmit(mode: XdpMode, interface: &str) -> bool {
     }
 }
 
-/// The interface's driver, from sysfs (virtual interfaces without a device: their link kind).
+/// The interface's driver, as ethtool reports it (ETHTOOL_GDRVINFO). Not from sysfs: /sys shows
+/// the interfaces of the namespace it was mounted in, which need not be the agent's.
 fn driver(interface: &str) -> Option<String> {
-    let base = std::path::Path::new("/sys/class/net").join(interface);
-    if let Ok(link) = std::fs::read_link(base.join("device/driver")) {
-        return link.file_name().map(|n| n.to_string_lossy().into_owned());
-    }
-    // A veth has no device; its uevent says nothing either, but ethtool's driver query does.
-    ethtool_driver(interface)
-}
-
-/// ETHTOOL_GDRVINFO: the driver name the kernel reports for `interface`.
-fn ethtool_driver(interface: &str) -> Option<String> {
     const ETHTOOL_GDRVINFO: u32 = 0x3;
     #[repr(C)]
     struct DrvInfo {

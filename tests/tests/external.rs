@@ -1,0 +1,317 @@
+//! Traffic from outside the cluster, end to end: the agent in node1 and node2 on the example
+//! manifest, clients in `ext` (the node network's router) reaching NodePorts, load balancer
+//! addresses and external IPs, and pods reaching NodePorts of their own and the other node.
+//!
+//! The sandbox backends answer `whoami` with their name and the client address they saw, so a
+//! test sees both which endpoint served it and whether the client address was kept
+//! (externalTrafficPolicy Local, or a local endpoint) or translated to the node's (another
+//! node's endpoint).
+use std::{
+    collections::BTreeSet,
+    io::{Read, Write},
+    net::{IpAddr, SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use proxy_common::{SNAT_PORT_MAX, SNAT_PORT_MIN};
+use proxy_tests::{
+    BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, TcpConn,
+    agent::{AgentRun, AgentSource, edit_manifest},
+    example::{
+        FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
+        FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, MANIFEST,
+    },
+    privileged, tcp_request, udp_request,
+};
+use proxy_userspace::manifest::Object;
+
+fn at(ip: std::net::Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(ip), port)
+}
+
+/// The sandbox with its backends and an agent on each node given, each with `args`.
+fn cluster(test: &str, nodes: &[&str], args: &[&str]) -> Option<(Sandbox, Vec<AgentRun>)> {
+    if !privileged(test) {
+        return None;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox
+        .start_backends(BACKEND_PORT)
+        .expect("starting the backends");
+    let agents = nodes
+        .iter()
+        .map(|node| {
+            AgentRun::start_with_args(&mut sandbox, node, AgentSource::Manifest(MANIFEST), 5, args)
+                .expect("starting the agent")
+        })
+        .collect();
+    Some((sandbox, agents))
+}
+
+/// `whoami` over TCP: the backend's name and the client address it saw.
+fn whoami(from: &Netns, addr: SocketAddr) -> Result<(String, SocketAddr)> {
+    let reply = tcp_request(from, addr, "whoami")?;
+    parse_whoami(&reply)
+}
+
+fn parse_whoami(reply: &str) -> Result<(String, SocketAddr)> {
+    let (name, peer) = reply
+        .split_once(' ')
+        .with_context(|| format!("not a whoami reply: {reply:?}"))?;
+    Ok((name.to_string(), peer.parse()?))
+}
+
+/// Asks `addr` `n` times; the backends that answered, each with the client addresses it saw.
+fn spread(from: &Netns, addr: SocketAddr, n: usize) -> Vec<(String, SocketAddr)> {
+    (0..n)
+        .map(|i| whoami(from, addr).unwrap_or_else(|e| panic!("request {i} to {addr}: {e:#}")))
+        .collect()
+}
+
+/// What a backend saw as the client: `EXT_IP` itself, or `node` with a translated port.
+fn assert_client(seen: &(String, SocketAddr), expected: IpAddr, what: &str) {
+    assert_eq!(seen.1.ip(), expected, "{what}: {} saw {}", seen.0, seen.1);
+    if expected != IpAddr::V4(EXT_IP) {
+        assert!(
+            (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&seen.1.port()),
+            "{what}: translated source port {} outside {SNAT_PORT_MIN}-{SNAT_PORT_MAX}",
+            seen.1.port()
+        );
+    }
+}
+
+/// externalTrafficPolicy Cluster from outside: a NodePort on either node reaches the local
+/// endpoint with the client's address and the other node's from the node's address; TCP and
+/// UDP; the load balancer address and the external IP (routed to node1) likewise.
+fn check_cluster_policy(sandbox: &Sandbox, nodes: &[(&str, std::net::Ipv4Addr)]) {
+    let ext = &sandbox.ext;
+    for &(node, node_ip) in nodes {
+        let (local, remote) = if node == "node1" {
+            ("be2", "be4")
+        } else {
+            ("be4", "be2")
+        };
+        let seen = spread(ext, at(node_ip, FRONT_NODE_PORT), 16);
+        let names: BTreeSet<&str> = seen.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            BTreeSet::from(["be2", "be4"]),
+            "NodePort on {node}: {seen:?}"
+        );
+        for s in &seen {
+            let expected = if s.0 == local {
+                IpAddr::V4(EXT_IP)
+            } else {
+                IpAddr::V4(node_ip)
+            };
+            assert_client(s, expected, &format!("NodePort on {node}"));
+        }
+        assert!(seen.iter().any(|s| s.0 == remote));
+        let udp: BTreeSet<String> = (0..16)
+            .map(|_| udp_request(ext, at(node_ip, FRONT_UDP_NODE_PORT), "hi").unwrap())
+            .collect();
+        assert_eq!(
+            udp,
+            BTreeSet::from(["be2".into(), "be4".into()]),
+            "UDP NodePort on {node}"
+        );
+    }
+    for addr in [FRONT_LB, FRONT_EXTERNAL_IP] {
+        let seen = spread(ext, addr, 12);
+        let names: BTreeSet<&str> = seen.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, BTreeSet::from(["be2", "be4"]), "{addr}: {seen:?}");
+        for s in &seen {
+            // Routed to node1: be2 is local there, be4 is reached from node1's address.
+            let expected = if s.0 == "be2" {
+                IpAddr::V4(EXT_IP)
+            } else {
+                IpAddr::V4(NODE1_IP)
+            };
+            assert_client(s, expected, &addr.to_string());
+        }
+    }
+}
+
+/// GET on a health check node port from `ext`: the status code and body.
+fn health_check(sandbox: &Sandbox, node_ip: std::net::Ipv4Addr) -> Result<(u16, String)> {
+    sandbox.ext.try_run(move || -> Result<(u16, String)> {
+        let mut conn = TcpStream::connect_timeout(
+            &at(node_ip, FRONT_LOCAL_HEALTH_PORT),
+            Duration::from_secs(2),
+        )?;
+        conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+        conn.write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")?;
+        let mut out = String::new();
+        conn.read_to_string(&mut out)?;
+        let code = out
+            .split_whitespace()
+            .nth(1)
+            .context("empty answer")?
+            .parse()?;
+        Ok((
+            code,
+            out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string(),
+        ))
+    })?
+}
+
+#[test]
+fn node_ports_load_balancers_and_external_ips_from_outside_and_from_pods() {
+    let Some((sandbox, _agents)) = cluster(
+        "node_ports_load_balancers_and_external_ips_from_outside_and_from_pods",
+        &["node1", "node2"],
+        &[],
+    ) else {
+        return;
+    };
+    check_cluster_policy(&sandbox, &[("node1", NODE1_IP), ("node2", NODE2_IP)]);
+
+    // externalTrafficPolicy Local: the client's address kept, only where the endpoint is.
+    let ext = &sandbox.ext;
+    for addr in [at(NODE1_IP, FRONT_LOCAL_NODE_PORT), FRONT_LOCAL_LB] {
+        let seen = whoami(ext, addr).unwrap();
+        assert_eq!(seen.0, "be3", "{addr}");
+        assert_client(&seen, IpAddr::V4(EXT_IP), &addr.to_string());
+    }
+    let refused = whoami(ext, at(NODE2_IP, FRONT_LOCAL_NODE_PORT));
+    assert!(
+        refused.is_err(),
+        "node2 has no local endpoint, yet answered: {refused:?}"
+    );
+    let (code, body) = health_check(&sandbox, NODE1_IP).unwrap();
+    assert_eq!(code, 200, "node1's health check: {body}");
+    assert!(body.contains("\"localEndpoints\": 1"), "{body}");
+    let (code, body) = health_check(&sandbox, NODE2_IP).unwrap();
+    assert_eq!(code, 503, "node2's health check: {body}");
+
+    // Pods: a NodePort of their own node (served by their own node's pod programs, with the
+    // endpoints kube-proxy gives clients inside the cluster, so also externalTrafficPolicy
+    // Local ones from any node) and of the other node (served there, as from outside).
+    let client = &sandbox.pod("client").ns;
+    let own = spread(client, at(NODE1_IP, FRONT_NODE_PORT), 12);
+    assert_eq!(
+        own.iter().map(|(n, _)| n.as_str()).collect::<BTreeSet<_>>(),
+        BTreeSet::from(["be2", "be4"]),
+        "{own:?}"
+    );
+    let other = spread(client, at(NODE2_IP, FRONT_NODE_PORT), 12);
+    assert_eq!(
+        other
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<BTreeSet<_>>(),
+        BTreeSet::from(["be2", "be4"]),
+        "{other:?}"
+    );
+    assert_eq!(
+        whoami(client, at(NODE1_IP, FRONT_LOCAL_NODE_PORT))
+            .unwrap()
+            .0,
+        "be3"
+    );
+    assert_eq!(whoami(client, FRONT_LOCAL_LB).unwrap().0, "be3");
+    // The Service's cluster IP still works as before.
+    assert!(whoami(client, FRONT).is_ok());
+    // Never on loopback (CVE-2020-8558): nothing listens on 127.0.0.1:30080 in node1.
+    let node1 = sandbox.node("node1");
+    assert!(tcp_request(node1, at([127, 0, 0, 1].into(), FRONT_NODE_PORT), "x").is_err());
+}
+
+/// Every `--xdp-mode` serves the same: generic XDP transmits from XDP, native XDP on a veth
+/// and tc leave forwarding to the tc program.
+#[test]
+fn every_xdp_mode_serves_node_ports() {
+    for mode in ["generic", "native", "tc"] {
+        let test = format!("every_xdp_mode_serves_node_ports ({mode})");
+        let Some((sandbox, agents)) = cluster(&test, &["node1"], &["--xdp-mode", mode]) else {
+            return;
+        };
+        let log = agents[0].log_text();
+        let expected = if mode == "tc" {
+            "mode=\"tc\""
+        } else {
+            "mode=\""
+        };
+        assert!(
+            log.contains("attached external programs") && log.contains(expected),
+            "{log}"
+        );
+        check_cluster_policy(&sandbox, &[("node1", NODE1_IP)]);
+    }
+}
+
+/// A long-lived connection through a NodePort, to the local endpoint and to the other node's,
+/// keeps working when the agent is restarted (the programs and conntrack outlive it).
+#[test]
+fn node_port_connections_survive_an_agent_restart() {
+    let Some((mut sandbox, mut agents)) = cluster(
+        "node_port_connections_survive_an_agent_restart",
+        &["node1"],
+        &[],
+    ) else {
+        return;
+    };
+    let mut conns: Vec<(TcpConn, String)> = Vec::new();
+    for _ in 0..40 {
+        let mut conn = TcpConn::open(&sandbox.ext, at(NODE1_IP, FRONT_NODE_PORT)).unwrap();
+        let name = conn.ask("x").unwrap();
+        if !conns.iter().any(|(_, n)| *n == name) {
+            conns.push((conn, name));
+        }
+        if conns.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(conns.len(), 2, "both endpoints should have been picked");
+    let agent = &mut agents[0];
+    agent.stop(&mut sandbox).unwrap();
+    for (conn, name) in &mut conns {
+        assert_eq!(conn.ask("x").unwrap(), *name, "while no agent runs");
+    }
+    agent.start_again(&mut sandbox).unwrap();
+    for (conn, name) in &mut conns {
+        assert_eq!(conn.ask("x").unwrap(), *name, "after the restart");
+    }
+}
+
+/// loadBalancerSourceRanges: other sources are dropped at the load balancer address (not at
+/// the NodePort, as kube-proxy), and the ranges follow edits.
+#[test]
+fn load_balancer_source_ranges() {
+    let Some((sandbox, agents)) = cluster("load_balancer_source_ranges", &["node1"], &[]) else {
+        return;
+    };
+    let agent = &agents[0];
+    let set_ranges = |ranges: &[&str]| {
+        let ranges: Vec<String> = ranges.iter().map(|r| r.to_string()).collect();
+        edit_manifest(&agent.manifest, |objects| {
+            for object in objects {
+                if let Object::Service(svc) = object
+                    && svc.metadata.name.as_deref() == Some("front")
+                {
+                    svc.spec.as_mut().unwrap().load_balancer_source_ranges = Some(ranges.clone());
+                }
+            }
+        })
+        .unwrap();
+    };
+    set_ranges(&["10.0.0.0/8"]);
+    let blocked = |sandbox: &Sandbox| whoami(&sandbox.ext, FRONT_LB).is_err();
+    wait_until(|| blocked(&sandbox), "the range to apply");
+    // The NodePort is not limited.
+    assert!(whoami(&sandbox.ext, at(NODE1_IP, FRONT_NODE_PORT)).is_ok());
+    set_ranges(&["10.0.0.0/8", "192.0.2.96/28"]);
+    wait_until(|| !blocked(&sandbox), "the wider range to apply");
+}
+
+fn wait_until(mut ok: impl FnMut() -> bool, what: &str) {
+    let deadline = std::time::Instant::now() + proxy_tests::patience(Duration::from_secs(10));
+    while !ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
