@@ -200,6 +200,9 @@ pub const SERVICE_TWO_SCOPES: u16 = 32;
 /// [`ServiceValue::flags`] of slot 0: loadBalancerSourceRanges: only sources in
 /// [`MAP_SOURCE_RANGES`] for this frontend may use it from outside.
 pub const SERVICE_SOURCE_RANGES: u16 = 64;
+/// [`ServiceValue::flags`] of slot 0: with [`SERVICE_EXTERNAL`], a load balancer address (not an
+/// external IP). Only for what `inspect` shows: the programs treat both alike.
+pub const SERVICE_LOAD_BALANCER: u16 = 128;
 
 /// Key of [`MAP_SOURCE_RANGES`] (an LPM trie): a frontend, then a source prefix. The prefix
 /// length counts the 64 bits of the frontend fields plus the source prefix's own.

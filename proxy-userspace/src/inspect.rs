@@ -3,12 +3,14 @@
 use std::{fmt::Write as _, net::Ipv4Addr, path::Path};
 
 use anyhow::Context;
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
 use proxy_common::{
-    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_FORWARD, CtKey,
-    CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES,
-    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, ServiceKey,
-    ServiceValue,
+    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_EXTERNAL,
+    CT_FORWARD, CT_SNAT, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY, MAP_BACKENDS,
+    MAP_CONNTRACK, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
+    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
+    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey,
+    ServiceValue, SourceRangeKey,
 };
 use serde::Serialize;
 
@@ -28,13 +30,21 @@ fn ip(addr: Be32) -> Ipv4Addr {
 /// One service address with its backends, in slot order.
 #[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ServiceRow {
+    /// `*:port` for a NodePort (every node address).
     pub address: String,
     pub protocol: &'static str,
+    /// ClusterIP, NodePort, LoadBalancer or ExternalIP.
+    pub kind: &'static str,
+    /// The endpoints of an externalTrafficPolicy Local frontend for clients inside the cluster.
+    pub in_cluster_scope: bool,
     pub backends: Vec<BackendRow>,
     /// Removed: serves only the TCP connections already established through it.
     pub draining: bool,
-    /// internalTrafficPolicy: Local (only this node's endpoints; none: dropped).
+    /// Only this node's endpoints (internalTrafficPolicy: Local on a cluster IP,
+    /// externalTrafficPolicy: Local on the others); none: dropped.
     pub local_only: bool,
+    /// loadBalancerSourceRanges: the only sources admitted from outside.
+    pub source_ranges: Vec<String>,
     /// sessionAffinity ClientIP, with this timeout.
     pub affinity_timeout_seconds: Option<u32>,
     /// New flows pick by Maglev (else at random).
@@ -59,6 +69,11 @@ pub struct FlowRow {
     /// The service address the flow was sent to.
     pub service: String,
     pub backend_id: u32,
+    /// A flow from outside the node (NodePort, LoadBalancer, external IP).
+    pub external: bool,
+    /// For a flow sent to another node's endpoint: the node address and port it is sent from
+    /// (forward entry), or the client it answers (reply entry).
+    pub translated: Option<String>,
     pub packets: u64,
     pub idle_seconds: f64,
     /// A FIN or RST was seen: the entry has the short closing lifetime.
@@ -90,6 +105,30 @@ pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
     Ok(rows)
 }
 
+/// The source ranges of each frontend, as CIDRs.
+fn source_ranges(
+    pin_dir: &Path,
+) -> anyhow::Result<std::collections::HashMap<ServiceKey, Vec<String>>> {
+    let mut out: std::collections::HashMap<ServiceKey, Vec<String>> = Default::default();
+    // Agents before layout 4 had no such map: nothing to show.
+    let Ok(data) = MapData::from_pin(pin_dir.join(MAP_SOURCE_RANGES)) else {
+        return Ok(out);
+    };
+    let trie: LpmTrie<_, SourceRangeKey, u8> = Map::LpmTrie(data).try_into()?;
+    for key in trie.keys() {
+        let key = key?;
+        let d = key.data();
+        let len = key.prefix_len().saturating_sub(SOURCE_RANGE_FRONTEND_BITS);
+        out.entry(ServiceKey::new(d.addr, d.port, d.proto, 0))
+            .or_default()
+            .push(format!("{}/{len}", ip(d.source)));
+    }
+    for ranges in out.values_mut() {
+        ranges.sort();
+    }
+    Ok(out)
+}
+
 fn backend_row(id: u32, b: &Backend) -> BackendRow {
     BackendRow {
         id,
@@ -103,6 +142,7 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
     let svc: BpfHashMap<_, ServiceKey, ServiceValue> =
         Map::HashMap(open(pin_dir, MAP_SERVICES)?).try_into()?;
     let be: BpfHashMap<_, u32, Backend> = Map::HashMap(open(pin_dir, MAP_BACKENDS)?).try_into()?;
+    let ranges = source_ranges(pin_dir)?;
     let mut rows = Vec::new();
     for key in svc.keys() {
         let key = key?;
@@ -126,11 +166,32 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
                 }),
             }
         }
+        let external = head.flags & SERVICE_EXTERNAL != 0;
+        let in_cluster_scope = key.scope == SCOPE_INTERNAL;
+        let kind = if key.addr == NODE_PORT_ADDR {
+            "NodePort"
+        } else if head.flags & SERVICE_LOAD_BALANCER != 0 {
+            "LoadBalancer"
+        } else if external || head.flags & SERVICE_TWO_SCOPES != 0 || in_cluster_scope {
+            "ExternalIP"
+        } else {
+            "ClusterIP"
+        };
+        let frontend = ServiceKey::new(key.addr, key.port, key.proto, 0);
         rows.push(ServiceRow {
-            address: format!("{}:{}", ip(key.addr), key.port.get()),
+            address: match key.addr == NODE_PORT_ADDR {
+                true => format!("*:{}", key.port.get()),
+                false => format!("{}:{}", ip(key.addr), key.port.get()),
+            },
             protocol: proto_name(key.proto),
+            kind,
+            in_cluster_scope,
             backends,
             draining: head.flags & SERVICE_DRAINING != 0,
+            source_ranges: match in_cluster_scope {
+                true => Vec::new(),
+                false => ranges.get(&frontend).cloned().unwrap_or_default(),
+            },
             local_only: head.flags & SERVICE_LOCAL_ONLY != 0,
             affinity_timeout_seconds: (head.flags & SERVICE_AFFINITY != 0)
                 .then(|| head.affinity_timeout_secs()),
@@ -159,6 +220,9 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
             destination: format!("{}:{}", ip(k.daddr), k.dport.get()),
             service: format!("{}:{}", ip(v.vip), v.vport.get()),
             backend_id: v.backend_id,
+            external: v.flags & CT_EXTERNAL != 0,
+            translated: (v.flags & CT_SNAT != 0)
+                .then(|| format!("{}:{}", ip(v.nat_addr), v.nat_port.get())),
             packets: u64::from(v.packets),
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
             closing: v.flags & CT_CLOSING != 0,
@@ -232,8 +296,8 @@ fn monotonic_ns() -> u64 {
 
 pub fn services_table(rows: &[ServiceRow]) -> String {
     let mut out = format!(
-        "{:<24} {:<5} {}\n",
-        "SERVICE", "PROTO", "BACKENDS (id address)"
+        "{:<24} {:<5} {:<12} {}\n",
+        "SERVICE", "PROTO", "KIND", "BACKENDS (id address)"
     );
     for r in rows {
         let list: Vec<String> = r
@@ -247,8 +311,17 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
             (false, false) => list.join(", "),
         };
         let mut policies = Vec::new();
+        if r.in_cluster_scope {
+            policies.push("in-cluster clients".to_owned());
+        }
         if r.local_only {
-            policies.push("internal traffic local".to_owned());
+            policies.push(match r.kind {
+                "ClusterIP" => "internal traffic local".to_owned(),
+                _ => "external traffic local".to_owned(),
+            });
+        }
+        if !r.source_ranges.is_empty() {
+            policies.push(format!("sources {}", r.source_ranges.join(" ")));
         }
         if let Some(timeout) = r.affinity_timeout_seconds {
             policies.push(format!("affinity {timeout}s"));
@@ -260,7 +333,11 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
             true => list,
             false => format!("{list} [{}]", policies.join(", ")),
         };
-        let _ = writeln!(out, "{:<24} {:<5} {}", r.address, r.protocol, list);
+        let _ = writeln!(
+            out,
+            "{:<24} {:<5} {:<12} {}",
+            r.address, r.protocol, r.kind, list
+        );
     }
     out
 }
@@ -286,7 +363,7 @@ pub fn conntrack_table(rows: &[FlowRow]) -> String {
     for r in rows {
         let _ = writeln!(
             out,
-            "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8.1} {}",
+            "{:<8} {:<5} {:<22} {:<22} {:<22} {:>8} {:>8} {:>8.1} {}{}",
             r.direction,
             r.protocol,
             r.source,
@@ -299,6 +376,12 @@ pub fn conntrack_table(rows: &[FlowRow]) -> String {
                 (true, _) => "expired",
                 (false, true) => "closing",
                 (false, false) => "open",
+            },
+            match (&r.translated, r.direction) {
+                (Some(nat), "forward") => format!(" (sent from {nat})"),
+                (Some(nat), _) => format!(" (answers {nat})"),
+                (None, _) if r.external => " (external)".to_owned(),
+                (None, _) => String::new(),
             }
         );
     }

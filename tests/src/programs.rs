@@ -3,17 +3,23 @@
 use std::{
     net::{IpAddr, Ipv4Addr},
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU32, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
     time::Duration,
 };
 
 use anyhow::Context;
 use aya::{
     Ebpf,
-    maps::{HashMap as BpfHashMap, Map, MapData},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
-use proxy_common::{CtKey, CtValue, MAP_CONNTRACK};
+use proxy_common::{
+    Be32, CONFIG_SNAT_ADDR, CtKey, CtValue, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS,
+    MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
+};
 use proxy_userspace::{
     dataplane::Scope,
     ebpf::{self, MapSizes, ServiceMaps, WriterConfig, bpffs, maps::DEFAULT_DRAIN_PERIOD},
@@ -92,6 +98,14 @@ pub struct Programs {
 /// "No verdict": the packet goes on to the next tc program (tcx: TCX_NEXT).
 pub const TC_ACT_UNSPEC: u32 = u32::MAX;
 pub const TC_ACT_SHOT: u32 = 2;
+/// Sent out of an interface by `bpf_redirect` / `bpf_redirect_neigh`.
+pub const TC_ACT_REDIRECT: u32 = 7;
+
+/// Verdicts the XDP program returns.
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = 4;
 
 impl Programs {
     /// The programs and maps, with the agent's default drain period.
@@ -145,6 +159,96 @@ impl Programs {
             .unwrap();
         out.truncate(result.data_size_out as usize);
         (result.return_value, out, result.duration)
+    }
+
+    /// Runs the tc program `prog` once on `frame` as if it arrived on (or left by) interface
+    /// `ifindex` of the calling thread's network namespace (the `__sk_buff` context's ifindex),
+    /// so that its route lookups are made there.
+    pub fn run_on(&self, prog: &str, frame: &[u8], ifindex: u32) -> (u32, Vec<u8>) {
+        // struct __sk_buff up to its ifindex (offset 40); the kernel zero-fills the rest and
+        // accepts only a few fields set (ifindex among them).
+        let mut ctx = [0u8; 44];
+        ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+        let mut out = vec![0u8; frame.len() + 256];
+        let result = self
+            .prog(prog)
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                repeat: 1,
+                ..Default::default()
+            })
+            .with_context(|| format!("BPF_PROG_TEST_RUN of {prog} on ifindex {ifindex}"))
+            .unwrap();
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    /// Runs the XDP program once on `frame`, received on `ingress_ifindex` of the calling
+    /// thread's network namespace (its route lookups are made there); `None`: on that
+    /// namespace's loopback, as a test run without a context does.
+    pub fn run_xdp(&self, frame: &[u8], ingress_ifindex: Option<u32>) -> (u32, Vec<u8>) {
+        let xdp: &Xdp = self
+            .ebpf
+            .program(ebpf::PROG_XDP)
+            .expect("program in the object")
+            .try_into()
+            .expect("an XDP program");
+        // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
+        // egress_ifindex (the kernel wants data_end = the frame's length, no metadata).
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ingress_ifindex.unwrap_or(0).to_ne_bytes());
+        let mut out = vec![0u8; frame.len() + 256];
+        let result = xdp
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ctx_in: ingress_ifindex.map(|_| &ctx[..]),
+                repeat: 1,
+                ..Default::default()
+            })
+            .with_context(|| format!("BPF_PROG_TEST_RUN of {}", ebpf::PROG_XDP))
+            .unwrap();
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    /// Writes what the agent's attach thread writes for the external programs: the node
+    /// addresses NodePorts answer on (NODE_ADDRS, replacing what was there) and the address
+    /// LoadBalancer and external IP flows to other nodes' endpoints leave from (CONFIG).
+    pub fn set_node_addrs(&self, addrs: &[Ipv4Addr], snat: Ipv4Addr) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_NODE_ADDRS)).expect("node addrs");
+        let mut map: BpfHashMap<_, u32, u32> = Map::HashMap(data).try_into().unwrap();
+        let old: Vec<u32> = map.keys().map(Result::unwrap).collect();
+        for k in old {
+            map.remove(&k).unwrap();
+        }
+        for a in addrs {
+            map.insert(Be32::from_octets(a.octets()).raw(), 0, 0)
+                .unwrap();
+        }
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_CONFIG)).expect("config");
+        let mut config: Array<_, u32> = Map::Array(data).try_into().unwrap();
+        config
+            .set(CONFIG_SNAT_ADDR, Be32::from_octets(snat.octets()).raw(), 0)
+            .unwrap();
+    }
+
+    /// Marks `ifindex` as an external interface with `flags` (`IFACE_XDP_FORWARD`: XDP may
+    /// transmit there), as the attach thread does.
+    pub fn set_external_iface(&self, ifindex: u32, flags: u32) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_EXTERNAL_IFACES)).expect("ifaces");
+        let mut map: BpfHashMap<_, u32, u32> = Map::HashMap(data).try_into().unwrap();
+        map.insert(ifindex, flags, 0).unwrap();
+    }
+
+    /// How many packets were dropped for `reason` (`proxy_common::DROP_*`), on all CPUs.
+    pub fn drops(&self, reason: u32) -> u64 {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_DROPS)).expect("drops");
+        let map: PerCpuArray<_, u64> = Map::PerCpuArray(data).try_into().unwrap();
+        map.get(&reason, 0).unwrap().iter().sum()
     }
 
     /// The conntrack map, opened from its pin (to inspect entries, or age them as time would).
@@ -214,5 +318,56 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
         })
         .collect();
     state.endpoints.insert(key.clone(), endpoints);
+    key
+}
+
+/// A service port with frontends for clients outside the node (NodePort, LoadBalancer and
+/// external IPs), its endpoints each on a named node: those on [`DesiredState::node_name`] are
+/// local.
+pub struct ExternalSvc<'a> {
+    pub name: &'a str,
+    pub cluster_ip: Ipv4Addr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub node_port: Option<u16>,
+    pub load_balancer_ips: &'a [Ipv4Addr],
+    pub external_ips: &'a [Ipv4Addr],
+    /// externalTrafficPolicy Local.
+    pub external_traffic_local: bool,
+    /// loadBalancerSourceRanges.
+    pub source_ranges: &'a [(Ipv4Addr, u8)],
+    /// Address, port and node of each endpoint (all ready).
+    pub endpoints: &'a [(Ipv4Addr, u16, &'a str)],
+}
+
+/// Adds `svc` to `state`; returns its port name.
+pub fn add_external_service(state: &mut DesiredState, svc: &ExternalSvc<'_>) -> ServicePortName {
+    let endpoints: Vec<(Ipv4Addr, u16)> = svc.endpoints.iter().map(|e| (e.0, e.1)).collect();
+    let key = add_service(
+        state,
+        &Svc {
+            name: svc.name,
+            vip: svc.cluster_ip,
+            port: svc.port,
+            protocol: svc.protocol,
+            endpoints: &endpoints,
+        },
+    );
+    let sp = state.services.get_mut(&key).expect("just added");
+    let v4 = |ips: &[Ipv4Addr]| ips.iter().copied().map(IpAddr::V4).collect();
+    sp.node_port = svc.node_port;
+    sp.load_balancer_ips = v4(svc.load_balancer_ips);
+    sp.external_ips = v4(svc.external_ips);
+    sp.external_traffic_local = svc.external_traffic_local;
+    sp.source_ranges = svc
+        .source_ranges
+        .iter()
+        .map(|(ip, len)| (IpAddr::V4(*ip), *len))
+        .collect();
+    if let Some(eps) = state.endpoints.get_mut(&key) {
+        for (ep, (_, _, node)) in eps.iter_mut().zip(svc.endpoints) {
+            ep.node_name = Some(Arc::from(*node));
+        }
+    }
     key
 }

@@ -301,9 +301,9 @@ fn maps_hold_what_inspect_shows_and_survive_a_restart() {
     let shown = inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
     assert_eq!(
         shown,
-        "SERVICE                  PROTO BACKENDS (id address)\n\
-         10.96.0.10:80            TCP   3 10.244.1.11:8080, 4 10.244.1.12:8080\n\
-         10.96.0.10:80            UDP   1 10.244.1.11:8080, 2 10.244.1.12:8080\n"
+        "SERVICE                  PROTO KIND         BACKENDS (id address)\n\
+         10.96.0.10:80            TCP   ClusterIP    3 10.244.1.11:8080, 4 10.244.1.12:8080\n\
+         10.96.0.10:80            UDP   ClusterIP    1 10.244.1.11:8080, 2 10.244.1.12:8080\n"
     );
     // A new map writer (an agent restart) recovers the ids and prunes what is no longer wanted.
     // Loading again reuses the pinned maps, as a restarted agent does.

@@ -33,8 +33,9 @@ use proxy_common::{
     AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, BACKEND_LOCAL, Backend, Be16, Be32,
     CONFIG_MAGLEV_TABLE_SIZE, MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV,
     MAP_SERVICES, MAP_SOURCE_RANGES, MaglevChunk, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY,
-    SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SERVICE_SOURCE_RANGES,
-    SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
+    SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
+    SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey,
+    ServiceValue, SourceRangeKey,
 };
 
 use crate::{
@@ -657,7 +658,10 @@ impl ServiceMaps {
         };
         // Established flows from outside still find it (the programs for outside traffic look
         // only at external frontends).
-        let external = self.heads.get(fe).map_or(0, |h| h.flags & SERVICE_EXTERNAL);
+        let external = self
+            .heads
+            .get(fe)
+            .map_or(0, |h| h.flags & (SERVICE_EXTERNAL | SERVICE_LOAD_BALANCER));
         let head = ServiceValue::head(0, SERVICE_DRAINING | external, 0);
         self.services
             .insert(fe, head, 0)
@@ -1019,6 +1023,9 @@ pub fn desired_frontends(
         if sp.external_traffic_local {
             flags |= SERVICE_LOCAL_ONLY | SERVICE_TWO_SCOPES;
         }
+        if load_balancer {
+            flags |= SERVICE_LOAD_BALANCER;
+        }
         let limited = load_balancer && restricted;
         if limited {
             flags |= SERVICE_SOURCE_RANGES;
@@ -1032,7 +1039,7 @@ pub fn desired_frontends(
         if sp.external_traffic_local {
             wanted.push(Wanted {
                 fe: fe.with_scope(SCOPE_INTERNAL),
-                head: head(0),
+                head: head(flags & SERVICE_LOAD_BALANCER),
                 backends: every_endpoint.clone(),
                 source_ranges: Vec::new(),
             });

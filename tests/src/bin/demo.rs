@@ -1,6 +1,7 @@
 //! `cargo xtask demo`: the agent in the sandbox cluster on the example manifest, driven by
-//! real clients (curl) from the client pod and from node1 itself (host network), with a live
-//! endpoint change, session affinity and `inspect`.
+//! real clients (curl) from the client pod, from node1 itself (host network) and from outside
+//! the cluster (NodePorts, a load balancer address, an external IP), with a live endpoint
+//! change, session affinity and `inspect`.
 //!
 //! Needs root and BPF; exits non-zero (with the agent log) if any step fails.
 
@@ -163,11 +164,106 @@ fn tour(sandbox: &mut Sandbox, agent: &AgentRun) -> Result<()> {
     step("proxy-userspace inspect affinity");
     print_indented(&agent.inspect_cli("affinity", &[])?, usize::MAX);
 
+    external_clients(sandbox)?;
+
     step("proxy-userspace inspect services");
     print_indented(&agent.inspect_cli("services", &[])?, usize::MAX);
     step("proxy-userspace inspect conntrack (first 10 lines)");
     print_indented(&agent.inspect_cli("conntrack", &[])?, 10);
     Ok(())
+}
+
+/// Clients outside the cluster (ext, the node network's router) reach the LoadBalancer Services
+/// through NodePorts on both nodes, the load balancer address and an external IP.
+fn external_clients(sandbox: &mut Sandbox) -> Result<()> {
+    step("Traffic from outside: curl in ext to NodePorts, a load balancer address, an external IP");
+    println!("    an agent on node2 too; XDP on each node's eth0 translates before the stack");
+    let _node2 = AgentRun::start(sandbox, "node2", EXAMPLE, SERVICES.len())?;
+    let ext = &sandbox.ext;
+    let from_ext = || Ok(ext.cmd("curl"));
+    for (what, url) in [
+        ("NodePort on node1", format!("http://{NODE1_IP}:30080/")),
+        ("NodePort on node2", format!("http://{NODE2_IP}:30080/")),
+        (
+            "load balancer 203.0.113.10",
+            "http://203.0.113.10/".to_owned(),
+        ),
+        (
+            "external IP 198.51.100.10",
+            "http://198.51.100.10/".to_owned(),
+        ),
+    ] {
+        let spread = curl_spread_from(&from_ext, &url, 12)?;
+        check_spread(&format!("front via {what}"), &spread, &["be2", "be4"])?;
+    }
+    println!("    who the backends saw (externalTrafficPolicy Cluster):");
+    let mut seen = BTreeMap::new();
+    for _ in 0..20 {
+        let answer = curl_once(&from_ext, &format!("http://{NODE1_IP}:30080/whoami"))?;
+        let name = answer
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        seen.entry(name).or_insert(answer);
+    }
+    for answer in seen.values() {
+        let note = match answer.starts_with("be2") {
+            true => "node1's own endpoint: the client's address",
+            false => "node2's endpoint: sent from node1's address (replies come back through it)",
+        };
+        println!("      {answer:<28} {note}");
+    }
+
+    step("externalTrafficPolicy Local: front-local (be3, on node1 only)");
+    let answer = curl_once(&from_ext, &format!("http://{NODE1_IP}:30081/whoami"))?;
+    println!("    via node1: {answer}   (the client's own address, no translation)");
+    if !answer.contains(&EXT_IP.to_string()) {
+        bail!("front-local via node1 did not keep the client address: {answer}");
+    }
+    let via_node2 = ext
+        .cmd("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "1",
+            &format!("http://{NODE2_IP}:30081/"),
+        ])
+        .output()?;
+    if via_node2.status.success() {
+        bail!("front-local answered via node2, which has no local endpoint");
+    }
+    println!("    via node2: no answer (no local endpoint there: dropped, as kube-proxy does)");
+    for (node, ip) in [("node1", NODE1_IP), ("node2", NODE2_IP)] {
+        let out = ext
+            .cmd("curl")
+            .args(["-s", "--max-time", "2", "-w", " -> HTTP %{http_code}"])
+            .arg(format!("http://{ip}:32100/"))
+            .output()?;
+        println!(
+            "    health check on {node} (what a cloud load balancer asks): {}",
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    Ok(())
+}
+
+/// One curl run: its output.
+fn curl_once(curl: &dyn Fn() -> Result<std::process::Command>, url: &str) -> Result<String> {
+    let out = curl()?
+        .args(["-sS", "--max-time", "2", url])
+        .output()
+        .context("running curl")?;
+    if !out.status.success() {
+        bail!(
+            "curl {url} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 fn print_topology(sandbox: &Sandbox) {
