@@ -111,6 +111,8 @@ fn main() -> anyhow::Result<()> {
                 "host",
                 "--test",
                 "policy",
+                "--test",
+                "external",
             ];
             test.extend(args.iter().map(String::as_str));
             let mut cmd = cargo_cmd();
