@@ -1066,3 +1066,140 @@ fn describe(key: &ServiceKey) -> String {
         crate::inspect::proto_name(key.proto)
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::model::{Endpoint, NamespacedName, ServicePort, TargetPort};
+
+    fn endpoint(ip: &str, node: &str) -> Endpoint {
+        Endpoint {
+            ip: ip.parse().unwrap(),
+            port: 8080,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some(Arc::from(node)),
+            zone: None,
+        }
+    }
+
+    /// A LoadBalancer Service with one endpoint on this node and one elsewhere.
+    fn state(external_local: bool, ranges: &[(&str, u8)]) -> (DesiredState, ServicePortName) {
+        let spn = ServicePortName::new(NamespacedName::new("ns", "lb"), "", Protocol::Tcp);
+        let mut state = DesiredState {
+            node_name: "node1".into(),
+            ..DesiredState::default()
+        };
+        state.services.insert(
+            spn.clone(),
+            ServicePort {
+                cluster_ips: vec!["10.96.0.1".parse().unwrap()],
+                port: 80,
+                protocol: Protocol::Tcp,
+                target_port: TargetPort::Number(8080),
+                node_port: Some(30080),
+                external_ips: vec![
+                    "198.51.100.1".parse().unwrap(),
+                    "2001:db8::1".parse().unwrap(),
+                ],
+                load_balancer_ips: vec!["203.0.113.1".parse().unwrap()],
+                session_affinity_timeout: None,
+                external_traffic_local: external_local,
+                internal_traffic_local: false,
+                lb_algorithm: None,
+                source_ranges: ranges
+                    .iter()
+                    .map(|(ip, len)| (ip.parse().unwrap(), *len))
+                    .collect(),
+                health_check_node_port: None,
+            },
+        );
+        state.endpoints.insert(
+            spn.clone(),
+            vec![
+                endpoint("10.244.1.5", "node1"),
+                endpoint("10.244.2.5", "node2"),
+            ],
+        );
+        (state, spn)
+    }
+
+    /// Each frontend as `address:port scope flags [backend addresses (L = local)] ranges`.
+    fn shown(state: &DesiredState, spn: &ServicePortName) -> Vec<String> {
+        desired_frontends(state, spn, LbAlgorithm::Random)
+            .iter()
+            .map(|w| {
+                let backends: Vec<String> = w
+                    .backends
+                    .iter()
+                    .map(|b| {
+                        let local = if b.flags & BACKEND_LOCAL != 0 {
+                            "L"
+                        } else {
+                            ""
+                        };
+                        format!("{}{local}", Ipv4Addr::from(b.addr.octets()))
+                    })
+                    .collect();
+                format!(
+                    "{} scope {} flags {} [{}] {:?}",
+                    describe(&w.fe),
+                    w.fe.scope,
+                    w.head.flags,
+                    backends.join(" "),
+                    w.source_ranges
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn external_frontends_with_the_cluster_policy() {
+        let (state, spn) = state(false, &[("192.0.2.0", 24), ("2001:db8::", 32)]);
+        let ext = SERVICE_EXTERNAL;
+        let lb = SERVICE_EXTERNAL | SERVICE_LOAD_BALANCER | SERVICE_SOURCE_RANGES;
+        assert_eq!(
+            shown(&state, &spn),
+            [
+                "10.96.0.1:80/TCP scope 0 flags 0 [10.244.1.5L 10.244.2.5] []".to_string(),
+                format!("node port :30080/TCP scope 0 flags {ext} [10.244.1.5L 10.244.2.5] []"),
+                format!("198.51.100.1:80/TCP scope 0 flags {ext} [10.244.1.5L 10.244.2.5] []"),
+                format!(
+                    "203.0.113.1:80/TCP scope 0 flags {lb} [10.244.1.5L 10.244.2.5] \
+                     [(192.0.2.0, 24)]"
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn external_frontends_with_the_local_policy_have_an_in_cluster_scope() {
+        let (state, spn) = state(true, &[]);
+        let local = SERVICE_EXTERNAL | SERVICE_LOCAL_ONLY | SERVICE_TWO_SCOPES;
+        let shown = shown(&state, &spn);
+        assert_eq!(shown.len(), 7, "{shown:#?}");
+        assert_eq!(
+            shown[0],
+            "10.96.0.1:80/TCP scope 0 flags 0 [10.244.1.5L 10.244.2.5] []"
+        );
+        assert_eq!(
+            shown[1],
+            format!("node port :30080/TCP scope 0 flags {local} [10.244.1.5L] []")
+        );
+        assert_eq!(
+            shown[2],
+            "node port :30080/TCP (internal scope) scope 1 flags 0 [10.244.1.5L 10.244.2.5] []"
+        );
+        let lb_in_cluster = SERVICE_LOAD_BALANCER;
+        assert_eq!(
+            shown[6],
+            format!(
+                "203.0.113.1:80/TCP (internal scope) scope 1 flags {lb_in_cluster} \
+                 [10.244.1.5L 10.244.2.5] []"
+            )
+        );
+    }
+}
