@@ -1348,3 +1348,30 @@ fn xdp_and_tc_agree_on_the_same_frame() {
         assert_eq!(&x.1[..6], &ROUTER_MAC, "back through the router");
     }
 }
+
+/// A frontend without endpoints is refused with an ICMP port unreachable from the address the
+/// client used: XDP leaves that to tc.
+#[test]
+fn a_frontend_without_endpoints_is_refused_by_tc() {
+    let Some(lab) = lab(
+        "a_frontend_without_endpoints_is_refused_by_tc",
+        &[ExternalSvc {
+            load_balancer_ips: &[LB],
+            ..node_port("empty", NODE_PORT, &[])
+        }],
+    ) else {
+        return;
+    };
+    for spec in [
+        Spec::tcp(CLIENT, 40000, NODE, NODE_PORT),
+        Spec::tcp(CLIENT, 40001, NODE_B, NODE_PORT),
+        Spec::tcp(CLIENT, 40002, LB, PORT),
+    ] {
+        let frame = from_client(&spec);
+        untouched_xdp(&lab, &frame, "no endpoints");
+        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of ext0");
+        packet::assert_port_unreachable(&out, &frame);
+    }
+    assert_eq!(lab.ct_len(), 0, "no flow recorded");
+}
