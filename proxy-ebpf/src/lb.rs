@@ -54,12 +54,11 @@ fn maglev_backend(key: &CtKey, svc_key: &ServiceKey) -> Option<(u32, Backend)> {
         return None;
     }
     let index = flow_hash(key) % size;
-    let chunk_key = ServiceKey::new(
-        svc_key.addr,
-        svc_key.port,
-        svc_key.proto,
-        (index / MAGLEV_CHUNK as u32) as u16,
-    );
+    // The frontend's own key (its scope included), at the chunk's slot.
+    let chunk_key = ServiceKey {
+        slot: (index / MAGLEV_CHUNK as u32) as u16,
+        ..*svc_key
+    };
     let chunk = unsafe { MAGLEV.get(chunk_key) }?;
     // The mask keeps the index within the chunk for the verifier (MAGLEV_CHUNK is 2^10).
     let backend_id = chunk.ids[index as usize & (MAGLEV_CHUNK - 1)];
@@ -135,7 +134,8 @@ pub fn select_backend(svc_key: &ServiceKey, count: u16) -> Result<Option<(u32, B
 #[inline(always)]
 pub fn pick(svc_key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
     let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
-    let slot_key = ServiceKey::new(svc_key.addr, svc_key.port, svc_key.proto, slot);
+    // The frontend's own key (its scope included), at the slot.
+    let slot_key = ServiceKey { slot, ..*svc_key };
     let backend_id = unsafe { SERVICES.get(slot_key) }?.backend_id;
     let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;
     Some((backend_id, backend))

@@ -969,10 +969,6 @@ fn external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endp
 /// externalTrafficPolicy Local service is inside the cluster: kube-proxy gives it any
 /// endpoint (the frontend's internal scope), not only this node's.
 #[test]
-#[ignore = "bug: lb.rs pick() and maglev_backend() build slot keys with ServiceKey::new, \
-            which resets the scope to SCOPE_EXTERNAL: an internal-scope frontend picks from \
-            the external scope's slots (only local endpoints; a slot number past their count \
-            misses, and the packet is dropped as no_backend)"]
 fn a_pod_reaching_an_etp_local_node_port_gets_any_endpoint() {
     let mixed = [(LOCAL_BE, TARGET, "node1"), (REMOTE_BE, TARGET, "node2")];
     let elsewhere = [(REMOTE_BE, TARGET, "node2"), (REMOTE_BE2, TARGET, "node2")];
