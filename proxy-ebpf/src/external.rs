@@ -63,6 +63,12 @@ pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
         });
     }
     let Some((svc_key, svc)) = frontend::external(key.daddr, key.dport, key.proto) else {
+        if flow.syn_only() {
+            // A connection straight to a pod (or to anything else): a reply entry left on its
+            // reverse 5-tuple by an earlier flow through a frontend (the client reusing its
+            // port) must not rewrite its replies.
+            conntrack::forget_reply(&key);
+        }
         return Ok(Verdict::Pass);
     };
     if svc.flags & SERVICE_SOURCE_RANGES != 0 && !source_allowed(&svc_key, key.saddr) {

@@ -42,7 +42,7 @@ enum Cmd {
     /// agent on 1 to 30k services: time to its first full sync, memory). Arguments after it go
     /// to the benchmark (`cargo xtask bench agent --help`).
     Bench {
-        #[arg(default_value = "datapath", value_parser = ["datapath", "agent"])]
+        #[arg(default_value = "datapath", value_parser = ["datapath", "agent", "external"])]
         which: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,

@@ -16,10 +16,13 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use aya::programs::{TestRun, TestRunOptions, Xdp};
 use clap::Parser;
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec},
-    programs::{Programs, Svc, TC_ACT_UNSPEC, add_service},
+    programs::{
+        ExternalSvc, Programs, Svc, TC_ACT_UNSPEC, XDP_PASS, add_external_service, add_service,
+    },
 };
 use proxy_userspace::{
     ebpf::MapSizes,
@@ -28,6 +31,8 @@ use proxy_userspace::{
 
 #[path = "bench/agent.rs"]
 mod agent;
+#[path = "bench/external.rs"]
+mod external;
 
 #[derive(Parser)]
 struct Args {
@@ -47,9 +52,10 @@ struct Args {
     /// agent: how the manifest is written.
     #[arg(long, value_enum, default_value = "list")]
     manifest_format: agent::ManifestFormat,
-    /// agent: measurements per service count (the median is reported).
-    #[arg(long, default_value_t = 1)]
-    runs: u32,
+    /// agent: measurements per service count (the median is reported) [1]; external: rounds
+    /// each way [5].
+    #[arg(long)]
+    runs: Option<u32>,
     /// agent: the agent binary to run [the proxy-userspace built next to this benchmark, or
     /// $PROXY_USERSPACE_BIN].
     #[arg(long)]
@@ -60,12 +66,30 @@ struct Args {
     /// Distinct new flows (one test run each).
     #[arg(long, default_value_t = 1_000_000)]
     new_flows: u32,
+    /// external: seconds a round, each way.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// external: client threads.
+    #[arg(long, default_value_t = 4)]
+    threads: u32,
 }
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
 const VIP_A: Ipv4Addr = Ipv4Addr::new(10, 95, 0, 1);
 const VIP_B: Ipv4Addr = Ipv4Addr::new(10, 95, 0, 2);
 const FIRST_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 128, 0, 0);
+/// The XDP rows: a client outside the node, the node's address, and a load balancer address
+/// that, with the NodePort, forms a ping-pong pair (each one's endpoint is the other, so a
+/// repeated test run on one buffer is an established flow every time).
+const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 100);
+const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 11);
+const LB_B: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+const NODE_PORT: u16 = 30080;
+/// A NodePort whose endpoints are on another node: new flows get a source port each.
+const REMOTE_NODE_PORT: u16 = 30090;
+/// New flows measured through it: the SNAT range holds 4536 ports per endpoint and node
+/// address; 500 live flows an endpoint keep random port picks from colliding often.
+const REMOTE_FLOWS: u32 = 5_000;
 
 fn vip(i: u32) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i)
@@ -87,10 +111,15 @@ fn main() -> anyhow::Result<()> {
             endpoints: args.backends.unwrap_or(3),
             source: args.source,
             format: args.manifest_format,
-            runs: args.runs.max(1),
+            runs: args.runs.unwrap_or(1).max(1),
             agent: args.agent,
         }),
-        other => bail!("unknown benchmark {other:?}; available: datapath, agent"),
+        "external" => external::run(&external::Options {
+            seconds: args.seconds,
+            rounds: args.runs.unwrap_or(5).max(1),
+            threads: args.threads,
+        }),
+        other => bail!("unknown benchmark {other:?}; available: datapath, agent, external"),
     }
 }
 
@@ -123,8 +152,10 @@ fn datapath(args: &Datapath) -> anyhow::Result<()> {
         "{:>9} {:>11} {:>9} {:>13} {:>13} {:>13} {:>13}",
         "", "", rep, rep, rep, "1 run each", "1 run each"
     );
+    let mut xdp_rows = Vec::new();
     for &count in &args.services {
-        let row = measure(args, count).with_context(|| format!("with {count} services"))?;
+        let (row, xdp) = measure(args, count).with_context(|| format!("with {count} services"))?;
+        xdp_rows.push((count, xdp));
         println!(
             "{:>9} {:>11} {:>9.1} {:>13.1} {:>13.1} {:>13.1} {:>13.1}",
             count,
@@ -139,7 +170,144 @@ fn datapath(args: &Datapath) -> anyhow::Result<()> {
     println!(
         "\"1 run each\" includes the kernel's per-run timer reads; compare those two columns with each other."
     );
+    println!(
+        "\nxdp_external under BPF_PROG_TEST_RUN on the same maps (a NodePort from outside), ns per packet"
+    );
+    println!(
+        "{:>9} {:>9} {:>13} {:>15} {:>15}",
+        "services", "floor", "established", "new flow", "new flow"
+    );
+    println!(
+        "{:>9} {:>9} {:>13} {:>15} {:>15}",
+        "",
+        rep,
+        format!("local, {rep}"),
+        "local, 1 each",
+        "remote, 1 each"
+    );
+    for (count, x) in &xdp_rows {
+        println!(
+            "{:>9} {:>9.1} {:>13.1} {:>15.1} {:>15.1}",
+            count, x.floor, x.established, x.new_local, x.new_remote
+        );
+    }
+    println!(
+        "local: DNAT, handed to the stack (XDP_PASS). remote: a source port allocated, the route \
+         looked up; transmitting is not measured (a test run's packet has nowhere to go, so the \
+         program leaves it to tc); {REMOTE_FLOWS} flows over 10 endpoints."
+    );
     Ok(())
+}
+
+struct XdpRow {
+    floor: f64,
+    established: f64,
+    new_local: f64,
+    new_remote: f64,
+}
+
+/// The XDP program `repeat` times on `frame`: the mean time per run.
+fn time_xdp(p: &Programs, frame: &[u8], repeat: u32) -> anyhow::Result<Duration> {
+    let xdp: &Xdp = p
+        .ebpf
+        .program(proxy_userspace::ebpf::PROG_XDP)
+        .context("the XDP program")?
+        .try_into()?;
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = xdp.test_run(TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(&mut out),
+        repeat,
+        ..Default::default()
+    })?;
+    if result.return_value != XDP_PASS {
+        bail!(
+            "the XDP program returned {} (not XDP_PASS)",
+            result.return_value
+        );
+    }
+    Ok(result.duration)
+}
+
+/// The XDP rows, on programs whose maps hold the external services of [`add_external`].
+fn measure_xdp(p: &Programs, args: &Datapath) -> anyhow::Result<XdpRow> {
+    p.set_node_addrs(&[NODE], NODE);
+    let ns = |d: Duration| d.as_nanos() as f64;
+    let mut arp = vec![0u8; 60];
+    arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    let floor = ns(time_xdp(p, &arp, args.repeat)?);
+    let ping = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(EXT_CLIENT, 40000, NODE, NODE_PORT)
+    }
+    .build();
+    time_xdp(p, &ping, 2)?;
+    let established = ns(time_xdp(p, &ping, args.repeat)?);
+    let new_flows = |dport: u16, n: u32| -> anyhow::Result<f64> {
+        let mut frame = Spec::tcp(EXT_CLIENT, 0, NODE, dport).build();
+        let sport_off = ETH_HLEN + 20;
+        let mut total = 0.0;
+        for i in 0..n {
+            // A distinct 5-tuple: client address low bits and source port from the flow number.
+            frame[ETH_HLEN + 14] = 1 + (i >> 16) as u8;
+            frame[sport_off..sport_off + 2].copy_from_slice(&((i & 0xffff) as u16).to_be_bytes());
+            total += ns(time_xdp(p, &frame, 1)?);
+        }
+        Ok(total / n as f64)
+    };
+    Ok(XdpRow {
+        floor,
+        established,
+        new_local: new_flows(NODE_PORT, args.new_flows.min(200_000))?,
+        new_remote: new_flows(REMOTE_NODE_PORT, REMOTE_FLOWS.min(args.new_flows))?,
+    })
+}
+
+/// The external services the XDP rows use: the ping-pong pair, and a NodePort whose 10
+/// endpoints are on another node.
+fn add_external(state: &mut DesiredState) {
+    state.node_name = "node1".into();
+    // Name, service port, endpoint, load balancer addresses (none: a NodePort instead).
+    type Frontend<'a> = (&'a str, u16, (Ipv4Addr, u16), &'a [Ipv4Addr]);
+    let pair: [Frontend<'_>; 2] = [
+        ("bench-np", NODE_PORT, (LB_B, 81), &[]),
+        ("bench-lb", 81, (NODE, NODE_PORT), &[LB_B]),
+    ];
+    for (i, (name, port, endpoint, lbs)) in pair.into_iter().enumerate() {
+        add_external_service(
+            state,
+            &ExternalSvc {
+                name,
+                cluster_ip: Ipv4Addr::new(10, 97, 0, i as u8 + 1),
+                port,
+                protocol: Protocol::Tcp,
+                node_port: lbs.is_empty().then_some(NODE_PORT),
+                load_balancer_ips: lbs,
+                external_ips: &[],
+                external_traffic_local: false,
+                source_ranges: &[],
+                endpoints: &[(endpoint.0, endpoint.1, "node1")],
+            },
+        );
+    }
+    let remote: Vec<(Ipv4Addr, u16, &str)> = (0..10)
+        .map(|i| (Ipv4Addr::new(10, 244, 2, 10 + i), 8080, "node2"))
+        .collect();
+    add_external_service(
+        state,
+        &ExternalSvc {
+            name: "bench-remote",
+            cluster_ip: Ipv4Addr::new(10, 97, 0, 3),
+            port: 80,
+            protocol: Protocol::Tcp,
+            node_port: Some(REMOTE_NODE_PORT),
+            load_balancer_ips: &[],
+            external_ips: &[],
+            external_traffic_local: false,
+            source_ranges: &[],
+            endpoints: &remote,
+        },
+    );
 }
 
 struct Row {
@@ -159,12 +327,13 @@ fn short(n: u32) -> String {
     }
 }
 
-fn measure(args: &Datapath, count: u32) -> anyhow::Result<Row> {
-    let slots = count * (args.backends + 1) + 16;
+fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
+    let slots = count * (args.backends + 1) + 64;
     let sizes = MapSizes {
         services: slots,
-        backends: count * args.backends + 16,
-        conntrack: 2 * args.new_flows + 1024,
+        backends: count * args.backends + 64,
+        // The tc and XDP new flows, and the established ones.
+        conntrack: 2 * (args.new_flows + args.new_flows.min(200_000) + REMOTE_FLOWS) + 1024,
     };
     let mut p = Programs::load(sizes)?;
     let mut state = DesiredState::default();
@@ -207,6 +376,7 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<Row> {
             endpoints: &[(VIP_A, 80)],
         },
     );
+    add_external(&mut state);
     let started = Instant::now();
     p.program(&state)?;
     let cold_sync = started.elapsed();
@@ -257,12 +427,16 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<Row> {
         total += ns(p.time("tc_ingress", &established_frame, 1)?);
     }
     let established_single = total / single_runs as f64;
-    Ok(Row {
-        cold_sync,
-        floor,
-        pass,
-        established,
-        established_single,
-        new_flow,
-    })
+    let xdp = measure_xdp(&p, args)?;
+    Ok((
+        Row {
+            cold_sync,
+            floor,
+            pass,
+            established,
+            established_single,
+            new_flow,
+        },
+        xdp,
+    ))
 }
