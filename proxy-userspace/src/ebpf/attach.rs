@@ -329,7 +329,8 @@ impl Attacher {
             .collect();
         if selected.is_empty() {
             tracing::warn!(
-                "no node address matches --nodeport-addresses: NodePorts are not served (with                  `primary` and the manifest source, the node needs a default route)"
+                "no node address matches --nodeport-addresses: NodePorts are not served (with \
+                 `primary` and the manifest source, the node needs a default route)"
             );
         } else {
             tracing::info!(addresses = %shown.join(", "), "NodePorts answer on these addresses");
@@ -391,7 +392,9 @@ impl Attacher {
         if running == "native" && !may_transmit {
             tracing::info!(
                 interface,
-                "a veth in native XDP mode: forwarded packets go through the tc program (XDP                  frames sent into a veth are dropped unless its peer has NAPI, which the agent                  cannot check); --xdp-mode generic transmits from XDP"
+                "a veth in native XDP mode: forwarded packets go through the tc program (XDP \
+                 frames sent into a veth are dropped unless its peer has NAPI, which the agent \
+                 cannot check); --xdp-mode generic transmits from XDP"
             );
         }
         Ok(running)

@@ -195,7 +195,8 @@ pub async fn node_ips(client: &Client, node_name: &str) -> Vec<std::net::IpAddr>
     if ips.is_empty() {
         tracing::warn!(
             node = node_name,
-            "the Node has no InternalIP or ExternalIP address: NodePorts answer on the default              route's interface"
+            "the Node has no InternalIP or ExternalIP address: NodePorts answer on the default \
+             route's interface"
         );
     }
     ips

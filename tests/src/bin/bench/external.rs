@@ -81,11 +81,21 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         // ports meet the backend on the same 4-tuples, and at these rates many then wait for a
         // SYN retransmit (see the module documentation).
         for round in 0..opts.rounds {
-            eprint!("\r  {}: direct, round {}/{} ", pair.name, round + 1, opts.rounds);
+            eprint!(
+                "\r  {}: direct, round {}/{} ",
+                pair.name,
+                round + 1,
+                opts.rounds
+            );
             direct.push(rate(&sandbox, &pair.pods, opts, &mut failures.0)?);
         }
         for round in 0..opts.rounds {
-            eprint!("\r  {}: NodePort, round {}/{} ", pair.name, round + 1, opts.rounds);
+            eprint!(
+                "\r  {}: NodePort, round {}/{} ",
+                pair.name,
+                round + 1,
+                opts.rounds
+            );
             through.push(rate(&sandbox, &[pair.node_port], opts, &mut failures.1)?);
         }
         eprint!("\r{:60}\r", "");
