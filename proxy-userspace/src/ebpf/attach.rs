@@ -196,8 +196,8 @@ pub struct Attacher {
     /// None: pod interfaces only (tests of the pod path).
     external: Option<ExternalConfig>,
     external_attached: HashMap<String, u32>,
-    /// The node addresses last written to NODE_ADDRS.
-    node_addrs: Vec<InterfaceAddr>,
+    /// The node addresses last written to NODE_ADDRS (None: not yet written).
+    node_addrs: Option<Vec<InterfaceAddr>>,
 }
 
 impl Attacher {
@@ -213,7 +213,7 @@ impl Attacher {
             attached: HashMap::new(),
             external: None,
             external_attached: HashMap::new(),
-            node_addrs: Vec::new(),
+            node_addrs: None,
         })
     }
 
@@ -253,7 +253,7 @@ impl Attacher {
             default_route.as_deref(),
             &external::interface_addresses()?,
         );
-        if selected != self.node_addrs {
+        if self.node_addrs.as_ref() != Some(&selected) {
             self.write_node_addrs(ebpf, &selected, default_route.as_deref())?;
         }
         let wanted: HashMap<String, u32> = all
@@ -335,7 +335,7 @@ impl Attacher {
         } else {
             tracing::info!(addresses = %shown.join(", "), "NodePorts answer on these addresses");
         }
-        self.node_addrs = selected.to_vec();
+        self.node_addrs = Some(selected.to_vec());
         Ok(())
     }
 
