@@ -310,3 +310,42 @@ pub fn forget_reply(key: &CtKey) {
         let _ = CONNTRACK.remove(reverse);
     }
 }
+
+/// A new connection from outside straight to `key.daddr` (no frontend): a reply entry of an
+/// external flow left on its reverse 5-tuple, whose flow is over (closed, expired or gone), must
+/// not rewrite its replies. An open flow's entry stays: the packet may be that flow's own first
+/// packet, translated by XDP and seen again by the tc program.
+#[inline(always)]
+pub fn forget_closed_reply(key: &CtKey, now: u64) {
+    let reverse = CtKey {
+        saddr: key.daddr,
+        daddr: key.saddr,
+        sport: key.dport,
+        dport: key.sport,
+        proto: key.proto,
+        pad: [0; 3],
+    };
+    let Some(reply) = (unsafe { CONNTRACK.get(reverse) }).copied() else {
+        return;
+    };
+    if reply.direction != CT_REPLY || reply.flags & CT_EXTERNAL == 0 {
+        return;
+    }
+    let forward_key = CtKey {
+        saddr: reply.nat_addr,
+        daddr: reply.vip,
+        sport: reply.nat_port,
+        dport: reply.vport,
+        proto: key.proto,
+        pad: [0; 3],
+    };
+    let open = unsafe { CONNTRACK.get(forward_key) }.is_some_and(|f| {
+        f.direction == CT_FORWARD
+            && f.backend_id == reply.backend_id
+            && f.flags & CT_CLOSING == 0
+            && !f.expired(key.proto, now)
+    });
+    if !open {
+        let _ = CONNTRACK.remove(reverse);
+    }
+}

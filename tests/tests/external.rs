@@ -39,13 +39,21 @@ fn cluster(test: &str, nodes: &[&str], args: &[&str]) -> Option<(Sandbox, Vec<Ag
     sandbox
         .start_backends(BACKEND_PORT)
         .expect("starting the backends");
-    let agents = nodes
+    let agents: Vec<AgentRun> = nodes
         .iter()
         .map(|node| {
             AgentRun::start_with_args(&mut sandbox, node, AgentSource::Manifest(MANIFEST), 5, args)
                 .expect("starting the agent")
         })
         .collect();
+    for agent in &agents {
+        let log = agent.log_text();
+        assert!(
+            log.contains("NodePorts answer on these addresses")
+                && log.contains("attached external programs"),
+            "the agent serves no NodePort:\n{log}"
+        );
+    }
     Some((sandbox, agents))
 }
 
