@@ -765,7 +765,14 @@ endpoints:
             .collect();
         assert_eq!(
             changed,
-            ["demo/dns-like:dns", "demo/remote", "demo/web:http"]
+            [
+                "demo/dns-like:dns",
+                "demo/front:dns",
+                "demo/front:http",
+                "demo/front-local",
+                "demo/remote",
+                "demo/web:http"
+            ]
         );
         let endpoints: Vec<String> = state
             .endpoints
@@ -786,6 +793,9 @@ endpoints:
             endpoints,
             [
                 "demo/dns-like:dns [10.96.0.20] -> 10.244.1.11:8080,10.244.2.11:8080",
+                "demo/front:dns [10.96.0.40] -> 10.244.1.12:8080,10.244.2.11:8080",
+                "demo/front:http [10.96.0.40] -> 10.244.1.12:8080,10.244.2.11:8080",
+                "demo/front-local [10.96.0.41] -> 10.244.1.13:8080",
                 "demo/remote [10.96.0.30] -> 10.244.2.11:8080",
                 "demo/web:http [10.96.0.10] -> 10.244.1.11:8080,10.244.1.12:8080,10.244.1.13:8080",
             ]
