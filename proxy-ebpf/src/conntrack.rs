@@ -294,18 +294,24 @@ fn live_reply(
     Some((vip, vport))
 }
 
-/// A new connection from a pod straight to `key.daddr` (no service): a reply entry left on
-/// its reverse 5-tuple by an earlier flow through a service must not rewrite its replies.
+/// The 5-tuple of the other direction of `key`.
 #[inline(always)]
-pub fn forget_reply(key: &CtKey) {
-    let reverse = CtKey {
+fn reversed(key: &CtKey) -> CtKey {
+    CtKey {
         saddr: key.daddr,
         daddr: key.saddr,
         sport: key.dport,
         dport: key.sport,
         proto: key.proto,
         pad: [0; 3],
-    };
+    }
+}
+
+/// A new connection from a pod straight to `key.daddr` (no service): a reply entry left on
+/// its reverse 5-tuple by an earlier flow through a service must not rewrite its replies.
+#[inline(always)]
+pub fn forget_reply(key: &CtKey) {
+    let reverse = reversed(key);
     if unsafe { CONNTRACK.get(reverse) }.is_some_and(|e| e.direction == CT_REPLY) {
         let _ = CONNTRACK.remove(reverse);
     }
@@ -317,14 +323,7 @@ pub fn forget_reply(key: &CtKey) {
 /// packet, translated by XDP and seen again by the tc program.
 #[inline(always)]
 pub fn forget_closed_reply(key: &CtKey, now: u64) {
-    let reverse = CtKey {
-        saddr: key.daddr,
-        daddr: key.saddr,
-        sport: key.dport,
-        dport: key.sport,
-        proto: key.proto,
-        pad: [0; 3],
-    };
+    let reverse = reversed(key);
     let Some(reply) = (unsafe { CONNTRACK.get(reverse) }).copied() else {
         return;
     };

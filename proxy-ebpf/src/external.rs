@@ -62,7 +62,7 @@ pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
             forward: true,
         });
     }
-    let Some((svc_key, svc)) = frontend::external(key.daddr, key.dport, key.proto) else {
+    let Some((svc_key, svc)) = frontend::external(key.daddr, key.dport, key.proto, to_node) else {
         if flow.syn_only() {
             // A connection straight to a pod (or to anything else): a reply entry left on its
             // reverse 5-tuple by an earlier flow through a frontend (the client reusing its

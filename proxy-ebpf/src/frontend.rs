@@ -20,7 +20,7 @@ pub fn is_node_addr(addr: Be32) -> bool {
 /// endpoints kube-proxy gives such clients.
 #[inline(always)]
 pub fn internal(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, ServiceValue)> {
-    let (key, svc) = lookup(addr, port, proto)?;
+    let (key, svc) = lookup(addr, port, proto, || is_node_addr(addr))?;
     if svc.flags & SERVICE_TWO_SCOPES == 0 {
         return Some((key, svc));
     }
@@ -32,19 +32,32 @@ pub fn internal(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, Servic
 
 /// The frontend at `addr`:`port` as a client outside the node reaches it: NodePort,
 /// LoadBalancer and external IP frontends only (a ClusterIP is not served from outside).
+/// `to_node`: whether `addr` is a node address (the caller has looked it up already).
 #[inline(always)]
-pub fn external(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, ServiceValue)> {
-    lookup(addr, port, proto).filter(|(_, svc)| svc.flags & SERVICE_EXTERNAL != 0)
+pub fn external(
+    addr: Be32,
+    port: Be16,
+    proto: u8,
+    to_node: bool,
+) -> Option<(ServiceKey, ServiceValue)> {
+    lookup(addr, port, proto, || to_node).filter(|(_, svc)| svc.flags & SERVICE_EXTERNAL != 0)
 }
 
+/// The frontend at `addr` exactly, else the NodePort `port` if `is_node_addr()` (asked only
+/// then: most packets are for an exact address, or for none).
 #[inline(always)]
-fn lookup(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, ServiceValue)> {
+fn lookup(
+    addr: Be32,
+    port: Be16,
+    proto: u8,
+    is_node_addr: impl FnOnce() -> bool,
+) -> Option<(ServiceKey, ServiceValue)> {
     let key = ServiceKey::new(addr, port, proto, 0);
     // SAFETY: as above.
     if let Some(svc) = unsafe { SERVICES.get(key) } {
         return Some((key, *svc));
     }
-    if !is_node_addr(addr) {
+    if !is_node_addr() {
         return None;
     }
     let key = ServiceKey::new(NODE_PORT_ADDR, port, proto, 0);
