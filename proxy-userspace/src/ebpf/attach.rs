@@ -29,7 +29,7 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap as BpfHashMap, MapData},
     programs::{
-        SchedClassifier, TcAttachType, Xdp, XdpMode as AttachMode,
+        ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode as AttachMode,
         links::{FdLink, LinkError, PinnedLink},
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
         xdp::XdpLink,
@@ -277,6 +277,7 @@ impl Attacher {
             }
             match self.attach_external(ebpf, &name, index, config.mode) {
                 Ok(mode) => {
+                    let mode = mode.name();
                     tracing::info!(interface = %name, mode, "attached external programs");
                     self.external_attached.insert(name, index);
                 }
@@ -340,47 +341,36 @@ impl Attacher {
     }
 
     /// Attaches XDP (unless `mode` is tc) and the external tc programs to `interface`; returns
-    /// the XDP mode it runs in.
+    /// the mode it runs in (generic where native XDP is refused).
     fn attach_external(
         &self,
         ebpf: &mut Ebpf,
         interface: &str,
         index: u32,
         mode: XdpMode,
-    ) -> anyhow::Result<&'static str> {
+    ) -> anyhow::Result<XdpMode> {
         self.attach_tc(ebpf, interface, index, &EXTERNAL_DIRECTIONS)?;
         let running = match mode {
             XdpMode::Tc => {
                 self.remove_xdp_pins(index, None);
-                "tc"
+                XdpMode::Tc
             }
-            XdpMode::Generic => {
-                self.attach_xdp(ebpf, interface, index, AttachMode::Skb, "generic")?;
-                "generic"
-            }
-            XdpMode::Native => {
-                match self.attach_xdp(ebpf, interface, index, AttachMode::Driver, "native") {
-                    Ok(()) => "native",
-                    Err(e) => {
+            XdpMode::Generic | XdpMode::Native => {
+                match self.attach_xdp(ebpf, interface, index, mode) {
+                    Ok(()) => mode,
+                    Err(e) if mode == XdpMode::Native => {
                         tracing::info!(
                             interface,
                             "native XDP not available ({e:#}); running generic XDP"
                         );
-                        self.attach_xdp(ebpf, interface, index, AttachMode::Skb, "generic")?;
-                        "generic"
+                        self.attach_xdp(ebpf, interface, index, XdpMode::Generic)?;
+                        XdpMode::Generic
                     }
+                    Err(e) => return Err(e),
                 }
             }
         };
-        let may_transmit = running != "tc"
-            && external::xdp_may_transmit(
-                if running == "native" {
-                    XdpMode::Native
-                } else {
-                    XdpMode::Generic
-                },
-                interface,
-            );
+        let may_transmit = external::xdp_may_transmit(running, interface);
         let mut ifaces: BpfHashMap<_, u32, u32> = ebpf
             .map_mut(MAP_EXTERNAL_IFACES)
             .context("map EXTERNAL_IFACES missing")?
@@ -389,7 +379,7 @@ impl Attacher {
         ifaces
             .insert(index, flags, 0)
             .context("writing EXTERNAL_IFACES")?;
-        if running == "native" && !may_transmit {
+        if running == XdpMode::Native && !may_transmit {
             tracing::info!(
                 interface,
                 "a veth in native XDP mode: forwarded packets go through the tc program (XDP \
@@ -400,43 +390,37 @@ impl Attacher {
         Ok(running)
     }
 
-    /// Attaches the XDP program to `interface` in `flags`' mode through a link pinned as
-    /// `xdp-<index>-<mode>`, replacing the program of such a link in place; a link of the
-    /// other mode goes first (a link's mode is fixed).
+    /// Attaches the XDP program to `interface` in `mode` (native or generic) through a link
+    /// pinned as `xdp-<index>-<mode>`, replacing the program of such a link in place; a link of
+    /// the other mode goes first (a link's mode is fixed).
     fn attach_xdp(
         &self,
         ebpf: &mut Ebpf,
         interface: &str,
         index: u32,
-        flags: AttachMode,
-        mode: &str,
+        mode: XdpMode,
     ) -> anyhow::Result<()> {
-        self.remove_xdp_pins(index, Some(mode));
-        let pin = self.links_dir.join(format!("xdp-{index}-{mode}"));
+        let (name, flags) = match mode {
+            XdpMode::Native => ("native", AttachMode::Driver),
+            _ => ("generic", AttachMode::Skb),
+        };
+        self.remove_xdp_pins(index, Some(name));
+        let pin = self.links_dir.join(format!("xdp-{index}-{name}"));
         let prog: &mut Xdp = ebpf
             .program_mut(PROG_XDP)
             .context("program missing")?
             .try_into()?;
-        if let Ok(pinned) = PinnedLink::from_pin(&pin) {
-            let link = XdpLink::try_from(FdLink::from(pinned))?;
-            match prog.attach_to_link(link) {
-                Ok(id) => {
-                    prog.take_link(id)?;
-                    return Ok(());
-                }
-                Err(e) => {
-                    tracing::debug!(pin = %pin.display(), "pinned link not updatable: {e}");
-                    std::fs::remove_file(&pin)?;
-                }
-            }
+        let updated = update_pinned_link(&pin, |link: XdpLink| {
+            let id = prog.attach_to_link(link)?;
+            prog.take_link(id).map(drop)
+        })?;
+        if updated {
+            return Ok(());
         }
         let id = prog
             .attach_to_if_index(index, flags)
-            .with_context(|| format!("attaching {PROG_XDP} to {interface} ({mode})"))?;
-        let link: FdLink = prog.take_link(id)?.try_into()?;
-        link.pin(&pin)
-            .with_context(|| format!("pinning the link at {}", pin.display()))?;
-        Ok(())
+            .with_context(|| format!("attaching {PROG_XDP} to {interface} ({name})"))?;
+        pin_link(prog.take_link(id)?.try_into()?, &pin)
     }
 
     /// Removes the XDP link pins of interface `index` (detaching them), but for `keep`'s.
@@ -589,30 +573,51 @@ fn attach_tcx(
     attach_type: TcAttachType,
     pin: &Path,
 ) -> anyhow::Result<()> {
-    match PinnedLink::from_pin(pin) {
-        Ok(pinned) => {
-            let link = SchedClassifierLink::try_from(FdLink::from(pinned))?;
-            match prog.attach_to_link(link) {
-                // Our fd goes with the taken link; the pin keeps the link.
-                Ok(id) => {
-                    prog.take_link(id)?;
-                    return Ok(());
-                }
-                // The link of an interface that went away (its index now reused): replace it.
-                Err(e) => {
-                    tracing::debug!(pin = %pin.display(), "pinned link not updatable: {e}");
-                    std::fs::remove_file(pin)?;
-                }
-            }
-        }
+    let updated = update_pinned_link(pin, |link: SchedClassifierLink| {
+        // Our fd goes with the taken link; the pin keeps the link.
+        let id = prog.attach_to_link(link)?;
+        prog.take_link(id).map(drop)
+    })?;
+    if updated {
+        return Ok(());
+    }
+    let id = prog.attach(interface, attach_type)?;
+    pin_link(prog.take_link(id)?.try_into()?, pin)
+}
+
+/// Puts a new program into the link pinned at `pin` through `update`: true when done; false
+/// when there is no pin, or its link cannot take it (the link of an interface that went away,
+/// its index now reused: the pin is removed), so the caller makes a new link.
+fn update_pinned_link<L>(
+    pin: &Path,
+    update: impl FnOnce(L) -> Result<(), ProgramError>,
+) -> anyhow::Result<bool>
+where
+    L: TryFrom<FdLink, Error = LinkError>,
+{
+    let pinned = match PinnedLink::from_pin(pin) {
+        Ok(pinned) => pinned,
         Err(LinkError::SyscallError(SyscallError { io_error, .. }))
-            if io_error.kind() == io::ErrorKind::NotFound => {}
+            if io_error.kind() == io::ErrorKind::NotFound =>
+        {
+            return Ok(false);
+        }
         Err(e) => {
             return Err(e).with_context(|| format!("opening the pinned link {}", pin.display()));
         }
+    };
+    match update(L::try_from(FdLink::from(pinned))?) {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            tracing::debug!(pin = %pin.display(), "pinned link not updatable: {e}");
+            std::fs::remove_file(pin)?;
+            Ok(false)
+        }
     }
-    let id = prog.attach(interface, attach_type)?;
-    let link: FdLink = prog.take_link(id)?.try_into()?;
+}
+
+/// Pins a new link at `pin`: it then outlives the agent.
+fn pin_link(link: FdLink, pin: &Path) -> anyhow::Result<()> {
     link.pin(pin)
         .with_context(|| format!("pinning the link at {}", pin.display()))?;
     Ok(())

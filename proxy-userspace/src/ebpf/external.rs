@@ -60,6 +60,17 @@ pub enum XdpMode {
     Tc,
 }
 
+impl XdpMode {
+    /// The flag's value for it (as logged).
+    pub fn name(self) -> &'static str {
+        match self {
+            XdpMode::Native => "native",
+            XdpMode::Generic => "generic",
+            XdpMode::Tc => "tc",
+        }
+    }
+}
+
 /// An IPv4 address of an interface.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct InterfaceAddr {
