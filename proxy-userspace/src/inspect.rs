@@ -9,8 +9,8 @@ use proxy_common::{
     CT_FORWARD, CT_SNAT, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
     SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
-    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey,
-    ServiceValue, SourceRangeKey,
+    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue,
+    SourceRangeKey,
 };
 use serde::Serialize;
 
@@ -172,7 +172,7 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
             "NodePort"
         } else if head.flags & SERVICE_LOAD_BALANCER != 0 {
             "LoadBalancer"
-        } else if external || head.flags & SERVICE_TWO_SCOPES != 0 || in_cluster_scope {
+        } else if external || in_cluster_scope {
             "ExternalIP"
         } else {
             "ClusterIP"
@@ -283,8 +283,9 @@ pub fn affinity_table(rows: &[AffinityRow]) -> String {
     out
 }
 
-/// The clock bpf_ktime_get_ns() reads.
-fn monotonic_ns() -> u64 {
+/// The clock bpf_ktime_get_ns() reads (to tell how long ago an entry was used, or to write
+/// entries by hand in tests).
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

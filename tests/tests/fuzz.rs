@@ -51,6 +51,7 @@ use proxy_tests::{
 use proxy_userspace::{
     dataplane::Scope,
     ebpf::MapSizes,
+    inspect::monotonic_ns,
     model::{DesiredState, Endpoint, Protocol, ServicePortName},
 };
 
@@ -1032,19 +1033,6 @@ fn model_fields(e: &Entry) -> Fields {
     };
     let flags = if e.closing { CT_CLOSING } else { 0 } | if e.fin { CT_FIN } else { 0 };
     (direction, e.backend_id, e.vip, e.vport, flags)
-}
-
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to write to. CLOCK_MONOTONIC is bpf_ktime_get_ns's clock.
-    assert_eq!(
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) },
-        0
-    );
-    ts.tv_sec as u64 * NS + ts.tv_nsec as u64
 }
 
 /// Keeps the kernel's conntrack times in step with the model's, and compares the two maps.

@@ -30,6 +30,7 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     ebpf::MapSizes,
+    inspect::monotonic_ns,
     model::{DesiredState, Protocol},
 };
 
@@ -652,17 +653,6 @@ fn snat_ports_never_collide() {
     }
 }
 
-/// `bpf_ktime_get_ns()`'s clock, for conntrack entries written by hand.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to write to.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// Marks `ports` of NODE as held by live flows to REMOTE_BE:TARGET (their reply entries).
 fn hold_ports(lab: &Lab, ports: impl Iterator<Item = u16>, flags: u8, last_seen_ns: u64) {
     let mut ct = lab.p.conntrack();
@@ -914,15 +904,16 @@ fn ip_options_are_left_to_tc() {
     }
 }
 
-/// externalTrafficPolicy Local: only this node's endpoints, the client's address kept; none
-/// here: dropped (and counted), never sent elsewhere.
-#[test]
-fn external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endpoint() {
+/// The second load balancer address of [`local_policy_lab`].
+const LB2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 11);
+
+/// Two externalTrafficPolicy Local services: NodePort 30090 and [`LB`] with an endpoint here
+/// and one on node2; NodePort 30091 and [`LB2`] with both endpoints on node2.
+fn local_policy_lab(test: &str) -> Option<Lab> {
     let mixed = [(LOCAL_BE, TARGET, "node1"), (REMOTE_BE, TARGET, "node2")];
     let elsewhere = [(REMOTE_BE, TARGET, "node2"), (REMOTE_BE2, TARGET, "node2")];
-    let lb2 = Ipv4Addr::new(198, 51, 100, 11);
-    let Some(lab) = lab(
-        "external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endpoint",
+    lab(
+        test,
         &[
             ExternalSvc {
                 load_balancer_ips: &[LB],
@@ -930,11 +921,20 @@ fn external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endp
                 ..node_port("mixed", 30090, &mixed)
             },
             ExternalSvc {
-                load_balancer_ips: &[lb2],
+                load_balancer_ips: &[LB2],
                 external_traffic_local: true,
                 ..node_port("elsewhere", 30091, &elsewhere)
             },
         ],
+    )
+}
+
+/// externalTrafficPolicy Local: only this node's endpoints, the client's address kept; none
+/// here: dropped (and counted), never sent elsewhere.
+#[test]
+fn external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endpoint() {
+    let Some(lab) = local_policy_lab(
+        "external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endpoint",
     ) else {
         return;
     };
@@ -957,7 +957,7 @@ fn external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endp
             assert_translated(&reply, &out, &delivered((vip, vport), client));
         }
     }
-    for (i, (vip, vport)) in [(NODE, 30091), (lb2, PORT)].into_iter().enumerate() {
+    for (i, (vip, vport)) in [(NODE, 30091), (LB2, PORT)].into_iter().enumerate() {
         let frame = from_client(&Spec::tcp(CLIENT, 46100 + i as u16, vip, vport));
         assert_eq!(lab.xdp(&frame).0, XDP_DROP, "{vip}:{vport}");
         assert_eq!(lab.tc("tc_external_ingress", &frame).0, TC_ACT_SHOT);
@@ -970,31 +970,15 @@ fn external_traffic_policy_local_keeps_the_client_and_drops_without_a_local_endp
 /// endpoint (the frontend's internal scope), not only this node's.
 #[test]
 fn a_pod_reaching_an_etp_local_node_port_gets_any_endpoint() {
-    let mixed = [(LOCAL_BE, TARGET, "node1"), (REMOTE_BE, TARGET, "node2")];
-    let elsewhere = [(REMOTE_BE, TARGET, "node2"), (REMOTE_BE2, TARGET, "node2")];
-    let lb2 = Ipv4Addr::new(198, 51, 100, 11);
-    let Some(lab) = lab(
-        "a_pod_reaching_an_etp_local_node_port_gets_any_endpoint",
-        &[
-            ExternalSvc {
-                load_balancer_ips: &[LB],
-                external_traffic_local: true,
-                ..node_port("mixed", 30090, &mixed)
-            },
-            ExternalSvc {
-                load_balancer_ips: &[lb2],
-                external_traffic_local: true,
-                ..node_port("elsewhere", 30091, &elsewhere)
-            },
-        ],
-    ) else {
+    let Some(lab) = local_policy_lab("a_pod_reaching_an_etp_local_node_port_gets_any_endpoint")
+    else {
         return;
     };
     for (vip, vport, all) in [
         (NODE, 30090, [LOCAL_BE, REMOTE_BE]),
         (LB, PORT, [LOCAL_BE, REMOTE_BE]),
         (NODE, 30091, [REMOTE_BE, REMOTE_BE2]),
-        (lb2, PORT, [REMOTE_BE, REMOTE_BE2]),
+        (LB2, PORT, [REMOTE_BE, REMOTE_BE2]),
     ] {
         let mut reached = BTreeSet::new();
         for sport in 47000..47040 {
@@ -1209,7 +1193,6 @@ fn xdp_and_tc_agree_on_the_same_frame() {
     let local = [(LOCAL_BE, TARGET, "node1")];
     let remote = [(REMOTE_BE, TARGET, "node2")];
     let via_ext1 = [(EXT1_BE, TARGET, "node3")];
-    let lb2 = Ipv4Addr::new(198, 51, 100, 11);
     let lb3 = Ipv4Addr::new(198, 51, 100, 12);
     let Some(lab) = lab(
         "xdp_and_tc_agree_on_the_same_frame",
@@ -1232,7 +1215,7 @@ fn xdp_and_tc_agree_on_the_same_frame() {
             },
             node_port("via-ext1", 30082, &via_ext1),
             ExternalSvc {
-                load_balancer_ips: &[lb2],
+                load_balancer_ips: &[LB2],
                 external_traffic_local: true,
                 ..node_port("local-policy", 30083, &remote)
             },
@@ -1260,7 +1243,7 @@ fn xdp_and_tc_agree_on_the_same_frame() {
         zero(Spec::udp(CLIENT, 49001, NODE, 30081)),
         Spec::tcp(CLIENT, 49000, NODE, 30082),
         Spec::tcp(CLIENT, 49000, NODE, 30083),
-        Spec::tcp(CLIENT, 49000, lb2, PORT),
+        Spec::tcp(CLIENT, 49000, LB2, PORT),
         Spec::tcp(CLIENT, 49000, lb3, PORT),
         Spec::tcp(CLIENT2, 49000, lb3, PORT),
         Spec::tcp(CLIENT, 49000, NODE, 22),
