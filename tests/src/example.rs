@@ -2,7 +2,11 @@
 //! the agent on, its service addresses, and a sandbox with the agent on it.
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use crate::{BACKEND_PORT, Sandbox, agent::AgentRun, privileged};
+use crate::{
+    BACKEND_PORT, Sandbox,
+    agent::{AgentRun, AgentSource},
+    privileged,
+};
 
 pub const MANIFEST: &str = include_str!("../../examples/services.yaml");
 /// web (TCP): be1, be2, be3 on node1.
@@ -28,6 +32,13 @@ pub const FRONT_LOCAL_HEALTH_PORT: u16 = 32100;
 /// The sandbox with its backends and the agent in node1 on [`MANIFEST`], synced; None (and a
 /// loud skip) where privileged tests cannot run.
 pub fn cluster(test: &str) -> Option<(Sandbox, AgentRun)> {
+    let (sandbox, mut agents) = cluster_on(test, &["node1"], &[])?;
+    Some((sandbox, agents.remove(0)))
+}
+
+/// The sandbox with its backends and an agent on each of `nodes` on [`MANIFEST`], each with the
+/// extra arguments `args`, synced; None (and a loud skip) where privileged tests cannot run.
+pub fn cluster_on(test: &str, nodes: &[&str], args: &[&str]) -> Option<(Sandbox, Vec<AgentRun>)> {
     if !privileged(test) {
         return None;
     }
@@ -35,6 +46,12 @@ pub fn cluster(test: &str) -> Option<(Sandbox, AgentRun)> {
     sandbox
         .start_backends(BACKEND_PORT)
         .expect("starting the backends");
-    let agent = AgentRun::start(&mut sandbox, "node1", MANIFEST, 3).expect("starting the agent");
-    Some((sandbox, agent))
+    let agents = nodes
+        .iter()
+        .map(|node| {
+            AgentRun::start_with_args(&mut sandbox, node, AgentSource::Manifest(MANIFEST), 5, args)
+                .expect("starting the agent")
+        })
+        .collect();
+    Some((sandbox, agents))
 }

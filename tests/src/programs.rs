@@ -14,7 +14,7 @@ use anyhow::Context;
 use aya::{
     Ebpf,
     maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray},
-    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
+    programs::{Program, TestRun, TestRunOptions},
 };
 use proxy_common::{
     Be32, CONFIG_SNAT_ADDR, CtKey, CtValue, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS,
@@ -130,12 +130,32 @@ impl Programs {
         self.maps.sync(state, Scope::All)
     }
 
-    fn prog(&self, name: &str) -> &SchedClassifier {
-        self.ebpf
-            .program(name)
-            .expect("program in the object")
-            .try_into()
-            .expect("a tc program")
+    /// One BPF_PROG_TEST_RUN of `prog` (a tc or the XDP program), `repeat` times on `frame`,
+    /// with context `ctx` if given: the verdict, the frame as the program left it, and the
+    /// mean time per run.
+    fn test_run(
+        &self,
+        prog: &str,
+        frame: &[u8],
+        ctx: Option<&[u8]>,
+        repeat: u32,
+    ) -> anyhow::Result<(u32, Vec<u8>, Duration)> {
+        let mut out = vec![0u8; frame.len() + 256];
+        let options = TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: ctx,
+            repeat,
+            ..Default::default()
+        };
+        let result = match self.ebpf.program(prog) {
+            Some(Program::SchedClassifier(p)) => p.test_run(options),
+            Some(Program::Xdp(p)) => p.test_run(options),
+            _ => anyhow::bail!("no tc or XDP program {prog} in the object"),
+        }
+        .with_context(|| format!("BPF_PROG_TEST_RUN of {prog}"))?;
+        out.truncate(result.data_size_out as usize);
+        Ok((result.return_value, out, result.duration))
     }
 
     /// Runs `prog` once on `frame`: the verdict and the frame as the program left it.
@@ -146,19 +166,7 @@ impl Programs {
 
     /// [`Programs::run`], also returning how long the run took in the kernel.
     pub fn run_timed(&self, prog: &str, frame: &[u8]) -> (u32, Vec<u8>, Duration) {
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = self
-            .prog(prog)
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                repeat: 1,
-                ..Default::default()
-            })
-            .with_context(|| format!("BPF_PROG_TEST_RUN of {prog}"))
-            .unwrap();
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out, result.duration)
+        self.test_run(prog, frame, None, 1).unwrap()
     }
 
     /// Runs the tc program `prog` once on `frame` as if it arrived on (or left by) interface
@@ -169,50 +177,25 @@ impl Programs {
         // accepts only a few fields set (ifindex among them).
         let mut ctx = [0u8; 44];
         ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = self
-            .prog(prog)
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ctx_in: Some(&ctx),
-                repeat: 1,
-                ..Default::default()
-            })
-            .with_context(|| format!("BPF_PROG_TEST_RUN of {prog} on ifindex {ifindex}"))
+        let (verdict, out, _) = self
+            .test_run(prog, frame, Some(&ctx), 1)
+            .with_context(|| format!("on ifindex {ifindex}"))
             .unwrap();
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        (verdict, out)
     }
 
     /// Runs the XDP program once on `frame`, received on `ingress_ifindex` of the calling
     /// thread's network namespace (its route lookups are made there); `None`: on that
     /// namespace's loopback, as a test run without a context does.
     pub fn run_xdp(&self, frame: &[u8], ingress_ifindex: Option<u32>) -> (u32, Vec<u8>) {
-        let xdp: &Xdp = self
-            .ebpf
-            .program(ebpf::PROG_XDP)
-            .expect("program in the object")
-            .try_into()
-            .expect("an XDP program");
         // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
         // egress_ifindex (the kernel wants data_end = the frame's length, no metadata).
         let mut ctx = [0u8; 24];
         ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
         ctx[12..16].copy_from_slice(&ingress_ifindex.unwrap_or(0).to_ne_bytes());
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = xdp
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ctx_in: ingress_ifindex.map(|_| &ctx[..]),
-                repeat: 1,
-                ..Default::default()
-            })
-            .with_context(|| format!("BPF_PROG_TEST_RUN of {}", ebpf::PROG_XDP))
-            .unwrap();
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        let ctx = ingress_ifindex.map(|_| &ctx[..]);
+        let (verdict, out, _) = self.test_run(ebpf::PROG_XDP, frame, ctx, 1).unwrap();
+        (verdict, out)
     }
 
     /// Writes what the agent's attach thread writes for the external programs: the node
@@ -259,14 +242,18 @@ impl Programs {
 
     /// Runs `prog` `repeat` times on `frame` in the kernel; the mean time per run.
     pub fn time(&self, prog: &str, frame: &[u8], repeat: u32) -> anyhow::Result<Duration> {
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = self.prog(prog).test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            repeat,
-            ..Default::default()
-        })?;
-        Ok(result.duration)
+        self.time_verdict(prog, frame, repeat).map(|(_, took)| took)
+    }
+
+    /// [`Programs::time`], with the verdict of the runs.
+    pub fn time_verdict(
+        &self,
+        prog: &str,
+        frame: &[u8],
+        repeat: u32,
+    ) -> anyhow::Result<(u32, Duration)> {
+        let (verdict, _, took) = self.test_run(prog, frame, None, repeat)?;
+        Ok((verdict, took))
     }
 }
 

@@ -16,13 +16,13 @@ use std::{
 use anyhow::{Context, Result};
 use proxy_common::{SNAT_PORT_MAX, SNAT_PORT_MIN};
 use proxy_tests::{
-    BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, TcpConn,
-    agent::{AgentRun, AgentSource, edit_manifest},
+    EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, TcpConn,
+    agent::{AgentRun, edit_manifest},
     example::{
         FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
-        FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, MANIFEST,
+        FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, cluster_on,
     },
-    privileged, tcp_request, udp_request,
+    tcp_request, udp_request,
 };
 use proxy_userspace::manifest::Object;
 
@@ -30,22 +30,10 @@ fn at(ip: std::net::Ipv4Addr, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(ip), port)
 }
 
-/// The sandbox with its backends and an agent on each node given, each with `args`.
+/// The sandbox with its backends and an agent on each node given, each with `args`, each
+/// serving NodePorts.
 fn cluster(test: &str, nodes: &[&str], args: &[&str]) -> Option<(Sandbox, Vec<AgentRun>)> {
-    if !privileged(test) {
-        return None;
-    }
-    let mut sandbox = Sandbox::build().expect("building the sandbox");
-    sandbox
-        .start_backends(BACKEND_PORT)
-        .expect("starting the backends");
-    let agents: Vec<AgentRun> = nodes
-        .iter()
-        .map(|node| {
-            AgentRun::start_with_args(&mut sandbox, node, AgentSource::Manifest(MANIFEST), 5, args)
-                .expect("starting the agent")
-        })
-        .collect();
+    let (sandbox, agents) = cluster_on(test, nodes, args)?;
     for agent in &agents {
         let log = agent.log_text();
         assert!(

@@ -16,7 +16,6 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use aya::programs::{TestRun, TestRunOptions, Xdp};
 use clap::Parser;
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec},
@@ -206,27 +205,14 @@ struct XdpRow {
     new_remote: f64,
 }
 
-/// The XDP program `repeat` times on `frame`: the mean time per run.
+/// The XDP program `repeat` times on `frame`: the mean time per run (it must pass the frame
+/// on: anything else means the setup is wrong).
 fn time_xdp(p: &Programs, frame: &[u8], repeat: u32) -> anyhow::Result<Duration> {
-    let xdp: &Xdp = p
-        .ebpf
-        .program(proxy_userspace::ebpf::PROG_XDP)
-        .context("the XDP program")?
-        .try_into()?;
-    let mut out = vec![0u8; frame.len() + 256];
-    let result = xdp.test_run(TestRunOptions {
-        data_in: Some(frame),
-        data_out: Some(&mut out),
-        repeat,
-        ..Default::default()
-    })?;
-    if result.return_value != XDP_PASS {
-        bail!(
-            "the XDP program returned {} (not XDP_PASS)",
-            result.return_value
-        );
+    let (verdict, took) = p.time_verdict(proxy_userspace::ebpf::PROG_XDP, frame, repeat)?;
+    if verdict != XDP_PASS {
+        bail!("the XDP program returned {verdict} (not XDP_PASS)");
     }
-    Ok(result.duration)
+    Ok(took)
 }
 
 /// The XDP rows, on programs whose maps hold the external services of [`add_external`].
