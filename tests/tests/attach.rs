@@ -20,7 +20,7 @@ use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue};
 use proxy_tests::example::{DNS, MANIFEST as EXAMPLE};
 use proxy_tests::{
     BACKEND_PORT, HOST_IF_PATTERN, Pod, Sandbox,
-    agent::{AgentRun, AgentSource, TestCgroup, agent_bin},
+    agent::{AgentRun, TestCgroup, agent_bin},
     patience, privileged,
     programs::PrivateBpffs,
 };
@@ -69,17 +69,7 @@ fn new_pods_are_served_from_their_first_packet() {
     }
     let mut sandbox = Sandbox::build().expect("building the sandbox");
     sandbox.start_backends(BACKEND_PORT).unwrap();
-    // No XDP on node1's eth0 here (tc mode): this test times pod interfaces. With native XDP
-    // on the node's veth, the first query of a new pod went unanswered within its second now
-    // and then in the full test run (never alone); not understood yet (see issue 7's note).
-    let agent = AgentRun::start_with_args(
-        &mut sandbox,
-        "node1",
-        AgentSource::Manifest(EXAMPLE),
-        3,
-        &["--xdp-mode", "tc"],
-    )
-    .expect("starting the agent");
+    let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("starting the agent");
     for (name, octet) in [("new1", 21), ("new2", 22), ("new3", 23)] {
         let pod = sandbox.add_pod(name, "node1", octet).unwrap();
         assert_served(pod, || agent.log_text());
@@ -138,9 +128,6 @@ fn spawn_agent(
             HOST_IF_PATTERN,
             "--min-sync-period",
             "0s",
-            // As in the test above.
-            "--xdp-mode",
-            "tc",
         ])
         .args(["--healthz-bind-address", "", "--metrics-bind-address", ""])
         .args([
