@@ -2,14 +2,14 @@
 //! clients in the client pod.
 use std::{
     collections::BTreeSet,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     time::{Duration, Instant},
 };
 
 use proxy_tests::{
-    BACKEND_PORT, Sandbox, TcpConn, UdpConn,
+    BACKEND_PORT, NODE1_IP, Sandbox, TcpConn, UdpConn,
     agent::{AgentRun, edit_manifest, remove_endpoint, set_conditions},
-    example::{DNS, MANIFEST as EXAMPLE, REMOTE, WEB, cluster},
+    example::{DNS, FRONT_NODE_PORT, MANIFEST as EXAMPLE, REMOTE, WEB, cluster},
     privileged, tcp_request, tcp_session, udp_request, udp_session,
 };
 use proxy_userspace::manifest::Object;
@@ -372,6 +372,11 @@ fn an_agent_restart_keeps_flows_and_cleanup_removes_everything() {
         !attached.contains("tc_ingress") && !attached.contains("tc_egress"),
         "{attached}"
     );
+    // The external programs too: no XDP on node1's eth0, and its NodePort is not served.
+    let eth0 = sandbox.node1.ip(&["link", "show", "eth0"]).unwrap();
+    assert!(!eth0.contains("prog/xdp"), "{eth0}");
+    let node_port = SocketAddr::new(IpAddr::V4(NODE1_IP), FRONT_NODE_PORT);
+    assert!(tcp_request(&sandbox.ext, node_port, "hi").is_err());
     let left: Vec<_> = std::fs::read_dir(agent.bpffs.path())
         .unwrap()
         .map(|e| e.unwrap().file_name())

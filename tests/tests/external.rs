@@ -154,7 +154,7 @@ fn health_check(sandbox: &Sandbox, node_ip: std::net::Ipv4Addr) -> Result<(u16, 
 
 #[test]
 fn node_ports_load_balancers_and_external_ips_from_outside_and_from_pods() {
-    let Some((sandbox, _agents)) = cluster(
+    let Some((sandbox, agents)) = cluster(
         "node_ports_load_balancers_and_external_ips_from_outside_and_from_pods",
         &["node1", "node2"],
         &[],
@@ -209,6 +209,27 @@ fn node_ports_load_balancers_and_external_ips_from_outside_and_from_pods() {
     assert_eq!(whoami(client, FRONT_LOCAL_LB).unwrap().0, "be3");
     // The Service's cluster IP still works as before.
     assert!(whoami(client, FRONT).is_ok());
+    // What inspect shows of it: each frontend's kind and policy, and the translated flows.
+    let table = agents[0].inspect_cli("services", &[]).unwrap();
+    for line in [
+        "*:30080                  TCP   NodePort",
+        "203.0.113.10:80          TCP   LoadBalancer",
+        "198.51.100.10:80         TCP   ExternalIP",
+    ] {
+        assert!(table.contains(line), "{line:?} missing:\n{table}");
+    }
+    let local_lb = table
+        .lines()
+        .filter(|l| l.starts_with("203.0.113.11:80"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        local_lb.contains("[external traffic local]") && local_lb.contains("[in-cluster clients]"),
+        "{table}"
+    );
+    let flows = agents[0].inspect_cli("conntrack", &[]).unwrap();
+    assert!(flows.contains("(sent from 192.0.2.11:"), "{flows}");
+    assert!(flows.contains("(external)"), "{flows}");
     // Never on loopback (CVE-2020-8558): nothing listens on 127.0.0.1:30080 in node1.
     let node1 = sandbox.node("node1");
     assert!(tcp_request(node1, at([127, 0, 0, 1].into(), FRONT_NODE_PORT), "x").is_err());
@@ -310,4 +331,50 @@ fn wait_until(mut ok: impl FnMut() -> bool, what: &str) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The node's addresses are followed: one added within `--nodeport-addresses` serves NodePorts
+/// at once (address notifications), and is given up when it is removed.
+#[test]
+fn node_addresses_that_come_and_go_are_followed() {
+    let Some((sandbox, agents)) = cluster(
+        "node_addresses_that_come_and_go_are_followed",
+        &["node1"],
+        &["--nodeport-addresses", "192.0.2.0/24"],
+    ) else {
+        return;
+    };
+    let extra = std::net::Ipv4Addr::new(192, 0, 2, 21);
+    let node1 = sandbox.node("node1");
+    node1
+        .ip(&["addr", "add", "192.0.2.21/24", "dev", "eth0"])
+        .unwrap();
+    wait_until(
+        || agents[0].log_text().contains("192.0.2.21 (eth0)"),
+        "the new address to be taken",
+    );
+    let seen = whoami(&sandbox.ext, at(extra, FRONT_NODE_PORT)).unwrap();
+    assert!(seen.0 == "be2" || seen.0 == "be4", "{seen:?}");
+    node1
+        .ip(&["addr", "del", "192.0.2.21/24", "dev", "eth0"])
+        .unwrap();
+    wait_until(
+        || {
+            agents[0]
+                .log_text()
+                .matches("NodePorts answer on these addresses")
+                .count()
+                >= 3
+        },
+        "the address to be given up",
+    );
+    let log = agents[0].log_text();
+    let last = log
+        .lines()
+        .rfind(|l| l.contains("NodePorts answer on these addresses"))
+        .unwrap();
+    assert!(
+        last.contains("192.0.2.11 (eth0)") && !last.contains("192.0.2.21"),
+        "{last}"
+    );
 }
