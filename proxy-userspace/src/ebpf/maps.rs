@@ -419,6 +419,7 @@ impl ServiceMaps {
             return Err(e);
         }
         self.remove_ranges(fe, &stale_ranges)?;
+        self.ranges_written(fe, &wanted.source_ranges);
         if had_maglev && !maglev {
             self.remove_maglev(fe)?;
         }
@@ -582,14 +583,26 @@ impl ServiceMaps {
     }
 
     /// Writes the source ranges `wanted` of `fe`; returns those written before and no longer
-    /// wanted (for [`Self::remove_ranges`] once slot 0 is written).
+    /// wanted (for [`Self::remove_ranges`] once slot 0 is written). Until then `fe` is known
+    /// to hold both, so that what a failure leaves in the trie is removed by a later sync.
     fn write_ranges(
         &mut self,
         fe: &Frontend,
         wanted: &[(Ipv4Addr, u8)],
     ) -> anyhow::Result<Vec<(Ipv4Addr, u8)>> {
-        let had = self.ranges.get(fe).cloned().unwrap_or_default();
-        for range in wanted.iter().filter(|r| !had.contains(r)) {
+        if wanted.is_empty() && !self.ranges.contains_key(fe) {
+            return Ok(Vec::new()); // most frontends: none wanted, none held
+        }
+        let held = self.ranges.entry(*fe).or_default();
+        let stale = held
+            .iter()
+            .filter(|r| !wanted.contains(r))
+            .copied()
+            .collect();
+        for range in wanted {
+            if held.contains(range) {
+                continue;
+            }
             self.source_ranges
                 .insert(&range_key(fe, *range), 1, 0)
                 .with_context(|| {
@@ -600,13 +613,18 @@ impl ServiceMaps {
                         describe(fe)
                     )
                 })?;
+            held.push(*range);
         }
+        Ok(stale)
+    }
+
+    /// After slot 0 and [`Self::remove_ranges`]: `fe` holds `wanted` only.
+    fn ranges_written(&mut self, fe: &Frontend, wanted: &[(Ipv4Addr, u8)]) {
         if wanted.is_empty() {
             self.ranges.remove(fe);
         } else {
             self.ranges.insert(*fe, wanted.to_vec());
         }
-        Ok(had.into_iter().filter(|r| !wanted.contains(r)).collect())
     }
 
     fn remove_ranges(&mut self, fe: &Frontend, ranges: &[(Ipv4Addr, u8)]) -> anyhow::Result<()> {
