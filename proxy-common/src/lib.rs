@@ -77,7 +77,12 @@ pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// endpoints are sent from when they did not come to a node address (LoadBalancer and
 /// external IPs): the node's primary address.
 pub const CONFIG_SNAT_ADDR: u32 = 1;
-pub const CONFIG_ENTRIES: u32 = 2;
+/// [`MAP_CONFIG`] indexes of the first and last source port external flows to other nodes'
+/// endpoints are given (`--bpf-snat-port-range`); 0 (never written): [`SNAT_PORT_MIN`] and
+/// [`SNAT_PORT_MAX`].
+pub const CONFIG_SNAT_PORT_MIN: u32 = 2;
+pub const CONFIG_SNAT_PORT_MAX: u32 = 3;
+pub const CONFIG_ENTRIES: u32 = 4;
 /// [`MAP_AGENT_STATE`] index of the first backend id never handed out.
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
 /// [`MAP_AGENT_STATE`] index of the layout version of the pinned maps ([`LAYOUT_VERSION`]).
@@ -224,11 +229,20 @@ pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 64;
 /// program then leaves such packets to the tc program.
 pub const IFACE_XDP_FORWARD: u32 = 1;
 
-/// Source ports that external flows to other nodes' endpoints are translated to: above
-/// Linux's default ephemeral range (32768-60999), so that a translated flow never takes the
-/// 5-tuple of a connection the node itself opened to that endpoint.
-pub const SNAT_PORT_MIN: u16 = 61000;
-pub const SNAT_PORT_MAX: u16 = 65535;
+/// The default source ports external flows to other nodes' endpoints are translated to: below
+/// the NodePort range and Linux's ephemeral range (32768-60999), so that a translated flow
+/// never takes the 5-tuple of a connection the node itself opened to that endpoint; and wide,
+/// because a port is held per endpoint while its flow lives (and a little after, see
+/// [`SNAT_CLOSE_GRACE_NS`]).
+pub const SNAT_PORT_MIN: u16 = 1024;
+pub const SNAT_PORT_MAX: u16 = 29999;
+/// How long the port of a translated flow that closed stays taken, so that the flow's last
+/// packets (the final ACK, a retransmitted FIN) still reach the endpoint on it.
+pub const SNAT_CLOSE_GRACE_NS: u64 = 1_000_000_000;
+/// How long the port of a translated flow that the endpoint closed first stays taken: the
+/// endpoint holds the 5-tuple in TIME_WAIT that long (Linux's TCP_TIMEWAIT_LEN), and a new
+/// connection on it from another client could be refused there.
+pub const SNAT_TIME_WAIT_NS: u64 = 60_000_000_000;
 
 /// Entries of a Maglev table per [`MAP_MAGLEV`] value: a table of size M is stored in
 /// ceil(M / 1024) values keyed by the frontend with `slot` = the chunk's index.
@@ -358,6 +372,9 @@ pub const CT_EXTERNAL: u8 = 4;
 /// [`CtValue::flags`]: with [`CT_EXTERNAL`], sent to another node's endpoint from a node
 /// address and port ([`CtValue::nat_addr`]); its reply entry is keyed to that address.
 pub const CT_SNAT: u8 = 8;
+/// [`CtValue::flags`]: with [`CT_CLOSING`], the backend sent the first FIN: it now holds the
+/// flow's 5-tuple in TIME_WAIT (see [`SNAT_TIME_WAIT_NS`]).
+pub const CT_TIME_WAIT: u8 = 16;
 /// The source address of hairpin packets (a pod reaching itself through a service), so that
 /// its replies leave the pod and can be translated back; such a flow's reply entry is keyed
 /// pod -> this address. Link-local, never a pod's (Cilium uses the same).
@@ -398,7 +415,7 @@ pub struct CtValue {
     pub vport: Be16,
     /// [`CT_FORWARD`] or [`CT_REPLY`].
     pub direction: u8,
-    /// [`CT_CLOSING`], [`CT_FIN`], [`CT_EXTERNAL`], [`CT_SNAT`].
+    /// [`CT_CLOSING`], [`CT_FIN`], [`CT_EXTERNAL`], [`CT_SNAT`], [`CT_TIME_WAIT`].
     pub flags: u8,
     /// External flows: forward, the node address and port the flow is sent from
     /// ([`CT_SNAT`]); reply, the client's address and port. Zero otherwise.

@@ -12,12 +12,13 @@ use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
 };
 use proxy_common::{
-    BACKEND_DRAINING, Backend, Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FORWARD, CT_REPLY,
-    CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_CLOSING,
+    CT_EXTERNAL, CT_FIN, CT_FORWARD, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR,
+    IPPROTO_TCP, SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS,
 };
 
 use crate::{
-    maps::{BACKENDS, CONNTRACK},
+    maps::{BACKENDS, CONFIG, CONNTRACK},
     packet::Flow,
 };
 
@@ -66,14 +67,21 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     let reply = CONNTRACK
         .get_ptr_mut(reply_key)
         .map(|r| unsafe { &mut *r })
-        .filter(|r| r.direction == CT_REPLY && r.backend_id == entry.backend_id);
+        .filter(|r| {
+            r.direction == CT_REPLY
+                && r.backend_id == entry.backend_id
+                && (snat.is_none() || (r.nat_addr, r.nat_port) == (key.saddr, key.sport))
+        });
     match reply {
         Some(reply) => touch(entry, Some(reply), flow, now),
+        // A closed flow whose port went to a newer flow is over: a late packet of it is taken
+        // as one after its end (a new flow), and never takes the port back.
+        None if snat.is_some() && entry.flags & CT_CLOSING != 0 => return None,
         None => {
             touch(entry, None, flow, now);
             let mut reply = *entry;
             reply.direction = CT_REPLY;
-            reply.flags &= CT_CLOSING | CT_EXTERNAL | CT_SNAT;
+            reply.flags &= CT_CLOSING | CT_EXTERNAL | CT_SNAT | CT_TIME_WAIT;
             reply.packets = 0;
             if entry.flags & CT_EXTERNAL != 0 {
                 (reply.nat_addr, reply.nat_port) = (key.saddr, key.sport);
@@ -88,6 +96,7 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
 /// one lifetime, whichever side speaks), and TCP teardown is followed: a RST, or a FIN from each
 /// side, closes the flow. A closed flow is not refreshed any more: it ends
 /// [`proxy_common::CT_LIFETIME_CLOSING_NS`] after it closed, whatever either side still sends.
+/// Closed by the client's FIN coming last, the backend closed first: [`CT_TIME_WAIT`].
 #[inline(always)]
 fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64) {
     this.packets += 1;
@@ -98,16 +107,22 @@ fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64)
     if flow.fin() {
         this.flags |= CT_FIN;
     }
-    let mut closed = flow.rst();
-    if let Some(other) = other {
-        other.last_seen_ns = now;
-        closed |= this.flags & other.flags & CT_FIN != 0;
-        if closed {
-            other.flags |= CT_CLOSING;
+    let Some(other) = other else {
+        if flow.rst() {
+            this.flags |= CT_CLOSING;
         }
-    }
-    if closed {
-        this.flags |= CT_CLOSING;
+        return;
+    };
+    other.last_seen_ns = now;
+    let closed_by_fins = this.flags & other.flags & CT_FIN != 0;
+    if flow.rst() || closed_by_fins {
+        let time_wait = if !flow.rst() && this.direction == CT_FORWARD {
+            CT_TIME_WAIT
+        } else {
+            0
+        };
+        this.flags |= CT_CLOSING | time_wait;
+        other.flags |= CT_CLOSING | time_wait;
     }
 }
 
@@ -176,8 +191,8 @@ pub fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64, ex
 const SNAT_TRIES: u32 = 8;
 
 /// Records a new external flow sent to another node's endpoint from `node` and a free port
-/// (one that no live flow to the same endpoint uses from `node`), and returns that port.
-/// `None` when none was found: the packet is dropped and the client retries.
+/// (see [`port_free`]) of the configured range, and returns that port. `None` when none was
+/// found: the packet is dropped and the client retries.
 #[inline(always)]
 pub fn record_snat_flow(
     key: &CtKey,
@@ -195,9 +210,10 @@ pub fn record_snat_flow(
         nat_port: key.sport,
         ..forward
     };
-    let range = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
+    let (min, max) = snat_ports();
+    let range = u32::from(max - min) + 1;
     for _ in 0..SNAT_TRIES {
-        let port = Be16::new(SNAT_PORT_MIN + (unsafe { bpf_get_prandom_u32() } % range) as u16);
+        let port = Be16::new(min + (unsafe { bpf_get_prandom_u32() } % range) as u16);
         let reply_key = CtKey {
             saddr: backend.addr,
             daddr: node,
@@ -206,10 +222,10 @@ pub fn record_snat_flow(
             proto: key.proto,
             pad: [0; 3],
         };
-        // A live flow holds this port (for this endpoint): another one. An expired one is
-        // overwritten; a free one is taken only if no other CPU took it meanwhile.
+        // A flow holds this port (for this endpoint): another one. A flow's that no longer
+        // does is overwritten; an unused one is taken only if no other CPU took it meanwhile.
         let flags = match unsafe { CONNTRACK.get(reply_key) } {
-            Some(old) if !old.expired(key.proto, now) => continue,
+            Some(old) if !port_free(old, key.proto, now) => continue,
             Some(_) => BPF_ANY,
             None => BPF_NOEXIST,
         };
@@ -221,6 +237,37 @@ pub fn record_snat_flow(
         return Some(port);
     }
     None
+}
+
+/// The configured source port range of translated flows (the defaults until the agent wrote
+/// one).
+#[inline(always)]
+fn snat_ports() -> (u16, u16) {
+    let min = CONFIG.get(CONFIG_SNAT_PORT_MIN).copied().unwrap_or(0) as u16;
+    let max = CONFIG.get(CONFIG_SNAT_PORT_MAX).copied().unwrap_or(0) as u16;
+    if min == 0 || max < min {
+        (SNAT_PORT_MIN, SNAT_PORT_MAX)
+    } else {
+        (min, max)
+    }
+}
+
+/// Whether `old`, the reply entry of an earlier translated flow on a port (to the same
+/// endpoint), leaves that port to a new flow: its flow went idle past its lifetime, or closed
+/// more than [`SNAT_CLOSE_GRACE_NS`] ago ([`SNAT_TIME_WAIT_NS`] if the endpoint closed first).
+/// Reusing closed flows' ports is what lets one node carry thousands of short connections a
+/// second to one endpoint.
+#[inline(always)]
+fn port_free(old: &CtValue, proto: u8, now: u64) -> bool {
+    if old.flags & CT_CLOSING == 0 {
+        return old.expired(proto, now);
+    }
+    let hold = if old.flags & CT_TIME_WAIT != 0 {
+        SNAT_TIME_WAIT_NS
+    } else {
+        SNAT_CLOSE_GRACE_NS
+    };
+    now.saturating_sub(old.last_seen_ns) > hold
 }
 
 /// The reply entry of `flow` (a backend's packet to `client`) if its flow is live, touched along

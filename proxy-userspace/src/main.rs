@@ -8,7 +8,7 @@ use proxy_userspace::{
     duration::parse_duration,
     ebpf::{
         EbpfDataplane, ExternalConfig, MapSizes, WriterConfig,
-        external::{NodePortAddresses, XdpMode},
+        external::{NodePortAddresses, SnatPorts, XdpMode},
     },
     inspect, maglev,
     model::LbAlgorithm,
@@ -99,6 +99,12 @@ struct AgentArgs {
     /// XDP, or `tc` only (the same logic on tc ingress, for NICs or kernels where XDP fails).
     #[arg(long, value_enum, default_value = "native")]
     xdp_mode: XdpMode,
+    /// Source ports of external flows sent to another node's endpoint (from this node's
+    /// address): FIRST-LAST, outside the node's ephemeral ports (ip_local_port_range). A port
+    /// is held per endpoint while its flow lives, and a second after it closes (a minute if the
+    /// endpoint closed first), so the width bounds the new connections a second to one endpoint.
+    #[arg(long, default_value_t = SnatPorts::default())]
+    bpf_snat_port_range: SnatPorts,
     /// Size of the services map (one entry per service port and one per backend of each).
     #[arg(long, default_value_t = MapSizes::default().services)]
     bpf_services_max: u32,
@@ -224,6 +230,7 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                         addresses: args.nodeport_addresses.clone(),
                         primary: node_ips.to_vec(),
                         mode: args.xdp_mode,
+                        snat_ports: args.bpf_snat_port_range,
                     },
                     &args.bpf_cgroup_path,
                 )?;

@@ -17,8 +17,8 @@ use aya::{
     programs::{Program, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    Be32, CONFIG_SNAT_ADDR, CtKey, CtValue, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS,
-    MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
+    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue, MAP_CONFIG,
+    MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
 };
 use proxy_userspace::{
     dataplane::Scope,
@@ -216,6 +216,18 @@ impl Programs {
         let mut config: Array<_, u32> = Map::Array(data).try_into().unwrap();
         config
             .set(CONFIG_SNAT_ADDR, Be32::from_octets(snat.octets()).raw(), 0)
+            .unwrap();
+    }
+
+    /// Sets the source port range of translated flows (`--bpf-snat-port-range`).
+    pub fn set_snat_ports(&self, first: u16, last: u16) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_CONFIG)).expect("config");
+        let mut config: Array<_, u32> = Map::Array(data).try_into().unwrap();
+        config
+            .set(CONFIG_SNAT_PORT_MIN, u32::from(first), 0)
+            .unwrap();
+        config
+            .set(CONFIG_SNAT_PORT_MAX, u32::from(last), 0)
             .unwrap();
     }
 

@@ -425,6 +425,9 @@ pub struct Entry {
     /// The flow is over (a RST, or a FIN each way): it lives on for the closing lifetime only,
     /// and is not refreshed.
     pub closing: bool,
+    /// Closed by the client's FIN coming last: the backend closed first (and holds the 5-tuple
+    /// in TIME_WAIT).
+    pub time_wait: bool,
     /// Model time of the last refresh.
     pub last_seen: u64,
     /// Refreshed (or written) by a packet since [`Model::clear_refreshed`]. For the harness,
@@ -924,6 +927,7 @@ impl Model {
             vport: t.dport,
             fin: false,
             closing: false,
+            time_wait: false,
             last_seen: self.now,
             refreshed: true,
             backend: (c.addr, c.port),
@@ -984,17 +988,22 @@ impl Model {
         e.last_seen = now;
         e.refreshed = true;
         e.fin |= h.fin();
-        let this_fin = e.fin;
+        let (this_fin, forward) = (e.fin, e.direction == Direction::Forward);
         let mut closed = h.rst();
+        let mut time_wait = false;
         if let Some(other) = other {
             let o = self.conntrack.get_mut(other).expect("touching an entry");
             o.last_seen = now;
             o.refreshed = true;
             closed |= this_fin && o.fin;
+            time_wait = closed && !h.rst() && forward;
             o.closing |= closed;
+            o.time_wait |= time_wait;
         }
         if closed {
-            self.conntrack.get_mut(this).unwrap().closing = true;
+            let e = self.conntrack.get_mut(this).unwrap();
+            e.closing = true;
+            e.time_wait |= time_wait;
             notes.push(Note::Closed);
         }
     }

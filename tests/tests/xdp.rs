@@ -15,9 +15,9 @@ use std::{
 };
 
 use proxy_common::{
-    Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_REPLY, CT_SNAT, CtKey, CtValue,
-    DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE,
-    IFACE_XDP_FORWARD, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey,
+    CtValue, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE,
+    IFACE_XDP_FORWARD,
 };
 use proxy_tests::{
     NS_PREFIX, Netns,
@@ -33,6 +33,11 @@ use proxy_userspace::{
     inspect::monotonic_ns,
     model::{DesiredState, Protocol},
 };
+
+/// The translated flows' source ports here (`--bpf-snat-port-range`): narrower than the
+/// default, so that collisions are frequent and the range can be filled.
+const SNAT_PORT_MIN: u16 = 61000;
+const SNAT_PORT_MAX: u16 = 65535;
 
 /// This node ("node1"): its primary address (the SNAT address) and a second one, both on ext0.
 const NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 10);
@@ -78,6 +83,7 @@ const SIZES: MapSizes = MapSizes {
 
 const ACK: u8 = 0x10;
 const SYN_ACK: u8 = 0x12;
+const FIN_ACK: u8 = 0x11;
 
 /// The programs, programmed with some services, and a network namespace for their route
 /// lookups: ext0 (192.168.0.10 and .11/24, default route via the router, node2's pods via
@@ -171,6 +177,7 @@ fn lab_with(state: DesiredState) -> Lab {
     });
     assert!(ext0 != 0 && ext1 != 0, "the lab's interfaces");
     p.set_node_addrs(&[NODE, NODE_B], NODE);
+    p.set_snat_ports(SNAT_PORT_MIN, SNAT_PORT_MAX);
     p.set_external_iface(ext0, IFACE_XDP_FORWARD);
     p.set_external_iface(ext1, IFACE_XDP_FORWARD);
     Lab { p, ns, ext0, ext1 }
@@ -711,15 +718,112 @@ fn snat_ports_held_by_live_flows_are_skipped_and_can_run_out() {
     assert_eq!(lab.xdp(&frame).0, XDP_DROP);
     assert_eq!(lab.tc("tc_external_ingress", &frame).0, TC_ACT_SHOT);
     assert_eq!(lab.p.drops(DROP_SNAT_PORTS_EXHAUSTED), 2);
-    // Their flows closed long ago (expired): the ports are free again.
-    if monotonic_ns() < 11_000_000_000 {
-        eprintln!("\nSKIPPED the rest of this test: the clock started less than 11 s ago\n");
+}
+
+/// A closed flow's port goes to a new flow a second after the close, or a minute after if the
+/// endpoint closed first (it holds the 5-tuple in TIME_WAIT); a late packet of the old flow
+/// then never takes the port back.
+#[test]
+fn a_closed_flows_port_is_given_again_after_the_endpoint_is_done_with_it() {
+    let eps = [(REMOTE_BE, TARGET, "node2")];
+    let Some(lab) = lab(
+        "a_closed_flows_port_is_given_again_after_the_endpoint_is_done_with_it",
+        &[node_port("web", NODE_PORT, &eps)],
+    ) else {
         return;
+    };
+    // Teardown through the programs: who closed first is recorded in both entries.
+    let mut closed = Vec::new();
+    for (client_port, endpoint_first) in [(44000, false), (44001, true)] {
+        let spec = Spec::tcp(CLIENT, client_port, NODE, NODE_PORT);
+        let (_, out) = lab.xdp(&from_client(&spec));
+        let sent = (NODE, snat_port(&out));
+        let fin = |s: Spec| Spec {
+            tcp_flags: FIN_ACK,
+            ..s
+        };
+        let client_fin = from_client(&fin(spec.clone()));
+        let endpoint_fin = on_wire(&fin(answer(&spec, (REMOTE_BE, TARGET), sent)), NODE2_MAC);
+        let order = if endpoint_first {
+            [&endpoint_fin, &client_fin]
+        } else {
+            [&client_fin, &endpoint_fin]
+        };
+        for frame in order {
+            assert_eq!(lab.xdp(frame).0, XDP_TX);
+        }
+        let want = CT_CLOSING | if endpoint_first { CT_TIME_WAIT } else { 0 };
+        let fwd = ct_key((CLIENT, client_port), (NODE, NODE_PORT), TCP);
+        let rev = ct_key((REMOTE_BE, TARGET), sent, TCP);
+        for key in [fwd, rev] {
+            let flags = lab.ct(key).expect("entry").flags;
+            assert_eq!(
+                flags & (CT_CLOSING | CT_TIME_WAIT),
+                want,
+                "endpoint closed first: {endpoint_first}, {key:?}"
+            );
+        }
+        closed.push((fwd, rev, spec));
     }
-    hold_ports(&lab, SNAT_PORT_MIN..=SNAT_PORT_MAX, CT_CLOSING, 0);
-    let (verdict, out) = lab.xdp(&frame);
+    // Every port held by a flow that closed some time ago: free or not.
+    let second = 1_000_000_000;
+    let now = monotonic_ns();
+    let cases = [
+        ("just closed", CT_CLOSING, 0, false),
+        (
+            "closed by the endpoint 2 s ago",
+            CT_CLOSING | CT_TIME_WAIT,
+            2 * second,
+            false,
+        ),
+        (
+            "closed by the endpoint 61 s ago",
+            CT_CLOSING | CT_TIME_WAIT,
+            61 * second,
+            true,
+        ),
+        ("closed by the client 2 s ago", CT_CLOSING, 2 * second, true),
+    ];
+    for (i, (what, flags, ago, free)) in cases.into_iter().enumerate() {
+        if ago > now {
+            eprintln!("\nSKIPPED case {what:?}: the clock started less than {ago} ns ago\n");
+            continue;
+        }
+        hold_ports(&lab, SNAT_PORT_MIN..=SNAT_PORT_MAX, flags, now - ago);
+        let frame = from_client(&Spec::tcp(CLIENT2, 40000 + i as u16, NODE, NODE_PORT));
+        let want = if free { XDP_TX } else { XDP_DROP };
+        assert_eq!(lab.xdp(&frame).0, want, "every port held by a flow {what}");
+    }
+    // The first flow above (the client closed first) closed 2 s ago; with its port the only
+    // one in the range, a new flow takes it.
+    let (old_fwd, old_rev, old_spec) = &closed[0];
+    let port = old_rev.dport.get();
+    let mut ct = lab.p.conntrack();
+    for key in [old_fwd, old_rev] {
+        let mut entry = ct.get(key, 0).unwrap();
+        entry.last_seen_ns = now - 2 * second;
+        ct.insert(key, entry, 0).unwrap();
+    }
+    lab.p.set_snat_ports(port, port);
+    let new = Spec::tcp(CLIENT2, 45000, NODE, NODE_PORT);
+    let (verdict, out) = lab.xdp(&from_client(&new));
+    assert_eq!((verdict, snat_port(&out)), (XDP_TX, port));
+    // A late packet of the old flow does not take the port back: the reply entry stays the new
+    // flow's, and the endpoint's replies on that port go to the new client.
+    let late = from_client(&Spec {
+        tcp_flags: ACK,
+        ..old_spec.clone()
+    });
+    lab.xdp(&late);
+    let rev = lab.ct(*old_rev).expect("the port's reply entry");
+    assert_eq!(
+        (rev.nat_addr, rev.nat_port),
+        (Be32::from_octets(CLIENT2.octets()), Be16::new(45000))
+    );
+    let reply = on_wire(&answer(&new, (REMOTE_BE, TARGET), (NODE, port)), NODE2_MAC);
+    let (verdict, back) = lab.xdp(&reply);
     assert_eq!(verdict, XDP_TX);
-    snat_port(&out);
+    assert_eq!(packet::read(&back).dport, 45000);
 }
 
 /// A reply whose flow is gone is not translated (and its entry goes): a later packet on that

@@ -38,12 +38,13 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    Be32, CONFIG_SNAT_ADDR, IFACE_XDP_FORWARD, MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
+    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, IFACE_XDP_FORWARD,
+    MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
 };
 
 use super::{
     PROG_EGRESS, PROG_EXT_EGRESS, PROG_EXT_INGRESS, PROG_INGRESS, PROG_XDP,
-    external::{self, InterfaceAddr, NodePortAddresses, XdpMode},
+    external::{self, InterfaceAddr, NodePortAddresses, SnatPorts, XdpMode},
     link_events::{LinkEvent, LinkEvents},
 };
 
@@ -75,6 +76,8 @@ pub struct ExternalConfig {
     /// The Node object's addresses (API source), for `primary`.
     pub primary: Vec<std::net::IpAddr>,
     pub mode: XdpMode,
+    /// `--bpf-snat-port-range`.
+    pub snat_ports: SnatPorts,
 }
 
 /// The BPF object (its programs) and the [`Attacher`], on a thread of their own: a matching
@@ -100,6 +103,11 @@ impl AttachThread {
         // Subscribed before listing: an interface appearing meanwhile is in one or the other.
         let events = LinkEvents::subscribe().context("subscribing to link notifications")?;
         let mut attacher = Attacher::new(pattern, pin_dir)?;
+        if let Ok(ephemeral) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            && let Some(warning) = external.snat_ports.ephemeral_overlap(&ephemeral)
+        {
+            tracing::warn!("{warning}");
+        }
         attacher.external = Some(external);
         attacher.scan(&mut ebpf)?;
         let (stop, stopped) = UnixStream::pair()?;
@@ -324,6 +332,15 @@ impl Attacher {
         config
             .set(CONFIG_SNAT_ADDR, primary, 0)
             .context("writing the SNAT address")?;
+        let ports = self
+            .external
+            .as_ref()
+            .map(|e| e.snat_ports)
+            .unwrap_or_default();
+        config
+            .set(CONFIG_SNAT_PORT_MIN, u32::from(ports.first), 0)
+            .and_then(|()| config.set(CONFIG_SNAT_PORT_MAX, u32::from(ports.last), 0))
+            .context("writing the SNAT port range")?;
         let shown: Vec<String> = selected
             .iter()
             .map(|a| format!("{} ({})", a.addr, a.interface))

@@ -1,14 +1,7 @@
 //! `cargo xtask bench external`: short TCP connections from outside the cluster (the sandbox's
 //! `ext`) through NodePorts, against the same pods reached straight (ext routes the pod network
 //! through node1), in one run. Each connection: connect, one request line, its reply, close;
-//! several client threads, fixed seconds a round.
-//!
-//! The direct rounds run before the NodePort ones, not interleaved: with a NodePort flow to a
-//! local endpoint the client's address and port reach the pod unchanged (no source port
-//! remapping, unlike netfilter's NAT), so a direct connection that reuses the port of a NodePort
-//! connection just closed meets the pod on the same 4-tuple; measured interleaved, most direct
-//! connections then took a SYN retransmit (about 1 s). Not understood yet; see the closing note
-//! of issue 7.
+//! several client threads, fixed seconds a round, direct and NodePort rounds interleaved.
 use std::{
     net::{IpAddr, SocketAddr},
     sync::atomic::{AtomicBool, AtomicU64, Ordering},
@@ -77,28 +70,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     for pair in &pairs {
         let (mut direct, mut through) = (Vec::new(), Vec::new());
         let mut failures = (Failures::default(), Failures::default());
-        // Not interleaved: direct connections right after NodePort ones from the same client
-        // ports meet the backend on the same 4-tuples, and at these rates many then wait for a
-        // SYN retransmit (see the module documentation).
         for round in 0..opts.rounds {
-            eprint!(
-                "\r  {}: direct, round {}/{} ",
-                pair.name,
-                round + 1,
-                opts.rounds
-            );
+            eprint!("\r  {}: round {}/{} ", pair.name, round + 1, opts.rounds);
             direct.push(rate(&sandbox, &pair.pods, opts, &mut failures.0)?);
-        }
-        for round in 0..opts.rounds {
-            eprint!(
-                "\r  {}: NodePort, round {}/{} ",
-                pair.name,
-                round + 1,
-                opts.rounds
-            );
             through.push(rate(&sandbox, &[pair.node_port], opts, &mut failures.1)?);
         }
-        eprint!("\r{:60}\r", "");
+        eprint!("\r{:80}\r", "");
         let (d, t) = (median(&mut direct), median(&mut through));
         println!("{:<48} {:>14.0} {:>14.0} {:>8.2}", pair.name, d, t, t / d);
     }
