@@ -90,6 +90,7 @@ pub fn handler(health: Arc<ProxyHealth>) -> Arc<dyn Fn(&str) -> Response + Send 
                     "503 Service Unavailable"
                 },
                 content_type: "application/json",
+                headers: Vec::new(),
                 body: s.body,
             }
         }

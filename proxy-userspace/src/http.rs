@@ -12,6 +12,8 @@ use tokio::{
 pub struct Response {
     pub status: &'static str,
     pub content_type: &'static str,
+    /// Headers beyond the fixed ones (name, value).
+    pub headers: Vec<(&'static str, String)>,
     pub body: String,
 }
 
@@ -20,6 +22,7 @@ impl Response {
         Self {
             status: "404 Not Found",
             content_type: "text/plain",
+            headers: Vec::new(),
             body: "404 page not found\n".into(),
         }
     }
@@ -60,8 +63,13 @@ pub async fn serve(
             let request = String::from_utf8_lossy(&buf[..n]);
             let path = request.split_whitespace().nth(1).unwrap_or("");
             let r = handler(path.split('?').next().unwrap_or(""));
+            let extra: String = r
+                .headers
+                .iter()
+                .map(|(name, value)| format!("{name}: {value}\r\n"))
+                .collect();
             let response = format!(
-                "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+                "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{}",
                 r.status,
                 r.content_type,
                 r.body.len(),

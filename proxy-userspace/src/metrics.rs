@@ -169,6 +169,7 @@ pub fn handler() -> Arc<dyn Fn(&str) -> Response + Send + Sync> {
         "/metrics" => Response {
             status: "200 OK",
             content_type: "text/plain; version=0.0.4; charset=utf-8",
+            headers: Vec::new(),
             body: METRICS.render(),
         },
         _ => Response::not_found(),

@@ -19,10 +19,12 @@
 //! connections included. A port that cannot be bound is logged once (per Service and port)
 //! and retried at every sync, as kube-proxy retries it; it never stops the agent.
 //!
-//! Listeners bind 0.0.0.0 (kube-proxy binds the node's addresses per `--nodeport-addresses`,
-//! by default all of them; that flag is not implemented here yet, nor IPv6). kube-proxy also
-//! sends the count in an `X-Load-Balancing-Endpoint-Weight` header since 1.28; [`crate::http`]
-//! writes a fixed set of headers, so that one is not sent yet.
+//! The count also goes in an `X-Load-Balancing-Endpoint-Weight` header (kube-proxy's, since
+//! 1.28), for load balancers that weigh nodes by it.
+//!
+//! Listeners bind 0.0.0.0: every address of the node, as kube-proxy does when
+//! `--nodeport-addresses` matches all of them. With a narrower `--nodeport-addresses` kube-proxy
+//! binds only the selected addresses; here they stay on all of them (not done yet), nor IPv6.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -105,6 +107,11 @@ pub fn response(service: &NamespacedName, local_endpoints: usize, proxy_healthy:
     Response {
         status,
         content_type: "application/json",
+        // Cloud load balancers that weigh nodes read it (kube-proxy sends it since 1.28).
+        headers: vec![(
+            "X-Load-Balancing-Endpoint-Weight",
+            local_endpoints.to_string(),
+        )],
         body,
     }
 }
@@ -464,8 +471,11 @@ spec:
         assert_eq!(code, 200, "{a}");
         assert!(a.contains("Content-Type: application/json\r\n"), "{a}");
         assert!(a.contains("X-Content-Type-Options: nosniff\r\n"), "{a}");
+        assert!(a.contains("X-Load-Balancing-Endpoint-Weight: 1\r\n"), "{a}");
         assert!(a.contains("\"name\": \"a\"") && a.contains("\"localEndpoints\": 1"));
-        assert_eq!(get(p2).await.expect("b listens").0, 503);
+        let (code, b) = get(p2).await.expect("b listens");
+        assert_eq!(code, 503);
+        assert!(b.contains("X-Load-Balancing-Endpoint-Weight: 0\r\n"), "{b}");
 
         // A connection to b, open across the next sync, is still answered: b is left alone.
         let to_b = tokio::net::TcpStream::connect((LOCALHOST, p2))
