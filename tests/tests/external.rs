@@ -207,6 +207,13 @@ fn node_ports_load_balancers_and_external_ips_from_outside_and_from_pods() {
         "be3"
     );
     assert_eq!(whoami(client, FRONT_LOCAL_LB).unwrap().0, "be3");
+    // A pod reaching itself through its own node's NodePort and LoadBalancer address (its only
+    // endpoint): hairpin, the reply from the frontend.
+    let be3 = &sandbox.pod("be3").ns;
+    for addr in [at(NODE1_IP, FRONT_LOCAL_NODE_PORT), FRONT_LOCAL_LB] {
+        let (name, _) = whoami(be3, addr).unwrap_or_else(|e| panic!("be3 to {addr}: {e:#}"));
+        assert_eq!(name, "be3", "{addr}");
+    }
     // The Service's cluster IP still works as before.
     assert!(whoami(client, FRONT).is_ok());
     // What inspect shows of it: each frontend's kind and policy, and the translated flows.

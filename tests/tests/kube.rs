@@ -13,7 +13,7 @@ use std::{
 };
 
 use proxy_tests::{
-    BACKEND_PORT, Sandbox,
+    BACKEND_PORT, NODE1_IP, Sandbox,
     agent::{AgentRun, AgentSource},
     apiserver::{self, ApiServer},
     privileged, rbac, tcp_request,
@@ -329,15 +329,19 @@ fn the_agent_serves_services_created_through_the_api() {
         .unwrap()
         .unwrap();
     let api = ApiServer::start_with_listener(listener).unwrap();
-    api.apply(apiserver::node("node1", "192.0.2.11"));
+    api.apply(apiserver::node("node1", &NODE1_IP.to_string()));
+    // A second address on the default route's interface: the Node object names only the first,
+    // so NodePorts answer there alone (without the Node, both would be taken).
+    sandbox
+        .node1
+        .ip(&["addr", "add", "192.0.2.111/24", "dev", "eth0"])
+        .unwrap();
     let agent = AgentRun::start_from(&mut sandbox, "node1", AgentSource::Api(&api), 0).unwrap();
 
-    api.apply(apiserver::service(
-        "demo",
-        "web",
-        "10.96.0.10",
-        &[("http", 80, "TCP", 8080)],
-    ));
+    let mut web = apiserver::service("demo", "web", "10.96.0.10", &[("http", 80, "TCP", 8080)]);
+    web["spec"]["type"] = "NodePort".into();
+    web["spec"]["ports"][0]["nodePort"] = 30090.into();
+    api.apply(web);
     api.apply(apiserver::endpoint_slice(
         "demo",
         "web-1",
@@ -361,6 +365,15 @@ fn the_agent_serves_services_created_through_the_api() {
         .map(|_| tcp_request(client, vip, "hi").unwrap().trim().to_owned())
         .collect();
     assert_eq!(seen, set(&["be1", "be2", "be4"]));
+    // The NodePort, from outside, on the Node object's address only.
+    let log = agent.log_text();
+    assert!(
+        log.contains("addresses=192.0.2.11 (eth0)") && !log.contains("192.0.2.111"),
+        "NodePorts should answer on the Node's InternalIP alone:\n{log}"
+    );
+    let node_port = SocketAddr::from((NODE1_IP, 30090));
+    let answer = tcp_request(&sandbox.ext, node_port, "hi").unwrap();
+    assert!(seen.contains(answer.trim()), "{answer}");
 
     let (code, body) = agent.healthz(&sandbox, "/healthz").unwrap();
     assert_eq!(code, 200, "{body}");
