@@ -146,8 +146,15 @@ pub async fn run(
     let health_check_server = tokio::spawn(service_health::run(health.clone(), watched));
     // The first sync, periodic resyncs and retries after a failure look at everything.
     let mut full = true;
+    // Trigger times of the changes applied but not yet programmed (a failed sync keeps them).
+    let mut triggers = Vec::new();
     let sync = move || {
-        let changed = tracker.lock().unwrap().apply(&mut state);
+        let changed = {
+            let mut tracker = tracker.lock().unwrap();
+            let changed = tracker.apply(&mut state);
+            triggers.extend(tracker.take_trigger_times());
+            changed
+        };
         let scope = if full || changed.is_empty() {
             Scope::All
         } else {
@@ -177,6 +184,8 @@ pub async fn run(
                     Scope::Changed(c) => tracing::info!(changed = c.len(), ?elapsed, "sync done"),
                 }
                 full = false;
+                METRICS.programmed(&triggers);
+                triggers.clear();
                 // Replaced even when equal: each sync retries the ports that failed to bind.
                 health_checks.send_replace(service_health::health_checks(&state));
             }

@@ -12,6 +12,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointSlice};
@@ -421,6 +422,11 @@ impl ServiceUpdate {
     }
 }
 
+/// The annotation the EndpointSlice controller sets to the time of the change (a Pod or the
+/// Service) that produced the slice's version: where kube-proxy's network programming latency
+/// starts.
+pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
 /// An EndpointSlice reduced to what the tracker records of it; see [`ServiceUpdate`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct SliceUpdate {
@@ -429,6 +435,8 @@ pub struct SliceUpdate {
     info: Option<Arc<SliceInfo>>,
     /// The endpoints left out of it.
     skipped: Vec<SkippedEndpoint>,
+    /// [`LAST_CHANGE_TRIGGER_TIME`], when the slice has a valid one.
+    trigger_time: Option<SystemTime>,
 }
 
 impl SliceUpdate {
@@ -445,7 +453,19 @@ impl SliceUpdate {
             Some((info, skipped)) => (Some(Arc::new(info)), skipped),
             None => (None, Vec::new()),
         };
-        Ok(Self { key, info, skipped })
+        let trigger_time = slice
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME))
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+            .map(SystemTime::from);
+        Ok(Self {
+            key,
+            info,
+            skipped,
+            trigger_time,
+        })
     }
 }
 
@@ -474,11 +494,28 @@ pub struct ChangeTracker {
     /// Services with changes not yet applied -> their inputs as last applied (`previous`); the
     /// live maps above are `current`.
     pending: HashMap<NamespacedName, Inputs>,
+    /// The trigger times of the pending changes' slices, by service (see
+    /// [`ChangeTracker::take_trigger_times`]).
+    trigger_times: HashMap<NamespacedName, Vec<SystemTime>>,
+    /// Trigger times before this are ignored: a slice listed at start may carry one from long
+    /// ago (kube-proxy's rule). None: every one counts.
+    started: Option<SystemTime>,
 }
 
 impl ChangeTracker {
     pub fn new() -> Self {
-        Self::default()
+        // In whole seconds, as trigger times are written: a change made in the second the
+        // tracker started counts.
+        let now = SystemTime::now();
+        let into_second = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(std::time::Duration::ZERO, |d| {
+                std::time::Duration::from_nanos(d.subsec_nanos().into())
+            });
+        Self {
+            started: Some(now - into_second),
+            ..Self::default()
+        }
     }
 
     /// Records the latest version of a Service. A service that is not proxied (see
@@ -547,6 +584,15 @@ impl ChangeTracker {
             }
             t.slices.insert(key.clone(), Arc::clone(info));
         });
+        if let Some(time) = update.trigger_time
+            && self.pending.contains_key(owner)
+            && self.started.is_none_or(|started| time >= started)
+        {
+            self.trigger_times
+                .entry(owner.clone())
+                .or_default()
+                .push(time);
+        }
         new
     }
 
@@ -579,6 +625,20 @@ impl ChangeTracker {
     /// [`apply`]: ChangeTracker::apply
     pub fn has_pending(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    /// The trigger times ([`LAST_CHANGE_TRIGGER_TIME`]) of the slice changes that the last
+    /// [`apply`] took, for the network programming latency once they are programmed. Changes
+    /// that cancelled out left none.
+    ///
+    /// [`apply`]: ChangeTracker::apply
+    pub fn take_trigger_times(&mut self) -> Vec<SystemTime> {
+        let pending = &self.pending;
+        let (taken, kept) = std::mem::take(&mut self.trigger_times)
+            .into_iter()
+            .partition(|(service, _)| !pending.contains_key(service));
+        self.trigger_times = kept;
+        taken.into_values().flatten().collect()
     }
 
     /// Applies pending changes to `state`; returns every ServicePortName whose service port or
@@ -632,6 +692,7 @@ impl ChangeTracker {
         mutate(self);
         if self.pending.get(service) == Some(&self.inputs(service)) {
             self.pending.remove(service);
+            self.trigger_times.remove(service);
         }
     }
 
@@ -1118,6 +1179,8 @@ fn endpoint_ip(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn service(yaml: &str) -> Service {
@@ -1188,6 +1251,71 @@ endpoints: {endpoints}
             .iter()
             .map(|ep| format!("{}:{}", ep.ip, ep.port))
             .collect()
+    }
+
+    /// `web_slice` with a last-change-trigger-time annotation.
+    fn triggered_slice(name: &str, ips: &[&str], at: SystemTime) -> EndpointSlice {
+        let mut slice = web_slice(name, ips);
+        let at = k8s_openapi::jiff::Timestamp::try_from(at).unwrap();
+        slice.metadata.annotations =
+            Some([(LAST_CHANGE_TRIGGER_TIME.to_string(), at.to_string())].into());
+        slice
+    }
+
+    #[test]
+    fn trigger_times_of_applied_slice_changes_are_handed_out_once() {
+        let mut tracker = ChangeTracker::new();
+        let mut state = DesiredState::default();
+        let now = SystemTime::now();
+        let later = now + Duration::from_secs(1);
+        // Before the tracker started (a slice listed at start): not counted.
+        let old = now - Duration::from_secs(3600);
+        tracker
+            .update_slice(&triggered_slice("web-1", &["10.244.1.11"], old))
+            .unwrap();
+        tracker.apply(&mut state);
+        assert!(tracker.take_trigger_times().is_empty());
+
+        tracker
+            .update_slice(&triggered_slice("web-1", &["10.244.1.12"], now))
+            .unwrap();
+        tracker
+            .update_slice(&triggered_slice("web-2", &["10.244.1.13"], later))
+            .unwrap();
+        // Not applied yet: kept for the sync that will take the change.
+        assert!(tracker.take_trigger_times().is_empty());
+        tracker.apply(&mut state);
+        let mut taken = tracker.take_trigger_times();
+        taken.sort();
+        // The annotation has second precision here (RFC 3339 as the controller writes it).
+        let secs = |t: &SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs();
+        assert_eq!(
+            taken.iter().map(secs).collect::<Vec<_>>(),
+            [secs(&now), secs(&later)]
+        );
+        assert!(tracker.take_trigger_times().is_empty(), "handed out twice");
+
+        // A change undone before it was applied programs nothing: no latency to report.
+        tracker
+            .update_slice(&triggered_slice("web-2", &["10.244.1.14"], later))
+            .unwrap();
+        tracker
+            .update_slice(&triggered_slice("web-2", &["10.244.1.13"], later))
+            .unwrap();
+        tracker.apply(&mut state);
+        assert!(tracker.take_trigger_times().is_empty());
+        // A slice without the annotation (or with a malformed one) has none.
+        let mut bad = web_slice("web-2", &["10.244.1.15"]);
+        bad.metadata.annotations = Some(
+            [(
+                LAST_CHANGE_TRIGGER_TIME.to_string(),
+                "yesterday".to_string(),
+            )]
+            .into(),
+        );
+        tracker.update_slice(&bad).unwrap();
+        tracker.apply(&mut state);
+        assert!(tracker.take_trigger_times().is_empty());
     }
 
     #[test]

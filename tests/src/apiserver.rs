@@ -1698,6 +1698,8 @@ pub fn endpoint_slice(
                 "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
                 "kubernetes.io/service-name": service,
             },
+            // The controller stamps the time of the change that made this version.
+            "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": now_rfc3339()},
         },
         "addressType": "IPv4",
         "endpoints": or_null(endpoints),

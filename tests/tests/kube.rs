@@ -365,6 +365,18 @@ fn the_agent_serves_services_created_through_the_api() {
         .map(|_| tcp_request(client, vip, "hi").unwrap().trim().to_owned())
         .collect();
     assert_eq!(seen, set(&["be1", "be2", "be4"]));
+    // The slice's change reached the datapath: kube-proxy's network programming latency has it
+    // (its trigger time has second precision: at most a few seconds here).
+    let metrics = agent.metrics(&sandbox).unwrap();
+    let count = metric_value(
+        &metrics,
+        "kubeproxy_network_programming_duration_seconds_count",
+    );
+    let sum = metric_value(
+        &metrics,
+        "kubeproxy_network_programming_duration_seconds_sum",
+    );
+    assert!(count >= 1.0 && sum < 5.0 * count, "{metrics}");
     // The NodePort, from outside, on the Node object's address only.
     let log = agent.log_text();
     assert!(
@@ -454,4 +466,11 @@ fn the_agent_serves_services_created_through_the_api() {
             "the ClusterRole does not allow {r:?}"
         );
     }
+}
+
+/// The value of the sample named `name` (no labels) in a Prometheus text page.
+fn metric_value(page: &str, name: &str) -> f64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{page}"))
 }
