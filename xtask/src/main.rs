@@ -38,11 +38,13 @@ enum Cmd {
     },
     /// Start the sandbox cluster and the agent, and show Services at work.
     Demo,
-    /// Run a benchmark: `datapath` (the tc program under BPF_PROG_TEST_RUN) or `agent` (the
-    /// agent on 1 to 30k services: time to its first full sync, memory). Arguments after it go
-    /// to the benchmark (`cargo xtask bench agent --help`).
+    /// Run a benchmark: `datapath` (the programs under BPF_PROG_TEST_RUN), `agent` (the agent
+    /// on 1 to 30k services: time to its first full sync, memory), `external` (NodePorts from
+    /// outside vs the pods) or `e2e` (ClusterIPs at 1 to 30k services vs the pods, sync time,
+    /// one-change latency, memory; `--quick` for CI). Arguments after it go to the benchmark
+    /// (`cargo xtask bench agent --help`).
     Bench {
-        #[arg(default_value = "datapath", value_parser = ["datapath", "agent", "external"])]
+        #[arg(default_value = "datapath", value_parser = ["datapath", "agent", "external", "e2e"])]
         which: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,

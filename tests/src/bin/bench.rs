@@ -30,13 +30,18 @@ use proxy_userspace::{
 
 #[path = "bench/agent.rs"]
 mod agent;
+#[path = "bench/connections.rs"]
+mod connections;
+#[path = "bench/e2e.rs"]
+mod e2e;
 #[path = "bench/external.rs"]
 mod external;
 
 #[derive(Parser)]
 struct Args {
-    /// `datapath` (the tc program, per packet) or `agent` (the agent process: time to its first
-    /// full sync, and its memory).
+    /// `datapath` (the programs, per packet), `agent` (the agent process: time to its first
+    /// full sync, and its memory), `external` (NodePorts from outside) or `e2e` (ClusterIPs at
+    /// 1 to 30k services).
     which: String,
     /// Service counts to measure with, comma-separated [datapath: 1,10000,100000; agent:
     /// 1,1000,10000,30000].
@@ -65,12 +70,18 @@ struct Args {
     /// Distinct new flows (one test run each).
     #[arg(long, default_value_t = 1_000_000)]
     new_flows: u32,
-    /// external: seconds a round, each way.
+    /// external, e2e: seconds a round, each way.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
-    /// external: client threads.
+    /// external, e2e: client threads.
     #[arg(long, default_value_t = 4)]
     threads: u32,
+    /// e2e: one-endpoint changes timed per service count (a second apart).
+    #[arg(long, default_value_t = 30)]
+    changes: u32,
+    /// e2e: a short run for CI: 1 and 1000 services, 2 rounds of 1 s, 10 changes.
+    #[arg(long)]
+    quick: bool,
 }
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
@@ -86,8 +97,8 @@ const LB_B: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 const NODE_PORT: u16 = 30080;
 /// A NodePort whose endpoints are on another node: new flows get a source port each.
 const REMOTE_NODE_PORT: u16 = 30090;
-/// New flows measured through it: the SNAT range holds 4536 ports per endpoint and node
-/// address; 500 live flows an endpoint keep random port picks from colliding often.
+/// New flows measured through it: the default SNAT range holds 28976 ports per endpoint and
+/// node address; 500 live flows an endpoint keep random port picks from colliding often.
 const REMOTE_FLOWS: u32 = 5_000;
 
 fn vip(i: u32) -> Ipv4Addr {
@@ -118,7 +129,27 @@ fn main() -> anyhow::Result<()> {
             rounds: args.runs.unwrap_or(5).max(1),
             threads: args.threads,
         }),
-        other => bail!("unknown benchmark {other:?}; available: datapath, agent, external"),
+        "e2e" if args.quick => e2e::run(&e2e::Options {
+            services: args.services.unwrap_or_else(|| vec![1, 1_000]),
+            load: connections::Load {
+                seconds: 1.0,
+                threads: args.threads,
+            },
+            rounds: 2,
+            changes: 10,
+        }),
+        "e2e" => e2e::run(&e2e::Options {
+            services: args
+                .services
+                .unwrap_or_else(|| vec![1, 1_000, 10_000, 30_000]),
+            load: connections::Load {
+                seconds: args.seconds,
+                threads: args.threads,
+            },
+            rounds: args.runs.unwrap_or(3).max(1),
+            changes: args.changes,
+        }),
+        other => bail!("unknown benchmark {other:?}; available: datapath, agent, external, e2e"),
     }
 }
 

@@ -147,24 +147,24 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn mib(bytes: u64) -> f64 {
+pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Sample {
+pub struct Sample {
     /// Start -> the source's first load is in the tracker.
-    loaded: Duration,
+    pub loaded: Duration,
     /// Start -> the ebpf dataplane is loaded.
-    dataplane: Duration,
+    pub dataplane: Duration,
     /// Start -> the first full sync is done.
-    synced: Duration,
+    pub synced: Duration,
     /// That sync's own duration, as the agent logged it.
-    sync: Duration,
+    pub sync: Duration,
     /// The agent's user + system CPU time up to then.
-    cpu: Duration,
-    rss: u64,
-    hwm: u64,
+    pub cpu: Duration,
+    pub rss: u64,
+    pub hwm: u64,
 }
 
 /// Objects of `count` services: each a Service and its EndpointSlice, as the API server
@@ -308,14 +308,14 @@ fn supports(agent: &Path, flag: &str) -> anyhow::Result<bool> {
 
 /// The agent process, its log lines as they arrive (with the time each was read), stopped on
 /// drop.
-struct Running {
+pub struct Running {
     child: Child,
     lines: mpsc::Receiver<(Instant, String)>,
     log: Vec<String>,
 }
 
 impl Running {
-    fn new(mut child: Child) -> Self {
+    pub fn new(mut child: Child) -> Self {
         let stderr = child.stderr.take().expect("piped stderr");
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -333,7 +333,9 @@ impl Running {
         }
     }
 
-    fn watch(&mut self, started: Instant, loaded_message: &str) -> anyhow::Result<Sample> {
+    /// Follows the log until the first full sync: when each step was reached, and the memory
+    /// then. `loaded_message` starts the source's line saying its first view is complete.
+    pub fn watch(&mut self, started: Instant, loaded_message: &str) -> anyhow::Result<Sample> {
         let (mut loaded, mut dataplane) = (None, None);
         let deadline = started + PATIENCE;
         loop {
@@ -388,7 +390,7 @@ impl Running {
     }
 
     /// SIGTERM, as the kubelet does; SIGKILL if it has not exited 10 s later.
-    fn stop(&mut self) {
+    pub fn stop(&mut self) {
         if self.child.try_wait().ok().flatten().is_some() {
             return;
         }

@@ -2,19 +2,16 @@
 //! `ext`) through NodePorts, against the same pods reached straight (ext routes the pod network
 //! through node1), in one run. Each connection: connect, one request line, its reply, close;
 //! several client threads, fixed seconds a round, direct and NodePort rounds interleaved.
-use std::{
-    net::{IpAddr, SocketAddr},
-    sync::atomic::{AtomicBool, AtomicU64, Ordering},
-    time::{Duration, Instant},
-};
+use std::net::{IpAddr, SocketAddr};
 
 use anyhow::Context;
 use proxy_tests::{
     BACKEND_PORT, NODE1_IP, Sandbox,
     agent::AgentRun,
     example::{FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, MANIFEST},
-    tcp_request,
 };
+
+use crate::connections::{self, Failures, Load, median};
 
 pub struct Options {
     pub seconds: f64,
@@ -72,8 +69,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         let mut failures = (Failures::default(), Failures::default());
         for round in 0..opts.rounds {
             eprint!("\r  {}: round {}/{} ", pair.name, round + 1, opts.rounds);
-            direct.push(rate(&sandbox, &pair.pods, opts, &mut failures.0)?);
-            through.push(rate(&sandbox, &[pair.node_port], opts, &mut failures.1)?);
+            let load = Load {
+                seconds: opts.seconds,
+                threads: opts.threads,
+            };
+            let ext = &sandbox.ext;
+            direct.push(connections::measure(ext, &pair.pods, load, &mut failures.0)?.rate);
+            through.push(connections::measure(ext, &[pair.node_port], load, &mut failures.1)?.rate);
         }
         eprint!("\r{:80}\r", "");
         let (d, t) = (median(&mut direct), median(&mut through));
@@ -85,69 +87,4 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
          on a port may reset one: such rare failures are counted, not hidden."
     );
     Ok(())
-}
-
-/// Connections that failed in a measurement, of how many, and the first error.
-#[derive(Default)]
-struct Failures {
-    count: u64,
-    of: u64,
-    first: String,
-}
-
-/// Connections a second from `ext` to `targets` (taken in turn) for `opts.seconds`; failures
-/// are added to `failures` (more than 1% fails the benchmark: something is broken).
-fn rate(
-    sandbox: &Sandbox,
-    targets: &[SocketAddr],
-    opts: &Options,
-    failures: &mut Failures,
-) -> anyhow::Result<f64> {
-    let done = AtomicU64::new(0);
-    let failed = AtomicU64::new(0);
-    let first_error = std::sync::Mutex::new(None);
-    let stop = AtomicBool::new(false);
-    let started = Instant::now();
-    std::thread::scope(|s| {
-        for t in 0..opts.threads {
-            let (done, failed, stop, first_error) = (&done, &failed, &stop, &first_error);
-            let ext = &sandbox.ext;
-            s.spawn(move || {
-                let mut i = t as usize;
-                while !stop.load(Ordering::Relaxed) {
-                    match tcp_request(ext, targets[i % targets.len()], "x") {
-                        Ok(_) => done.fetch_add(1, Ordering::Relaxed),
-                        Err(e) => {
-                            first_error.lock().unwrap().get_or_insert(format!("{e:#}"));
-                            failed.fetch_add(1, Ordering::Relaxed)
-                        }
-                    };
-                    i += 1;
-                }
-            });
-        }
-        std::thread::sleep(Duration::from_secs_f64(opts.seconds));
-        stop.store(true, Ordering::Relaxed);
-    });
-    let (done, failed) = (done.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
-    failures.count += failed;
-    failures.of += done + failed;
-    if failures.first.is_empty()
-        && let Some(e) = first_error.into_inner().unwrap()
-    {
-        failures.first = e;
-    }
-    anyhow::ensure!(
-        failures.count * 100 <= failures.of,
-        "{} of {} connections to {targets:?} failed, the first: {}",
-        failures.count,
-        failures.of,
-        failures.first
-    );
-    Ok(done as f64 / started.elapsed().as_secs_f64())
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }

@@ -1,0 +1,511 @@
+//! `cargo xtask bench e2e`: the agent serving N ClusterIP Services in the sandbox, measured as a
+//! user sees it. For each N: the agent (release build) starts on the stand-in API server holding
+//! N Services of 3 endpoints (the first and the last-created with the sandbox's real pods, the
+//! others with addresses nothing answers); then, from the client pod, short TCP connections
+//! (connect, a line, its reply, close) straight to the pods, to the first Service's ClusterIP
+//! and to the last one's, in interleaved rounds; then one-endpoint changes applied to the API
+//! server one at a time, each timed until the datapath's map holds it.
+//!
+//! Per N: connections a second (median of the rounds) with p50/p99 connection times, the ratio
+//! to direct, the time from the agent's start to its first full sync, the agent's VmRSS then,
+//! and the one-change latency (p50/p99). Written as a markdown table and two SVG charts under
+//! target/bench/, with the machine's description.
+//!
+//! Only the eBPF mode runs: kube-proxy's modes (iptables, nftables, IPVS, userspace) are not
+//! built in this project yet, so there is no column for them.
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use proxy_common::{Be16, Be32, IPPROTO_TCP, MAP_SERVICES, ServiceKey, ServiceValue};
+use proxy_tests::{
+    BACKEND_PORT, HOST_IF_PATTERN, NODE1_IP, Sandbox,
+    agent::{TestCgroup, agent_bin},
+    apiserver::{self, ApiServer},
+    programs::PrivateBpffs,
+};
+
+use crate::{
+    agent::{Running, Sample, mib},
+    connections::{self, Failures, Load, median, percentile},
+};
+
+pub struct Options {
+    pub services: Vec<u32>,
+    pub load: Load,
+    pub rounds: u32,
+    /// One-endpoint changes timed per N.
+    pub changes: u32,
+}
+
+const NAMESPACE: &str = "bench";
+/// The Services' port; their endpoints listen on the sandbox backends' port.
+const PORT: u16 = 80;
+/// The pods behind the first and the last Service (node1's two, node2's one).
+const PODS: [&str; 3] = ["be1", "be2", "be4"];
+
+/// What one N measured.
+struct Cell {
+    services: u32,
+    /// Direct, first Service, last Service: median rate, p50 and p99 connection time.
+    paths: [(f64, Duration, Duration); 3],
+    start: Sample,
+    change_p50: Duration,
+    change_p99: Duration,
+}
+
+fn vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 1)) + i)
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the end-to-end benchmark builds network namespaces and runs the agent: run it as root"
+        );
+    }
+    proxy_tests::cleanup_stale();
+    let agent = agent_bin()?;
+    let mut sandbox = Sandbox::build().context("building the sandbox")?;
+    sandbox.start_backends(BACKEND_PORT)?;
+    // Thousands of connections a second to one address: the client reuses its ports in
+    // TIME_WAIT (after a second, with timestamps) instead of searching an ever fuller range,
+    // which would slow every later path to that address (its own namespace only).
+    let status = sandbox
+        .pod("client")
+        .ns
+        .cmd("sysctl")
+        .args(["-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
+        .status()?;
+    anyhow::ensure!(
+        status.success(),
+        "sysctl tcp_tw_reuse in the client pod failed"
+    );
+    let machine = machine();
+    println!("{machine}");
+    println!(
+        "short TCP connections from the client pod, {} threads, {} interleaved rounds of {:.1} s \
+         per path; {} one-endpoint changes per N",
+        opts.load.threads, opts.rounds, opts.load.seconds, opts.changes
+    );
+    let mut cells = Vec::new();
+    for &n in &opts.services {
+        let cell =
+            measure(&mut sandbox, &agent, n, opts).with_context(|| format!("{n} services"))?;
+        cells.push(cell);
+    }
+    let table = table(&cells);
+    println!("\n{table}");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let labels: Vec<String> = cells.iter().map(|c| c.services.to_string()).collect();
+    let rate = |i: usize| cells.iter().map(|c| c.paths[i].0).collect::<Vec<_>>();
+    let charts = [
+        (
+            "e2e-rate.svg",
+            chart(
+                "Short TCP connections a second, by number of Services",
+                "connections/s",
+                &labels,
+                &[
+                    ("direct to the pods", rate(0)),
+                    ("ebpf: first Service", rate(1)),
+                    ("ebpf: last Service", rate(2)),
+                ],
+            ),
+        ),
+        (
+            "e2e-sync.svg",
+            chart(
+                "Agent start to first full sync, by number of Services",
+                "seconds",
+                &labels,
+                &[(
+                    "ebpf",
+                    cells.iter().map(|c| c.start.synced.as_secs_f64()).collect(),
+                )],
+            ),
+        ),
+    ];
+    for (name, svg) in &charts {
+        std::fs::write(dir.join(name), svg)?;
+    }
+    std::fs::write(
+        dir.join("e2e.md"),
+        format!("{machine}\n\n{table}\n![rate](e2e-rate.svg)\n![sync](e2e-sync.svg)\n"),
+    )?;
+    println!(
+        "written: {}/e2e.md, e2e-rate.svg, e2e-sync.svg",
+        dir.display()
+    );
+    Ok(())
+}
+
+/// The Services and slices for `n`: the first and the last with the sandbox's pods.
+fn objects(sandbox: &Sandbox, n: u32) -> Vec<serde_json::Value> {
+    let pods: Vec<String> = PODS.iter().map(|p| sandbox.pod(p).ip.to_string()).collect();
+    let mut out = Vec::with_capacity(2 * n as usize);
+    for i in 0..n {
+        let name = format!("svc-{i}");
+        let fake: Vec<String> = (0..3)
+            .map(|k| Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 1)) + 3 * i + k))
+            .map(|ip| ip.to_string())
+            .collect();
+        let ips = if i == 0 || i == n - 1 { &pods } else { &fake };
+        out.push(apiserver::service(
+            NAMESPACE,
+            &name,
+            &vip(i).to_string(),
+            &[("http", PORT, "TCP", BACKEND_PORT)],
+        ));
+        out.push(slice(&name, ips));
+    }
+    out
+}
+
+fn slice(service: &str, ips: &[String]) -> serde_json::Value {
+    let endpoints: Vec<(&str, bool, Option<&str>)> =
+        ips.iter().map(|ip| (ip.as_str(), true, None)).collect();
+    apiserver::endpoint_slice(
+        NAMESPACE,
+        &format!("{service}-1"),
+        service,
+        &endpoints,
+        &[("http", BACKEND_PORT, "TCP")],
+    )
+}
+
+fn measure(sandbox: &mut Sandbox, agent: &Path, n: u32, opts: &Options) -> anyhow::Result<Cell> {
+    let node = &sandbox.node1;
+    let listener = node.try_run(|| TcpListener::bind("127.0.0.1:0"))??;
+    let api = ApiServer::start_with_listener(listener)?;
+    eprint!("{n} services: filling the stand-in API server...");
+    api.apply(apiserver::node("node1", &NODE1_IP.to_string()));
+    for object in objects(sandbox, n) {
+        api.apply(object);
+    }
+    eprintln!(" done");
+    let dir = std::env::temp_dir().join(format!("proxy-bench-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig(&kubeconfig)?;
+    let bpffs = PrivateBpffs::new()?;
+    let cgroup = TestCgroup::new()?;
+    let mut cmd = Command::new(agent);
+    cmd.args(["--logging-format", "json", "agent", "--kubeconfig"])
+        .arg(&kubeconfig)
+        .args(["--hostname-override", "node1", "--bpf-pin-dir"])
+        .arg(bpffs.path())
+        .arg("--bpf-cgroup-path")
+        .arg(cgroup.path())
+        .args(["--pod-interfaces", HOST_IF_PATTERN])
+        .args(["--healthz-bind-address", "", "--metrics-bind-address", ""])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    node.enter(&mut cmd)?;
+    eprintln!("{n} services: starting the agent");
+    let started = Instant::now();
+    let mut running = Running::new(cmd.spawn().context("starting the agent")?);
+    let start = running.watch(started, "Services and EndpointSlices listed")?;
+    eprintln!(
+        "{n} services: first full sync {:.2} s after start, VmRSS {:.1} MiB",
+        start.synced.as_secs_f64(),
+        mib(start.rss)
+    );
+
+    let client = &sandbox.pod("client").ns;
+    let direct: Vec<SocketAddr> = PODS
+        .iter()
+        .map(|p| sandbox.pod(p).addr(BACKEND_PORT))
+        .collect();
+    let targets = [
+        direct,
+        vec![SocketAddr::from((vip(0), PORT))],
+        vec![SocketAddr::from((vip(n - 1), PORT))],
+    ];
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    let mut latencies: [Vec<Duration>; 3] = Default::default();
+    let mut failures: [Failures; 3] = Default::default();
+    for round in 0..opts.rounds {
+        for (path, target) in targets.iter().enumerate() {
+            eprint!(
+                "\r{n} services: round {}/{}, path {}/3 ",
+                round + 1,
+                opts.rounds,
+                path + 1
+            );
+            let r = connections::measure(client, target, opts.load, &mut failures[path])?;
+            rates[path].push(r.rate);
+            latencies[path].extend(r.latencies);
+        }
+    }
+    eprintln!();
+    let mut paths = [(0.0, Duration::ZERO, Duration::ZERO); 3];
+    for i in 0..3 {
+        paths[i] = (
+            median(&mut rates[i]),
+            percentile(&mut latencies[i], 50.0),
+            percentile(&mut latencies[i], 99.0),
+        );
+    }
+
+    let mut changes = one_endpoint_changes(sandbox, &api, &bpffs, n, opts.changes)?;
+    let cell = Cell {
+        services: n,
+        paths,
+        start,
+        change_p50: percentile(&mut changes, 50.0),
+        change_p99: percentile(&mut changes, 99.0),
+    };
+    running.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(cell)
+}
+
+/// Times `count` changes of one Service's endpoints (a fourth endpoint added, then removed
+/// again), each from its write to the API server until the datapath's map holds it, a little
+/// over a second apart.
+fn one_endpoint_changes(
+    sandbox: &Sandbox,
+    api: &ApiServer,
+    bpffs: &PrivateBpffs,
+    n: u32,
+    count: u32,
+) -> anyhow::Result<Vec<Duration>> {
+    let m = n / 2;
+    let name = format!("svc-{m}");
+    let mut ips: Vec<String> = if m == 0 || m == n - 1 {
+        PODS.iter().map(|p| sandbox.pod(p).ip.to_string()).collect()
+    } else {
+        (0..3)
+            .map(|k| Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 1)) + 3 * m + k))
+            .map(|ip| ip.to_string())
+            .collect()
+    };
+    let data = MapData::from_pin(bpffs.path().join(MAP_SERVICES)).context("the services map")?;
+    let services: BpfHashMap<_, ServiceKey, ServiceValue> = Map::HashMap(data).try_into()?;
+    let key = ServiceKey::new(
+        Be32::from_octets(vip(m).octets()),
+        Be16::new(PORT),
+        IPPROTO_TCP,
+        0,
+    );
+    let mut times = Vec::new();
+    for k in 0..count {
+        if k % 2 == 0 {
+            ips.push("10.200.0.1".into());
+        } else {
+            ips.pop();
+        }
+        let want = ips.len() as u16;
+        let at = Instant::now();
+        api.apply(slice(&name, &ips));
+        loop {
+            if services.get(&key, 0).is_ok_and(|v| v.count == want) {
+                break;
+            }
+            if at.elapsed() > Duration::from_secs(30) {
+                bail!("change {k} of {name} not in the datapath after 30 s");
+            }
+            std::thread::yield_now();
+        }
+        times.push(at.elapsed());
+        // One at a time: with the default --min-sync-period (1 s, as kube-proxy's), a change
+        // after a quiet second is synced at once; one sooner waits for the rest of the second.
+        std::thread::sleep(Duration::from_millis(1100));
+    }
+    Ok(times)
+}
+
+fn table(cells: &[Cell]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| services | direct conn/s (p50 / p99) | ebpf, first Service | ratio | ebpf, last Service | ratio | start to first full sync | VmRSS | one change p50 / p99 |"
+    );
+    let _ = writeln!(
+        out,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    for c in cells {
+        let path = |(rate, p50, p99): (f64, Duration, Duration)| {
+            format!("{rate:.0} ({:.2} / {:.2} ms)", ms(p50), ms(p99))
+        };
+        let direct = c.paths[0].0;
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {:.2} | {} | {:.2} | {:.2} s | {:.1} MiB | {:.2} / {:.2} ms |",
+            c.services,
+            path(c.paths[0]),
+            path(c.paths[1]),
+            c.paths[1].0 / direct,
+            path(c.paths[2]),
+            c.paths[2].0 / direct,
+            c.start.synced.as_secs_f64(),
+            mib(c.start.rss),
+            ms(c.change_p50),
+            ms(c.change_p99),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nRates are medians of the rounds, connection times over all of them; ratio: ebpf / \
+         direct (direct is the ceiling here: client, node and servers share the machine). The \
+         API source: start to first full sync includes listing the Services. One change: a \
+         fourth endpoint added to (or removed from) one Service, from the write to the stand-in \
+         API server until the datapath's map holds it; the changes come a second apart (with \
+         --min-sync-period at its default 1 s, a change sooner after a sync waits for the rest \
+         of that second, as with kube-proxy)."
+    );
+    out
+}
+
+/// The machine the figures come from.
+fn machine() -> String {
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")?
+                .split_once(':')
+                .map(|(_, m)| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let when = proxy_userspace::health::rfc3339(std::time::SystemTime::now());
+    format!(
+        "Machine: {cpu}, {cores} cores, kernel {}; measured {when}.",
+        kernel.trim()
+    )
+}
+
+/// A line chart of `series` over the categories `labels` (evenly spaced), from 0 up.
+fn chart(title: &str, unit: &str, labels: &[String], series: &[(&str, Vec<f64>)]) -> String {
+    const W: f64 = 640.0;
+    const H: f64 = 360.0;
+    const LEFT: f64 = 70.0;
+    const RIGHT: f64 = 20.0;
+    const TOP: f64 = 40.0;
+    const BOTTOM: f64 = 90.0;
+    const COLOURS: [&str; 4] = ["#555555", "#1f77b4", "#d62728", "#2ca02c"];
+    let max = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .fold(0.0, f64::max)
+        .max(f64::MIN_POSITIVE)
+        * 1.1;
+    let x = |i: usize| {
+        let span = (labels.len().max(2) - 1) as f64;
+        LEFT + (W - LEFT - RIGHT) * i as f64 / span
+    };
+    let y = |v: f64| TOP + (H - TOP - BOTTOM) * (1.0 - v / max);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">{title}</text>\n",
+        W / 2.0
+    );
+    for tick in 0..=4 {
+        let v = max / 1.1 * f64::from(tick) / 4.0;
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{y0:.1}\" y2=\"{y0:.1}\" stroke=\"#dddddd\"/>\
+             <text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+            W - RIGHT,
+            LEFT - 6.0,
+            y(v) + 4.0,
+            if max >= 100.0 {
+                format!("{v:.0}")
+            } else {
+                format!("{v:.2}")
+            },
+            y0 = y(v),
+        );
+    }
+    for (i, label) in labels.iter().enumerate() {
+        let _ = writeln!(
+            svg,
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{label}</text>",
+            x(i),
+            H - BOTTOM + 18.0
+        );
+    }
+    let _ = writeln!(
+        svg,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">Services</text>\
+         <text x=\"16\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {})\">{unit}</text>",
+        (LEFT + W - RIGHT) / 2.0,
+        H - BOTTOM + 36.0,
+        (TOP + H - BOTTOM) / 2.0,
+        (TOP + H - BOTTOM) / 2.0,
+    );
+    for (k, (name, values)) in series.iter().enumerate() {
+        let colour = COLOURS[k % COLOURS.len()];
+        let points: Vec<String> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| format!("{:.1},{:.1}", x(i), y(*v)))
+            .collect();
+        let _ = writeln!(
+            svg,
+            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>",
+            points.join(" ")
+        );
+        for p in &points {
+            let (px, py) = p.split_once(',').unwrap();
+            let _ = writeln!(
+                svg,
+                "<circle cx=\"{px}\" cy=\"{py}\" r=\"3\" fill=\"{colour}\"/>"
+            );
+        }
+        let ly = H - BOTTOM + 56.0;
+        let lx = LEFT + 190.0 * k as f64;
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{lx}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{colour}\" stroke-width=\"2\"/>\
+             <text x=\"{}\" y=\"{}\">{name}</text>",
+            lx + 20.0,
+            lx + 26.0,
+            ly + 4.0
+        );
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chart_places_every_point_inside_its_plot() {
+        let labels: Vec<String> = ["1", "1000", "30000"].map(String::from).to_vec();
+        let svg = chart(
+            "t",
+            "u",
+            &labels,
+            &[("a", vec![0.0, 50.0, 100.0]), ("b", vec![10.0, 20.0, 30.0])],
+        );
+        assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        for circle in svg.lines().filter(|l| l.starts_with("<circle")) {
+            let attr = |name: &str| -> f64 {
+                let at = circle.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+                circle[at..].split('"').next().unwrap().parse().unwrap()
+            };
+            assert!((70.0..=620.0).contains(&attr("cx")), "{circle}");
+            assert!((40.0..=270.0).contains(&attr("cy")), "{circle}");
+        }
+    }
+}
