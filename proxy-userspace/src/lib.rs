@@ -6,6 +6,7 @@ pub mod ebpf;
 pub mod health;
 pub mod http;
 pub mod inspect;
+pub mod iptables;
 pub mod maglev;
 pub mod manifest;
 pub mod metrics;

@@ -10,7 +10,9 @@ use proxy_userspace::{
         EbpfDataplane, ExternalConfig, MapSizes, WriterConfig,
         external::{NodePortAddresses, SnatPorts, XdpMode},
     },
-    inspect, maglev,
+    inspect,
+    iptables::{self, IptablesConfig, IptablesDataplane},
+    maglev,
     model::LbAlgorithm,
 };
 
@@ -44,6 +46,8 @@ enum Command {
 enum ProxyMode {
     /// tc programs with BPF maps.
     Ebpf,
+    /// kube-proxy's iptables rules (NAT chains), for nodes where BPF cannot run.
+    Iptables,
 }
 
 const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-proxy-ebpf";
@@ -129,6 +133,14 @@ struct AgentArgs {
     /// tables spread flows more evenly and cost 4 bytes an entry per Service using Maglev.
     #[arg(long, default_value_t = maglev::DEFAULT_TABLE_SIZE, value_parser = maglev::parse_table_size)]
     lb_maglev_table_size: u32,
+    /// The cluster's pod range (kube-proxy's flag), with the iptables mode: connections to a
+    /// cluster IP from outside it are masqueraded, and pods reaching an externalTrafficPolicy
+    /// Local frontend get any endpoint. Empty: neither.
+    #[arg(long, value_parser = parse_cidr)]
+    cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
+    /// Masquerade every connection to a cluster IP (kube-proxy's flag, iptables mode).
+    #[arg(long)]
+    masquerade_all: bool,
     /// Remove what the agent installed (its tc programs on the pod interfaces, its socket
     /// programs on the cgroup, the pinned maps and links) and exit (kube-proxy's flag), e.g.
     /// before going back to kube-proxy.
@@ -184,12 +196,33 @@ fn init_logging(format: LoggingFormat) {
 }
 
 fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
-    // Held until the agent exits: a second agent on the same pins fails here, saying so.
-    proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
-    let _lock = proxy_userspace::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)?;
     if args.cleanup {
-        return proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces);
+        return cleanup(&args);
     }
+    // Whatever another mode left would serve stale state beside this one's.
+    let _lock = match args.proxy_mode {
+        ProxyMode::Ebpf => {
+            if iptables::installed() {
+                tracing::warn!(
+                    "removing the iptables rules of an earlier iptables-mode run (or of \
+                     kube-proxy: stop it before starting this agent)"
+                );
+                iptables::cleanup()?;
+            }
+            // Held until the agent exits: a second agent on the same pins fails here.
+            proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
+            Some(proxy_userspace::ebpf::bpffs::PinDirLock::acquire(
+                &args.bpf_pin_dir,
+            )?)
+        }
+        ProxyMode::Iptables => {
+            if args.bpf_pin_dir.join(proxy_common::MAP_SERVICES).exists() {
+                tracing::info!("removing the eBPF programs of an earlier ebpf-mode run");
+                cleanup_ebpf(&args)?;
+            }
+            None
+        }
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -237,9 +270,63 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                 tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
                 Ok(Box::new(dp))
             }
+            ProxyMode::Iptables => {
+                let dp = IptablesDataplane::new(IptablesConfig {
+                    cluster_cidr: args.cluster_cidr,
+                    masquerade_all: args.masquerade_all,
+                    node_port_addresses: args.nodeport_addresses.clone(),
+                    primary: node_ips.to_vec(),
+                })?;
+                if args.cluster_cidr.is_none() && !args.masquerade_all {
+                    tracing::warn!(
+                        "no --cluster-cidr: connections to cluster IPs from outside the pod \
+                         network are not masqueraded"
+                    );
+                }
+                tracing::info!("iptables dataplane ready");
+                Ok(Box::new(dp))
+            }
         }
     };
     runtime.block_on(agent::run(config, make_dataplane))
+}
+
+/// `--cleanup` (kube-proxy's semantics): removes what any mode installed, then exits.
+fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
+    match iptables::cleanup() {
+        Ok(()) => {}
+        // No iptables on this node: no rules of ours either.
+        Err(e) if !iptables::available() => tracing::info!("iptables: {e:#}"),
+        Err(e) => return Err(e),
+    }
+    cleanup_ebpf(args)
+}
+
+fn cleanup_ebpf(args: &AgentArgs) -> anyhow::Result<()> {
+    proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
+    let _lock = proxy_userspace::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)?;
+    proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces)
+}
+
+/// An IPv4 CIDR, like 10.244.0.0/16 (the IPv4 one of a dual-stack pair).
+fn parse_cidr(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
+    let v4 = s
+        .split(',')
+        .map(str::trim)
+        .find(|c| !c.contains(':'))
+        .ok_or_else(|| format!("{s:?} has no IPv4 CIDR"))?;
+    let (addr, len) = v4
+        .split_once('/')
+        .ok_or_else(|| format!("{v4:?} is not a CIDR like 10.244.0.0/16"))?;
+    let addr: std::net::Ipv4Addr = addr
+        .parse()
+        .map_err(|_| format!("{addr:?} is not an IPv4 address"))?;
+    let len: u8 = len
+        .parse()
+        .ok()
+        .filter(|l| *l <= 32)
+        .ok_or_else(|| format!("{len:?} is not a prefix length (0-32)"))?;
+    Ok((addr, len))
 }
 
 /// kube-proxy's rule: the override, else the hostname, lower-cased.

@@ -1,0 +1,386 @@
+//! kube-proxy's iptables mode, for nodes where the eBPF datapath cannot run: the rules of
+//! [`rules`], written with one `iptables-restore --noflush` per sync, the jumps from the
+//! built-in chains to kube-proxy's, and stale UDP conntrack entries deleted when endpoints go.
+//!
+//! Every sync writes every Service port's chains (kube-proxy writes only the changed ones
+//! between full syncs; here each sync is a full one), and deletes in the same transaction the
+//! per-Service chains no longer wanted.
+pub mod rules;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io::Write as _,
+    net::{IpAddr, Ipv4Addr},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context, bail};
+
+use crate::{
+    dataplane::{Dataplane, Scope},
+    ebpf::external::{self, NodePortAddresses},
+    model::{DesiredState, Protocol, ServicePortName},
+};
+
+/// What the mode is configured with (kube-proxy's flags).
+#[derive(Clone, Debug)]
+pub struct IptablesConfig {
+    /// `--cluster-cidr`.
+    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
+    pub node_port_addresses: NodePortAddresses,
+    pub primary: Vec<IpAddr>,
+}
+
+/// The jumps from the built-in chains to kube-proxy's: (table, chain, for new connections
+/// only, comment, target).
+#[rustfmt::skip]
+const JUMPS: &[(&str, &str, bool, &str, &str)] = &[
+    ("nat", "PREROUTING", false, "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "OUTPUT", false, "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "POSTROUTING", false, "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+    ("filter", "INPUT", true, "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("filter", "INPUT", false, "kubernetes health check service ports", "KUBE-NODEPORTS"),
+    ("filter", "INPUT", true, "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
+    ("filter", "FORWARD", true, "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("filter", "FORWARD", false, "kubernetes forwarding rules", "KUBE-FORWARD"),
+    ("filter", "FORWARD", true, "kubernetes service portals", "KUBE-SERVICES"),
+    ("filter", "FORWARD", true, "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
+    ("filter", "OUTPUT", true, "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("filter", "OUTPUT", true, "kubernetes service portals", "KUBE-SERVICES"),
+];
+
+/// `iptables -t TABLE OP CHAIN [POSITION] RULE` for one of [`JUMPS`].
+fn jump(
+    op: &str,
+    (table, chain, new_only, comment, target): &(&str, &str, bool, &str, &str),
+) -> anyhow::Result<bool> {
+    let mut args = vec![op, chain];
+    if op == "-I" {
+        args.push("1");
+    }
+    if *new_only {
+        args.extend(["-m", "conntrack", "--ctstate", "NEW"]);
+    }
+    args.extend(["-m", "comment", "--comment", comment, "-j", target]);
+    iptables(table, &args)
+}
+
+/// Chains the mode owns, by table: the fixed ones, and prefixes of the per-Service ones.
+#[rustfmt::skip]
+const FIXED_CHAINS: &[(&str, &[&str])] = &[
+    (
+        "filter",
+        &[
+            "KUBE-NODEPORTS",
+            "KUBE-SERVICES",
+            "KUBE-EXTERNAL-SERVICES",
+            "KUBE-FORWARD",
+            "KUBE-PROXY-FIREWALL",
+        ],
+    ),
+    (
+        "nat",
+        &[
+            "KUBE-SERVICES",
+            "KUBE-NODEPORTS",
+            "KUBE-POSTROUTING",
+            "KUBE-MARK-MASQ",
+        ],
+    ),
+];
+const SERVICE_CHAIN_PREFIXES: &[&str] = &[
+    "KUBE-SVC-",
+    "KUBE-SVL-",
+    "KUBE-EXT-",
+    "KUBE-FW-",
+    "KUBE-SEP-",
+];
+
+/// What a UDP Service port was last programmed with: its frontends and endpoints, to find the
+/// conntrack entries a change leaves stale.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct UdpPort {
+    frontends: Vec<Ipv4Addr>,
+    node_port: Option<u16>,
+    endpoints: BTreeSet<Ipv4Addr>,
+}
+
+pub struct IptablesDataplane {
+    config: IptablesConfig,
+    /// The per-Service nat chains programmed now.
+    chains: BTreeSet<String>,
+    jumps_checked: bool,
+    udp: BTreeMap<ServicePortName, UdpPort>,
+}
+
+impl IptablesDataplane {
+    /// Checks that iptables works here, and finds the chains an earlier run left (they are
+    /// replaced at the first sync).
+    pub fn new(config: IptablesConfig) -> anyhow::Result<Self> {
+        let chains = service_chains("nat").context(
+            "the iptables mode needs iptables-save and iptables-restore (the iptables package)",
+        )?;
+        Ok(Self {
+            config,
+            chains,
+            jumps_checked: false,
+            udp: BTreeMap::new(),
+        })
+    }
+
+    fn settings(&self) -> anyhow::Result<rules::Settings> {
+        let default_route = external::default_route_interface();
+        let selected = external::node_addresses(
+            &self.config.node_port_addresses,
+            &self.config.primary,
+            default_route.as_deref(),
+            &external::interface_addresses()?,
+        );
+        // A CIDR matching everything: every local address, as kube-proxy writes it.
+        let all = matches!(&self.config.node_port_addresses,
+            NodePortAddresses::Cidrs(c) if c.iter().any(|(_, len)| *len == 0));
+        Ok(rules::Settings {
+            cluster_cidr: self.config.cluster_cidr,
+            masquerade_all: self.config.masquerade_all,
+            node_port_addresses: (!all).then(|| selected.iter().map(|a| a.addr).collect()),
+        })
+    }
+
+    /// Deletes the conntrack entries of UDP flows that a change left pointing nowhere: to an
+    /// endpoint that left (kube-proxy's rule), or blackholed while a port had no endpoints.
+    fn clear_stale_udp(&mut self, state: &DesiredState) {
+        let mut now = BTreeMap::new();
+        for (spn, port) in &state.services {
+            if port.protocol != Protocol::Udp {
+                continue;
+            }
+            let v4 = |ips: &[IpAddr]| -> Vec<Ipv4Addr> {
+                ips.iter()
+                    .filter_map(|ip| match ip {
+                        IpAddr::V4(ip) => Some(*ip),
+                        IpAddr::V6(_) => None,
+                    })
+                    .collect()
+            };
+            let mut frontends = v4(&port.cluster_ips);
+            frontends.extend(v4(&port.external_ips));
+            frontends.extend(v4(&port.load_balancer_ips));
+            let endpoints = state
+                .usable_endpoints(spn, false)
+                .iter()
+                .filter_map(|ep| match ep.ip {
+                    IpAddr::V4(ip) => Some(ip),
+                    IpAddr::V6(_) => None,
+                })
+                .collect();
+            now.insert(
+                spn.clone(),
+                UdpPort {
+                    frontends,
+                    node_port: port.node_port,
+                    endpoints,
+                },
+            );
+        }
+        for (spn, before) in &self.udp {
+            let after = now.get(spn).cloned().unwrap_or_default();
+            for gone in before.endpoints.difference(&after.endpoints) {
+                for vip in &before.frontends {
+                    conntrack_delete(&[
+                        "--orig-dst",
+                        &vip.to_string(),
+                        "--dst-nat",
+                        &gone.to_string(),
+                    ]);
+                }
+                if let Some(node_port) = before.node_port {
+                    conntrack_delete(&[
+                        "--dport",
+                        &node_port.to_string(),
+                        "--dst-nat",
+                        &gone.to_string(),
+                    ]);
+                }
+            }
+        }
+        for (spn, after) in &now {
+            let had = self.udp.get(spn).is_some_and(|b| !b.endpoints.is_empty());
+            if !had && !after.endpoints.is_empty() {
+                for vip in &after.frontends {
+                    conntrack_delete(&["--orig-dst", &vip.to_string()]);
+                }
+                if let Some(node_port) = after.node_port {
+                    conntrack_delete(&["--dport", &node_port.to_string()]);
+                }
+            }
+        }
+        self.udp = now;
+    }
+}
+
+impl Dataplane for IptablesDataplane {
+    fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
+        let settings = self.settings()?;
+        let rendered = rules::render(state, &settings, &self.chains);
+        restore(&rendered.text)?;
+        self.chains = rendered.chains;
+        // The chains exist now; the jumps to them are checked once and at each full sync
+        // (something else may have flushed the built-in chains).
+        if !self.jumps_checked || matches!(scope, Scope::All) {
+            ensure_jumps()?;
+            self.jumps_checked = true;
+        }
+        self.clear_stale_udp(state);
+        Ok(())
+    }
+}
+
+/// Runs `iptables-restore --noflush` on `input`: one transaction, all or nothing.
+fn restore(input: &str) -> anyhow::Result<()> {
+    let mut child = Command::new("iptables-restore")
+        .args(["-w", "--noflush"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running iptables-restore")?;
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(input.as_bytes())
+        .context("writing to iptables-restore")?;
+    let output = child.wait_with_output()?;
+    if !output.status.success() {
+        bail!(
+            "iptables-restore failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn iptables(table: &str, args: &[&str]) -> anyhow::Result<bool> {
+    let status = Command::new("iptables")
+        .args(["-w", "-t", table])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .context("running iptables")?;
+    Ok(status.success())
+}
+
+fn ensure_jumps() -> anyhow::Result<()> {
+    for rule in JUMPS {
+        if !jump("-C", rule)? && !jump("-I", rule)? {
+            bail!("cannot add the jump to {} in {} {}", rule.4, rule.0, rule.1);
+        }
+    }
+    Ok(())
+}
+
+/// The chains of `table` that the mode owns, as iptables-save lists them.
+fn owned_chains(table: &str) -> anyhow::Result<BTreeSet<String>> {
+    let output = Command::new("iptables-save")
+        .args(["-t", table])
+        .stderr(Stdio::piped())
+        .output()
+        .context("running iptables-save")?;
+    if !output.status.success() {
+        bail!(
+            "iptables-save -t {table} failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    let fixed: &[&str] = FIXED_CHAINS
+        .iter()
+        .find(|(t, _)| *t == table)
+        .map_or(&[], |(_, c)| c);
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
+        .filter(|c| fixed.contains(c) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// The per-Service chains of `table`.
+fn service_chains(table: &str) -> anyhow::Result<BTreeSet<String>> {
+    Ok(owned_chains(table)?
+        .into_iter()
+        .filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
+        .collect())
+}
+
+/// `conntrack -D -p udp ARGS`; finding nothing to delete is not an error.
+fn conntrack_delete(args: &[&str]) {
+    let result = Command::new("conntrack")
+        .args(["-D", "-p", "udp"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output();
+    match result {
+        Ok(o) if o.status.success() => {}
+        // conntrack exits 1 when no entry matched.
+        Ok(o) if String::from_utf8_lossy(&o.stderr).contains("0 flow entries") => {}
+        Ok(o) => tracing::warn!(
+            ?args,
+            "deleting stale UDP conntrack entries: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => tracing::warn!("deleting stale UDP conntrack entries: conntrack: {e}"),
+    }
+}
+
+/// Removes everything the mode installed: the jumps, then its chains (kube-proxy's
+/// `--cleanup`). Nothing installed: nothing done.
+pub fn cleanup() -> anyhow::Result<()> {
+    let mut removed = 0;
+    for rule in JUMPS {
+        while jump("-D", rule)? {
+            removed += 1;
+        }
+    }
+    let mut input = String::new();
+    for (table, _) in FIXED_CHAINS {
+        let chains = owned_chains(table)?;
+        if chains.is_empty() {
+            continue;
+        }
+        input.push_str(&format!("*{table}\n"));
+        for chain in &chains {
+            input.push_str(&format!(":{chain} - [0:0]\n"));
+        }
+        for chain in &chains {
+            input.push_str(&format!("-X {chain}\n"));
+        }
+        input.push_str("COMMIT\n");
+        removed += chains.len();
+    }
+    if !input.is_empty() {
+        restore(&input)?;
+    }
+    tracing::info!(removed, "cleaned up the iptables rules");
+    Ok(())
+}
+
+/// Whether iptables can be run here.
+pub fn available() -> bool {
+    Command::new("iptables-save")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Whether the mode's chains are installed here (an earlier run in this mode, or kube-proxy's).
+pub fn installed() -> bool {
+    owned_chains("nat").is_ok_and(|c| !c.is_empty())
+}
