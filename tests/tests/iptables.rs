@@ -42,11 +42,11 @@ fn names(from: &Netns, addr: SocketAddr, n: usize) -> BTreeSet<String> {
         .collect()
 }
 
-/// The KUBE- lines of node1's rules (both tables).
-fn kube_rules(sandbox: &Sandbox) -> String {
+/// The KUBE- lines of node1's rules in `backend` (both tables).
+fn kube_rules(sandbox: &Sandbox, backend: &str) -> String {
     let out = sandbox
         .node("node1")
-        .cmd("iptables-save")
+        .cmd(&format!("iptables-{backend}-save"))
         .output()
         .expect("iptables-save in node1");
     String::from_utf8_lossy(&out.stdout)
@@ -57,21 +57,38 @@ fn kube_rules(sandbox: &Sandbox) -> String {
 }
 
 #[test]
-fn the_iptables_mode_serves_the_example_services() {
-    if !privileged("the_iptables_mode_serves_the_example_services") {
+fn the_iptables_mode_serves_the_example_services_with_legacy_iptables() {
+    serves_the_example_services(
+        "the_iptables_mode_serves_the_example_services_with_legacy_iptables",
+        "legacy",
+    );
+}
+
+#[test]
+fn the_iptables_mode_serves_the_example_services_with_nf_tables() {
+    serves_the_example_services(
+        "the_iptables_mode_serves_the_example_services_with_nf_tables",
+        "nft",
+    );
+}
+
+/// Everything in the module documentation, with the rules in `backend` (legacy or nft).
+fn serves_the_example_services(test: &str, backend: &str) {
+    if !privileged(test) {
         return;
     }
     let mut sandbox = Sandbox::build().expect("building the sandbox");
     sandbox.start_backends(BACKEND_PORT).unwrap();
+    let args = [ARGS, &["--iptables-backend", backend]].concat();
     let agent = AgentRun::start_with_args(
         &mut sandbox,
         "node1",
         AgentSource::Manifest(MANIFEST),
         0,
-        ARGS,
+        &args,
     )
     .expect("starting the agent in iptables mode");
-    let rules = kube_rules(&sandbox);
+    let rules = kube_rules(&sandbox, backend);
     for needle in [
         "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
         "-j MASQUERADE --random-fully",
@@ -117,7 +134,7 @@ fn the_iptables_mode_serves_the_example_services() {
     })
     .unwrap();
     let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
-    while kube_rules(&sandbox).contains("demo/web:http -> 10.244.1.13:8080") {
+    while kube_rules(&sandbox, backend).contains("demo/web:http -> 10.244.1.13:8080") {
         assert!(
             Instant::now() < deadline,
             "be3 still in the rules:\n{}",
@@ -133,6 +150,6 @@ fn the_iptables_mode_serves_the_example_services() {
     // --cleanup: not one rule or chain of ours left.
     agent.stop(&mut sandbox).unwrap();
     agent.cleanup(&sandbox).unwrap();
-    let left = kube_rules(&sandbox);
+    let left = kube_rules(&sandbox, backend);
     assert!(left.is_empty(), "left behind:\n{left}");
 }

@@ -22,9 +22,64 @@ use crate::{
     model::{DesiredState, Protocol, ServicePortName},
 };
 
+/// Which of the kernel's two iptables implementations the rules go to: the same rules, very
+/// different costs at scale (here, iptables-restore of 10k Services took 2 s with legacy and
+/// 190 s with nf_tables).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Legacy,
+    Nft,
+}
+
+impl Backend {
+    const ALL: [Backend; 2] = [Backend::Legacy, Backend::Nft];
+
+    /// The backend's own binary of `tool` (`iptables`, `iptables-save`, `iptables-restore`).
+    fn tool(self, tool: &str) -> String {
+        let (prefix, rest) = tool.split_at("iptables".len());
+        let name = match self {
+            Backend::Legacy => "legacy",
+            Backend::Nft => "nft",
+        };
+        format!("{prefix}-{name}{rest}")
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Legacy => "legacy",
+            Backend::Nft => "nft",
+        }
+    }
+
+    /// The backend that already holds kube-proxy's rules (an earlier run's, or kube-proxy's:
+    /// as kube-proxy's image picks it), else the node's own `iptables` (its alternatives link).
+    pub fn detect() -> anyhow::Result<Self> {
+        let held = |b: Backend| owned_chains(b, "nat").map_or(0, |c| c.len());
+        let (legacy, nft) = (held(Backend::Legacy), held(Backend::Nft));
+        if legacy != nft {
+            return Ok(if legacy > nft {
+                Backend::Legacy
+            } else {
+                Backend::Nft
+            });
+        }
+        let version = Command::new("iptables")
+            .arg("--version")
+            .output()
+            .context("running iptables --version: the iptables mode needs the iptables package")?;
+        let version = String::from_utf8_lossy(&version.stdout);
+        Ok(if version.contains("legacy") {
+            Backend::Legacy
+        } else {
+            Backend::Nft
+        })
+    }
+}
+
 /// What the mode is configured with (kube-proxy's flags).
 #[derive(Clone, Debug)]
 pub struct IptablesConfig {
+    pub backend: Backend,
     /// `--cluster-cidr`.
     pub cluster_cidr: Option<(Ipv4Addr, u8)>,
     /// `--masquerade-all`.
@@ -54,6 +109,7 @@ const JUMPS: &[(&str, &str, bool, &str, &str)] = &[
 
 /// `iptables -t TABLE OP CHAIN [POSITION] RULE` for one of [`JUMPS`].
 fn jump(
+    b: Backend,
     op: &str,
     (table, chain, new_only, comment, target): &(&str, &str, bool, &str, &str),
 ) -> anyhow::Result<bool> {
@@ -65,7 +121,7 @@ fn jump(
         args.extend(["-m", "conntrack", "--ctstate", "NEW"]);
     }
     args.extend(["-m", "comment", "--comment", comment, "-j", target]);
-    iptables(table, &args)
+    iptables(b, table, &args)
 }
 
 /// Chains the mode owns, by table: the fixed ones, and prefixes of the per-Service ones.
@@ -120,7 +176,7 @@ impl IptablesDataplane {
     /// Checks that iptables works here, and finds the chains an earlier run left (they are
     /// replaced at the first sync).
     pub fn new(config: IptablesConfig) -> anyhow::Result<Self> {
-        let chains = service_chains("nat").context(
+        let chains = service_chains(config.backend, "nat").context(
             "the iptables mode needs iptables-save and iptables-restore (the iptables package)",
         )?;
         Ok(Self {
@@ -225,12 +281,12 @@ impl Dataplane for IptablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let settings = self.settings()?;
         let rendered = rules::render(state, &settings, &self.chains);
-        restore(&rendered.text)?;
+        restore(self.config.backend, &rendered.text)?;
         self.chains = rendered.chains;
         // The chains exist now; the jumps to them are checked once and at each full sync
         // (something else may have flushed the built-in chains).
         if !self.jumps_checked || matches!(scope, Scope::All) {
-            ensure_jumps()?;
+            ensure_jumps(self.config.backend)?;
             self.jumps_checked = true;
         }
         self.clear_stale_udp(state);
@@ -239,8 +295,8 @@ impl Dataplane for IptablesDataplane {
 }
 
 /// Runs `iptables-restore --noflush` on `input`: one transaction, all or nothing.
-fn restore(input: &str) -> anyhow::Result<()> {
-    let mut child = Command::new("iptables-restore")
+fn restore(b: Backend, input: &str) -> anyhow::Result<()> {
+    let mut child = Command::new(b.tool("iptables-restore"))
         .args(["-w", "--noflush"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
@@ -264,8 +320,8 @@ fn restore(input: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn iptables(table: &str, args: &[&str]) -> anyhow::Result<bool> {
-    let status = Command::new("iptables")
+fn iptables(b: Backend, table: &str, args: &[&str]) -> anyhow::Result<bool> {
+    let status = Command::new(b.tool("iptables"))
         .args(["-w", "-t", table])
         .args(args)
         .stdout(Stdio::null())
@@ -275,9 +331,9 @@ fn iptables(table: &str, args: &[&str]) -> anyhow::Result<bool> {
     Ok(status.success())
 }
 
-fn ensure_jumps() -> anyhow::Result<()> {
+fn ensure_jumps(b: Backend) -> anyhow::Result<()> {
     for rule in JUMPS {
-        if !jump("-C", rule)? && !jump("-I", rule)? {
+        if !jump(b, "-C", rule)? && !jump(b, "-I", rule)? {
             bail!("cannot add the jump to {} in {} {}", rule.4, rule.0, rule.1);
         }
     }
@@ -285,8 +341,8 @@ fn ensure_jumps() -> anyhow::Result<()> {
 }
 
 /// The chains of `table` that the mode owns, as iptables-save lists them.
-fn owned_chains(table: &str) -> anyhow::Result<BTreeSet<String>> {
-    let output = Command::new("iptables-save")
+fn owned_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
+    let output = Command::new(b.tool("iptables-save"))
         .args(["-t", table])
         .stderr(Stdio::piped())
         .output()
@@ -310,8 +366,8 @@ fn owned_chains(table: &str) -> anyhow::Result<BTreeSet<String>> {
 }
 
 /// The per-Service chains of `table`.
-fn service_chains(table: &str) -> anyhow::Result<BTreeSet<String>> {
-    Ok(owned_chains(table)?
+fn service_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
+    Ok(owned_chains(b, table)?
         .into_iter()
         .filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
         .collect())
@@ -338,41 +394,45 @@ fn conntrack_delete(args: &[&str]) {
     }
 }
 
-/// Removes everything the mode installed: the jumps, then its chains (kube-proxy's
-/// `--cleanup`). Nothing installed: nothing done.
+/// Removes everything the mode installed, from both backends: the jumps, then its chains
+/// (kube-proxy's `--cleanup`). Nothing installed: nothing done.
 pub fn cleanup() -> anyhow::Result<()> {
-    let mut removed = 0;
-    for rule in JUMPS {
-        while jump("-D", rule)? {
-            removed += 1;
+    for b in Backend::ALL.into_iter().filter(|b| available(*b)) {
+        let mut removed = 0;
+        for rule in JUMPS {
+            while jump(b, "-D", rule)? {
+                removed += 1;
+            }
+        }
+        let mut input = String::new();
+        for (table, _) in FIXED_CHAINS {
+            let chains = owned_chains(b, table)?;
+            if chains.is_empty() {
+                continue;
+            }
+            input.push_str(&format!("*{table}\n"));
+            for chain in &chains {
+                input.push_str(&format!(":{chain} - [0:0]\n"));
+            }
+            for chain in &chains {
+                input.push_str(&format!("-X {chain}\n"));
+            }
+            input.push_str("COMMIT\n");
+            removed += chains.len();
+        }
+        if !input.is_empty() {
+            restore(b, &input)?;
+        }
+        if removed > 0 {
+            tracing::info!(backend = b.name(), removed, "cleaned up the iptables rules");
         }
     }
-    let mut input = String::new();
-    for (table, _) in FIXED_CHAINS {
-        let chains = owned_chains(table)?;
-        if chains.is_empty() {
-            continue;
-        }
-        input.push_str(&format!("*{table}\n"));
-        for chain in &chains {
-            input.push_str(&format!(":{chain} - [0:0]\n"));
-        }
-        for chain in &chains {
-            input.push_str(&format!("-X {chain}\n"));
-        }
-        input.push_str("COMMIT\n");
-        removed += chains.len();
-    }
-    if !input.is_empty() {
-        restore(&input)?;
-    }
-    tracing::info!(removed, "cleaned up the iptables rules");
     Ok(())
 }
 
-/// Whether iptables can be run here.
-pub fn available() -> bool {
-    Command::new("iptables-save")
+/// Whether `b`'s tools can be run here.
+fn available(b: Backend) -> bool {
+    Command::new(b.tool("iptables-save"))
         .arg("--version")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -380,7 +440,10 @@ pub fn available() -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// Whether the mode's chains are installed here (an earlier run in this mode, or kube-proxy's).
+/// Whether the mode's chains are installed here, in either backend (an earlier run in this
+/// mode, or kube-proxy's).
 pub fn installed() -> bool {
-    owned_chains("nat").is_ok_and(|c| !c.is_empty())
+    Backend::ALL
+        .into_iter()
+        .any(|b| owned_chains(b, "nat").is_ok_and(|c| !c.is_empty()))
 }

@@ -76,8 +76,8 @@ struct Args {
     /// external, e2e: client threads.
     #[arg(long, default_value_t = 4)]
     threads: u32,
-    /// e2e: one-endpoint changes timed per service count (a second apart).
-    #[arg(long, default_value_t = 30)]
+    /// e2e: one-endpoint changes timed per service count and mode (a second apart).
+    #[arg(long, default_value_t = 20)]
     changes: u32,
     /// e2e: a short run for CI: 1 and 1000 services, 2 rounds of 1 s, 10 changes.
     #[arg(long)]

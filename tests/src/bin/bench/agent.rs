@@ -155,7 +155,7 @@ pub fn mib(bytes: u64) -> f64 {
 pub struct Sample {
     /// Start -> the source's first load is in the tracker.
     pub loaded: Duration,
-    /// Start -> the ebpf dataplane is loaded.
+    /// Start -> the dataplane is loaded (ebpf) or ready (iptables).
     pub dataplane: Duration,
     /// Start -> the first full sync is done.
     pub synced: Duration,
@@ -365,7 +365,9 @@ impl Running {
             if message.starts_with(loaded_message) && loaded.is_none() {
                 loaded = Some(since);
                 eprintln!("    source loaded after {:.2} s", since.as_secs_f64());
-            } else if message.starts_with("ebpf dataplane loaded") {
+            } else if message.starts_with("ebpf dataplane loaded")
+                || message.starts_with("iptables dataplane ready")
+            {
                 dataplane = Some(since);
             } else if message == "full sync done" {
                 // Read at once, before anything else runs in the agent.
@@ -385,6 +387,39 @@ impl Running {
                 });
             } else if event["level"] == "ERROR" || event["level"] == "WARN" {
                 eprintln!("    agent: {message}");
+            }
+        }
+    }
+
+    /// Forgets the log lines read so far but not looked at.
+    pub fn skip_pending(&mut self) {
+        while let Ok((_, line)) = self.lines.try_recv() {
+            self.log.push(line);
+        }
+    }
+
+    /// Waits for the next log line whose message is one of `messages`; when it was read.
+    pub fn next_message(
+        &mut self,
+        messages: &[&str],
+        patience: Duration,
+    ) -> anyhow::Result<Instant> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (at, line) = match self.lines.recv_timeout(left) {
+                Ok(line) => line,
+                Err(_) => bail!(
+                    "no {messages:?} within {patience:?}:\n{}",
+                    self.log.join("\n")
+                ),
+            };
+            self.log.push(line.clone());
+            let message = serde_json::from_str::<Value>(&line)
+                .ok()
+                .and_then(|e| e["fields"]["message"].as_str().map(str::to_owned));
+            if message.is_some_and(|m| messages.contains(&m.as_str())) {
+                return Ok(at);
             }
         }
     }
