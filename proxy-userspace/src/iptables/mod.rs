@@ -213,17 +213,9 @@ impl IptablesDataplane {
             if port.protocol != Protocol::Udp {
                 continue;
             }
-            let v4 = |ips: &[IpAddr]| -> Vec<Ipv4Addr> {
-                ips.iter()
-                    .filter_map(|ip| match ip {
-                        IpAddr::V4(ip) => Some(*ip),
-                        IpAddr::V6(_) => None,
-                    })
-                    .collect()
-            };
-            let mut frontends = v4(&port.cluster_ips);
-            frontends.extend(v4(&port.external_ips));
-            frontends.extend(v4(&port.load_balancer_ips));
+            let mut frontends = rules::v4(&port.cluster_ips);
+            frontends.extend(rules::v4(&port.external_ips));
+            frontends.extend(rules::v4(&port.load_balancer_ips));
             let endpoints = state
                 .usable_endpoints(spn, false)
                 .iter()

@@ -524,7 +524,8 @@ fn endpoint_jumps(
     }
 }
 
-fn v4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
+/// The IPv4 addresses of `ips` (the mode programs IPv4 only).
+pub(super) fn v4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
     ips.iter()
         .filter_map(|ip| match ip {
             IpAddr::V4(ip) => Some(*ip),

@@ -74,6 +74,8 @@ struct Cell {
     start: Sample,
     change_p50: Duration,
     change_p99: Duration,
+    /// How many changes those are (fewer than asked where syncs are slow).
+    changes: usize,
 }
 
 fn vip(i: u32) -> Ipv4Addr {
@@ -312,15 +314,29 @@ fn measure(
         start,
         change_p50: percentile(&mut changes, 50.0),
         change_p99: percentile(&mut changes, 99.0),
+        changes: changes.len(),
     };
     running.stop();
+    // What the mode left goes before the next agent starts, outside anything measured.
+    let mut cleanup = Command::new(agent);
+    cleanup
+        .args(["agent", "--cleanup", "--pod-interfaces", HOST_IF_PATTERN])
+        .arg("--bpf-pin-dir")
+        .arg(bpffs.path());
+    sandbox.node1.enter(&mut cleanup)?;
+    let out = cleanup.output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "agent --cleanup failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
     Ok(cell)
 }
 
 /// Times `count` changes of one Service's endpoints (a fourth endpoint added, then removed
 /// again), each from its write to the API server until the agent logs the sync that
-/// programmed it, a little over a second apart.
+/// programmed it, a little over a second apart; at least 3, then as many as 90 s allow.
 fn one_endpoint_changes(
     sandbox: &Sandbox,
     api: &ApiServer,
@@ -332,7 +348,12 @@ fn one_endpoint_changes(
     let name = format!("svc-{m}");
     let mut ips = endpoints_of(sandbox, n, m);
     let mut times = Vec::new();
+    // Where each sync takes seconds (iptables with tens of thousands of Services), fewer.
+    let budget = Instant::now() + Duration::from_secs(90);
     for k in 0..count {
+        if k >= 3 && Instant::now() > budget {
+            break;
+        }
         if k % 2 == 0 {
             ips.push("10.200.0.1".into());
         } else {
@@ -356,7 +377,7 @@ fn table(cells: &[Cell]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| services | mode | direct conn/s (p50 / p99) | first Service | ratio | last Service | ratio | start to first full sync | VmRSS | one change p50 / p99 |"
+        "| services | mode | direct conn/s (p50 / p99) | first Service | ratio | last Service | ratio | start to first full sync | VmRSS | one change p50 / p99 (changes) |"
     );
     let _ = writeln!(
         out,
@@ -370,7 +391,7 @@ fn table(cells: &[Cell]) -> String {
         let direct = c.paths[0].0;
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.2} | {} | {:.2} | {:.2} s | {:.1} MiB | {:.2} / {:.2} ms |",
+            "| {} | {} | {} | {} | {:.2} | {} | {:.2} | {:.2} s | {:.1} MiB | {:.2} / {:.2} ms ({}) |",
             c.services,
             c.mode,
             path(c.paths[0]),
@@ -382,6 +403,7 @@ fn table(cells: &[Cell]) -> String {
             mib(c.start.rss),
             ms(c.change_p50),
             ms(c.change_p99),
+            c.changes,
         );
     }
     let _ = writeln!(
@@ -396,7 +418,10 @@ fn table(cells: &[Cell]) -> String {
          kube-proxy). iptables: this project's iptables mode on legacy iptables (with nf_tables, \
          iptables-restore of 10k Services took 190 s on this machine), kube-proxy's rules \
          rewritten whole at every sync (kube-proxy rewrites only the changed Services' chains \
-         between full syncs, so its one-change figure is lower)."
+         between full syncs, so its one-change figure is lower). Its direct figure falls with \
+         the number of Services because every new connection through the node, to a Service or \
+         not, walks KUBE-SERVICES rule by rule: compare absolute rates across modes (the \
+         chart)."
     );
     out
 }
