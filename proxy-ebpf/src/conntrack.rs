@@ -222,8 +222,8 @@ pub fn record_snat_flow(
             proto: key.proto,
             pad: [0; 3],
         };
-        // A flow holds this port (for this endpoint): another one. A flow's that no longer
-        // does is overwritten; an unused one is taken only if no other CPU took it meanwhile.
+        // A port a flow still holds (to this endpoint): try another. One whose flow is done
+        // with it is overwritten; an unused one is taken only if no other CPU took it meanwhile.
         let flags = match unsafe { CONNTRACK.get(reply_key) } {
             Some(old) if !port_free(old, key.proto, now) => continue,
             Some(_) => BPF_ANY,
