@@ -254,6 +254,16 @@ fn service_rules(
     let uses_local = !local_endpoints.is_empty()
         && (port.internal_traffic_local || (has_external && port.external_traffic_local));
     let uses_external = has_external && !external.is_empty();
+    // The endpoints each used chain jumps to (none where the chain is not written).
+    let used = |yes: bool, endpoints: &[&Endpoint]| {
+        if yes {
+            targets(&name, proto, endpoints)
+        } else {
+            Vec::new()
+        }
+    };
+    let cluster_targets = used(uses_cluster, &cluster_endpoints);
+    let local_targets = used(uses_local, &local_endpoints);
     let firewall = !port.source_ranges.is_empty() && !lb_ips.is_empty();
     let lb_chain = if firewall {
         &chains.firewall
@@ -362,12 +372,12 @@ fn service_rules(
                 ),
             );
         }
-        endpoint_jumps(nat, &chains.cluster, &name, proto, port, &cluster_endpoints);
+        endpoint_jumps(nat, &chains.cluster, &name, port, &cluster_targets);
     }
     if uses_local {
         nat.chain(&chains.local);
         declared.insert(chains.local.clone());
-        endpoint_jumps(nat, &chains.local, &name, proto, port, &local_endpoints);
+        endpoint_jumps(nat, &chains.local, &name, port, &local_targets);
     }
     if uses_external {
         nat.chain(&chains.external);
@@ -424,26 +434,19 @@ fn service_rules(
             );
         }
     }
-    let used = (if uses_cluster {
-        &cluster_endpoints[..]
-    } else {
-        &[]
-    })
-    .iter()
-    .chain(if uses_local {
-        &local_endpoints[..]
-    } else {
-        &[]
-    });
-    for ep in used {
-        let IpAddr::V4(ip) = ep.ip else { continue };
-        let chain = endpoint_chain(&name, proto, &format!("{ip}:{}", ep.port));
+    // Endpoints in both lists have one chain.
+    for target in cluster_targets.iter().chain(&local_targets) {
+        let Target {
+            ip,
+            port: ep_port,
+            chain,
+        } = target;
         if !declared.insert(chain.clone()) {
-            continue; // in both lists
+            continue;
         }
-        nat.chain(&chain);
+        nat.chain(chain);
         nat.rule(
-            &chain,
+            chain,
             &format!("-m comment --comment {name} -s {ip} -j KUBE-MARK-MASQ"),
         );
         let recent = if port.session_affinity_timeout.is_some() {
@@ -452,13 +455,34 @@ fn service_rules(
             String::new()
         };
         nat.rule(
-            &chain,
+            chain,
             &format!(
-                "-m comment --comment {name}{recent} {matches} -j DNAT --to-destination {ip}:{}",
-                ep.port
+                "-m comment --comment {name}{recent} {matches} -j DNAT --to-destination {ip}:{ep_port}"
             ),
         );
     }
+}
+
+/// An IPv4 endpoint a Service chain jumps to, and its `KUBE-SEP-*` chain.
+struct Target {
+    ip: Ipv4Addr,
+    port: u16,
+    chain: String,
+}
+
+/// The IPv4 ones of `endpoints` of the Service port `name`, each with its chain name.
+fn targets(name: &str, proto: &str, endpoints: &[&Endpoint]) -> Vec<Target> {
+    endpoints
+        .iter()
+        .filter_map(|ep| match ep.ip {
+            IpAddr::V4(ip) => Some(Target {
+                ip,
+                port: ep.port,
+                chain: endpoint_chain(name, proto, &format!("{ip}:{}", ep.port)),
+            }),
+            IpAddr::V6(_) => None,
+        })
+        .collect()
 }
 
 /// What a frontend whose policy leaves it `endpoints` does when there are none: refuse at once
@@ -484,20 +508,16 @@ fn endpoint_jumps(
     nat: &mut Table,
     chain: &str,
     name: &str,
-    proto: &str,
     port: &ServicePort,
-    endpoints: &[&Endpoint],
+    targets: &[Target],
 ) {
-    let endpoints: Vec<(Ipv4Addr, u16)> = endpoints
-        .iter()
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some((ip, ep.port)),
-            IpAddr::V6(_) => None,
-        })
-        .collect();
     if let Some(timeout) = port.session_affinity_timeout {
-        for (ip, p) in &endpoints {
-            let ep_chain = endpoint_chain(name, proto, &format!("{ip}:{p}"));
+        for Target {
+            ip,
+            port: p,
+            chain: ep_chain,
+        } in targets
+        {
             nat.rule(
                 chain,
                 &format!(
@@ -506,9 +526,16 @@ fn endpoint_jumps(
             );
         }
     }
-    let n = endpoints.len();
-    for (i, (ip, p)) in endpoints.iter().enumerate() {
-        let ep_chain = endpoint_chain(name, proto, &format!("{ip}:{p}"));
+    let n = targets.len();
+    for (
+        i,
+        Target {
+            ip,
+            port: p,
+            chain: ep_chain,
+        },
+    ) in targets.iter().enumerate()
+    {
         let statistic = if i + 1 < n {
             format!(
                 " -m statistic --mode random --probability {:.10}",
