@@ -222,10 +222,7 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
                 iptables::cleanup()?;
             }
             // Held until the agent exits: a second agent on the same pins fails here.
-            proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
-            Some(proxy_userspace::ebpf::bpffs::PinDirLock::acquire(
-                &args.bpf_pin_dir,
-            )?)
+            Some(lock_pin_dir(&args)?)
         }
         ProxyMode::Iptables => {
             if args.bpf_pin_dir.join(proxy_common::MAP_SERVICES).exists() {
@@ -316,9 +313,14 @@ fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
 }
 
 fn cleanup_ebpf(args: &AgentArgs) -> anyhow::Result<()> {
-    proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
-    let _lock = proxy_userspace::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)?;
+    let _lock = lock_pin_dir(args)?;
     proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces)
+}
+
+/// The pin directory (bpffs mounted there when missing), locked against a second agent.
+fn lock_pin_dir(args: &AgentArgs) -> anyhow::Result<proxy_userspace::ebpf::bpffs::PinDirLock> {
+    proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
+    proxy_userspace::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)
 }
 
 /// An IPv4 CIDR, like 10.244.0.0/16 (the IPv4 one of a dual-stack pair).

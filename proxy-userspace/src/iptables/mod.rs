@@ -37,11 +37,7 @@ impl Backend {
     /// The backend's own binary of `tool` (`iptables`, `iptables-save`, `iptables-restore`).
     fn tool(self, tool: &str) -> String {
         let (prefix, rest) = tool.split_at("iptables".len());
-        let name = match self {
-            Backend::Legacy => "legacy",
-            Backend::Nft => "nft",
-        };
-        format!("{prefix}-{name}{rest}")
+        format!("{prefix}-{}{rest}", self.name())
     }
 
     pub fn name(self) -> &'static str {
