@@ -39,6 +39,23 @@ pub const HEALTHZ_PORT: u16 = 10256;
 /// The port of the agent's /metrics (kube-proxy's), on the node's loopback.
 pub const METRICS_PORT: u16 = 10249;
 
+/// Runs `agent --cleanup` of the binary `agent` in `node`, on the pins in `pin_dir`.
+pub fn cleanup(agent: &Path, node: &crate::Netns, pin_dir: &Path) -> Result<()> {
+    let mut cmd = Command::new(agent);
+    cmd.args(["agent", "--cleanup", "--pod-interfaces", HOST_IF_PATTERN])
+        .arg("--bpf-pin-dir")
+        .arg(pin_dir);
+    node.enter(&mut cmd)?;
+    let out = cmd.output()?;
+    if !out.status.success() {
+        bail!(
+            "agent --cleanup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
 /// A running agent. Its process belongs to the sandbox (stopped when the sandbox drops).
 pub struct AgentRun {
     pub pid: u32,
@@ -236,19 +253,7 @@ impl AgentRun {
 
     /// Runs `proxy-userspace agent --cleanup` in the agent's node, on its pins.
     pub fn cleanup(&self, sandbox: &Sandbox) -> Result<()> {
-        let mut cmd = Command::new(agent_bin()?);
-        cmd.args(["agent", "--cleanup", "--pod-interfaces", HOST_IF_PATTERN])
-            .arg("--bpf-pin-dir")
-            .arg(self.bpffs.path());
-        sandbox.node(&self.node).enter(&mut cmd)?;
-        let out = cmd.output()?;
-        if !out.status.success() {
-            bail!(
-                "agent --cleanup failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(())
+        cleanup(&agent_bin()?, sandbox.node(&self.node), self.bpffs.path())
     }
 
     /// GET `path` from the agent's health server: the status code and the body.

@@ -318,18 +318,7 @@ fn measure(
     };
     running.stop();
     // What the mode left goes before the next agent starts, outside anything measured.
-    let mut cleanup = Command::new(agent);
-    cleanup
-        .args(["agent", "--cleanup", "--pod-interfaces", HOST_IF_PATTERN])
-        .arg("--bpf-pin-dir")
-        .arg(bpffs.path());
-    sandbox.node1.enter(&mut cleanup)?;
-    let out = cleanup.output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "agent --cleanup failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    proxy_tests::agent::cleanup(agent, &sandbox.node1, bpffs.path())?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(cell)
 }
