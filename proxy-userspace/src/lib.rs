@@ -11,6 +11,8 @@ pub mod maglev;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
+pub mod nftables;
 pub mod runner;
 pub mod service_health;
 pub mod source;
+pub mod stale_udp;

@@ -14,6 +14,7 @@ use proxy_userspace::{
     iptables::{self, IptablesConfig, IptablesDataplane},
     maglev,
     model::LbAlgorithm,
+    nftables::{self, NftablesConfig, NftablesDataplane},
 };
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
@@ -42,12 +43,31 @@ enum Command {
     Inspect(InspectArgs),
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ProxyMode {
-    /// tc programs with BPF maps.
+    /// The first of ebpf, nftables and iptables that starts on this node (each is tried for
+    /// real: the BPF programs loaded, the nftables table written).
+    Auto,
+    /// tc and XDP programs with BPF maps.
     Ebpf,
-    /// kube-proxy's iptables rules (NAT chains), for nodes where BPF cannot run.
+    /// kube-proxy's nftables mode (`table ip kube-proxy`), for nodes where BPF cannot run.
+    Nftables,
+    /// kube-proxy's iptables rules (NAT chains), for nodes without BPF or nftables.
     Iptables,
+}
+
+impl ProxyMode {
+    /// What `auto` tries, in order.
+    const AUTO: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Nftables, ProxyMode::Iptables];
+
+    fn name(self) -> &'static str {
+        match self {
+            ProxyMode::Auto => "auto",
+            ProxyMode::Ebpf => "ebpf",
+            ProxyMode::Nftables => "nftables",
+            ProxyMode::Iptables => "iptables",
+        }
+    }
 }
 
 const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-proxy-ebpf";
@@ -55,7 +75,7 @@ const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-proxy-ebpf";
 #[derive(clap::Args)]
 struct AgentArgs {
     /// Which proxy mode to use (kube-proxy's flag).
-    #[arg(long, value_enum, default_value = "ebpf")]
+    #[arg(long, value_enum, default_value = "auto")]
     proxy_mode: ProxyMode,
     /// Read Services and EndpointSlices from this file of Kubernetes YAML (multi-document or a
     /// List, watched for changes) instead of the API server.
@@ -133,12 +153,13 @@ struct AgentArgs {
     /// tables spread flows more evenly and cost 4 bytes an entry per Service using Maglev.
     #[arg(long, default_value_t = maglev::DEFAULT_TABLE_SIZE, value_parser = maglev::parse_table_size)]
     lb_maglev_table_size: u32,
-    /// The cluster's pod range (kube-proxy's flag), with the iptables mode: connections to a
+    /// The cluster's pod range (kube-proxy's flag), with the iptables and nftables modes: connections to a
     /// cluster IP from outside it are masqueraded, and pods reaching an externalTrafficPolicy
     /// Local frontend get any endpoint. Empty: neither.
     #[arg(long, value_parser = parse_cidr)]
     cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
-    /// Masquerade every connection to a cluster IP (kube-proxy's flag, iptables mode).
+    /// Masquerade every connection to a cluster IP (kube-proxy's flag, iptables and nftables
+    /// modes).
     #[arg(long)]
     masquerade_all: bool,
     /// Which iptables the iptables mode writes to: `legacy`, `nft` (nf_tables), or `auto`: the
@@ -211,104 +232,172 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
     if args.cleanup {
         return cleanup(&args);
     }
-    // Whatever another mode left would serve stale state beside this one's.
-    let _lock = match args.proxy_mode {
-        ProxyMode::Ebpf => {
-            if iptables::installed() {
-                tracing::warn!(
-                    "removing the iptables rules of an earlier iptables-mode run (or of \
-                     kube-proxy: stop it before starting this agent)"
-                );
-                iptables::cleanup()?;
-            }
-            // Held until the agent exits: a second agent on the same pins fails here.
-            Some(lock_pin_dir(&args)?)
-        }
-        ProxyMode::Iptables => {
-            if args.bpf_pin_dir.join(proxy_common::MAP_SERVICES).exists() {
-                tracing::info!("removing the eBPF programs of an earlier ebpf-mode run");
-                cleanup_ebpf(&args)?;
-            }
-            None
-        }
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let source = match args.manifest {
+    let source = match args.manifest.clone() {
         Some(path) => Source::File(path),
         None => Source::Kubernetes {
-            kubeconfig: args.kubeconfig,
+            kubeconfig: args.kubeconfig.clone(),
         },
     };
     let config = AgentConfig {
         source,
-        node_name: node_name(args.hostname_override)?,
+        node_name: node_name(args.hostname_override.clone())?,
         min_sync_period: args.min_sync_period,
         sync_period: args.sync_period,
-        healthz_bind_address: Some(args.healthz_bind_address).filter(|a| !a.is_empty()),
-        metrics_bind_address: Some(args.metrics_bind_address).filter(|a| !a.is_empty()),
+        healthz_bind_address: Some(args.healthz_bind_address.clone()).filter(|a| !a.is_empty()),
+        metrics_bind_address: Some(args.metrics_bind_address.clone()).filter(|a| !a.is_empty()),
     };
+    // The pin directory's lock, taken by the ebpf mode and held until the agent exits: a second
+    // agent on the same pins fails.
+    let mut pin_dir_lock = None;
     let make_dataplane = |node_ips: &[std::net::IpAddr]| -> anyhow::Result<Box<dyn Dataplane>> {
-        match args.proxy_mode {
-            ProxyMode::Ebpf => {
-                let sizes = MapSizes {
-                    services: args.bpf_services_max,
-                    backends: args.bpf_backends_max,
-                    conntrack: args.bpf_ct_max,
-                };
-                let dp = EbpfDataplane::new(
-                    &args.bpf_pin_dir,
-                    sizes,
-                    WriterConfig {
-                        drain_period: args.bpf_drain_period,
-                        lb_algorithm: args.lb_algorithm,
-                        maglev_table_size: args.lb_maglev_table_size,
-                    },
-                    &args.pod_interfaces,
-                    ExternalConfig {
-                        addresses: args.nodeport_addresses.clone(),
-                        primary: node_ips.to_vec(),
-                        mode: args.xdp_mode,
-                        snat_ports: args.bpf_snat_port_range,
-                    },
-                    &args.bpf_cgroup_path,
-                )?;
-                tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
-                Ok(Box::new(dp))
-            }
-            ProxyMode::Iptables => {
-                let backend = match args.iptables_backend {
-                    IptablesBackend::Auto => iptables::Backend::detect()?,
-                    IptablesBackend::Legacy => iptables::Backend::Legacy,
-                    IptablesBackend::Nft => iptables::Backend::Nft,
-                };
-                let dp = IptablesDataplane::new(IptablesConfig {
-                    backend,
-                    cluster_cidr: args.cluster_cidr,
-                    masquerade_all: args.masquerade_all,
-                    node_port_addresses: args.nodeport_addresses.clone(),
-                    primary: node_ips.to_vec(),
-                })?;
-                if args.cluster_cidr.is_none() && !args.masquerade_all {
-                    tracing::warn!(
-                        "no --cluster-cidr: connections to cluster IPs from outside the pod \
-                         network are not masqueraded"
+        if args.proxy_mode != ProxyMode::Auto {
+            return start_mode(args.proxy_mode, &args, node_ips, &mut pin_dir_lock);
+        }
+        let mut unavailable = Vec::new();
+        for mode in ProxyMode::AUTO {
+            match start_mode(mode, &args, node_ips, &mut pin_dir_lock) {
+                Ok(dataplane) => {
+                    tracing::info!(
+                        mode = mode.name(),
+                        unavailable = ?unavailable,
+                        "--proxy-mode auto: using the first mode that works here"
                     );
+                    return Ok(dataplane);
                 }
-                tracing::info!(backend = backend.name(), "iptables dataplane ready");
-                Ok(Box::new(dp))
+                Err(e) => {
+                    tracing::warn!(
+                        "--proxy-mode auto: the {} mode cannot run here: {e:#}",
+                        mode.name()
+                    );
+                    unavailable.push(format!("{}: {e:#}", mode.name()));
+                }
             }
         }
+        anyhow::bail!(
+            "no proxy mode can run on this node:\n{}",
+            unavailable.join("\n")
+        )
     };
     runtime.block_on(agent::run(config, make_dataplane))
+}
+
+/// Starts `mode` after removing what the other modes left (it would serve stale state beside
+/// this one's). `lock`: where the pin directory's lock is kept, taken by the ebpf mode.
+fn start_mode(
+    mode: ProxyMode,
+    args: &AgentArgs,
+    node_ips: &[std::net::IpAddr],
+    lock: &mut Option<proxy_userspace::ebpf::bpffs::PinDirLock>,
+) -> anyhow::Result<Box<dyn Dataplane>> {
+    if mode != ProxyMode::Iptables && iptables::installed() {
+        tracing::warn!(
+            "removing the iptables rules of an earlier iptables-mode run (or of kube-proxy: \
+             stop it before starting this agent)"
+        );
+        iptables::cleanup()?;
+    }
+    if mode != ProxyMode::Nftables && nftables::installed() {
+        tracing::warn!(
+            "removing the nftables table of an earlier nftables-mode run (or of kube-proxy: \
+             stop it before starting this agent)"
+        );
+        nftables::cleanup()?;
+    }
+    if mode != ProxyMode::Ebpf && args.bpf_pin_dir.join(proxy_common::MAP_SERVICES).exists() {
+        tracing::info!("removing the eBPF programs of an earlier ebpf-mode run");
+        cleanup_ebpf(args)?;
+    }
+    let warn_without_cluster_cidr = || {
+        if args.cluster_cidr.is_none() && !args.masquerade_all {
+            tracing::warn!(
+                "no --cluster-cidr: connections to cluster IPs from outside the pod network are \
+                 not masqueraded"
+            );
+        }
+    };
+    match mode {
+        ProxyMode::Auto => unreachable!("auto tries the other modes"),
+        ProxyMode::Ebpf => {
+            if lock.is_none() {
+                *lock = Some(lock_pin_dir(args)?);
+            }
+            let sizes = MapSizes {
+                services: args.bpf_services_max,
+                backends: args.bpf_backends_max,
+                conntrack: args.bpf_ct_max,
+            };
+            let started = EbpfDataplane::new(
+                &args.bpf_pin_dir,
+                sizes,
+                WriterConfig {
+                    drain_period: args.bpf_drain_period,
+                    lb_algorithm: args.lb_algorithm,
+                    maglev_table_size: args.lb_maglev_table_size,
+                },
+                &args.pod_interfaces,
+                ExternalConfig {
+                    addresses: args.nodeport_addresses.clone(),
+                    primary: node_ips.to_vec(),
+                    mode: args.xdp_mode,
+                    snat_ports: args.bpf_snat_port_range,
+                },
+                &args.bpf_cgroup_path,
+            );
+            let dp = match started {
+                Ok(dp) => dp,
+                Err(e) => {
+                    // Whatever was attached before the failure goes: another mode may follow.
+                    if let Err(cleanup) =
+                        proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces)
+                    {
+                        tracing::warn!("removing the partly started ebpf mode: {cleanup:#}");
+                    }
+                    return Err(e);
+                }
+            };
+            tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
+            Ok(Box::new(dp))
+        }
+        ProxyMode::Nftables => {
+            let dp = NftablesDataplane::new(NftablesConfig {
+                cluster_cidr: args.cluster_cidr,
+                masquerade_all: args.masquerade_all,
+                node_port_addresses: args.nodeport_addresses.clone(),
+                primary: node_ips.to_vec(),
+            })?;
+            warn_without_cluster_cidr();
+            tracing::info!("nftables dataplane ready");
+            Ok(Box::new(dp))
+        }
+        ProxyMode::Iptables => {
+            let backend = match args.iptables_backend {
+                IptablesBackend::Auto => iptables::Backend::detect()?,
+                IptablesBackend::Legacy => iptables::Backend::Legacy,
+                IptablesBackend::Nft => iptables::Backend::Nft,
+            };
+            let dp = IptablesDataplane::new(IptablesConfig {
+                backend,
+                cluster_cidr: args.cluster_cidr,
+                masquerade_all: args.masquerade_all,
+                node_port_addresses: args.nodeport_addresses.clone(),
+                primary: node_ips.to_vec(),
+            })?;
+            warn_without_cluster_cidr();
+            tracing::info!(backend = backend.name(), "iptables dataplane ready");
+            Ok(Box::new(dp))
+        }
+    }
 }
 
 /// `--cleanup` (kube-proxy's semantics): removes what any mode installed, then exits.
 fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
     iptables::cleanup()?;
+    nftables::cleanup()?;
     cleanup_ebpf(args)
 }
 

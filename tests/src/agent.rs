@@ -2,7 +2,6 @@
 //! bpffs and its socket programs on a cgroup of its own; and editing that manifest the way an
 //! operator would.
 use std::{
-    io::{Read, Write},
     os::{fd::AsRawFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -128,30 +127,27 @@ impl AgentRun {
                 arg(&kubeconfig);
             }
         }
-        arg(&"--hostname-override");
-        arg(&node);
-        arg(&"--min-sync-period");
-        arg(&"0s");
-        arg(&"--bpf-pin-dir");
-        arg(&bpffs.path());
-        arg(&"--bpf-cgroup-path");
-        arg(&cgroup.path());
-        arg(&"--pod-interfaces");
-        arg(&HOST_IF_PATTERN);
-        arg(&"--healthz-bind-address");
-        arg(&format!("127.0.0.1:{HEALTHZ_PORT}"));
-        arg(&"--metrics-bind-address");
-        arg(&format!("127.0.0.1:{METRICS_PORT}"));
-        // Small maps: tests run side by side.
-        for a in [
-            "--bpf-services-max",
-            "4096",
-            "--bpf-backends-max",
-            "4096",
-            "--bpf-ct-max",
-            "16384",
-        ] {
-            arg(&a);
+        let healthz = format!("127.0.0.1:{HEALTHZ_PORT}");
+        let metrics = format!("127.0.0.1:{METRICS_PORT}");
+        let defaults: [(&str, &dyn AsRef<std::ffi::OsStr>); 10] = [
+            ("--hostname-override", &node),
+            ("--min-sync-period", &"0s"),
+            ("--bpf-pin-dir", &bpffs.path()),
+            ("--bpf-cgroup-path", &cgroup.path()),
+            ("--pod-interfaces", &HOST_IF_PATTERN),
+            ("--healthz-bind-address", &healthz),
+            ("--metrics-bind-address", &metrics),
+            // Small maps: tests run side by side.
+            ("--bpf-services-max", &"4096"),
+            ("--bpf-backends-max", &"4096"),
+            ("--bpf-ct-max", &"16384"),
+        ];
+        // A flag in `extra` replaces its default.
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                arg(&flag);
+                arg(value);
+            }
         }
         for a in extra {
             arg(a);
@@ -269,29 +265,8 @@ impl AgentRun {
     }
 
     fn http_get(&self, sandbox: &Sandbox, port: u16, path: &str) -> Result<(u16, String)> {
-        let request =
-            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-        let response = sandbox
-            .node(&self.node)
-            .try_run(move || -> Result<String> {
-                let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))?;
-                conn.set_read_timeout(Some(Duration::from_secs(2)))?;
-                conn.write_all(request.as_bytes())?;
-                let mut out = String::new();
-                conn.read_to_string(&mut out)?;
-                Ok(out)
-            })??;
-        let code = response
-            .split_whitespace()
-            .nth(1)
-            .context("empty response")?
-            .parse()?;
-        let body = response
-            .split("\r\n\r\n")
-            .nth(1)
-            .unwrap_or_default()
-            .to_owned();
-        Ok((code, body))
+        let at = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        crate::client::http_get(sandbox.node(&self.node), at, path)
     }
 
     /// Polls the pinned services until `ok` holds (10 s at most), checking the agent lives.

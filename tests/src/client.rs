@@ -1,6 +1,6 @@
 //! Clients that run inside a namespace, each with a timeout and a clear error.
 
-use std::io::{BufRead, BufReader, ErrorKind, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
 
@@ -178,4 +178,32 @@ impl UdpConn {
     pub fn ask(&self, msg: &str) -> Result<String> {
         udp_exchange(&self.socket, msg).with_context(|| self.label.clone())
     }
+}
+
+/// One HTTP/1.1 GET from inside `from`: the status code and the body.
+pub fn http_get(from: &Netns, addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let response = from
+        .try_run(move || -> Result<String> {
+            let (mut stream, _) = tcp_connect(addr)?;
+            stream.write_all(request.as_bytes())?;
+            let mut out = String::new();
+            stream
+                .read_to_string(&mut out)
+                .map_err(|e| io_context(e, "read response"))?;
+            Ok(out)
+        })
+        .and_then(|r| r)
+        .with_context(|| format!("GET http://{addr}{path} from {}", from.name))?;
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .context("empty response")?
+        .parse()?;
+    let body = response
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned();
+    Ok((code, body))
 }

@@ -24,12 +24,13 @@ pub mod programs;
 pub mod rbac;
 pub mod reference;
 mod sandbox;
+pub mod scenarios;
 
 use std::io::Write;
 use std::sync::OnceLock;
 
 pub use client::{
-    TcpConn, UdpConn, client_timeout, tcp_request, tcp_session, udp_request, udp_session,
+    TcpConn, UdpConn, client_timeout, http_get, tcp_request, tcp_session, udp_request, udp_session,
 };
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{

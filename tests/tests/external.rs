@@ -8,8 +8,7 @@
 //! node's endpoint).
 use std::{
     collections::BTreeSet,
-    io::{Read, Write},
-    net::{IpAddr, SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr},
     time::Duration,
 };
 
@@ -22,7 +21,7 @@ use proxy_tests::{
         FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
         FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, cluster_on,
     },
-    tcp_request, udp_request,
+    http_get, tcp_request, udp_request,
 };
 use proxy_userspace::manifest::Object;
 
@@ -131,25 +130,7 @@ fn check_cluster_policy(sandbox: &Sandbox, nodes: &[(&str, std::net::Ipv4Addr)])
 
 /// GET on a health check node port from `ext`: the status code and body.
 fn health_check(sandbox: &Sandbox, node_ip: std::net::Ipv4Addr) -> Result<(u16, String)> {
-    sandbox.ext.try_run(move || -> Result<(u16, String)> {
-        let mut conn = TcpStream::connect_timeout(
-            &at(node_ip, FRONT_LOCAL_HEALTH_PORT),
-            Duration::from_secs(2),
-        )?;
-        conn.set_read_timeout(Some(Duration::from_secs(2)))?;
-        conn.write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")?;
-        let mut out = String::new();
-        conn.read_to_string(&mut out)?;
-        let code = out
-            .split_whitespace()
-            .nth(1)
-            .context("empty answer")?
-            .parse()?;
-        Ok((
-            code,
-            out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string(),
-        ))
-    })?
+    http_get(&sandbox.ext, at(node_ip, FRONT_LOCAL_HEALTH_PORT), "/")
 }
 
 #[test]

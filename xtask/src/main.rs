@@ -115,6 +115,8 @@ fn main() -> anyhow::Result<()> {
                 "policy",
                 "--test",
                 "external",
+                "--test",
+                "scenarios",
             ];
             test.extend(args.iter().map(String::as_str));
             let mut cmd = cargo_cmd();

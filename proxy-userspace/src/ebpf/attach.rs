@@ -671,11 +671,7 @@ pub fn detach_all(pattern: &str, pin_dir: &Path) -> anyhow::Result<usize> {
     let mut detached = 0;
     let links_dir = pin_dir.join("links");
     if links_dir.exists() {
-        for entry in std::fs::read_dir(&links_dir)? {
-            // Unpinning drops the last reference to the tcx link, which detaches it.
-            std::fs::remove_file(entry?.path())?;
-            detached += 1;
-        }
+        detached += unpin_links(&links_dir)?;
     }
     if !tcx_supported() {
         for (name, _) in interfaces()? {
@@ -693,6 +689,37 @@ pub fn detach_all(pattern: &str, pin_dir: &Path) -> anyhow::Result<usize> {
         }
     }
     Ok(detached)
+}
+
+/// Removes every link pinned in `dir`, and waits until the kernel has detached them: the pin
+/// holds a link's last reference, and the kernel releases a link in a work queue, after the
+/// unlink returns (so a program could still translate packets for a moment after `--cleanup`).
+pub(crate) fn unpin_links(dir: &Path) -> anyhow::Result<usize> {
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        if let Ok(link) = PinnedLink::from_pin(&path)
+            && let Ok(info) = FdLink::from(link).info()
+        {
+            ids.push(info.id());
+        }
+        std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left: Vec<u32> = aya::programs::loaded_links()
+            .filter_map(|l| l.ok().map(|l| l.id()))
+            .filter(|id| ids.contains(id))
+            .collect();
+        if left.is_empty() {
+            return Ok(ids.len());
+        }
+        if Instant::now() > deadline {
+            tracing::warn!(?left, "links unpinned 5 s ago are still attached");
+            return Ok(ids.len());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// The index of the interface called `name`, if there is one.

@@ -101,17 +101,10 @@ pub fn attach(
 /// links removed.
 pub fn detach_all(pin_dir: &Path) -> anyhow::Result<usize> {
     let links = pin_dir.join(LINKS_DIR);
-    let entries = match fs::read_dir(&links) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(e).with_context(|| format!("listing {}", links.display())),
-    };
-    let mut detached = 0;
-    for entry in entries {
-        // The pin holds the last reference to the link: removing it detaches the program.
-        fs::remove_file(entry?.path())?;
-        detached += 1;
+    if !links.exists() {
+        return Ok(0);
     }
+    let detached = super::attach::unpin_links(&links)?;
     fs::remove_dir(&links).with_context(|| format!("removing {}", links.display()))?;
     Ok(detached)
 }

@@ -8,7 +8,7 @@
 pub mod rules;
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     io::Write as _,
     net::{IpAddr, Ipv4Addr},
     process::{Command, Stdio},
@@ -19,7 +19,8 @@ use anyhow::{Context, bail};
 use crate::{
     dataplane::{Dataplane, Scope},
     ebpf::external::{self, NodePortAddresses},
-    model::{DesiredState, Protocol, ServicePortName},
+    model::DesiredState,
+    stale_udp::StaleUdp,
 };
 
 /// Which of the kernel's two iptables implementations the rules go to: the same rules, very
@@ -151,21 +152,12 @@ const SERVICE_CHAIN_PREFIXES: &[&str] = &[
     "KUBE-SEP-",
 ];
 
-/// What a UDP Service port was last programmed with: its frontends and endpoints, to find the
-/// conntrack entries a change leaves stale.
-#[derive(Clone, Debug, Default, PartialEq)]
-struct UdpPort {
-    frontends: Vec<Ipv4Addr>,
-    node_port: Option<u16>,
-    endpoints: BTreeSet<Ipv4Addr>,
-}
-
 pub struct IptablesDataplane {
     config: IptablesConfig,
     /// The per-Service nat chains programmed now.
     chains: BTreeSet<String>,
     jumps_checked: bool,
-    udp: BTreeMap<ServicePortName, UdpPort>,
+    udp: StaleUdp,
 }
 
 impl IptablesDataplane {
@@ -179,90 +171,39 @@ impl IptablesDataplane {
             config,
             chains,
             jumps_checked: false,
-            udp: BTreeMap::new(),
+            udp: StaleUdp::default(),
         })
     }
 
     fn settings(&self) -> anyhow::Result<rules::Settings> {
-        let default_route = external::default_route_interface();
-        let selected = external::node_addresses(
-            &self.config.node_port_addresses,
-            &self.config.primary,
-            default_route.as_deref(),
-            &external::interface_addresses()?,
-        );
-        // A CIDR matching everything: every local address, as kube-proxy writes it.
-        let all = matches!(&self.config.node_port_addresses,
-            NodePortAddresses::Cidrs(c) if c.iter().any(|(_, len)| *len == 0));
         Ok(rules::Settings {
             cluster_cidr: self.config.cluster_cidr,
             masquerade_all: self.config.masquerade_all,
-            node_port_addresses: (!all).then(|| selected.iter().map(|a| a.addr).collect()),
+            node_port_addresses: node_port_ips(
+                &self.config.node_port_addresses,
+                &self.config.primary,
+            )?,
         })
     }
+}
 
-    /// Deletes the conntrack entries of UDP flows that a change left pointing nowhere: to an
-    /// endpoint that left (kube-proxy's rule), or blackholed while a port had no endpoints.
-    fn clear_stale_udp(&mut self, state: &DesiredState) {
-        let mut now = BTreeMap::new();
-        for (spn, port) in &state.services {
-            if port.protocol != Protocol::Udp {
-                continue;
-            }
-            let mut frontends = rules::v4(&port.cluster_ips);
-            frontends.extend(rules::v4(&port.external_ips));
-            frontends.extend(rules::v4(&port.load_balancer_ips));
-            let endpoints = state
-                .usable_endpoints(spn, false)
-                .iter()
-                .filter_map(|ep| match ep.ip {
-                    IpAddr::V4(ip) => Some(ip),
-                    IpAddr::V6(_) => None,
-                })
-                .collect();
-            now.insert(
-                spn.clone(),
-                UdpPort {
-                    frontends,
-                    node_port: port.node_port,
-                    endpoints,
-                },
-            );
-        }
-        for (spn, before) in &self.udp {
-            let after = now.get(spn).cloned().unwrap_or_default();
-            for gone in before.endpoints.difference(&after.endpoints) {
-                for vip in &before.frontends {
-                    conntrack_delete(&[
-                        "--orig-dst",
-                        &vip.to_string(),
-                        "--dst-nat",
-                        &gone.to_string(),
-                    ]);
-                }
-                if let Some(node_port) = before.node_port {
-                    conntrack_delete(&[
-                        "--dport",
-                        &node_port.to_string(),
-                        "--dst-nat",
-                        &gone.to_string(),
-                    ]);
-                }
-            }
-        }
-        for (spn, after) in &now {
-            let had = self.udp.get(spn).is_some_and(|b| !b.endpoints.is_empty());
-            if !had && !after.endpoints.is_empty() {
-                for vip in &after.frontends {
-                    conntrack_delete(&["--orig-dst", &vip.to_string()]);
-                }
-                if let Some(node_port) = after.node_port {
-                    conntrack_delete(&["--dport", &node_port.to_string()]);
-                }
-            }
-        }
-        self.udp = now;
+/// The node addresses NodePorts answer on, as the netfilter modes write them; None: every
+/// local address (a `--nodeport-addresses` CIDR matching everything, as kube-proxy does).
+pub(crate) fn node_port_ips(
+    spec: &NodePortAddresses,
+    primary: &[IpAddr],
+) -> anyhow::Result<Option<Vec<Ipv4Addr>>> {
+    if matches!(spec, NodePortAddresses::Cidrs(c) if c.iter().any(|(_, len)| *len == 0)) {
+        return Ok(None);
     }
+    let default_route = external::default_route_interface();
+    let selected = external::node_addresses(
+        spec,
+        primary,
+        default_route.as_deref(),
+        &external::interface_addresses()?,
+    );
+    Ok(Some(selected.iter().map(|a| a.addr).collect()))
 }
 
 impl Dataplane for IptablesDataplane {
@@ -277,7 +218,7 @@ impl Dataplane for IptablesDataplane {
             ensure_jumps(self.config.backend)?;
             self.jumps_checked = true;
         }
-        self.clear_stale_udp(state);
+        self.udp.clear(state);
         Ok(())
     }
 }
@@ -359,27 +300,6 @@ fn service_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
         .into_iter()
         .filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
         .collect())
-}
-
-/// `conntrack -D -p udp ARGS`; finding nothing to delete is not an error.
-fn conntrack_delete(args: &[&str]) {
-    let result = Command::new("conntrack")
-        .args(["-D", "-p", "udp"])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output();
-    match result {
-        Ok(o) if o.status.success() => {}
-        // conntrack exits 1 when no entry matched.
-        Ok(o) if String::from_utf8_lossy(&o.stderr).contains("0 flow entries") => {}
-        Ok(o) => tracing::warn!(
-            ?args,
-            "deleting stale UDP conntrack entries: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        ),
-        Err(e) => tracing::warn!("deleting stale UDP conntrack entries: conntrack: {e}"),
-    }
 }
 
 /// Removes everything the mode installed, from both backends: the jumps, then its chains

@@ -65,7 +65,7 @@ fn endpoint_chain(spn: &str, protocol: &str, endpoint: &str) -> String {
 }
 
 /// The first 16 characters of the base32 (RFC 4648) encoding of the SHA-256 of `text`.
-fn hash16(text: &str) -> String {
+pub(crate) fn hash16(text: &str) -> String {
     const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
     let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
     let bytes = digest.as_ref();
@@ -78,7 +78,7 @@ fn hash16(text: &str) -> String {
         .collect()
 }
 
-fn protocol_name(p: Protocol) -> &'static str {
+pub(crate) fn protocol_name(p: Protocol) -> &'static str {
     match p {
         Protocol::Tcp => "tcp",
         Protocol::Udp => "udp",
@@ -552,7 +552,7 @@ fn endpoint_jumps(
 }
 
 /// The IPv4 addresses of `ips` (the mode programs IPv4 only).
-pub(super) fn v4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
+pub(crate) fn v4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
     ips.iter()
         .filter_map(|ip| match ip {
             IpAddr::V4(ip) => Some(*ip),
@@ -562,16 +562,15 @@ pub(super) fn v4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::{
         manifest::{self, Object},
         model::ChangeTracker,
     };
 
-    /// testdata/services.yaml as node1 sees it.
-    fn fixture() -> DesiredState {
-        let text = include_str!("testdata/services.yaml");
+    /// The Services of `text` (a manifest such as testdata/services.yaml) as node1 sees them.
+    pub(crate) fn fixture(text: &str) -> DesiredState {
         let parsed = manifest::parse(text).expect("the fixture parses");
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
         let mut tracker = ChangeTracker::new();
@@ -591,11 +590,14 @@ mod tests {
         state
     }
 
-    /// Compares `text` with the golden file `name` (testdata/), or rewrites the file when
-    /// UPDATE_GOLDEN is set: a rule change shows in review as a change of that file.
-    fn golden(name: &str, text: &str) {
+    /// Compares `text` with the golden file `name` in the testdata/ of `mode` (`iptables`,
+    /// `nftables`), or rewrites the file when UPDATE_GOLDEN is set: a rule change shows in
+    /// review as a change of that file.
+    pub(crate) fn golden(mode: &str, name: &str, text: &str) {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("src/iptables/testdata")
+            .join("src")
+            .join(mode)
+            .join("testdata")
             .join(name);
         if std::env::var_os("UPDATE_GOLDEN").is_some() {
             std::fs::write(&path, text).unwrap();
@@ -617,6 +619,8 @@ mod tests {
         }
     }
 
+    const FIXTURE: &str = include_str!("testdata/services.yaml");
+
     #[test]
     fn rules_match_the_golden_file() {
         let settings = Settings {
@@ -626,14 +630,14 @@ mod tests {
         };
         // A chain of a Service gone since the last sync: deleted in the same transaction.
         let existing = BTreeSet::from(["KUBE-SVC-GONEGONEGONEGONE".to_string()]);
-        let rendered = render(&fixture(), &settings, &existing);
-        golden("rules.golden", &rendered.text);
+        let rendered = render(&fixture(FIXTURE), &settings, &existing);
+        golden("iptables", "rules.golden", &rendered.text);
         assert!(!rendered.chains.contains("KUBE-SVC-GONEGONEGONEGONE"));
     }
 
     #[test]
     fn without_a_cluster_cidr_or_with_masquerade_all() {
-        let state = fixture();
+        let state = fixture(FIXTURE);
         let every_address = Settings::default();
         let text = render(&state, &every_address, &BTreeSet::new()).text;
         assert!(text.contains("-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"));

@@ -1,0 +1,799 @@
+//! The one scenario suite: every Service type, policy and change case of the sandbox, run
+//! against every proxy mode (`tests/tests/scenarios.rs`), so that parity between the modes is
+//! shown rather than claimed. Each mode's results go to `target/parity/<mode>.tsv`, and the
+//! table of all of them to `docs/parity.md`.
+//!
+//! A scenario checks what Kubernetes promises to a client (which endpoints answer, whether the
+//! client address is kept where a policy says so, refused or dropped), not how a mode does it:
+//! where the modes legitimately differ (the eBPF mode keeps the client address of external
+//! traffic to a local endpoint even with externalTrafficPolicy Cluster; kube-proxy's modes
+//! masquerade it), the scenario does not look.
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use proxy_userspace::manifest::Object;
+
+use crate::{
+    BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, UdpConn,
+    agent::{AgentRun, AgentSource, add_endpoint, edit_manifest, remove_endpoint},
+    example::{
+        DNS, FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
+        FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, MANIFEST, REMOTE, WEB,
+    },
+    http_get, privileged, tcp_request, udp_request,
+};
+
+/// A proxy mode, as the suite runs it.
+pub struct Mode {
+    /// The results file's name and the test's.
+    pub id: &'static str,
+    /// The parity table's column.
+    pub title: &'static str,
+    /// The agent's arguments for the mode.
+    pub args: &'static [&'static str],
+    /// Why the suite does not run the mode in `cargo xtask test` (None: it does).
+    pub not_here: Option<&'static str>,
+}
+
+const CLUSTER_CIDR: [&str; 2] = ["--cluster-cidr", "10.244.0.0/16"];
+
+pub const MODES: &[Mode] = &[
+    Mode {
+        id: "ebpf",
+        title: "ebpf",
+        args: &["--proxy-mode", "ebpf"],
+        not_here: None,
+    },
+    Mode {
+        id: "iptables-legacy",
+        title: "iptables (legacy)",
+        args: &[
+            "--proxy-mode",
+            "iptables",
+            "--iptables-backend",
+            "legacy",
+            CLUSTER_CIDR[0],
+            CLUSTER_CIDR[1],
+        ],
+        not_here: None,
+    },
+    Mode {
+        id: "iptables-nft",
+        title: "iptables (nf_tables)",
+        args: &[
+            "--proxy-mode",
+            "iptables",
+            "--iptables-backend",
+            "nft",
+            CLUSTER_CIDR[0],
+            CLUSTER_CIDR[1],
+        ],
+        not_here: None,
+    },
+    Mode {
+        id: "nftables",
+        title: "nftables",
+        args: &["--proxy-mode", "nftables", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
+        not_here: None,
+    },
+    Mode {
+        id: "ipvs",
+        title: "ipvs",
+        args: &["--proxy-mode", "ipvs", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
+        not_here: Some("not built yet (issue 9); it will run in the 6.1 VM, which has IPVS"),
+    },
+    Mode {
+        id: "userspace",
+        title: "userspace",
+        args: &["--proxy-mode", "userspace"],
+        not_here: Some("not built yet (issue 9)"),
+    },
+];
+
+pub fn mode(id: &str) -> &'static Mode {
+    MODES
+        .iter()
+        .find(|m| m.id == id)
+        .unwrap_or_else(|| panic!("no mode {id}"))
+}
+
+/// One case: its name, what it checks, and the check.
+pub struct Scenario {
+    pub name: &'static str,
+    pub checks: &'static str,
+    run: fn(&mut World) -> Result<()>,
+}
+
+/// The sandbox with an agent on each node, in one mode, on [`manifest`].
+pub struct World {
+    pub sandbox: Sandbox,
+    pub agents: Vec<AgentRun>,
+}
+
+/// Services the example manifest lacks, one per remaining case.
+const EXTRA: &str = "
+---
+apiVersion: v1
+kind: Service
+metadata: {name: sticky, namespace: demo}
+spec: {type: ClusterIP, clusterIP: 10.96.0.50, sessionAffinity: ClientIP,
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: sticky-1, namespace: demo, labels: {kubernetes.io/service-name: sticky}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.11], nodeName: node1}
+- {addresses: [10.244.1.12], nodeName: node1}
+- {addresses: [10.244.1.13], nodeName: node1}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: demo}
+spec: {type: ClusterIP, clusterIP: 10.96.0.60,
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080},
+          {name: dns, port: 53, protocol: UDP, targetPort: 8080}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: ranged, namespace: demo}
+spec: {type: LoadBalancer, clusterIP: 10.96.0.70, loadBalancerSourceRanges: [192.0.2.100/32],
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30090}]}
+status: {loadBalancer: {ingress: [{ip: 203.0.113.12}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: ranged-1, namespace: demo, labels: {kubernetes.io/service-name: ranged}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.244.1.12], nodeName: node1}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: fenced, namespace: demo}
+spec: {type: LoadBalancer, clusterIP: 10.96.0.71, loadBalancerSourceRanges: [10.0.0.0/8],
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30091}]}
+status: {loadBalancer: {ingress: [{ip: 203.0.113.13}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: fenced-1, namespace: demo, labels: {kubernetes.io/service-name: fenced}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.244.1.12], nodeName: node1}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: draining, namespace: demo}
+spec: {type: ClusterIP, clusterIP: 10.96.0.80,
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: draining-1, namespace: demo, labels: {kubernetes.io/service-name: draining}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.11], nodeName: node1,
+   conditions: {ready: false, serving: true, terminating: true}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: node-local, namespace: demo}
+spec: {type: ClusterIP, clusterIP: 10.96.0.90, internalTrafficPolicy: Local,
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: node-local-1, namespace: demo, labels: {kubernetes.io/service-name: node-local}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.11], nodeName: node1}
+- {addresses: [10.244.2.11], nodeName: node2}
+";
+
+/// The example manifest and [`EXTRA`].
+pub fn manifest() -> String {
+    format!("{MANIFEST}{EXTRA}")
+}
+
+fn vip(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::new(10, 96, 0, last), port))
+}
+
+const STICKY: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 50)), 80);
+const EMPTY: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 60)), 80);
+const RANGED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 12)), 80);
+const FENCED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 13)), 80);
+
+fn at(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(ip), port)
+}
+
+fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+/// `whoami` over TCP: the backend's name and the client address it saw.
+fn whoami(from: &Netns, addr: SocketAddr) -> Result<(String, SocketAddr)> {
+    let reply = tcp_request(from, addr, "whoami")?;
+    let (name, peer) = reply
+        .split_once(' ')
+        .with_context(|| format!("not a whoami reply: {reply:?}"))?;
+    Ok((name.to_owned(), peer.parse()?))
+}
+
+/// The backends that answered `n` new TCP connections to `addr`.
+fn tcp_spread(from: &Netns, addr: SocketAddr, n: usize) -> Result<BTreeSet<String>> {
+    (0..n)
+        .map(|i| {
+            Ok(whoami(from, addr)
+                .with_context(|| format!("connection {i}"))?
+                .0)
+        })
+        .collect()
+}
+
+/// The backends that answered `n` new UDP flows to `addr`.
+fn udp_spread(from: &Netns, addr: SocketAddr, n: usize) -> Result<BTreeSet<String>> {
+    (0..n)
+        .map(|i| udp_request(from, addr, "hi").with_context(|| format!("flow {i}")))
+        .collect()
+}
+
+fn expect_spread(got: BTreeSet<String>, want: &[&str], what: &str) -> Result<()> {
+    ensure!(
+        got == set(want),
+        "{what}: answered by {got:?}, not {want:?}"
+    );
+    Ok(())
+}
+
+/// A TCP connection that must not be served: the error it got (a refusal or a timeout).
+fn not_served(from: &Netns, addr: SocketAddr, what: &str) -> Result<std::io::ErrorKind> {
+    let result = from.run(|| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)));
+    match result {
+        Ok(_) => bail!("{what}: {addr} accepted a connection"),
+        Err(e) => Ok(e.kind()),
+    }
+}
+
+/// Polls `check` until it holds (10 s, scaled), for changes the agent applies asynchronously.
+fn eventually(what: &str, mut check: impl FnMut() -> Result<()>) -> Result<()> {
+    let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
+    loop {
+        match check() {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() > deadline => {
+                return Err(e.context(format!("{what}: not so after 10 s")));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+impl World {
+    fn pod(&self, name: &str) -> &Netns {
+        &self.sandbox.pod(name).ns
+    }
+
+    /// Applies `edit` to both nodes' manifests (each agent watches its own copy).
+    fn edit(&self, edit: impl Fn(&mut Vec<Object>)) -> Result<()> {
+        for agent in &self.agents {
+            edit_manifest(&agent.manifest, &edit)?;
+        }
+        Ok(())
+    }
+
+    /// One request (TCP or UDP) from a process on node1 itself (host network), in the agent's
+    /// cgroup (where the eBPF mode's socket programs see it): the answer.
+    fn ask_from_node1(&self, addr: SocketAddr, udp: bool) -> Result<String> {
+        let mut cmd = std::process::Command::new("nc");
+        if udp {
+            cmd.arg("-u");
+        }
+        cmd.args([
+            "-w",
+            "2",
+            "-N",
+            &addr.ip().to_string(),
+            &addr.port().to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        self.sandbox.node("node1").enter(&mut cmd)?;
+        self.agents[0].cgroup.enter(&mut cmd)?;
+        let mut child = cmd.spawn().context("running nc (netcat-openbsd)")?;
+        use std::io::{BufRead, Write};
+        child.stdin.take().unwrap().write_all(b"hi\n")?;
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line)?;
+        let _ = child.kill();
+        let _ = child.wait();
+        ensure!(!line.is_empty(), "no answer from {addr} (udp: {udp})");
+        Ok(line.trim().to_owned())
+    }
+}
+
+/// Every scenario, in the order they run: the steady state first, then the changes, then the
+/// agent's removal.
+pub const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "cluster-ip-tcp",
+        checks: "a pod reaches every endpoint of a TCP ClusterIP",
+        run: |w| {
+            expect_spread(
+                tcp_spread(w.pod("client"), WEB, 30)?,
+                &["be1", "be2", "be3"],
+                "web",
+            )
+        },
+    },
+    Scenario {
+        name: "cluster-ip-udp",
+        checks: "a pod reaches every endpoint of a UDP ClusterIP, on both nodes",
+        run: |w| {
+            expect_spread(
+                udp_spread(w.pod("client"), DNS, 24)?,
+                &["be1", "be4"],
+                "dns-like",
+            )
+        },
+    },
+    Scenario {
+        name: "cluster-ip-other-node",
+        checks: "a ClusterIP whose only endpoint is on the other node",
+        run: |w| expect_spread(tcp_spread(w.pod("client"), REMOTE, 5)?, &["be4"], "remote"),
+    },
+    Scenario {
+        name: "pod-address-kept",
+        checks: "the endpoint sees the client pod's own address",
+        run: |w| {
+            let (name, seen) = whoami(w.pod("client"), FRONT)?;
+            let client = IpAddr::V4(w.sandbox.pod("client").ip);
+            ensure!(seen.ip() == client, "{name} saw {seen}, not {client}");
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "hairpin",
+        checks: "a pod reaches itself through its own Service (TCP and UDP)",
+        run: |w| {
+            let be1 = w.pod("be1");
+            ensure!(
+                tcp_spread(be1, WEB, 30)?.contains("be1"),
+                "be1 never reached itself over TCP"
+            );
+            ensure!(
+                udp_spread(be1, DNS, 24)?.contains("be1"),
+                "be1 never reached itself over UDP"
+            );
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "host-network-client",
+        checks: "a process on the node (host network) reaches TCP and UDP ClusterIPs",
+        run: |w| {
+            let tcp = w.ask_from_node1(WEB, false)?;
+            ensure!(
+                ["be1", "be2", "be3"].contains(&tcp.as_str()),
+                "TCP answered by {tcp:?}"
+            );
+            let udp = w.ask_from_node1(DNS, true)?;
+            ensure!(
+                ["be1", "be4"].contains(&udp.as_str()),
+                "UDP answered by {udp:?}"
+            );
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "node-port-tcp",
+        checks: "from outside, a NodePort on either node reaches every endpoint (eTP Cluster)",
+        run: |w| {
+            for node in [NODE1_IP, NODE2_IP] {
+                let got = tcp_spread(&w.sandbox.ext, at(node, FRONT_NODE_PORT), 16)?;
+                expect_spread(got, &["be2", "be4"], &format!("NodePort on {node}"))?;
+            }
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "node-port-udp",
+        checks: "from outside, a UDP NodePort reaches every endpoint",
+        run: |w| {
+            let got = udp_spread(&w.sandbox.ext, at(NODE1_IP, FRONT_UDP_NODE_PORT), 16)?;
+            expect_spread(got, &["be2", "be4"], "UDP NodePort")
+        },
+    },
+    Scenario {
+        name: "node-port-local",
+        checks: "eTP Local: the node's own endpoint answers and sees the client's address",
+        run: |w| {
+            for _ in 0..5 {
+                let (name, seen) = whoami(&w.sandbox.ext, at(NODE1_IP, FRONT_LOCAL_NODE_PORT))?;
+                ensure!(
+                    name == "be3" && seen.ip() == IpAddr::V4(EXT_IP),
+                    "{name} saw {seen}"
+                );
+            }
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "node-port-local-elsewhere",
+        checks: "eTP Local on a node without a local endpoint: not served",
+        run: |w| {
+            not_served(&w.sandbox.ext, at(NODE2_IP, FRONT_LOCAL_NODE_PORT), "node2")?;
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "health-check-node-port",
+        checks: "eTP Local's healthCheckNodePort: 200 with a local endpoint, 503 without",
+        run: |w| {
+            for (node, want) in [(NODE1_IP, 200), (NODE2_IP, 503)] {
+                let (code, body) =
+                    http_get(&w.sandbox.ext, at(node, FRONT_LOCAL_HEALTH_PORT), "/")?;
+                ensure!(code == want, "{node}: {code} {body}");
+            }
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "load-balancer-ip",
+        checks: "from outside, a load balancer address reaches every endpoint",
+        run: |w| {
+            expect_spread(
+                tcp_spread(&w.sandbox.ext, FRONT_LB, 16)?,
+                &["be2", "be4"],
+                "LB",
+            )
+        },
+    },
+    Scenario {
+        name: "load-balancer-local",
+        checks: "eTP Local load balancer address: the local endpoint, client address kept",
+        run: |w| {
+            let (name, seen) = whoami(&w.sandbox.ext, FRONT_LOCAL_LB)?;
+            ensure!(
+                name == "be3" && seen.ip() == IpAddr::V4(EXT_IP),
+                "{name} saw {seen}"
+            );
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "external-ip",
+        checks: "from outside, an external IP reaches every endpoint",
+        run: |w| {
+            let got = tcp_spread(&w.sandbox.ext, FRONT_EXTERNAL_IP, 16)?;
+            expect_spread(got, &["be2", "be4"], "external IP")
+        },
+    },
+    Scenario {
+        name: "source-ranges",
+        checks: "loadBalancerSourceRanges: a client inside them is served, outside not",
+        run: |w| {
+            expect_spread(
+                tcp_spread(&w.sandbox.ext, RANGED_LB, 3)?,
+                &["be2"],
+                "allowed",
+            )?;
+            not_served(&w.sandbox.ext, FENCED_LB, "outside the ranges")?;
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "pod-to-node-port",
+        checks: "a pod reaches a NodePort of its own node and of the other",
+        run: |w| {
+            for node in [NODE1_IP, NODE2_IP] {
+                let got = tcp_spread(w.pod("client"), at(node, FRONT_NODE_PORT), 16)?;
+                expect_spread(got, &["be2", "be4"], &format!("NodePort on {node}"))?;
+            }
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "session-affinity",
+        checks: "sessionAffinity ClientIP: a client's new connections go to one endpoint",
+        run: |w| {
+            let got = tcp_spread(w.pod("client"), STICKY, 20)?;
+            ensure!(got.len() == 1, "answered by {got:?}");
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "internal-traffic-local",
+        checks: "internalTrafficPolicy Local: only the client's node's endpoints",
+        run: |w| {
+            expect_spread(
+                tcp_spread(w.pod("client"), vip(90, 80), 12)?,
+                &["be1"],
+                "node-local",
+            )
+        },
+    },
+    Scenario {
+        name: "terminating-fallback",
+        checks: "no ready endpoint: the serving, terminating ones still answer",
+        run: |w| {
+            expect_spread(
+                tcp_spread(w.pod("client"), vip(80, 80), 5)?,
+                &["be1"],
+                "draining",
+            )
+        },
+    },
+    Scenario {
+        name: "no-endpoints-rejected",
+        checks: "a Service without endpoints refuses TCP and UDP at once",
+        run: |w| {
+            let (tcp, udp, took) = w.pod("client").run(|| {
+                let started = Instant::now();
+                let tcp = std::net::TcpStream::connect_timeout(&EMPTY, Duration::from_secs(3));
+                let udp = std::net::UdpSocket::bind("0.0.0.0:0").and_then(|socket| {
+                    socket.connect(vip(60, 53))?;
+                    socket.set_read_timeout(Some(Duration::from_secs(3)))?;
+                    socket.send(b"hi")?;
+                    socket.recv(&mut [0u8; 64])
+                });
+                (tcp.map(drop), udp.map(drop), started.elapsed())
+            });
+            let refused = std::io::ErrorKind::ConnectionRefused;
+            ensure!(
+                tcp.as_ref().map_err(|e| e.kind()) == Err(refused),
+                "TCP: {tcp:?}"
+            );
+            ensure!(
+                udp.as_ref().map_err(|e| e.kind()) == Err(refused),
+                "UDP: {udp:?}"
+            );
+            ensure!(took < Duration::from_secs(1), "refused after {took:?}");
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "endpoint-removed",
+        checks: "an endpoint leaving its EndpointSlice gets no new connections",
+        run: |w| {
+            w.edit(|o| remove_endpoint(o, "web", "10.244.1.13"))?;
+            eventually("be3 gone from web", || {
+                expect_spread(
+                    tcp_spread(w.pod("client"), WEB, 20)?,
+                    &["be1", "be2"],
+                    "web",
+                )
+            })
+        },
+    },
+    Scenario {
+        name: "endpoint-added",
+        checks: "an endpoint joining (on the other node) gets new connections",
+        run: |w| {
+            w.edit(|o| add_endpoint(o, "web", "10.244.2.11", "node2"))?;
+            eventually("be4 in web", || {
+                expect_spread(
+                    tcp_spread(w.pod("client"), WEB, 30)?,
+                    &["be1", "be2", "be4"],
+                    "web",
+                )
+            })
+        },
+    },
+    Scenario {
+        name: "udp-flow-moves",
+        checks: "a UDP flow whose endpoint left goes on to another endpoint",
+        run: |w| {
+            let flow = UdpConn::open(w.pod("client"), DNS)?;
+            let first = flow.ask("hi")?;
+            let (gone, stays) = if first == "be1" {
+                ("10.244.1.11", "be4")
+            } else {
+                ("10.244.2.11", "be1")
+            };
+            w.edit(|o| remove_endpoint(o, "dns-like", gone))?;
+            eventually("the flow on the remaining endpoint", || {
+                let now = flow.ask("hi")?;
+                ensure!(now == stays, "still {now}");
+                Ok(())
+            })
+        },
+    },
+    Scenario {
+        name: "service-deleted",
+        checks: "a deleted Service is no longer served",
+        run: |w| {
+            w.edit(|o| o.retain(|o| !matches!(o, Object::Service(s) if s.metadata.name.as_deref() == Some("remote"))))?;
+            eventually("remote not served", || {
+                not_served(w.pod("client"), REMOTE, "deleted Service").map(drop)
+            })
+        },
+    },
+    Scenario {
+        name: "cleanup",
+        checks: "after the agent stops, `--cleanup` leaves nothing serving",
+        run: |w| {
+            for agent in &w.agents {
+                agent.stop(&mut w.sandbox)?;
+                agent.cleanup(&w.sandbox)?;
+            }
+            not_served(w.pod("client"), WEB, "after cleanup")?;
+            not_served(
+                &w.sandbox.ext,
+                at(NODE1_IP, FRONT_NODE_PORT),
+                "after cleanup",
+            )?;
+            Ok(())
+        },
+    },
+];
+
+/// A scenario's outcome in one mode.
+pub enum Outcome {
+    Pass,
+    Fail(String),
+}
+
+/// Runs every scenario in `mode` (an agent on both nodes), records the results for the parity
+/// table, and fails naming each scenario that failed. Skips loudly where privileged tests
+/// cannot run.
+pub fn run(test: &str, mode_id: &str) {
+    if !privileged(test) {
+        return;
+    }
+    let mode = mode(mode_id);
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox
+        .start_backends(BACKEND_PORT)
+        .expect("starting the backends");
+    let manifest = manifest();
+    let agents = ["node1", "node2"]
+        .iter()
+        .map(|node| {
+            AgentRun::start_with_args(
+                &mut sandbox,
+                node,
+                AgentSource::Manifest(&manifest),
+                5,
+                mode.args,
+            )
+            .unwrap_or_else(|e| panic!("starting the agent in {} mode on {node}: {e:#}", mode.id))
+        })
+        .collect();
+    let mut world = World { sandbox, agents };
+    let mut outcomes = Vec::new();
+    for scenario in SCENARIOS {
+        let started = Instant::now();
+        let outcome = match (scenario.run)(&mut world) {
+            Ok(()) => Outcome::Pass,
+            Err(e) => Outcome::Fail(format!("{e:#}")),
+        };
+        eprintln!(
+            "{} {}: {} ({:.1} s)",
+            mode.id,
+            scenario.name,
+            match &outcome {
+                Outcome::Pass => "pass".to_owned(),
+                Outcome::Fail(why) => format!("FAIL: {why}"),
+            },
+            started.elapsed().as_secs_f64()
+        );
+        outcomes.push((scenario.name, outcome));
+    }
+    write_results(mode, &outcomes).expect("writing the results");
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter_map(|(name, o)| match o {
+            Outcome::Fail(why) => Some(format!("{name}: {why}")),
+            Outcome::Pass => None,
+        })
+        .collect();
+    let logs: String = world.agents.iter().map(|a| a.log_text()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} mode failed {} scenarios:\n{}\nagent logs:\n{logs}",
+        mode.id,
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
+fn results_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/parity")
+}
+
+/// `target/parity/<mode>.tsv`: scenario, then `pass` or `fail` and why.
+fn write_results(mode: &Mode, outcomes: &[(&str, Outcome)]) -> Result<()> {
+    let mut text = String::new();
+    for (name, outcome) in outcomes {
+        let _ = match outcome {
+            Outcome::Pass => writeln!(text, "{name}\tpass"),
+            Outcome::Fail(why) => {
+                writeln!(text, "{name}\tfail\t{}", why.replace(['\t', '\n'], " "))
+            }
+        };
+    }
+    std::fs::create_dir_all(results_dir())?;
+    std::fs::write(results_dir().join(format!("{}.tsv", mode.id)), text)?;
+    Ok(())
+}
+
+/// The parity table from the results of every mode found under `target/parity/`.
+pub fn render_parity() -> String {
+    let results: Vec<Option<String>> = MODES
+        .iter()
+        .map(|m| std::fs::read_to_string(results_dir().join(format!("{}.tsv", m.id))).ok())
+        .collect();
+    let mut out = String::from(
+        "# Parity: one scenario suite, every proxy mode\n\n\
+         Generated by `cargo xtask test` (the scenario suite, `tests/tests/scenarios.rs`, on \
+         `tests/src/scenarios.rs`): each mode runs every scenario in the sandbox, an agent on \
+         each node, and this table is written from the results. Do not edit it by hand.\n\n",
+    );
+    out.push_str("| Scenario | What it checks |");
+    for m in MODES {
+        let _ = write!(out, " {} |", m.title);
+    }
+    out.push_str("\n| --- | --- |");
+    out.push_str(&" --- |".repeat(MODES.len()));
+    out.push('\n');
+    for s in SCENARIOS {
+        let _ = write!(out, "| `{}` | {} |", s.name, s.checks);
+        for (m, text) in MODES.iter().zip(&results) {
+            let cell = match (text, m.not_here) {
+                (Some(text), _) => text
+                    .lines()
+                    .find_map(|l| {
+                        let mut f = l.split('\t');
+                        (f.next() == Some(s.name)).then(|| match f.next() {
+                            Some("pass") => "pass",
+                            _ => "**FAIL**",
+                        })
+                    })
+                    .unwrap_or("not run"),
+                (None, Some(_)) => "–",
+                (None, None) => "not run",
+            };
+            let _ = write!(out, " {cell} |");
+        }
+        out.push('\n');
+    }
+    out.push_str("\nModes not run by `cargo xtask test`:\n\n");
+    for m in MODES {
+        if let Some(why) = m.not_here {
+            let _ = writeln!(out, "- {}: {why}.", m.title);
+        }
+    }
+    let failures: Vec<String> = MODES
+        .iter()
+        .zip(&results)
+        .filter_map(|(m, t)| Some((m, t.as_ref()?)))
+        .flat_map(|(m, t)| {
+            t.lines().filter_map(move |l| {
+                let f: Vec<&str> = l.split('\t').collect();
+                (f.get(1) == Some(&"fail"))
+                    .then(|| format!("- {} `{}`: {}", m.title, f[0], f.get(2).unwrap_or(&"")))
+            })
+        })
+        .collect();
+    if !failures.is_empty() {
+        out.push_str("\nFailures:\n\n");
+        out.push_str(&failures.join("\n"));
+        out.push('\n');
+    }
+    out
+}
