@@ -2,9 +2,10 @@
 //! [`rules`], written with one `iptables-restore --noflush` per sync, the jumps from the
 //! built-in chains to kube-proxy's, and stale UDP conntrack entries deleted when endpoints go.
 //!
-//! Every sync writes every Service port's chains (kube-proxy writes only the changed ones
-//! between full syncs; here each sync is a full one), and deletes in the same transaction the
-//! per-Service chains no longer wanted.
+//! As kube-proxy's, a partial sync writes the own chains of only the Service ports that changed
+//! (the shared chains, which jump to every port's, are written whole each time); a full sync
+//! (the first, the periodic ones, and the retry after a failure) writes all of them. Either
+//! deletes in the same transaction the per-Service chains no longer wanted.
 pub mod rules;
 
 use std::{
@@ -209,7 +210,12 @@ pub(crate) fn node_port_ips(
 impl Dataplane for IptablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let settings = self.settings()?;
-        let rendered = rules::render(state, &settings, &self.chains);
+        let changed = match scope {
+            // Until a sync succeeded, what the chains hold is not known.
+            Scope::Changed(changed) if self.jumps_checked => Some(changed),
+            _ => None,
+        };
+        let rendered = rules::render(state, &settings, &self.chains, changed);
         restore(self.config.backend, &rendered.text)?;
         self.chains = rendered.chains;
         // The chains exist now; the jumps to them are checked once and at each full sync

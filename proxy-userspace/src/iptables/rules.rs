@@ -126,7 +126,15 @@ impl Table {
     }
 }
 
-pub fn render(state: &DesiredState, settings: &Settings, existing: &BTreeSet<String>) -> Rendered {
+/// `changed`: write the own chains of only these Service ports (a partial sync, as kube-proxy's
+/// between full syncs: the others' chains stay as they are, untouched by `--noflush`); None:
+/// every Service port's. The shared chains are always written whole.
+pub fn render(
+    state: &DesiredState,
+    settings: &Settings,
+    existing: &BTreeSet<String>,
+    changed: Option<&BTreeSet<ServicePortName>>,
+) -> Rendered {
     let mut filter = Table::default();
     let mut nat = Table::default();
     for chain in [
@@ -174,6 +182,7 @@ pub fn render(state: &DesiredState, settings: &Settings, existing: &BTreeSet<Str
 
     let mut chains = BTreeSet::new();
     for (spn, port) in &state.services {
+        let mut own = Table::default();
         service_rules(
             state,
             settings,
@@ -181,8 +190,13 @@ pub fn render(state: &DesiredState, settings: &Settings, existing: &BTreeSet<Str
             port,
             &mut filter,
             &mut nat,
+            &mut own,
             &mut chains,
         );
+        if changed.is_none_or(|c| c.contains(spn)) {
+            nat.chains.append(&mut own.chains);
+            nat.rules.push_str(&own.rules);
+        }
     }
 
     let nodeports = "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
@@ -208,7 +222,8 @@ pub fn render(state: &DesiredState, settings: &Settings, existing: &BTreeSet<Str
     Rendered { text, chains }
 }
 
-/// The rules of one Service port (kube-proxy's `writeServiceToRules`, reduced to IPv4).
+/// The rules of one Service port (kube-proxy's `writeServiceToRules`, reduced to IPv4): its
+/// frontends' jumps in the shared chains (`filter`, `nat`), and its own chains (`own`).
 fn service_rules(
     state: &DesiredState,
     settings: &Settings,
@@ -216,6 +231,7 @@ fn service_rules(
     port: &ServicePort,
     filter: &mut Table,
     nat: &mut Table,
+    own: &mut Table,
     declared: &mut BTreeSet<String>,
 ) {
     let name = spn.to_string();
@@ -354,7 +370,7 @@ fn service_rules(
     }
 
     if uses_cluster {
-        nat.chain(&chains.cluster);
+        own.chain(&chains.cluster);
         declared.insert(chains.cluster.clone());
         for vip in &cluster_ips {
             let from = if settings.masquerade_all {
@@ -364,7 +380,7 @@ fn service_rules(
             } else {
                 continue;
             };
-            nat.rule(
+            own.rule(
                 &chains.cluster,
                 &format!(
                     "-m comment --comment \"{name} cluster IP\" {matches} -d {vip} --dport {}{from} -j KUBE-MARK-MASQ",
@@ -372,15 +388,15 @@ fn service_rules(
                 ),
             );
         }
-        endpoint_jumps(nat, &chains.cluster, &name, port, &cluster_targets);
+        endpoint_jumps(own, &chains.cluster, &name, port, &cluster_targets);
     }
     if uses_local {
-        nat.chain(&chains.local);
+        own.chain(&chains.local);
         declared.insert(chains.local.clone());
-        endpoint_jumps(nat, &chains.local, &name, port, &local_targets);
+        endpoint_jumps(own, &chains.local, &name, port, &local_targets);
     }
     if uses_external {
-        nat.chain(&chains.external);
+        own.chain(&chains.external);
         declared.insert(chains.external.clone());
         let ext = &chains.external;
         if port.external_traffic_local {
@@ -388,7 +404,7 @@ fn service_rules(
             // cluster IP (kube-proxy's short-circuit); the node's own traffic masqueraded.
             if uses_cluster {
                 if let Some((net, len)) = settings.cluster_cidr {
-                    nat.rule(
+                    own.rule(
                         ext,
                         &format!(
                             "-m comment --comment \"pod traffic for {name} external destinations\" -s {net}/{len} -j {}",
@@ -396,13 +412,13 @@ fn service_rules(
                         ),
                     );
                 }
-                nat.rule(
+                own.rule(
                     ext,
                     &format!(
                         "-m comment --comment \"masquerade LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"
                     ),
                 );
-                nat.rule(
+                own.rule(
                     ext,
                     &format!(
                         "-m comment --comment \"route LOCAL traffic for {name} external destinations\" -m addrtype --src-type LOCAL -j {}",
@@ -411,21 +427,21 @@ fn service_rules(
                 );
             }
         } else {
-            nat.rule(
+            own.rule(
                 ext,
                 &format!(
                     "-m comment --comment \"masquerade traffic for {name} external destinations\" -j KUBE-MARK-MASQ"
                 ),
             );
         }
-        nat.rule(ext, &format!("-j {external_policy_chain}"));
+        own.rule(ext, &format!("-j {external_policy_chain}"));
     }
     if firewall && uses_external {
-        nat.chain(&chains.firewall);
+        own.chain(&chains.firewall);
         declared.insert(chains.firewall.clone());
         for (net, len) in &port.source_ranges {
             let IpAddr::V4(net) = net else { continue };
-            nat.rule(
+            own.rule(
                 &chains.firewall,
                 &format!(
                     "-m comment --comment \"{name} loadbalancer IP\" -s {net}/{len} -j {}",
@@ -444,8 +460,8 @@ fn service_rules(
         if !declared.insert(chain.clone()) {
             continue;
         }
-        nat.chain(chain);
-        nat.rule(
+        own.chain(chain);
+        own.rule(
             chain,
             &format!("-m comment --comment {name} -s {ip} -j KUBE-MARK-MASQ"),
         );
@@ -454,7 +470,7 @@ fn service_rules(
         } else {
             String::new()
         };
-        nat.rule(
+        own.rule(
             chain,
             &format!(
                 "-m comment --comment {name}{recent} {matches} -j DNAT --to-destination {ip}:{ep_port}"
@@ -630,16 +646,50 @@ pub(crate) mod tests {
         };
         // A chain of a Service gone since the last sync: deleted in the same transaction.
         let existing = BTreeSet::from(["KUBE-SVC-GONEGONEGONEGONE".to_string()]);
-        let rendered = render(&fixture(FIXTURE), &settings, &existing);
+        let rendered = render(&fixture(FIXTURE), &settings, &existing, None);
         golden("iptables", "rules.golden", &rendered.text);
         assert!(!rendered.chains.contains("KUBE-SVC-GONEGONEGONEGONE"));
+    }
+
+    /// A partial sync after one Service port changed: the shared chains whole, the own chains of
+    /// that port only, and a gone port's chains deleted.
+    #[test]
+    fn a_partial_sync_writes_the_changed_ports_own_chains_only() {
+        let settings = Settings {
+            cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+            masquerade_all: false,
+            node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
+        };
+        let state = fixture(FIXTURE);
+        let full = render(&state, &settings, &BTreeSet::new(), None);
+        let web = state
+            .services
+            .keys()
+            .find(|spn| spn.to_string() == "shop/web:http")
+            .expect("shop/web:http in the fixture")
+            .clone();
+        let mut existing = full.chains.clone();
+        existing.insert("KUBE-SVC-GONEGONEGONEGONE".to_string());
+        let partial = render(&state, &settings, &existing, Some(&BTreeSet::from([web])));
+        golden("iptables", "partial.golden", &partial.text);
+        assert_eq!(partial.chains, full.chains, "every port's chains are still wanted");
+        let web_chain = Chains::of("shop/web:http", "tcp").cluster;
+        for line in full.text.lines() {
+            let own_rule_of = |chain: &str| line.starts_with(&format!("-A {chain} "));
+            if line.contains("-A KUBE-SERVICES") || line.contains("-A KUBE-NODEPORTS") {
+                assert!(partial.text.contains(line), "shared rule missing: {line}");
+            } else if let Some(chain) = full.chains.iter().find(|c| own_rule_of(c)) {
+                let own = chain == &web_chain || line.contains("shop/web:http");
+                assert_eq!(partial.text.contains(line), own, "{line}");
+            }
+        }
     }
 
     #[test]
     fn without_a_cluster_cidr_or_with_masquerade_all() {
         let state = fixture(FIXTURE);
         let every_address = Settings::default();
-        let text = render(&state, &every_address, &BTreeSet::new()).text;
+        let text = render(&state, &every_address, &BTreeSet::new(), None).text;
         assert!(text.contains("-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"));
         assert!(
             !text.contains("! -s"),
@@ -650,7 +700,7 @@ pub(crate) mod tests {
             masquerade_all: true,
             ..Settings::default()
         };
-        let text = render(&state, &all, &BTreeSet::new()).text;
+        let text = render(&state, &all, &BTreeSet::new(), None).text;
         assert!(text.contains(
             "-A KUBE-SVC-67NZLRHBNDSAWJRO -m comment --comment \"shop/web:http cluster IP\" -m tcp -p tcp -d 10.96.0.10 --dport 80 -j KUBE-MARK-MASQ"
         ), "{text}");
