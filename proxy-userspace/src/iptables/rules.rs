@@ -182,15 +182,13 @@ pub fn render(
 
     let mut chains = BTreeSet::new();
     for (spn, port) in &state.services {
-        let mut own = Table::default();
-        service_rules(
+        let mut own = service_rules(
             state,
             settings,
             spn,
             port,
             &mut filter,
             &mut nat,
-            &mut own,
             &mut chains,
         );
         if changed.is_none_or(|c| c.contains(spn)) {
@@ -223,7 +221,7 @@ pub fn render(
 }
 
 /// The rules of one Service port (kube-proxy's `writeServiceToRules`, reduced to IPv4): its
-/// frontends' jumps in the shared chains (`filter`, `nat`), and its own chains (`own`).
+/// frontends' jumps in the shared chains (`filter`, `nat`), and its own chains (returned).
 fn service_rules(
     state: &DesiredState,
     settings: &Settings,
@@ -231,9 +229,9 @@ fn service_rules(
     port: &ServicePort,
     filter: &mut Table,
     nat: &mut Table,
-    own: &mut Table,
     declared: &mut BTreeSet<String>,
-) {
+) -> Table {
+    let mut own = Table::default();
     let name = spn.to_string();
     let proto = protocol_name(port.protocol);
     let matches = format!("-m {proto} -p {proto}");
@@ -388,12 +386,12 @@ fn service_rules(
                 ),
             );
         }
-        endpoint_jumps(own, &chains.cluster, &name, port, &cluster_targets);
+        endpoint_jumps(&mut own, &chains.cluster, &name, port, &cluster_targets);
     }
     if uses_local {
         own.chain(&chains.local);
         declared.insert(chains.local.clone());
-        endpoint_jumps(own, &chains.local, &name, port, &local_targets);
+        endpoint_jumps(&mut own, &chains.local, &name, port, &local_targets);
     }
     if uses_external {
         own.chain(&chains.external);
@@ -477,6 +475,7 @@ fn service_rules(
             ),
         );
     }
+    own
 }
 
 /// An IPv4 endpoint a Service chain jumps to, and its `KUBE-SEP-*` chain.
@@ -672,7 +671,10 @@ pub(crate) mod tests {
         existing.insert("KUBE-SVC-GONEGONEGONEGONE".to_string());
         let partial = render(&state, &settings, &existing, Some(&BTreeSet::from([web])));
         golden("iptables", "partial.golden", &partial.text);
-        assert_eq!(partial.chains, full.chains, "every port's chains are still wanted");
+        assert_eq!(
+            partial.chains, full.chains,
+            "every port's chains are still wanted"
+        );
         let web_chain = Chains::of("shop/web:http", "tcp").cluster;
         for line in full.text.lines() {
             let own_rule_of = |chain: &str| line.starts_with(&format!("-A {chain} "));
