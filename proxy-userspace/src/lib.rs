@@ -1,5 +1,6 @@
 //! The agent: desired state, its sources, and the dataplanes that program it.
 pub mod agent;
+pub mod command;
 pub mod dataplane;
 pub mod duration;
 pub mod ebpf;
@@ -16,3 +17,4 @@ pub mod runner;
 pub mod service_health;
 pub mod source;
 pub mod stale_udp;
+pub mod userspace;

@@ -15,6 +15,7 @@ use proxy_userspace::{
     maglev,
     model::LbAlgorithm,
     nftables::{self, NftablesConfig, NftablesDataplane},
+    userspace::{self, UserspaceConfig, UserspaceDataplane},
 };
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
@@ -54,6 +55,9 @@ enum ProxyMode {
     Nftables,
     /// kube-proxy's iptables rules (NAT chains), for nodes without BPF or nftables.
     Iptables,
+    /// kube-proxy's first mode: the agent itself proxies each Service port, which iptables
+    /// rules redirect to it (endpoints see the node's address).
+    Userspace,
 }
 
 impl ProxyMode {
@@ -66,6 +70,7 @@ impl ProxyMode {
             ProxyMode::Ebpf => "ebpf",
             ProxyMode::Nftables => "nftables",
             ProxyMode::Iptables => "iptables",
+            ProxyMode::Userspace => "userspace",
         }
     }
 }
@@ -162,6 +167,9 @@ struct AgentArgs {
     /// modes).
     #[arg(long)]
     masquerade_all: bool,
+    /// How long a UDP session of the userspace mode lives without traffic (kube-proxy's flag).
+    #[arg(long, default_value = "250ms", value_parser = parse_udp_timeout)]
+    udp_timeout: Duration,
     /// Which iptables the iptables mode writes to: `legacy`, `nft` (nf_tables), or `auto`: the
     /// one already holding kube-proxy's rules, else the node's `iptables` (as kube-proxy's
     /// image picks). Legacy is far faster with thousands of Services.
@@ -294,19 +302,25 @@ fn start_mode(
     node_ips: &[std::net::IpAddr],
     lock: &mut Option<proxy_userspace::ebpf::bpffs::PinDirLock>,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
-    if mode != ProxyMode::Iptables && iptables::installed() {
-        tracing::warn!(
-            "removing the iptables rules of an earlier iptables-mode run (or of kube-proxy: \
-             stop it before starting this agent)"
-        );
-        iptables::cleanup()?;
-    }
-    if mode != ProxyMode::Nftables && nftables::installed() {
-        tracing::warn!(
-            "removing the nftables table of an earlier nftables-mode run (or of kube-proxy: \
-             stop it before starting this agent)"
-        );
-        nftables::cleanup()?;
+    // What each of the other modes would leave: (mode, installed, cleanup).
+    let rule_modes: [(ProxyMode, fn() -> bool, fn() -> anyhow::Result<()>); 3] = [
+        (ProxyMode::Iptables, iptables::installed, iptables::cleanup),
+        (ProxyMode::Nftables, nftables::installed, nftables::cleanup),
+        (
+            ProxyMode::Userspace,
+            userspace::installed,
+            userspace::cleanup,
+        ),
+    ];
+    for (other, installed, cleanup) in rule_modes {
+        if other != mode && installed() {
+            tracing::warn!(
+                "removing the rules of an earlier {}-mode run (or of kube-proxy: stop it \
+                 before starting this agent)",
+                other.name()
+            );
+            cleanup()?;
+        }
     }
     if mode != ProxyMode::Ebpf && args.bpf_pin_dir.join(proxy_common::MAP_SERVICES).exists() {
         tracing::info!("removing the eBPF programs of an earlier ebpf-mode run");
@@ -374,6 +388,21 @@ fn start_mode(
             tracing::info!("nftables dataplane ready");
             Ok(Box::new(dp))
         }
+        ProxyMode::Userspace => {
+            let backend = match args.iptables_backend {
+                IptablesBackend::Auto => userspace::detect_backend()?,
+                IptablesBackend::Legacy => iptables::Backend::Legacy,
+                IptablesBackend::Nft => iptables::Backend::Nft,
+            };
+            let dp = UserspaceDataplane::new(UserspaceConfig {
+                backend,
+                node_port_addresses: args.nodeport_addresses.clone(),
+                primary: node_ips.to_vec(),
+                udp_timeout: args.udp_timeout,
+            })?;
+            tracing::info!(backend = backend.name(), "userspace proxy ready");
+            Ok(Box::new(dp))
+        }
         ProxyMode::Iptables => {
             let backend = match args.iptables_backend {
                 IptablesBackend::Auto => iptables::Backend::detect()?,
@@ -398,6 +427,7 @@ fn start_mode(
 fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
     iptables::cleanup()?;
     nftables::cleanup()?;
+    userspace::cleanup()?;
     cleanup_ebpf(args)
 }
 
@@ -410,6 +440,15 @@ fn cleanup_ebpf(args: &AgentArgs) -> anyhow::Result<()> {
 fn lock_pin_dir(args: &AgentArgs) -> anyhow::Result<proxy_userspace::ebpf::bpffs::PinDirLock> {
     proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
     proxy_userspace::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)
+}
+
+/// A duration above zero (kube-proxy's validation of `--udp-timeout`).
+fn parse_udp_timeout(s: &str) -> Result<Duration, String> {
+    let timeout = parse_duration(s)?;
+    if timeout.is_zero() {
+        return Err("must be greater than 0".into());
+    }
+    Ok(timeout)
 }
 
 /// An IPv4 CIDR, like 10.244.0.0/16 (the IPv4 one of a dual-stack pair).

@@ -86,3 +86,8 @@ fn auto_mode_falls_back_to_nftables_where_ebpf_cannot_load() {
         "pins left by the failed ebpf start: {pins:?}"
     );
 }
+
+#[test]
+fn userspace() {
+    suite("scenarios::userspace", "userspace");
+}

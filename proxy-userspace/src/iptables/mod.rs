@@ -10,7 +10,6 @@ pub mod rules;
 
 use std::{
     collections::BTreeSet,
-    io::Write as _,
     net::{IpAddr, Ipv4Addr},
     process::{Command, Stdio},
 };
@@ -34,10 +33,10 @@ pub enum Backend {
 }
 
 impl Backend {
-    const ALL: [Backend; 2] = [Backend::Legacy, Backend::Nft];
+    pub(crate) const ALL: [Backend; 2] = [Backend::Legacy, Backend::Nft];
 
     /// The backend's own binary of `tool` (`iptables`, `iptables-save`, `iptables-restore`).
-    fn tool(self, tool: &str) -> String {
+    pub(crate) fn tool(self, tool: &str) -> String {
         let (prefix, rest) = tool.split_at("iptables".len());
         format!("{prefix}-{}{rest}", self.name())
     }
@@ -230,32 +229,11 @@ impl Dataplane for IptablesDataplane {
 }
 
 /// Runs `iptables-restore --noflush` on `input`: one transaction, all or nothing.
-fn restore(b: Backend, input: &str) -> anyhow::Result<()> {
-    let mut child = Command::new(b.tool("iptables-restore"))
-        .args(["-w", "--noflush"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("running iptables-restore")?;
-    child
-        .stdin
-        .take()
-        .expect("piped stdin")
-        .write_all(input.as_bytes())
-        .context("writing to iptables-restore")?;
-    let output = child.wait_with_output()?;
-    if !output.status.success() {
-        bail!(
-            "iptables-restore failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    Ok(())
+pub(crate) fn restore(b: Backend, input: &str) -> anyhow::Result<()> {
+    crate::command::pipe(&b.tool("iptables-restore"), &["-w", "--noflush"], input)
 }
 
-fn iptables(b: Backend, table: &str, args: &[&str]) -> anyhow::Result<bool> {
+pub(crate) fn iptables(b: Backend, table: &str, args: &[&str]) -> anyhow::Result<bool> {
     let status = Command::new(b.tool("iptables"))
         .args(["-w", "-t", table])
         .args(args)
@@ -345,7 +323,7 @@ pub fn cleanup() -> anyhow::Result<()> {
 }
 
 /// Whether `b`'s tools can be run here.
-fn available(b: Backend) -> bool {
+pub(crate) fn available(b: Backend) -> bool {
     Command::new(b.tool("iptables-save"))
         .arg("--version")
         .stdout(Stdio::null())

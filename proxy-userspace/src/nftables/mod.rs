@@ -9,7 +9,6 @@
 pub mod rules;
 
 use std::{
-    io::Write as _,
     net::{IpAddr, Ipv4Addr},
     process::{Command, Stdio},
 };
@@ -97,28 +96,7 @@ impl Dataplane for NftablesDataplane {
 
 /// Runs `nft -f -` on `input`: one transaction, all or nothing.
 fn nft(input: &str) -> anyhow::Result<()> {
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("running nft")?;
-    child
-        .stdin
-        .take()
-        .expect("piped stdin")
-        .write_all(input.as_bytes())
-        .context("writing to nft")?;
-    let output = child.wait_with_output()?;
-    if !output.status.success() {
-        bail!(
-            "nft -f failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    Ok(())
+    crate::command::pipe("nft", &["-f", "-"], input)
 }
 
 /// The tables kube-proxy's nftables mode writes: ours, and in dual-stack clusters kube-proxy's

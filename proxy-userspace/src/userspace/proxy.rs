@@ -1,0 +1,389 @@
+//! The proxy sockets: one per Service port (two where the external traffic policy picks other
+//! endpoints than the internal one), listening on an ephemeral port of every node address.
+//! The iptables rules send the Service's traffic there; the agent opens its own connection to
+//! an endpoint and copies the bytes, as kube-proxy's userspace `proxySocket`s did.
+//!
+//! TCP: each accepted connection is connected to an endpoint ([`connect_with_retries`]), then
+//! both directions are copied until both ends have closed (a half-close is passed on). A
+//! client for which no endpoint answers is reset.
+//!
+//! UDP: a "session" per client address (address and port), each with its own connected socket
+//! to the endpoint picked for it; replies come back through the Service port's socket. A
+//! session ends after `udp_timeout` without a datagram in either direction (kube-proxy's
+//! `--udp-timeout`), or when the endpoint refuses (ICMP port unreachable); the client's next
+//! datagram then opens a new session, to the next endpoint in turn.
+//!
+//! Closing a proxy socket (the Service port is gone) aborts its task, which closes the socket;
+//! TCP connections already proxied carry on (as kube-proxy's did), UDP sessions end (the
+//! socket they answer through is closed, as in kube-proxy).
+use std::{
+    collections::HashMap,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use tokio::{
+    net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
+    runtime::Handle,
+    task::{AbortHandle, JoinHandle},
+};
+
+use super::balancer::{Balancer, connect_with_retries};
+use crate::model::Protocol;
+
+/// The accept backlog of a TCP proxy socket (tokio's default for its listeners).
+const BACKLOG: u32 = 1024;
+/// The largest UDP payload.
+const DATAGRAM: usize = 65_535;
+
+/// What a proxy socket's tasks share with the dataplane.
+#[derive(Debug)]
+pub struct Shared {
+    /// The Service port, for the logs ("ns/name:port", " (external)" for the external
+    /// frontends' socket).
+    pub name: String,
+    /// The endpoint choice; the dataplane replaces its endpoints at each sync.
+    pub balancer: Mutex<Balancer>,
+}
+
+impl Shared {
+    pub fn balancer(&self) -> std::sync::MutexGuard<'_, Balancer> {
+        self.balancer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One open proxy socket. Dropping it closes it.
+#[derive(Debug)]
+pub struct ProxySocket {
+    pub port: u16,
+    pub protocol: Protocol,
+    pub shared: Arc<Shared>,
+    /// The accept (TCP) or receive (UDP) loop, which owns the listening socket.
+    task: JoinHandle<()>,
+    /// UDP: the sessions, ended with the socket.
+    sessions: Option<Arc<Sessions>>,
+}
+
+impl ProxySocket {
+    /// Opens a proxy socket on an ephemeral port of every address (0.0.0.0), served on
+    /// `runtime`. SCTP is not proxied (kube-proxy's userspace mode did not either).
+    pub fn open(
+        runtime: &Handle,
+        protocol: Protocol,
+        shared: Arc<Shared>,
+        udp_timeout: Duration,
+    ) -> std::io::Result<Self> {
+        let _entered = runtime.enter();
+        let any = SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0));
+        match protocol {
+            Protocol::Tcp => {
+                let socket = TcpSocket::new_v4()?;
+                socket.bind(any)?;
+                let listener = socket.listen(BACKLOG)?;
+                let port = listener.local_addr()?.port();
+                let task = runtime.spawn(serve_tcp(listener, shared.clone()));
+                Ok(Self {
+                    port,
+                    protocol,
+                    shared,
+                    task,
+                    sessions: None,
+                })
+            }
+            Protocol::Udp => {
+                let std_socket = std::net::UdpSocket::bind(any)?;
+                std_socket.set_nonblocking(true)?;
+                let socket = Arc::new(UdpSocket::from_std(std_socket)?);
+                let port = socket.local_addr()?.port();
+                let sessions = Arc::new(Sessions::default());
+                let task = runtime.spawn(serve_udp(
+                    socket,
+                    shared.clone(),
+                    sessions.clone(),
+                    udp_timeout,
+                ));
+                Ok(Self {
+                    port,
+                    protocol,
+                    shared,
+                    task,
+                    sessions: Some(sessions),
+                })
+            }
+            Protocol::Sctp => Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "the userspace mode proxies TCP and UDP only",
+            )),
+        }
+    }
+
+    /// Ends the UDP sessions whose endpoint is not in `endpoints` (it left the Service port): the
+    /// client's next datagram opens a session to a usable endpoint, as the other modes move
+    /// such a flow by deleting its conntrack entry.
+    pub fn end_sessions_not_to(&self, endpoints: &[SocketAddrV4]) {
+        let Some(sessions) = &self.sessions else {
+            return;
+        };
+        sessions.lock().retain(|_, session| {
+            let keep = matches!(session.endpoint, SocketAddr::V4(e) if endpoints.contains(&e));
+            if !keep {
+                session.task.abort();
+            }
+            keep
+        });
+    }
+
+    /// Whether its loop still runs (it ends only by a panic, or when closed).
+    pub fn is_running(&self) -> bool {
+        !self.task.is_finished()
+    }
+}
+
+impl Drop for ProxySocket {
+    fn drop(&mut self) {
+        self.task.abort();
+        if let Some(sessions) = &self.sessions {
+            for (_, session) in sessions.lock().drain() {
+                session.task.abort();
+            }
+        }
+    }
+}
+
+async fn serve_tcp(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        match listener.accept().await {
+            Ok((client, peer)) => {
+                tokio::spawn(proxy_tcp(client, peer, shared.clone()));
+            }
+            Err(e) => {
+                // Out of file descriptors, mostly: wait for some to be released rather than
+                // spin (kube-proxy raised its limit to 64000 and gave up past it).
+                tracing::warn!(service = %shared.name, "accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn proxy_tcp(mut client: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+    let _ = client.set_nodelay(true);
+    let connected = connect_with_retries(&shared.balancer, &shared.name, peer.ip(), |ep, _| {
+        TcpStream::connect(ep)
+    })
+    .await;
+    let (endpoint, mut upstream) = match connected {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(service = %shared.name, client = %peer, "connection reset: {e}");
+            // Closed with a RST: the client learns at once that nothing is there.
+            let _ = client.set_zero_linger();
+            return;
+        }
+    };
+    let _ = upstream.set_nodelay(true);
+    tracing::debug!(service = %shared.name, client = %peer, %endpoint, "proxying a connection");
+    match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+        Ok((sent, received)) => tracing::debug!(
+            service = %shared.name,
+            client = %peer,
+            %endpoint,
+            sent,
+            received,
+            "connection closed"
+        ),
+        Err(e) => tracing::debug!(
+            service = %shared.name,
+            client = %peer,
+            %endpoint,
+            "connection ended: {e}"
+        ),
+    }
+}
+
+/// The UDP sessions of one proxy socket, by client address.
+#[derive(Debug, Default)]
+struct Sessions(Mutex<HashMap<SocketAddr, Session>>);
+
+impl Sessions {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Session>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[derive(Debug)]
+struct Session {
+    /// Tells this session from a later one of the same client.
+    id: u64,
+    /// Where its datagrams go.
+    endpoint: SocketAddr,
+    upstream: Arc<UdpSocket>,
+    activity: Arc<Activity>,
+    task: AbortHandle,
+}
+
+/// When a session last carried a datagram, either way.
+#[derive(Debug)]
+struct Activity {
+    start: Instant,
+    /// Milliseconds since `start`.
+    last: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            last: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    fn idle(&self) -> Duration {
+        self.start
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.last.load(Ordering::Relaxed)))
+    }
+}
+
+async fn serve_udp(
+    socket: Arc<UdpSocket>,
+    shared: Arc<Shared>,
+    sessions: Arc<Sessions>,
+    timeout: Duration,
+) {
+    let mut buf = vec![0; DATAGRAM];
+    let mut next_id = 0u64;
+    loop {
+        let (n, client) = match socket.recv_from(&mut buf).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(service = %shared.name, "receiving a datagram: {e}");
+                continue;
+            }
+        };
+        let known = sessions
+            .lock()
+            .get(&client)
+            .map(|s| (s.upstream.clone(), s.activity.clone()));
+        let (upstream, activity) = match known {
+            Some(known) => known,
+            None => {
+                next_id += 1;
+                match open_session(&socket, &shared, &sessions, client, next_id, timeout).await {
+                    Some(opened) => opened,
+                    None => continue,
+                }
+            }
+        };
+        activity.touch();
+        if let Err(e) = upstream.send(&buf[..n]).await {
+            tracing::debug!(service = %shared.name, %client, "forwarding a datagram: {e}");
+        }
+    }
+}
+
+/// A new session for `client`: a socket connected to the endpoint picked for it, and the task
+/// passing the endpoint's replies back. None: no endpoint (the datagram is dropped).
+async fn open_session(
+    socket: &Arc<UdpSocket>,
+    shared: &Arc<Shared>,
+    sessions: &Arc<Sessions>,
+    client: SocketAddr,
+    id: u64,
+    timeout: Duration,
+) -> Option<(Arc<UdpSocket>, Arc<Activity>)> {
+    let Some(endpoint) = shared.balancer().next(client.ip(), false, Instant::now()) else {
+        tracing::debug!(service = %shared.name, %client, "no endpoints: datagram dropped");
+        return None;
+    };
+    let upstream = async {
+        let upstream = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+        upstream.connect(endpoint).await?;
+        std::io::Result::Ok(upstream)
+    };
+    let upstream = match upstream.await {
+        Ok(u) => Arc::new(u),
+        Err(e) => {
+            tracing::warn!(service = %shared.name, %client, %endpoint, "connecting to the endpoint failed: {e}");
+            return None;
+        }
+    };
+    tracing::debug!(service = %shared.name, %client, %endpoint, "new UDP session");
+    let activity = Arc::new(Activity::new());
+    // Locked before the session's task starts, so that a task ending at once (a zero
+    // timeout) removes its entry only after it is in.
+    let mut map = sessions.lock();
+    let task = tokio::spawn(udp_session(
+        socket.clone(),
+        upstream.clone(),
+        client,
+        activity.clone(),
+        timeout,
+        shared.clone(),
+        sessions.clone(),
+        id,
+    ));
+    map.insert(
+        client,
+        Session {
+            id,
+            endpoint: endpoint.into(),
+            upstream: upstream.clone(),
+            activity: activity.clone(),
+            task: task.abort_handle(),
+        },
+    );
+    drop(map);
+    Some((upstream, activity))
+}
+
+/// Passes the endpoint's replies to `client` until the session has been idle for `timeout`.
+#[allow(clippy::too_many_arguments)]
+async fn udp_session(
+    socket: Arc<UdpSocket>,
+    upstream: Arc<UdpSocket>,
+    client: SocketAddr,
+    activity: Arc<Activity>,
+    timeout: Duration,
+    shared: Arc<Shared>,
+    sessions: Arc<Sessions>,
+    id: u64,
+) {
+    let mut buf = vec![0; DATAGRAM];
+    loop {
+        let left = timeout.saturating_sub(activity.idle());
+        if left.is_zero() {
+            tracing::debug!(service = %shared.name, %client, "UDP session idle: closed");
+            break;
+        }
+        match tokio::time::timeout(left, upstream.recv(&mut buf)).await {
+            // Not necessarily idle: the client may have sent meanwhile; looked at again.
+            Err(_) => continue,
+            Ok(Ok(n)) => {
+                activity.touch();
+                if let Err(e) = socket.send_to(&buf[..n], client).await {
+                    tracing::debug!(service = %shared.name, %client, "replying: {e}");
+                    break;
+                }
+            }
+            Ok(Err(e)) => {
+                // ECONNREFUSED: the endpoint has nothing on its port any more.
+                tracing::debug!(service = %shared.name, %client, "UDP session ended: {e}");
+                break;
+            }
+        }
+    }
+    let mut sessions = sessions.lock();
+    if sessions.get(&client).is_some_and(|s| s.id == id) {
+        sessions.remove(&client);
+    }
+}
