@@ -179,15 +179,45 @@ impl AgentRun {
 
     /// Waits until the agent's log holds `needle` (10 s at most), checking the agent lives.
     pub fn wait_for_log(&self, sandbox: &mut Sandbox, needle: &str) -> Result<()> {
+        self.wait_for_log_that(sandbox, &format!("{needle:?} in the log"), |log| {
+            log.contains(needle)
+        })
+    }
+
+    /// How many syncs the agent has logged as done.
+    pub fn syncs(&self) -> usize {
+        self.log_text().matches("sync done").count()
+    }
+
+    /// Waits until the agent has logged more syncs than `before` (10 s at most). A change
+    /// written after [`AgentRun::syncs`] returned `before` is programmed then, unless a sync
+    /// already under way at the write ended first (with the tests' `--min-sync-period 0s`, a
+    /// sync runs on each change, or every 30 s).
+    pub fn wait_for_sync_after(&self, sandbox: &mut Sandbox, before: usize) -> Result<()> {
+        self.wait_for_log_that(sandbox, &format!("a sync after the {before}th"), |log| {
+            log.matches("sync done").count() > before
+        })
+    }
+
+    /// Waits until `ok` holds for the agent's log (10 s at most), checking the agent lives.
+    fn wait_for_log_that(
+        &self,
+        sandbox: &mut Sandbox,
+        what: &str,
+        ok: impl Fn(&str) -> bool,
+    ) -> Result<()> {
         let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
-        while !self.log_text().contains(needle) {
+        while !ok(&self.log_text()) {
             if let Some(child) = sandbox.child(self.pid)
                 && let Some(status) = child.try_wait()?
             {
                 bail!("the agent exited ({status}):\n{}", self.log_text());
             }
             if Instant::now() > deadline {
-                bail!("no {needle:?} in the agent log:\n{}", self.log_text());
+                bail!(
+                    "timed out waiting for {what}; agent log:\n{}",
+                    self.log_text()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -232,19 +262,12 @@ impl AgentRun {
     /// Starts the agent again with the same arguments (and the same pinned maps); returns once
     /// it has synced again, as its log says.
     pub fn start_again(&mut self, sandbox: &mut Sandbox) -> Result<()> {
-        let syncs_before = self.log_text().matches("full sync done").count();
+        let full_syncs = |log: &str| log.matches("full sync done").count();
+        let before = full_syncs(&self.log_text());
         self.spawn(sandbox)?;
-        let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
-        while self.log_text().matches("full sync done").count() <= syncs_before {
-            if Instant::now() > deadline {
-                bail!(
-                    "the restarted agent did not sync; log:\n{}",
-                    self.log_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(())
+        self.wait_for_log_that(sandbox, "the restarted agent's first sync", |log| {
+            full_syncs(log) > before
+        })
     }
 
     /// Runs `proxy-userspace agent --cleanup` in the agent's node, on its pins.

@@ -36,8 +36,13 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Start the sandbox cluster and the agent, and show Services at work.
-    Demo,
+    /// Start the sandbox cluster and the agent, and show Services at work. Arguments after it
+    /// go to the demo: `--proxy-mode nftables` (or iptables-legacy, iptables-nft, userspace; the
+    /// default is ebpf) runs it in another mode.
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Run a benchmark: `datapath` (the programs under BPF_PROG_TEST_RUN), `agent` (the agent
     /// on 1 to 30k services: time to its first full sync, memory), `external` (NodePorts from
     /// outside vs the pods) or `e2e` (ClusterIPs at 1 to 30k services vs the pods, sync time,
@@ -135,9 +140,9 @@ fn main() -> anyhow::Result<()> {
                 );
             run(&mut cmd)
         }
-        Cmd::Demo => {
+        Cmd::Demo { args } => {
             build_release("building the agent and the sandbox (release)")?;
-            run(&mut Command::new(root.join("target/release/demo")))
+            run(Command::new(root.join("target/release/demo")).args(args))
         }
         Cmd::Bench { which, args } => {
             build_release("building the benchmarks (release)")?;

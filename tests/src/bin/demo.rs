@@ -1,7 +1,9 @@
 //! `cargo xtask demo`: the agent in the sandbox cluster on the example manifest, driven by
 //! real clients (curl) from the client pod, from node1 itself (host network) and from outside
 //! the cluster (NodePorts, a load balancer address, an external IP), with a live endpoint
-//! change, session affinity and `inspect`.
+//! change, session affinity and `inspect`. `--proxy-mode` runs it in another of the agent's
+//! modes (those of the scenario suite: ebpf, iptables-legacy, iptables-nft, nftables,
+//! userspace).
 //!
 //! Needs root and BPF; exits non-zero (with the agent log) if any step fails.
 
@@ -12,15 +14,39 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use proxy_tests::agent::{AgentRun, edit_manifest, remove_endpoint};
+use clap::Parser;
+use proxy_tests::agent::{AgentRun, AgentSource, edit_manifest, remove_endpoint};
 use proxy_tests::example::{DNS, MANIFEST as EXAMPLE, REMOTE, WEB};
+use proxy_tests::scenarios::{self, Mode};
 use proxy_tests::{BACKEND_PORT, EXT_IP, NODE_CIDR, NODE1_IP, NODE2_IP, Sandbox};
-use proxy_userspace::{inspect, manifest::Object};
+use proxy_userspace::manifest::Object;
 
 /// Service names as in the manifest (the datapath only knows addresses).
 const SERVICES: &[(&str, SocketAddr)] = &[("web", WEB), ("dns-like", DNS), ("remote", REMOTE)];
 
+#[derive(Parser)]
+struct Args {
+    /// The agent's mode, as the scenario suite names them (docs/parity.md).
+    #[arg(long, default_value = "ebpf", value_parser = mode_id)]
+    proxy_mode: &'static Mode,
+}
+
+fn mode_id(id: &str) -> Result<&'static Mode, String> {
+    scenarios::MODES
+        .iter()
+        .find(|m| m.id == id && m.not_here.is_none())
+        .ok_or_else(|| {
+            let ids: Vec<&str> = scenarios::MODES
+                .iter()
+                .filter(|m| m.not_here.is_none())
+                .map(|m| m.id)
+                .collect();
+            format!("no mode {id:?} here; one of: {}", ids.join(", "))
+        })
+}
+
 fn main() -> ExitCode {
+    let args = Args::parse();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("demo: must run as root (it creates network namespaces and loads BPF programs)");
@@ -32,7 +58,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let started = Instant::now();
-    match run() {
+    match run(args.proxy_mode) {
         Ok(()) => {
             println!("\nDemo finished in {}.", ms(started.elapsed()));
             ExitCode::SUCCESS
@@ -44,20 +70,23 @@ fn main() -> ExitCode {
     }
 }
 
-fn run() -> Result<()> {
+fn run(mode: &'static Mode) -> Result<()> {
     let t = step("Building the sandbox cluster (network namespaces)");
     let mut sandbox = Sandbox::build()?;
     println!("    built in {}", ms(t.elapsed()));
     print_topology(&sandbox);
 
-    let t = step("Starting the backends and the agent on examples/services.yaml");
+    let t = step(&format!(
+        "Starting the backends and the agent ({} mode) on examples/services.yaml",
+        mode.id
+    ));
     sandbox.start_backends(BACKEND_PORT)?;
     println!("    backends listening on :{BACKEND_PORT} (TCP+UDP) in every pod but client");
     println!("    agent starting in node1, waiting for its first sync ...");
-    let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, SERVICES.len())?;
+    let agent = start_agent(&mut sandbox, "node1", mode)?;
     println!("    agent pid {} synced in {}", agent.pid, ms(t.elapsed()));
     // Past this point the agent runs: any failure comes with its log.
-    let result = tour(&mut sandbox, &agent);
+    let result = tour(&mut sandbox, &agent, mode);
     if result.is_err() {
         eprintln!("\n---- agent log ({}) ----", agent.log.display());
         eprintln!("{}", agent.log_text());
@@ -81,24 +110,37 @@ fn run() -> Result<()> {
     Ok(())
 }
 
+/// The agent in `node` on the example manifest, in `mode`, synced.
+fn start_agent(sandbox: &mut Sandbox, node: &str, mode: &Mode) -> Result<AgentRun> {
+    AgentRun::start_with_args(
+        sandbox,
+        node,
+        AgentSource::Manifest(EXAMPLE),
+        SERVICES.len(),
+        mode.args,
+    )
+}
+
 /// Steps 3-7, with the agent running.
-fn tour(sandbox: &mut Sandbox, agent: &AgentRun) -> Result<()> {
-    // What the agent programmed, read back from the pinned maps.
-    let rows = inspect::services(agent.bpffs.path())?;
-    println!("    services in the datapath (pinned maps):");
+fn tour(sandbox: &mut Sandbox, agent: &AgentRun, mode: &Mode) -> Result<()> {
+    // What the agent programmed, read back from the mode's own state.
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&agent.inspect_cli("services", &["--json"])?)?;
+    println!("    services programmed (proxy-userspace inspect services --json):");
     for (name, addr) in SERVICES {
         let row = rows
             .iter()
-            .find(|r| r.address == addr.to_string())
-            .with_context(|| format!("{name} {addr} is not in the datapath"))?;
-        let backends: Vec<String> = row
-            .backends
-            .iter()
-            .map(|b| pod_of(sandbox, &b.address))
+            .find(|r| r["address"] == addr.to_string())
+            .with_context(|| format!("{name} {addr} is not programmed"))?;
+        let backends: Vec<String> = row["backends"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|b| pod_of(sandbox, b["address"].as_str().unwrap_or_default()))
             .collect();
         println!(
             "      {name:<9} {addr}/{:<4} -> {}",
-            row.protocol,
+            row["protocol"].as_str().unwrap_or_default(),
             backends.join(", ")
         );
     }
@@ -124,26 +166,29 @@ fn tour(sandbox: &mut Sandbox, agent: &AgentRun) -> Result<()> {
 
     step("Live change: removing be1 (10.244.1.11) from web in the manifest");
     let t = Instant::now();
+    let syncs = agent.syncs();
     edit_manifest(&agent.manifest, |objects| {
         remove_endpoint(objects, "web", "10.244.1.11")
     })?;
-    println!("    manifest rewritten; waiting for the datapath ...");
-    agent.wait_for(sandbox, "be1 leaving web", |rows| {
-        rows.iter()
-            .any(|r| r.address == WEB.to_string() && r.backends.len() == 2)
-    })?;
-    println!("    datapath updated {} after the edit", ms(t.elapsed()));
+    println!("    manifest rewritten; waiting for the agent's sync ...");
+    agent.wait_for_sync_after(sandbox, syncs)?;
+    println!("    node updated {} after the edit", ms(t.elapsed()));
     let spread = curl_spread(sandbox, "http://10.96.0.10/", 30)?;
     check_spread("web", &spread, &["be2", "be3"])?;
 
     step("A process on node1 itself (host network, e.g. the kubelet) reaches the services");
-    println!("    socket programs on the agent's cgroup send its connect() to an endpoint: no NAT");
+    if mode.id == "ebpf" {
+        println!(
+            "    socket programs on the agent's cgroup send its connect() to an endpoint: no NAT"
+        );
+    }
     let spread = curl_spread_from(&host_client(sandbox, agent), "http://10.96.0.10/", 20)?;
     check_spread("web from node1", &spread, &["be2", "be3"])?;
     let spread = curl_spread_from(&host_client(sandbox, agent), "http://10.96.0.30/", 3)?;
     check_spread("remote from node1", &spread, &["be4"])?;
 
     step("Session affinity: web gets sessionAffinity ClientIP in the manifest");
+    let syncs = agent.syncs();
     edit_manifest(&agent.manifest, |objects| {
         for object in objects.iter_mut() {
             if let Object::Service(svc) = object
@@ -153,32 +198,38 @@ fn tour(sandbox: &mut Sandbox, agent: &AgentRun) -> Result<()> {
             }
         }
     })?;
-    agent.wait_for(sandbox, "web with affinity", |rows| {
-        rows.iter()
-            .any(|r| r.address == WEB.to_string() && r.affinity_timeout_seconds.is_some())
-    })?;
+    agent.wait_for_sync_after(sandbox, syncs)?;
     let spread = curl_spread(sandbox, "http://10.96.0.10/", 20)?;
     check_one("web from the client pod", &spread)?;
     let spread = curl_spread_from(&host_client(sandbox, agent), "http://10.96.0.10/", 20)?;
     check_one("web from node1", &spread)?;
-    step("proxy-userspace inspect affinity");
-    print_indented(&agent.inspect_cli("affinity", &[])?, usize::MAX);
+    inspect(agent, "affinity", usize::MAX);
 
-    external_clients(sandbox)?;
+    external_clients(sandbox, mode)?;
 
-    step("proxy-userspace inspect services");
-    print_indented(&agent.inspect_cli("services", &[])?, usize::MAX);
-    step("proxy-userspace inspect conntrack (first 10 lines)");
-    print_indented(&agent.inspect_cli("conntrack", &[])?, 10);
+    inspect(agent, "services", usize::MAX);
+    inspect(agent, "conntrack", 10);
     Ok(())
+}
+
+/// Prints `proxy-userspace inspect <what>` (its first `max_lines`), or why the mode has none.
+fn inspect(agent: &AgentRun, what: &str, max_lines: usize) {
+    step(&format!("proxy-userspace inspect {what}"));
+    match agent.inspect_cli(what, &[]) {
+        Ok(text) => print_indented(&text, max_lines),
+        Err(e) => println!("    {e:#}"),
+    }
 }
 
 /// Clients outside the cluster (ext, the node network's router) reach the LoadBalancer Services
 /// through NodePorts on both nodes, the load balancer address and an external IP.
-fn external_clients(sandbox: &mut Sandbox) -> Result<()> {
+fn external_clients(sandbox: &mut Sandbox, mode: &Mode) -> Result<()> {
     step("Traffic from outside: curl in ext to NodePorts, a load balancer address, an external IP");
-    println!("    an agent on node2 too; XDP on each node's eth0 translates before the stack");
-    let _node2 = AgentRun::start(sandbox, "node2", EXAMPLE, SERVICES.len())?;
+    println!("    an agent on node2 too");
+    if mode.id == "ebpf" {
+        println!("    XDP on each node's eth0 translates before the stack");
+    }
+    let _node2 = start_agent(sandbox, "node2", mode)?;
     let ext = &sandbox.ext;
     let from_ext = || Ok(ext.cmd("curl"));
     for (what, url) in [
@@ -208,18 +259,30 @@ fn external_clients(sandbox: &mut Sandbox) -> Result<()> {
         seen.entry(name).or_insert(answer);
     }
     for answer in seen.values() {
-        let note = match answer.starts_with("be2") {
-            true => "node1's own endpoint: the client's address",
-            false => "node2's endpoint: sent from node1's address (replies come back through it)",
+        let endpoint = match answer.starts_with("be2") {
+            true => "node1's own endpoint",
+            false => "node2's endpoint",
         };
-        println!("      {answer:<28} {note}");
+        let source = match answer.contains(&EXT_IP.to_string()) {
+            true => "the client's address",
+            false => "node1's address (replies come back through it)",
+        };
+        println!("      {answer:<28} {endpoint}: {source}");
     }
 
     step("externalTrafficPolicy Local: front-local (be3, on node1 only)");
     let answer = curl_once(&from_ext, &format!("http://{NODE1_IP}:30081/whoami"))?;
-    println!("    via node1: {answer}   (the client's own address, no translation)");
-    if !answer.contains(&EXT_IP.to_string()) {
-        bail!("front-local via node1 did not keep the client address: {answer}");
+    if mode
+        .not_applicable
+        .iter()
+        .any(|(s, _)| *s == "client-address-kept-local")
+    {
+        println!("    via node1: {answer}   (a proxy: the endpoint sees node1, not the client)");
+    } else {
+        println!("    via node1: {answer}   (the client's own address, no translation)");
+        if !answer.contains(&EXT_IP.to_string()) {
+            bail!("front-local via node1 did not keep the client address: {answer}");
+        }
     }
     let via_node2 = ext
         .cmd("curl")
