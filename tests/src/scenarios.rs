@@ -112,6 +112,15 @@ pub const MODES: &[Mode] = &[
 const PROXIED: &str = "the userspace proxy opens its own connection to the endpoint, which sees \
                        the node's address (as with kube-proxy's userspace mode)";
 
+/// The mode called `id` that runs here (a command-line value parser).
+pub fn parse_mode(id: &str) -> Result<&'static Mode, String> {
+    let here = || MODES.iter().filter(|m| m.not_here.is_none());
+    here().find(|m| m.id == id).ok_or_else(|| {
+        let ids: Vec<&str> = here().map(|m| m.id).collect();
+        format!("no mode {id:?} here; one of: {}", ids.join(", "))
+    })
+}
+
 pub fn mode(id: &str) -> &'static Mode {
     MODES
         .iter()

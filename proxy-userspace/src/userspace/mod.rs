@@ -124,6 +124,41 @@ pub struct UserspaceDataplane {
     warned_no_node_ip: bool,
 }
 
+/// Raises the limit of open files as far as the kernel allows (`fs.nr_open`): a proxy socket a
+/// Service port and one or two a proxied connection exhaust a container runtime's default
+/// (often 1024, or tens of thousands) with thousands of Services.
+fn raise_open_files_limit() {
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1 << 20);
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write the one struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return;
+        }
+        let before = limit.rlim_cur;
+        let wanted = libc::rlimit {
+            rlim_cur: nr_open,
+            rlim_max: nr_open.max(limit.rlim_max),
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) == 0 {
+            tracing::info!(before, after = nr_open, "raised the limit of open files");
+        } else {
+            tracing::warn!(
+                limit = before,
+                "cannot raise the limit of open files ({}): a proxy socket a Service port and \
+                 two a connection must fit in it",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
 impl UserspaceDataplane {
     /// Checks that iptables works here; the proxy sockets will be served on the current tokio
     /// runtime (the agent's), so this must be called from within it.
@@ -133,6 +168,7 @@ impl UserspaceDataplane {
         owned_chains(config.backend, "nat").context(
             "the userspace mode needs iptables-save and iptables-restore (the iptables package)",
         )?;
+        raise_open_files_limit();
         Ok(Self {
             config,
             runtime,

@@ -47,6 +47,10 @@ struct Args {
     /// 1,1000,10000,30000].
     #[arg(long, value_delimiter = ',')]
     services: Option<Vec<u32>>,
+    /// e2e: the modes, comma-separated, as the scenario suite names them (docs/parity.md)
+    /// [ebpf,iptables-legacy,nftables,userspace].
+    #[arg(long, value_delimiter = ',', value_parser = proxy_tests::scenarios::parse_mode)]
+    modes: Option<Vec<&'static proxy_tests::scenarios::Mode>>,
     /// Backends (endpoints) per service [datapath: 10; agent: 3].
     #[arg(long)]
     backends: Option<u32>,
@@ -107,6 +111,13 @@ fn vip(i: u32) -> Ipv4Addr {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let modes = match args.modes.clone() {
+        Some(modes) => modes,
+        None => e2e::DEFAULT_MODES
+            .iter()
+            .map(|id| proxy_tests::scenarios::parse_mode(id).map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<_>>()?,
+    };
     match args.which.as_str() {
         "datapath" => datapath(&Datapath {
             services: args.services.unwrap_or_else(|| vec![1, 10_000, 100_000]),
@@ -131,6 +142,7 @@ fn main() -> anyhow::Result<()> {
         }),
         "e2e" if args.quick => e2e::run(&e2e::Options {
             services: args.services.unwrap_or_else(|| vec![1, 1_000]),
+            modes,
             load: connections::Load {
                 seconds: 1.0,
                 threads: args.threads,
@@ -142,6 +154,7 @@ fn main() -> anyhow::Result<()> {
             services: args
                 .services
                 .unwrap_or_else(|| vec![1, 1_000, 10_000, 30_000]),
+            modes,
             load: connections::Load {
                 seconds: args.seconds,
                 threads: args.threads,

@@ -27,22 +27,8 @@ const SERVICES: &[(&str, SocketAddr)] = &[("web", WEB), ("dns-like", DNS), ("rem
 #[derive(Parser)]
 struct Args {
     /// The agent's mode, as the scenario suite names them (docs/parity.md).
-    #[arg(long, default_value = "ebpf", value_parser = mode_id)]
+    #[arg(long, default_value = "ebpf", value_parser = scenarios::parse_mode)]
     proxy_mode: &'static Mode,
-}
-
-fn mode_id(id: &str) -> Result<&'static Mode, String> {
-    scenarios::MODES
-        .iter()
-        .find(|m| m.id == id && m.not_here.is_none())
-        .ok_or_else(|| {
-            let ids: Vec<&str> = scenarios::MODES
-                .iter()
-                .filter(|m| m.not_here.is_none())
-                .map(|m| m.id)
-                .collect();
-            format!("no mode {id:?} here; one of: {}", ids.join(", "))
-        })
 }
 
 fn main() -> ExitCode {

@@ -11,9 +11,10 @@
 //! and the one-change latency (p50/p99). Written as a markdown table and two SVG charts under
 //! target/bench/, with the machine's description.
 //!
-//! Each N runs every mode built: ebpf, and iptables (kube-proxy's rules, as this project writes
-//! them; the nftables, IPVS and userspace modes are not built yet). A mode's direct figures are
-//! measured in its own rounds, interleaved with its Service paths.
+//! Each N runs every mode that runs on this machine (`--modes`; IPVS needs the VM's kernel):
+//! ebpf, and kube-proxy's modes as this project writes them (iptables on legacy iptables,
+//! nftables, userspace). A mode's direct figures are measured in its own rounds, interleaved
+//! with its Service paths.
 use std::{
     fmt::Write as _,
     net::{Ipv4Addr, SocketAddr, TcpListener},
@@ -28,6 +29,7 @@ use proxy_tests::{
     agent::{TestCgroup, agent_bin},
     apiserver::{self, ApiServer},
     programs::PrivateBpffs,
+    scenarios::Mode,
 };
 
 use crate::{
@@ -37,6 +39,8 @@ use crate::{
 
 pub struct Options {
     pub services: Vec<u32>,
+    /// The modes, as the scenario suite names them.
+    pub modes: Vec<&'static Mode>,
     pub load: Load,
     pub rounds: u32,
     /// One-endpoint changes timed per N.
@@ -49,21 +53,9 @@ const PORT: u16 = 80;
 /// The pods behind the first and the last Service (node1's two, node2's one).
 const PODS: [&str; 3] = ["be1", "be2", "be4"];
 
-/// The proxy modes measured, with the agent's arguments for each.
-const MODES: &[(&str, &[&str])] = &[
-    ("ebpf", &[]),
-    (
-        "iptables",
-        &[
-            "--proxy-mode",
-            "iptables",
-            "--cluster-cidr",
-            "10.244.0.0/16",
-            "--iptables-backend",
-            "legacy",
-        ],
-    ),
-];
+/// The modes measured by default (the scenario suite's names): iptables on nf_tables is left
+/// out, its restore of 10k Services takes minutes here.
+pub const DEFAULT_MODES: &[&str] = &["ebpf", "iptables-legacy", "nftables", "userspace"];
 
 /// What one N measured in one mode.
 struct Cell {
@@ -132,9 +124,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             api.apply(object);
         }
         eprintln!(" done");
-        for &(mode, args) in MODES {
-            let cell = measure(&mut sandbox, &agent, &api, n, (mode, args), opts)
-                .with_context(|| format!("{n} services, {mode}"))?;
+        for mode in &opts.modes {
+            let cell = measure(&mut sandbox, &agent, &api, n, (mode.id, mode.args), opts)
+                .with_context(|| format!("{n} services, {}", mode.id))?;
             cells.push(cell);
         }
     }
@@ -149,6 +141,15 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let direct = |c: &Cell| c.paths[0].0;
     let last = |c: &Cell| c.paths[2].0;
     let synced = |c: &Cell| c.start.synced.as_secs_f64();
+    let per_mode = |value: fn(&Cell) -> f64| -> Vec<(&str, Vec<f64>)> {
+        opts.modes
+            .iter()
+            .map(|m| (m.id, of_mode(m.id, value)))
+            .collect()
+    };
+    // Direct as the first mode measured it (each mode's own direct rounds are in the table).
+    let mut rates = vec![("direct to the pods", of_mode(opts.modes[0].id, direct))];
+    rates.extend(per_mode(last));
     let charts = [
         (
             "e2e-rate.svg",
@@ -156,11 +157,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 "Short TCP connections a second to the last Service, by number of Services",
                 "connections/s",
                 &labels,
-                &[
-                    ("direct to the pods", of_mode("ebpf", direct)),
-                    ("ebpf", of_mode("ebpf", last)),
-                    ("iptables", of_mode("iptables", last)),
-                ],
+                &rates,
             ),
         ),
         (
@@ -169,10 +166,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 "Agent start to first full sync, by number of Services",
                 "seconds",
                 &labels,
-                &[
-                    ("ebpf", of_mode("ebpf", synced)),
-                    ("iptables", of_mode("iptables", synced)),
-                ],
+                &per_mode(synced),
             ),
         ),
     ];
@@ -404,13 +398,12 @@ fn table(cells: &[Cell]) -> String {
          Service, from the write to the stand-in API server until the agent logs the sync that \
          programmed it; the changes come a second apart (with --min-sync-period at its default \
          1 s, a change sooner after a sync waits for the rest of that second, as with \
-         kube-proxy). iptables: this project's iptables mode on legacy iptables (with nf_tables, \
-         iptables-restore of 10k Services took 190 s on this machine), kube-proxy's rules \
-         rewritten whole at every sync (kube-proxy rewrites only the changed Services' chains \
-         between full syncs, so its one-change figure is lower). Its direct figure falls with \
-         the number of Services because every new connection through the node, to a Service or \
-         not, walks KUBE-SERVICES rule by rule: compare absolute rates across modes (the \
-         chart)."
+         kube-proxy). iptables-legacy, nftables, userspace: kube-proxy's modes as this project \
+         writes them (iptables on legacy iptables: with nf_tables, iptables-restore of 10k \
+         Services took 190 s on this machine). In the iptables modes the direct figure falls \
+         with the number of Services because every new connection through the node, to a \
+         Service or not, walks KUBE-SERVICES (or KUBE-PORTALS-CONTAINER) rule by rule: compare \
+         absolute rates across modes (the chart)."
     );
     out
 }
@@ -443,7 +436,9 @@ fn chart(title: &str, unit: &str, labels: &[String], series: &[(&str, Vec<f64>)]
     const RIGHT: f64 = 20.0;
     const TOP: f64 = 40.0;
     const BOTTOM: f64 = 90.0;
-    const COLOURS: [&str; 4] = ["#555555", "#1f77b4", "#d62728", "#2ca02c"];
+    const COLOURS: [&str; 7] = [
+        "#555555", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+    ];
     let max = series
         .iter()
         .flat_map(|(_, v)| v.iter().copied())
