@@ -534,7 +534,9 @@ fn cleanup_removes_the_rules_of_both_backends() {
         cleanup().unwrap();
         assert!(!installed());
         for backend in BACKENDS {
-            let saved = Command::new(backend.tool("iptables-save")).output().unwrap();
+            let saved = Command::new(backend.tool("iptables-save"))
+                .output()
+                .unwrap();
             let saved = String::from_utf8_lossy(&saved.stdout);
             assert!(!saved.contains("KUBE-"), "{}: {saved}", backend.name());
         }
