@@ -40,7 +40,7 @@ enum LoggingFormat {
 enum Command {
     /// Program this node so that Services reach their endpoints.
     Agent(Box<AgentArgs>),
-    /// Print what the datapath's pinned maps hold.
+    /// Print what the node's proxy mode has programmed (the pinned maps, the rules).
     Inspect(InspectArgs),
 }
 
@@ -196,17 +196,16 @@ struct InspectArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Whose state to read; by default the mode installed on this node (in this network
+    /// namespace): the ebpf mode's pins in --bpf-pin-dir, else the one mode whose rules are here.
+    #[arg(long, value_enum)]
+    proxy_mode: Option<inspect::Mode>,
     #[arg(long, default_value = DEFAULT_PIN_DIR)]
     bpf_pin_dir: PathBuf,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum InspectWhat {
-    Services,
-    Backends,
-    Conntrack,
-    Affinity,
-}
+/// What `inspect` prints.
+type InspectWhat = inspect::What;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -294,6 +293,9 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
     runtime.block_on(agent::run(config, make_dataplane))
 }
 
+/// Removes what a mode installed.
+type Cleanup = fn() -> anyhow::Result<()>;
+
 /// Starts `mode` after removing what the other modes left (it would serve stale state beside
 /// this one's). `lock`: where the pin directory's lock is kept, taken by the ebpf mode.
 fn start_mode(
@@ -302,17 +304,12 @@ fn start_mode(
     node_ips: &[std::net::IpAddr],
     lock: &mut Option<proxy_userspace::ebpf::bpffs::PinDirLock>,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
-    // What each of the other modes would leave: (mode, installed, cleanup).
-    let rule_modes: [(ProxyMode, fn() -> bool, fn() -> anyhow::Result<()>); 3] = [
-        (ProxyMode::Iptables, iptables::installed, iptables::cleanup),
-        (ProxyMode::Nftables, nftables::installed, nftables::cleanup),
-        (
-            ProxyMode::Userspace,
-            userspace::installed,
-            userspace::cleanup,
-        ),
-    ];
-    for (other, installed, cleanup) in rule_modes {
+    for other in [ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::Userspace] {
+        let (installed, cleanup): (fn() -> bool, Cleanup) = match other {
+            ProxyMode::Iptables => (iptables::installed, iptables::cleanup),
+            ProxyMode::Nftables => (nftables::installed, nftables::cleanup),
+            _ => (userspace::installed, userspace::cleanup),
+        };
         if other != mode && installed() {
             tracing::warn!(
                 "removing the rules of an earlier {}-mode run (or of kube-proxy: stop it \
@@ -488,17 +485,11 @@ fn node_name(hostname_override: Option<String>) -> anyhow::Result<String> {
 }
 
 fn run_inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let dir = &args.bpf_pin_dir;
-    let out = match (args.what, args.json) {
-        (InspectWhat::Services, false) => inspect::services_table(&inspect::services(dir)?),
-        (InspectWhat::Services, true) => serde_json::to_string_pretty(&inspect::services(dir)?)?,
-        (InspectWhat::Backends, false) => inspect::backends_table(&inspect::backends(dir)?),
-        (InspectWhat::Backends, true) => serde_json::to_string_pretty(&inspect::backends(dir)?)?,
-        (InspectWhat::Conntrack, false) => inspect::conntrack_table(&inspect::conntrack(dir)?),
-        (InspectWhat::Conntrack, true) => serde_json::to_string_pretty(&inspect::conntrack(dir)?)?,
-        (InspectWhat::Affinity, false) => inspect::affinity_table(&inspect::affinity(dir)?),
-        (InspectWhat::Affinity, true) => serde_json::to_string_pretty(&inspect::affinity(dir)?)?,
+    let mode = match args.proxy_mode {
+        Some(mode) => mode,
+        None => inspect::detect(&args.bpf_pin_dir)?,
     };
+    let out = inspect::show(mode, args.what, &args.bpf_pin_dir, args.json)?;
     println!("{}", out.trim_end());
     Ok(())
 }

@@ -67,6 +67,8 @@ pub struct AgentRun {
     /// The agent's `--bpf-cgroup-path`: host-network clients put in it reach services.
     pub cgroup: TestCgroup,
     node: String,
+    /// The network namespace of `node`.
+    node_ns: String,
     dir: PathBuf,
 }
 
@@ -160,6 +162,7 @@ impl AgentRun {
             bpffs,
             cgroup,
             node: node.to_owned(),
+            node_ns: sandbox.node(node).name.clone(),
             dir,
         };
         run.spawn(sandbox)?;
@@ -237,7 +240,7 @@ impl AgentRun {
                     .append(true)
                     .open(&self.log)?,
             );
-        let ns = crate::Netns::open(&sandbox.node(&self.node).name);
+        let ns = crate::Netns::open(&self.node_ns);
         self.pid = sandbox.spawn(&ns, cmd)?;
         Ok(())
     }
@@ -329,13 +332,15 @@ impl AgentRun {
     }
 
     /// Runs `proxy-userspace inspect <what> [extra]` against this agent's maps.
+    /// It runs in the agent's node, where the rules of the other modes are.
     pub fn inspect_cli(&self, what: &str, extra: &[&str]) -> Result<String> {
-        let out = Command::new(agent_bin()?)
-            .args(["inspect", what])
+        let mut cmd = Command::new(agent_bin()?);
+        cmd.args(["inspect", what])
             .args(extra)
             .arg("--bpf-pin-dir")
-            .arg(self.bpffs.path())
-            .output()?;
+            .arg(self.bpffs.path());
+        crate::Netns::open(&self.node_ns).enter(&mut cmd)?;
+        let out = cmd.output()?;
         if !out.status.success() {
             bail!(
                 "inspect {what} failed: {}",

@@ -595,6 +595,51 @@ pub const SCENARIOS: &[Scenario] = &[
         },
     },
     Scenario {
+        name: "inspect",
+        checks: "`inspect services` reads the mode's own state: web's endpoints, the NodePort",
+        run: |w| {
+            let out = w.agents[0].inspect_cli("services", &["--json"])?;
+            let rows: Vec<serde_json::Value> =
+                serde_json::from_str(&out).context("inspect's JSON")?;
+            let row = |address: String| {
+                rows.iter()
+                    .find(|r| r["address"] == address.as_str() && r["protocol"] == "TCP")
+                    .with_context(|| format!("{address} TCP not listed: {rows:?}"))
+            };
+            let backends = |r: &serde_json::Value| -> BTreeSet<String> {
+                let list = r["backends"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+                list.iter()
+                    .filter_map(|b| Some(b["address"].as_str()?.to_owned()))
+                    .collect()
+            };
+            let web = row(WEB.to_string())?;
+            let node_port = row(format!("*:{FRONT_NODE_PORT}"))?;
+            ensure!(node_port["kind"] == "NodePort", "{node_port}");
+            // The userspace mode sends each frontend to its proxy port on the node: the
+            // endpoints behind it are the agent's.
+            if backends(web).iter().any(|b| b.ends_with(" (proxy)")) {
+                for r in [web, node_port] {
+                    let list = backends(r);
+                    ensure!(
+                        list.len() == 1
+                            && list.iter().all(|b| b.starts_with(&format!("{NODE1_IP}:"))
+                                && b.ends_with(" (proxy)")),
+                        "{}: not one proxy backend on node1: {list:?}",
+                        r["address"]
+                    );
+                }
+                return Ok(());
+            }
+            let want = set(&["10.244.1.11:8080", "10.244.1.12:8080", "10.244.1.13:8080"]);
+            ensure!(backends(web) == want, "web: {:?}", backends(web));
+            ensure!(
+                !backends(node_port).is_empty(),
+                "{FRONT_NODE_PORT}: no backends"
+            );
+            Ok(())
+        },
+    },
+    Scenario {
         name: "endpoint-removed",
         checks: "an endpoint leaving its EndpointSlice gets no new connections",
         run: |w| {

@@ -124,6 +124,8 @@ fn main() -> anyhow::Result<()> {
                 "scenarios",
             ];
             test.extend(args.iter().map(String::as_str));
+            let parity_vm = root.join("target/parity-vm");
+            std::fs::create_dir_all(&parity_vm)?;
             let mut cmd = cargo_cmd();
             cmd.args(&test)
                 .env(
@@ -134,9 +136,15 @@ fn main() -> anyhow::Result<()> {
                 // Emulation is slow: wait longer, and run one test at a time.
                 .env("SANDBOX_TIMEOUT_SCALE", "5")
                 .env("RUST_TEST_THREADS", "1")
+                // The scenario suite's results on this kernel come back to the host (the
+                // guest's other writes stay in its overlay): docs/parity.md takes the modes
+                // that run only here (IPVS) from them.
+                .env("VM_RW_DIR", &parity_vm)
+                .env("PARITY_RESULTS_DIR", &parity_vm)
                 .env(
                     "VM_PASS_ENV",
-                    "SANDBOX_TIMEOUT_SCALE RUST_TEST_THREADS SANDBOX_NO_SKIP RUST_BACKTRACE",
+                    "SANDBOX_TIMEOUT_SCALE RUST_TEST_THREADS SANDBOX_NO_SKIP RUST_BACKTRACE \
+                     PARITY_RESULTS_DIR",
                 );
             run(&mut cmd)
         }
