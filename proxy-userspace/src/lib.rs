@@ -8,6 +8,7 @@ pub mod health;
 pub mod http;
 pub mod inspect;
 pub mod iptables;
+pub mod ipvs;
 pub mod maglev;
 pub mod manifest;
 pub mod metrics;

@@ -12,6 +12,7 @@ use proxy_userspace::{
     },
     inspect,
     iptables::{self, IptablesConfig, IptablesDataplane},
+    ipvs::{self, IpvsConfig, IpvsDataplane},
     maglev,
     model::LbAlgorithm,
     nftables::{self, NftablesConfig, NftablesDataplane},
@@ -55,6 +56,9 @@ enum ProxyMode {
     Nftables,
     /// kube-proxy's iptables rules (NAT chains), for nodes without BPF or nftables.
     Iptables,
+    /// kube-proxy's IPVS mode: the kernel's IP Virtual Server balances, with ipsets and a few
+    /// iptables rules (needs the ip_vs modules).
+    Ipvs,
     /// kube-proxy's first mode: the agent itself proxies each Service port, which iptables
     /// rules redirect to it (endpoints see the node's address).
     Userspace,
@@ -70,6 +74,7 @@ impl ProxyMode {
             ProxyMode::Ebpf => "ebpf",
             ProxyMode::Nftables => "nftables",
             ProxyMode::Iptables => "iptables",
+            ProxyMode::Ipvs => "ipvs",
             ProxyMode::Userspace => "userspace",
         }
     }
@@ -158,23 +163,47 @@ struct AgentArgs {
     /// tables spread flows more evenly and cost 4 bytes an entry per Service using Maglev.
     #[arg(long, default_value_t = maglev::DEFAULT_TABLE_SIZE, value_parser = maglev::parse_table_size)]
     lb_maglev_table_size: u32,
-    /// The cluster's pod range (kube-proxy's flag), with the iptables and nftables modes: connections to a
-    /// cluster IP from outside it are masqueraded, and pods reaching an externalTrafficPolicy
-    /// Local frontend get any endpoint. Empty: neither.
+    /// The cluster's pod range (kube-proxy's flag), with the iptables, nftables and ipvs modes:
+    /// connections to a cluster IP from outside it are masqueraded, and pods reaching an
+    /// externalTrafficPolicy Local frontend get any endpoint. Empty: neither.
     #[arg(long, value_parser = parse_cidr)]
     cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
-    /// Masquerade every connection to a cluster IP (kube-proxy's flag, iptables and nftables
-    /// modes).
+    /// Masquerade every connection to a cluster IP (kube-proxy's flag, iptables, nftables and
+    /// ipvs modes).
     #[arg(long)]
     masquerade_all: bool,
     /// How long a UDP session of the userspace mode lives without traffic (kube-proxy's flag).
     #[arg(long, default_value = "250ms", value_parser = parse_udp_timeout)]
     udp_timeout: Duration,
-    /// Which iptables the iptables mode writes to: `legacy`, `nft` (nf_tables), or `auto`: the
+    /// Which iptables the iptables, ipvs and userspace modes write to: `legacy`, `nft`
+    /// (nf_tables), or `auto`: the
     /// one already holding kube-proxy's rules, else the node's `iptables` (as kube-proxy's
     /// image picks). Legacy is far faster with thousands of Services.
     #[arg(long, value_enum, default_value = "auto")]
     iptables_backend: IptablesBackend,
+    /// The IPVS scheduler of the ipvs mode (kube-proxy's flag): rr, wrr, lc, wlc, lblc, lblcr,
+    /// dh, sh, sed, nq, mh... (the kernel's ip_vs_<name> module); empty is rr.
+    #[arg(long, default_value = "")]
+    ipvs_scheduler: String,
+    /// The ipvs mode sets arp_ignore=1 and arp_announce=2 on all interfaces, so that the node
+    /// does not answer ARP for the service addresses on kube-ipvs0 (kube-proxy's flag).
+    #[arg(long)]
+    ipvs_strict_arp: bool,
+    /// Comma-separated CIDRs whose IPVS virtual servers the ipvs mode leaves alone when it
+    /// removes what it does not know (kube-proxy's flag).
+    #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
+    ipvs_exclude_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
+    /// IPVS's idle timeout of established TCP connections (kube-proxy's flag); 0 leaves the
+    /// kernel's (900s).
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    ipvs_tcp_timeout: Duration,
+    /// IPVS's timeout of TCP connections after a FIN (kube-proxy's flag); 0 leaves the
+    /// kernel's (120s).
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    ipvs_tcpfin_timeout: Duration,
+    /// IPVS's idle timeout of UDP flows (kube-proxy's flag); 0 leaves the kernel's (300s).
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    ipvs_udp_timeout: Duration,
     /// Remove what the agent installed (its tc programs on the pod interfaces, its socket
     /// programs on the cgroup, the pinned maps and links) and exit (kube-proxy's flag), e.g.
     /// before going back to kube-proxy.
@@ -187,6 +216,20 @@ enum IptablesBackend {
     Auto,
     Legacy,
     Nft,
+}
+
+impl IptablesBackend {
+    /// The backend named, or for `auto` the one `detect` picks.
+    fn or(
+        self,
+        detect: fn() -> anyhow::Result<iptables::Backend>,
+    ) -> anyhow::Result<iptables::Backend> {
+        match self {
+            IptablesBackend::Auto => detect(),
+            IptablesBackend::Legacy => Ok(iptables::Backend::Legacy),
+            IptablesBackend::Nft => Ok(iptables::Backend::Nft),
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -304,10 +347,16 @@ fn start_mode(
     node_ips: &[std::net::IpAddr],
     lock: &mut Option<proxy_userspace::ebpf::bpffs::PinDirLock>,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
-    for other in [ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::Userspace] {
+    for other in [
+        ProxyMode::Iptables,
+        ProxyMode::Nftables,
+        ProxyMode::Ipvs,
+        ProxyMode::Userspace,
+    ] {
         let (installed, cleanup): (fn() -> bool, Cleanup) = match other {
             ProxyMode::Iptables => (iptables::installed, iptables::cleanup),
             ProxyMode::Nftables => (nftables::installed, nftables::cleanup),
+            ProxyMode::Ipvs => (ipvs::installed, ipvs::cleanup),
             _ => (userspace::installed, userspace::cleanup),
         };
         if other != mode && installed() {
@@ -386,11 +435,7 @@ fn start_mode(
             Ok(Box::new(dp))
         }
         ProxyMode::Userspace => {
-            let backend = match args.iptables_backend {
-                IptablesBackend::Auto => userspace::detect_backend()?,
-                IptablesBackend::Legacy => iptables::Backend::Legacy,
-                IptablesBackend::Nft => iptables::Backend::Nft,
-            };
+            let backend = args.iptables_backend.or(userspace::detect_backend)?;
             let dp = UserspaceDataplane::new(UserspaceConfig {
                 backend,
                 node_port_addresses: args.nodeport_addresses.clone(),
@@ -400,12 +445,34 @@ fn start_mode(
             tracing::info!(backend = backend.name(), "userspace proxy ready");
             Ok(Box::new(dp))
         }
-        ProxyMode::Iptables => {
-            let backend = match args.iptables_backend {
-                IptablesBackend::Auto => iptables::Backend::detect()?,
-                IptablesBackend::Legacy => iptables::Backend::Legacy,
-                IptablesBackend::Nft => iptables::Backend::Nft,
+        ProxyMode::Ipvs => {
+            let backend = args.iptables_backend.or(iptables::Backend::detect)?;
+            let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
+            let scheduler = match args.ipvs_scheduler.as_str() {
+                "" => ipvs::DEFAULT_SCHEDULER.to_owned(),
+                name => name.to_owned(),
             };
+            let dp = IpvsDataplane::new(IpvsConfig {
+                scheduler: scheduler.clone(),
+                strict_arp: args.ipvs_strict_arp,
+                exclude_cidrs: args.ipvs_exclude_cidrs.clone(),
+                timeouts: ipvs::netlink::Timeouts {
+                    tcp: secs(args.ipvs_tcp_timeout),
+                    tcp_fin: secs(args.ipvs_tcpfin_timeout),
+                    udp: secs(args.ipvs_udp_timeout),
+                },
+                backend,
+                cluster_cidr: args.cluster_cidr,
+                masquerade_all: args.masquerade_all,
+                node_port_addresses: args.nodeport_addresses.clone(),
+                primary: node_ips.to_vec(),
+            })?;
+            warn_without_cluster_cidr();
+            tracing::info!(backend = backend.name(), scheduler, "ipvs dataplane ready");
+            Ok(Box::new(dp))
+        }
+        ProxyMode::Iptables => {
+            let backend = args.iptables_backend.or(iptables::Backend::detect)?;
             let dp = IptablesDataplane::new(IptablesConfig {
                 backend,
                 cluster_cidr: args.cluster_cidr,
@@ -424,6 +491,7 @@ fn start_mode(
 fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
     iptables::cleanup()?;
     nftables::cleanup()?;
+    ipvs::cleanup()?;
     userspace::cleanup()?;
     cleanup_ebpf(args)
 }

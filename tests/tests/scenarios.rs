@@ -39,6 +39,12 @@ fn nftables() {
     suite("scenarios::nftables", "nftables");
 }
 
+/// Skipped (loudly) where the kernel has no IPVS: `cargo xtask vm-test` runs it.
+#[test]
+fn ipvs() {
+    suite("scenarios::ipvs", "ipvs");
+}
+
 /// `--proxy-mode auto` where the BPF programs cannot load (a services map of 0 entries makes
 /// the kernel refuse it): the agent says why and serves with the nftables mode, leaving no
 /// BPF pins behind.

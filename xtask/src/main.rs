@@ -124,29 +124,36 @@ fn main() -> anyhow::Result<()> {
                 "scenarios",
             ];
             test.extend(args.iter().map(String::as_str));
+            // The IPVS mode's kernel tests (this machine's kernel has no IPVS).
+            let mut ipvs = vec!["test", "-p", "proxy-userspace", "--lib", "ipvs"];
+            ipvs.extend(args.iter().map(String::as_str));
             let parity_vm = root.join("target/parity-vm");
             std::fs::create_dir_all(&parity_vm)?;
-            let mut cmd = cargo_cmd();
-            cmd.args(&test)
-                .env(
-                    "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER",
-                    root.join("vmtest/cargo-runner.sh"),
-                )
-                .env("VM_MEM", "1536")
-                // Emulation is slow: wait longer, and run one test at a time.
-                .env("SANDBOX_TIMEOUT_SCALE", "5")
-                .env("RUST_TEST_THREADS", "1")
-                // The scenario suite's results on this kernel come back to the host (the
-                // guest's other writes stay in its overlay): docs/parity.md takes the modes
-                // that run only here (IPVS) from them.
-                .env("VM_RW_DIR", &parity_vm)
-                .env("PARITY_RESULTS_DIR", &parity_vm)
-                .env(
-                    "VM_PASS_ENV",
-                    "SANDBOX_TIMEOUT_SCALE RUST_TEST_THREADS SANDBOX_NO_SKIP RUST_BACKTRACE \
+            let in_vm = |args: &[&str]| -> anyhow::Result<()> {
+                let mut cmd = cargo_cmd();
+                cmd.args(args)
+                    .env(
+                        "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER",
+                        root.join("vmtest/cargo-runner.sh"),
+                    )
+                    .env("VM_MEM", "1536")
+                    // Emulation is slow: wait longer, and run one test at a time.
+                    .env("SANDBOX_TIMEOUT_SCALE", "5")
+                    .env("RUST_TEST_THREADS", "1")
+                    // The scenario suite's results on this kernel come back to the host (the
+                    // guest's other writes stay in its overlay): docs/parity.md takes the modes
+                    // that run only here (IPVS) from them.
+                    .env("VM_RW_DIR", &parity_vm)
+                    .env("PARITY_RESULTS_DIR", &parity_vm)
+                    .env(
+                        "VM_PASS_ENV",
+                        "SANDBOX_TIMEOUT_SCALE RUST_TEST_THREADS SANDBOX_NO_SKIP RUST_BACKTRACE \
                      PARITY_RESULTS_DIR",
-                );
-            run(&mut cmd)
+                    );
+                run(&mut cmd)
+            };
+            in_vm(&ipvs)?;
+            in_vm(&test)
         }
         Cmd::Demo { args } => {
             build_release("building the agent and the sandbox (release)")?;
