@@ -196,6 +196,9 @@ pub async fn run(
         }
         result
     };
+    // Every mode's kernel state outlives the agent, as kube-proxy's rules do.
+    const STAYS: &str = "what the dataplane programmed stays in the kernel until the next start \
+                         (or --cleanup)";
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     let outcome = tokio::select! {
@@ -203,11 +206,11 @@ pub async fn run(
         r = &mut source => source_ended(r),
         r = tokio::signal::ctrl_c() => {
             r.context("waiting for SIGINT")?;
-            tracing::info!("interrupted; the programs stay attached and serve from the pinned maps");
+            tracing::info!("interrupted; {STAYS}");
             Ok(())
         }
         _ = terminate.recv() => {
-            tracing::info!("terminated; the programs stay attached and serve from the pinned maps");
+            tracing::info!("terminated; {STAYS}");
             Ok(())
         }
     };

@@ -347,10 +347,11 @@ fn start_mode(
     node_ips: &[std::net::IpAddr],
     lock: &mut Option<proxy_userspace::ebpf::bpffs::PinDirLock>,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
+    // IPVS before iptables, as in cleanup().
     for other in [
+        ProxyMode::Ipvs,
         ProxyMode::Iptables,
         ProxyMode::Nftables,
-        ProxyMode::Ipvs,
         ProxyMode::Userspace,
     ] {
         let (installed, cleanup): (fn() -> bool, Cleanup) = match other {
@@ -489,9 +490,10 @@ fn start_mode(
 
 /// `--cleanup` (kube-proxy's semantics): removes what any mode installed, then exits.
 fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
+    // IPVS first: its jumps go to chains the iptables mode's cleanup deletes.
+    ipvs::cleanup()?;
     iptables::cleanup()?;
     nftables::cleanup()?;
-    ipvs::cleanup()?;
     userspace::cleanup()?;
     cleanup_ebpf(args)
 }

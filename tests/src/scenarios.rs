@@ -818,6 +818,7 @@ pub fn run(test: &str, mode_id: &str) {
 /// writes there), else `target/parity`.
 fn results_dir() -> PathBuf {
     std::env::var_os("PARITY_RESULTS_DIR")
+        .filter(|d| !d.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| target_dir().join("parity"))
 }

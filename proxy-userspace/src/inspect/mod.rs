@@ -1,10 +1,12 @@
 //! `proxy-userspace inspect`: reads what the mode installed on the node (while the agent runs
 //! or after it stopped) and prints it as a table for people or JSON for scripts. In the ebpf
 //! mode, the pinned maps; in the others, the mode's own state, parsed back into the same rows:
-//! the nftables table ([`nftables`]), the iptables rules ([`iptables`], [`userspace`]), the
-//! kernel's conntrack table ([`conntrack`]) and the affinity the kernel remembers.
+//! the nftables table ([`nftables`]), the iptables rules ([`iptables`], [`userspace`]), the IPVS
+//! table and kube-proxy's ipsets ([`ipvs`]), the kernel's conntrack table ([`conntrack`]) and
+//! the affinity the kernel remembers.
 mod conntrack;
 mod iptables;
+mod ipvs;
 mod nftables;
 mod userspace;
 
@@ -540,10 +542,23 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
         (Mode::Ebpf, What::Backends) => out(&backends(pin_dir)?, json, |r| backends_table(r)),
         (Mode::Ebpf, What::Conntrack) => out(&conntrack(pin_dir)?, json, |r| conntrack_table(r)),
         (Mode::Ebpf, What::Affinity) => out(&affinity(pin_dir)?, json, |r| affinity_table(r)),
-        (Mode::Ipvs, _) => bail!(
-            "inspect does not read the ipvs mode's state yet (`ipvsadm -Ln` lists its virtual \
-             servers); pass --proxy-mode to read another mode's"
-        ),
+        (Mode::Ipvs, What::Services) => {
+            let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
+            out(&rows, json, |r| services_table_of(r, false))
+        }
+        (Mode::Ipvs, What::Backends) => out(&ipvs::backends(&ipvs::read()?), json, |r| {
+            endpoints_table(r)
+        }),
+        (Mode::Ipvs, What::Conntrack) => {
+            let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
+            let flows = conntrack::flows(&conntrack_list()?, &rows);
+            out(&flows, json, |r| flows_table(r))
+        }
+        (Mode::Ipvs, What::Affinity) => {
+            let path = "/proc/net/ip_vs_conn";
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+            out(&ipvs::affinity(&text), json, |r| client_affinity_table(r))
+        }
         (_, What::Services) => {
             let rows = services_of(&rules_mode(mode)?)?;
             out(&rows, json, |r| services_table_of(r, false))
@@ -618,6 +633,11 @@ fn iptables_save(backend: crate::iptables::Backend) -> anyhow::Result<String> {
     let mut text = run(&save, &["-t", "nat"], "iptables")?;
     text.push_str(&run(&save, &["-t", "filter"], "iptables")?);
     Ok(text)
+}
+
+/// kube-proxy's ipsets (the IPVS mode's), as `ipset save` prints them.
+fn ipset_save() -> anyhow::Result<String> {
+    run("ipset", &["save"], "ipset")
 }
 
 /// The kernel's conntrack table.

@@ -333,9 +333,14 @@ pub(crate) fn available(b: Backend) -> bool {
 }
 
 /// Whether the mode's chains are installed here, in either backend (an earlier run in this
-/// mode, or kube-proxy's).
+/// mode, or kube-proxy's). KUBE-SERVICES alone may be the IPVS mode's: the mode's own
+/// KUBE-NODEPORTS (IPVS has KUBE-NODE-PORT) or per-Service chains tell.
 pub fn installed() -> bool {
-    Backend::ALL
-        .into_iter()
-        .any(|b| owned_chains(b, "nat").is_ok_and(|c| !c.is_empty()))
+    Backend::ALL.into_iter().any(|b| {
+        owned_chains(b, "nat").is_ok_and(|chains| {
+            chains.iter().any(|c| {
+                c == "KUBE-NODEPORTS" || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))
+            })
+        })
+    })
 }
