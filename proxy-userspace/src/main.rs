@@ -443,7 +443,7 @@ fn start_mode(
                 primary: node_ips.to_vec(),
                 udp_timeout: args.udp_timeout,
             })?;
-            tracing::info!(backend = backend.name(), "userspace proxy ready");
+            tracing::info!(backend = backend.name(), "userspace dataplane ready");
             Ok(Box::new(dp))
         }
         ProxyMode::Ipvs => {

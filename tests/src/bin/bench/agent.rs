@@ -365,9 +365,7 @@ impl Running {
             if message.starts_with(loaded_message) && loaded.is_none() {
                 loaded = Some(since);
                 eprintln!("    source loaded after {:.2} s", since.as_secs_f64());
-            } else if message.starts_with("ebpf dataplane loaded")
-                || message.starts_with("iptables dataplane ready")
-            {
+            } else if message == "ebpf dataplane loaded" || message.ends_with(" dataplane ready") {
                 dataplane = Some(since);
             } else if message == "full sync done" {
                 // Read at once, before anything else runs in the agent.
