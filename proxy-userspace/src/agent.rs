@@ -19,6 +19,9 @@ use crate::{
     service_health, source,
 };
 
+/// The longest time between two full syncs (kube-proxy's `proxyutil.FullSyncPeriod`).
+const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+
 pub struct AgentConfig {
     pub source: Source,
     /// This node's name (kube-proxy's `--hostname-override`): its Node object, and which
@@ -144,8 +147,11 @@ pub async fn run(
     // a sync (and a port that cannot be bound is only logged).
     let (health_checks, watched) = watch::channel(service_health::HealthChecks::new());
     let health_check_server = tokio::spawn(service_health::run(health.clone(), watched));
-    // The first sync, periodic resyncs and retries after a failure look at everything.
+    // The first sync, retries after a failure and one periodic sync an hour look at
+    // everything; the other periodic syncs only at what changed (kube-proxy's FullSyncPeriod:
+    // rewriting every Service is what costs at 10k of them, a minute in the nftables mode).
     let mut full = true;
+    let mut last_full = Instant::now();
     // Trigger times of the changes applied but not yet programmed (a failed sync keeps them).
     let mut triggers = Vec::new();
     let sync = move || {
@@ -155,7 +161,7 @@ pub async fn run(
             triggers.extend(tracker.take_trigger_times());
             changed
         };
-        let scope = if full || changed.is_empty() {
+        let scope = if full || last_full.elapsed() >= FULL_SYNC_PERIOD {
             Scope::All
         } else {
             Scope::Changed(&changed)
@@ -182,6 +188,9 @@ pub async fn run(
                         "full sync done"
                     ),
                     Scope::Changed(c) => tracing::info!(changed = c.len(), ?elapsed, "sync done"),
+                }
+                if matches!(scope, Scope::All) {
+                    last_full = Instant::now();
                 }
                 full = false;
                 METRICS.programmed(&triggers);

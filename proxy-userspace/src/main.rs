@@ -107,7 +107,7 @@ struct AgentArgs {
     /// The minimum interval between syncs: changes arriving faster are batched (kube-proxy's flag).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     min_sync_period: Duration,
-    /// The interval of full resyncs (kube-proxy's flag).
+    /// The interval of periodic syncs (kube-proxy's flag); one an hour is a full one.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     sync_period: Duration,
     /// bpffs directory where the maps are pinned (mounted if it is not on bpffs).
