@@ -178,11 +178,11 @@ impl Flow {
     pub fn rewrite(
         &mut self,
         ctx: &TcContext,
-        end: End,
+        at: End,
         addr: Be32,
         port: Be16,
     ) -> Result<(), Drop> {
-        let (old_addr, old_port, addr_off, port_off) = match end {
+        let (old_addr, old_port, addr_off, port_off) = match at {
             End::Source => (self.key.saddr, self.key.sport, IP_SADDR_OFF, self.l4_off),
             End::Destination => (
                 self.key.daddr,
@@ -197,22 +197,50 @@ impl Flow {
         } else {
             BPF_F_MARK_MANGLED_0 as u64
         };
+        // The L4 checksum through the kernel's helper: only it knows whether the field holds a
+        // full checksum or, for a packet whose checksum the NIC is to finish (a pod's own, on
+        // a veth), the pseudo-header's sum, which a port change does not touch.
         if old_addr != addr {
             let (from, to) = (old_addr.raw() as u64, addr.raw() as u64);
             ctx.l4_csum_replace(csum_off, from, to, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)
                 .map_err(|_| FAILED)?;
-            ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4)
-                .map_err(|_| FAILED)?;
-            ctx.store(addr_off, &addr.raw(), 0).map_err(|_| FAILED)?;
         }
         if old_port != port {
             let (from, to) = (old_port.raw() as u64, port.raw() as u64);
             ctx.l4_csum_replace(csum_off, from, to, l4_flags | 2)
                 .map_err(|_| FAILED)?;
-            ctx.store(port_off, &port.raw(), 0).map_err(|_| FAILED)?;
+        }
+        if self.has_ip_options() {
+            if old_addr != addr {
+                ctx.l3_csum_replace(IP_CSUM_OFF, old_addr.raw() as u64, addr.raw() as u64, 4)
+                    .map_err(|_| FAILED)?;
+                ctx.store(addr_off, &addr.raw(), 0).map_err(|_| FAILED)?;
+            }
+            if old_port != port {
+                ctx.store(port_off, &port.raw(), 0).map_err(|_| FAILED)?;
+            }
+        } else {
+            // The usual packet: the rest written in place, at constant offsets (the helpers
+            // above may have moved the data: its bounds are read again).
+            let (data, end) = (ctx.data(), ctx.data_end());
+            if data + IPV4_MIN + 4 > end {
+                return Err(FAILED);
+            }
+            let mut ip = Sum::default();
+            ip.replace32(old_addr.raw(), addr.raw());
+            let (addr_field, port_field) = match at {
+                End::Source => (IP_SADDR_OFF, IPV4_MIN),
+                End::Destination => (IP_DADDR_OFF, IPV4_MIN + 2),
+            };
+            // SAFETY: all within data..data + IPV4_MIN + 4, checked above.
+            unsafe {
+                write16(data + IP_CSUM_OFF, ip.apply(read16(data + IP_CSUM_OFF)));
+                write32(data + addr_field, addr.raw());
+                write16(data + port_field, port.raw());
+            }
         }
         // Keep the tuple current, so a second rewrite computes its checksum deltas right.
-        self.set(end, addr, port);
+        self.set(at, addr, port);
         Ok(())
     }
 }
@@ -236,4 +264,48 @@ pub fn send_back(ctx: &TcContext) -> i32 {
     // SAFETY: reading the context's ifindex; bpf_redirect has no memory arguments.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     unsafe { aya_ebpf::helpers::bpf_redirect(ifindex, 0) as i32 }
+}
+
+/// A checksum update in progress: the one's complement sum of the removed words, negated, and
+/// of the added ones (the byte order does not matter to a one's complement sum, as long as
+/// every word is read the same way).
+#[derive(Clone, Copy, Default)]
+pub struct Sum(u32);
+
+impl Sum {
+    pub fn replace16(&mut self, old: u16, new: u16) {
+        self.0 += u32::from(!old) + u32::from(new);
+    }
+
+    pub fn replace32(&mut self, old: u32, new: u32) {
+        self.replace16(old as u16, new as u16);
+        self.replace16((old >> 16) as u16, (new >> 16) as u16);
+    }
+
+    /// The checksum `check` with this update applied.
+    pub fn apply(self, check: u16) -> u16 {
+        let mut sum = u64::from(!check) + u64::from(self.0);
+        sum = (sum & 0xffff) + (sum >> 16);
+        sum = (sum & 0xffff) + (sum >> 16);
+        sum = (sum & 0xffff) + (sum >> 16);
+        !(sum as u16)
+    }
+}
+
+/// The raw (network order) 16 bits at `p`. Callers have checked `p + 2` against data_end.
+#[inline(always)]
+pub unsafe fn read16(p: usize) -> u16 {
+    unsafe { (p as *const u16).read_unaligned() }
+}
+
+/// Writes raw 16 bits at `p`, checked as for [`read16`].
+#[inline(always)]
+pub unsafe fn write16(p: usize, v: u16) {
+    unsafe { (p as *mut u16).write_unaligned(v) }
+}
+
+/// Writes raw 32 bits at `p`, checked as for [`read16`].
+#[inline(always)]
+pub unsafe fn write32(p: usize, v: u32) {
+    unsafe { (p as *mut u32).write_unaligned(v) }
 }

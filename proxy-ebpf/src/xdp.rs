@@ -17,7 +17,7 @@ use proxy_common::{Be16, Be32, IFACE_XDP_FORWARD, IPPROTO_TCP};
 use crate::{
     external::{self, Verdict},
     maps::EXTERNAL_IFACES,
-    packet::{self, Drop, ETH_HLEN, FAILED, Flow},
+    packet::{self, Drop, ETH_HLEN, FAILED, Flow, Sum, read16, write16, write32},
 };
 
 const IP: usize = ETH_HLEN;
@@ -134,42 +134,4 @@ fn rewrite(
         }
     }
     Ok(())
-}
-
-/// A checksum update in progress: the one's complement sum of the removed words, negated, and
-/// of the added ones (the byte order does not matter to a one's complement sum, as long as
-/// every word is read the same way).
-#[derive(Clone, Copy, Default)]
-struct Sum(u32);
-
-impl Sum {
-    fn replace16(&mut self, old: u16, new: u16) {
-        self.0 += u32::from(!old) + u32::from(new);
-    }
-
-    fn replace32(&mut self, old: u32, new: u32) {
-        self.replace16(old as u16, new as u16);
-        self.replace16((old >> 16) as u16, (new >> 16) as u16);
-    }
-
-    /// The checksum `check` with this update applied.
-    fn apply(self, check: u16) -> u16 {
-        let mut sum = u64::from(!check) + u64::from(self.0);
-        sum = (sum & 0xffff) + (sum >> 16);
-        sum = (sum & 0xffff) + (sum >> 16);
-        sum = (sum & 0xffff) + (sum >> 16);
-        !(sum as u16)
-    }
-}
-
-unsafe fn read16(p: usize) -> u16 {
-    unsafe { (p as *const u16).read_unaligned() }
-}
-
-unsafe fn write16(p: usize, v: u16) {
-    unsafe { (p as *mut u16).write_unaligned(v) }
-}
-
-unsafe fn write32(p: usize, v: u32) {
-    unsafe { (p as *mut u32).write_unaligned(v) }
 }
