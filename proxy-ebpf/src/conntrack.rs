@@ -19,15 +19,16 @@ use proxy_common::{
 
 use crate::{
     maps::{BACKENDS, CONFIG, CONNTRACK},
-    packet::Flow,
+    packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 /// The backend of a flow already in conntrack, if the flow is within its lifetime and its
 /// backend may keep it: the backend exists (for this protocol) and is either still in the
 /// service or draining with an established TCP connection. A SYN and any UDP packet leave a
 /// draining backend (kube-proxy's behaviour: only TCP connections outlive their endpoint's
-/// removal). Re-creates the reply entry if the LRU evicted it alone (or something else took
-/// its 5-tuple), so replies keep their reverse NAT.
+/// removal). The packets [`reply_due`] names also look at the reply entry: they re-create it
+/// if the LRU evicted it alone (or something else took its 5-tuple), so replies keep their
+/// reverse NAT.
 #[inline(always)]
 pub fn established(flow: &Flow, now: u64) -> Option<Backend> {
     established_flow(flow, now).map(|live| live.backend)
@@ -62,8 +63,13 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     if backend.flags & BACKEND_DRAINING != 0 && (key.proto != IPPROTO_TCP || flow.syn_only()) {
         return None;
     }
-    let reply_key = reply_key(key, entry, &backend);
     let snat = (entry.flags & CT_SNAT != 0).then_some((entry.nat_addr, entry.nat_port));
+    if snat.is_none() && !reply_due(flow, entry, now) {
+        entry.packets += 1;
+        entry.last_seen_ns = now;
+        return Some(Live { backend, snat });
+    }
+    let reply_key = reply_key(key, entry, &backend);
     let reply = CONNTRACK
         .get_ptr_mut(reply_key)
         .map(|r| unsafe { &mut *r })
@@ -90,6 +96,25 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
         }
     }
     Some(Live { backend, snat })
+}
+
+/// Forward packets between two looks at the flow's reply entry: most packets of a busy flow
+/// need one conntrack lookup, not two.
+const REPLY_CHECK_PACKETS: u32 = 32;
+/// A flow quiet this long has its reply entry looked at again by its next forward packet.
+const REPLY_CHECK_IDLE_NS: u64 = 1_000_000_000;
+
+/// Whether the forward packet `flow` of the open flow `entry` must look at the reply entry: to
+/// follow a teardown (FIN, RST) or a new connection on the tuple (SYN), to re-create the entry
+/// if the LRU evicted it (so replies keep their reverse NAT), and to refresh its time. Each
+/// reply packet refreshes both entries anyway; a flow whose replies stopped has its reply
+/// entry checked every [`REPLY_CHECK_PACKETS`] packets, and after a quiet second.
+#[inline(always)]
+fn reply_due(flow: &Flow, entry: &CtValue, now: u64) -> bool {
+    flow.tcp_flags() & (TCP_FIN | TCP_SYN | TCP_RST) != 0
+        || entry.flags & CT_CLOSING != 0
+        || entry.packets.is_multiple_of(REPLY_CHECK_PACKETS)
+        || now.saturating_sub(entry.last_seen_ns) >= REPLY_CHECK_IDLE_NS
 }
 
 /// A packet of the flow went in the direction of `this`: both entries are refreshed (a flow has

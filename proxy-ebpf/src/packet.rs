@@ -31,9 +31,9 @@ pub struct Flow {
     pub tot_len: u16,
 }
 
-const TCP_FIN: u8 = 0x01;
-const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 
 /// Longest header run the programs read: Ethernet, IPv4 with options, a TCP header.
@@ -136,6 +136,11 @@ pub enum End {
 }
 
 impl Flow {
+    /// The TCP flags (zero for UDP).
+    pub fn tcp_flags(&self) -> u8 {
+        self.tcp_flags
+    }
+
     pub fn fin(&self) -> bool {
         self.tcp_flags & TCP_FIN != 0
     }

@@ -27,7 +27,10 @@
 //! direction's packets carry: which packets meet which entry (and which flows share one) is part
 //! of the behaviour being modelled. The model cannot predict the programs' random backend
 //! choice: [`Model::ingress`] asks its caller which of the candidates was taken, then holds the
-//! flow to it.
+//! flow to it. A packet of an established flow meets only its forward entry unless it is a SYN,
+//! FIN or RST, the flow is closing, it is the 32nd packet since the last look (the entries
+//! count packets as the kernel's do), or the flow was idle: then it looks at the reply entry
+//! too, refreshes it and writes it again if it is not the flow's.
 //!
 //! Time is the model's own, in whole seconds, advanced only by [`Model::advance`]; an entry is
 //! expired when it has been idle for longer than its lifetime. The harness keeps the kernel's
@@ -55,6 +58,8 @@ pub const UDP: u8 = 17;
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const IP_MIN: usize = 20;
+/// Forward packets between two looks at a flow's reply entry (the programs' constant).
+const REPLY_CHECK_PACKETS: u32 = 32;
 const FIN: u8 = 0x01;
 const SYN: u8 = 0x02;
 const RST: u8 = 0x04;
@@ -430,6 +435,9 @@ pub struct Entry {
     pub time_wait: bool,
     /// Model time of the last refresh.
     pub last_seen: u64,
+    /// Packets that met the entry (as the kernel counts them: they decide when a forward
+    /// packet looks at the reply entry too).
+    pub packets: u32,
     /// Refreshed (or written) by a packet since [`Model::clear_refreshed`]. For the harness,
     /// which checks that the kernel's entry was refreshed too, and no other.
     pub refreshed: bool,
@@ -895,6 +903,19 @@ impl Model {
             }
             notes.push(Note::DrainKept);
         }
+        // Most packets of a busy flow meet only its forward entry (the kernel's `reply_due`).
+        let e = &self.conntrack[&t];
+        let reply_due = h.tcp_flags & (SYN | FIN | RST) != 0
+            || e.closing
+            || e.packets.is_multiple_of(REPLY_CHECK_PACKETS)
+            || self.now > e.last_seen;
+        if !reply_due {
+            let e = self.conntrack.get_mut(&t).unwrap();
+            e.packets += 1;
+            e.last_seen = self.now;
+            e.refreshed = true;
+            return Some(backend);
+        }
         let reply = reply_tuple(&t, backend);
         let reply_ours = self
             .conntrack
@@ -910,6 +931,7 @@ impl Model {
                 Entry {
                     direction: Direction::Reply,
                     fin: false,
+                    packets: 0,
                     ..forward
                 },
             );
@@ -929,11 +951,13 @@ impl Model {
             closing: false,
             time_wait: false,
             last_seen: self.now,
+            packets: 1,
             refreshed: true,
             backend: (c.addr, c.port),
         };
         let reply = Entry {
             direction: Direction::Reply,
+            packets: 0,
             ..entry.clone()
         };
         self.conntrack
@@ -981,6 +1005,7 @@ impl Model {
     fn touch(&mut self, this: &Tuple, other: Option<&Tuple>, h: &Headers, notes: &mut Vec<Note>) {
         let now = self.now;
         let e = self.conntrack.get_mut(this).expect("touching an entry");
+        e.packets += 1;
         if e.closing {
             notes.push(Note::ClosedFollowed);
             return;

@@ -21,8 +21,8 @@ use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_EXTERNAL,
-    CT_FORWARD, CT_SNAT, CtKey, CtValue, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY, MAP_BACKENDS,
-    MAP_CONNTRACK, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
+    CT_FORWARD, CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
     SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
     SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue,
     SourceRangeKey,
@@ -221,9 +221,22 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
     let ct: BpfHashMap<_, CtKey, CtValue> =
         Map::LruHashMap(open(pin_dir, MAP_CONNTRACK)?).try_into()?;
     let now = monotonic_ns();
+    let entries: std::collections::HashMap<CtKey, CtValue> = ct.iter().collect::<Result<_, _>>()?;
     let mut rows = Vec::new();
-    for entry in ct.iter() {
-        let (k, v) = entry?;
+    for (k, v) in &entries {
+        // The programs keep a flow's time in its forward entry (they refresh the reply entry
+        // only now and then): a reply entry is as idle as its flow.
+        let last_seen = match v.direction {
+            CT_FORWARD => v.last_seen_ns,
+            _ => entries
+                .get(&forward_key(k, v))
+                .filter(|f| f.direction == CT_FORWARD && f.backend_id == v.backend_id)
+                .map_or(v.last_seen_ns, |f| f.last_seen_ns.max(v.last_seen_ns)),
+        };
+        let v = CtValue {
+            last_seen_ns: last_seen,
+            ..*v
+        };
         rows.push(FlowRow {
             direction: if v.direction == CT_FORWARD {
                 "forward"
@@ -248,6 +261,27 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
         (&a.service, &a.source, a.direction).cmp(&(&b.service, &b.source, b.direction))
     });
     Ok(rows)
+}
+
+/// The forward entry's key of the flow whose reply entry is `k`, `v`: from the client (for an
+/// external flow, the one the entry names; for a pod reaching itself, the pod) to the service
+/// address.
+fn forward_key(k: &CtKey, v: &CtValue) -> CtKey {
+    let (client, client_port) = if v.flags & CT_EXTERNAL != 0 {
+        (v.nat_addr, v.nat_port)
+    } else if k.daddr == HAIRPIN_ADDR {
+        (k.saddr, k.dport)
+    } else {
+        (k.daddr, k.dport)
+    };
+    CtKey {
+        saddr: client,
+        daddr: v.vip,
+        sport: client_port,
+        dport: v.vport,
+        proto: k.proto,
+        pad: [0; 3],
+    }
 }
 
 /// A client's affinity to a backend (sessionAffinity ClientIP).
