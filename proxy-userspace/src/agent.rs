@@ -44,8 +44,8 @@ pub enum Source {
 }
 
 /// Runs until the source fails or the process is interrupted. The dataplane is made once the
-/// source's first load is in, so a misconfigured source fails before anything is loaded into
-/// the kernel.
+/// source's first load is in, so a misconfigured source fails before the node's traffic is
+/// touched (nothing attached, no other mode's rules removed).
 pub async fn run(
     config: AgentConfig,
     make_dataplane: impl FnOnce(&[std::net::IpAddr]) -> anyhow::Result<Box<dyn Dataplane>>,

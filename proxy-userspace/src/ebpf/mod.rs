@@ -363,21 +363,20 @@ pub struct EbpfDataplane {
 }
 
 impl EbpfDataplane {
-    /// Loads the programs (see [`load`]), starts forwarding their logs and exporting their
-    /// drop counters, attaches the socket programs to the cgroup `cgroup` (for the clients of
-    /// this process's network namespace), the tc programs to every interface whose name
-    /// matches `pod_interfaces`, now and as such interfaces appear, and the external programs
-    /// to the interfaces carrying the node addresses `external` selects. `writer` says how the
-    /// maps are programmed (drain period, load-balancing algorithm).
+    /// Takes the programs [`load`] loaded from `pin_dir`, starts forwarding their logs and
+    /// exporting their drop counters, attaches the socket programs to the cgroup `cgroup` (for
+    /// the clients of this process's network namespace), the tc programs to every interface
+    /// whose name matches `pod_interfaces`, now and as such interfaces appear, and the external
+    /// programs to the interfaces carrying the node addresses `external` selects. `writer` says
+    /// how the maps are programmed (drain period, load-balancing algorithm).
     pub fn new(
+        mut ebpf: Ebpf,
         pin_dir: &Path,
-        sizes: MapSizes,
         writer: WriterConfig,
         pod_interfaces: &str,
         external: ExternalConfig,
         cgroup: &Path,
     ) -> anyhow::Result<Self> {
-        let mut ebpf = load(pin_dir, sizes)?;
         if cgroup.as_os_str().is_empty() {
             tracing::warn!(
                 "--bpf-cgroup-path is empty: host-network clients do not reach services"
