@@ -171,11 +171,15 @@ pub async fn run(
         // watchers, the health server) off this thread meanwhile.
         let mut result =
             tokio::task::block_in_place(|| dataplane.lock().unwrap().sync(&state, scope));
+        // Not retried at once (it would fail the same way), but the next sync is a full one:
+        // the ports left out get their chance again, as space frees up.
+        let mut unprogrammable = false;
         if let Err(e) = &result
             && e.is::<NotProgrammable>()
         {
             tracing::error!("{e:#}");
             result = Ok(());
+            unprogrammable = true;
         }
         let elapsed = started.elapsed();
         METRICS.synced(elapsed, matches!(scope, Scope::All), result.is_ok());
@@ -192,7 +196,7 @@ pub async fn run(
                 if matches!(scope, Scope::All) {
                     last_full = Instant::now();
                 }
-                full = false;
+                full = unprogrammable;
                 METRICS.programmed(&triggers);
                 triggers.clear();
                 // Replaced even when equal: each sync retries the ports that failed to bind.

@@ -6,11 +6,24 @@ use crate::model::{DesiredState, ServicePortName};
 /// Which service ports a sync must look at.
 #[derive(Clone, Copy, Debug)]
 pub enum Scope<'a> {
-    /// Everything: the first sync, periodic resyncs, and retries after a failure. Also removes
-    /// whatever the mode finds programmed that the state does not name.
+    /// Everything: the first sync, one periodic sync an hour, retries after a failure and the
+    /// sync after ports could not be programmed. Also removes whatever the mode finds
+    /// programmed that the state does not name.
     All,
-    /// Only these service ports changed since the last successful sync.
+    /// Only these service ports changed since the last successful sync (none: a periodic
+    /// sync, which may still check the mode's own state, such as its jumps).
     Changed(&'a BTreeSet<ServicePortName>),
+}
+
+impl Scope<'_> {
+    /// Whether the sync should check what others may have undone (the jumps from the built-in
+    /// chains): full syncs, and the periodic ones, in which nothing changed.
+    pub fn checks_jumps(&self) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Changed(changed) => changed.is_empty(),
+        }
+    }
 }
 
 pub trait Dataplane: Send {
@@ -27,7 +40,7 @@ pub trait Dataplane: Send {
 
 /// Service ports that cannot be programmed as configured (a full map, too many endpoints).
 /// Retrying does not help until the configuration changes, so such a sync still counts as
-/// done (for health and retries); the next full resync tries them again.
+/// done (for health and retries); the next sync is a full one, which tries them again.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct NotProgrammable(pub String);

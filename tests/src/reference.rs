@@ -28,7 +28,7 @@
 //! of the behaviour being modelled. The model cannot predict the programs' random backend
 //! choice: [`Model::ingress`] asks its caller which of the candidates was taken, then holds the
 //! flow to it. A packet of an established flow meets only its forward entry unless it is a SYN,
-//! FIN or RST, the flow is closing, it is the 32nd packet since the last look (the entries
+//! FIN or RST, the flow is closing, its count of packets is a multiple of 32 (the entries
 //! count packets as the kernel's do), or the flow was idle: then it looks at the reply entry
 //! too, refreshes it and writes it again if it is not the flow's.
 //!

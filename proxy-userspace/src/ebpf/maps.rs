@@ -790,7 +790,7 @@ impl ServiceMaps {
     }
 
     /// Deletes the draining frontends and backends whose drain period is over.
-    fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
+    pub(crate) fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
         let done: Vec<Frontend> = self
             .draining_frontends
             .iter()

@@ -398,8 +398,13 @@ impl Dataplane for EbpfDataplane {
         self.maps.sync(state, scope)
     }
 
+    /// Also ends the drains whose period is over (full syncs do too, but they come once an
+    /// hour).
     fn housekeeping(&mut self) -> anyhow::Result<()> {
-        self.attacher.check()
+        self.attacher.check()?;
+        self.maps
+            .expire(std::time::Instant::now())
+            .context("expiring drained entries")
     }
 }
 

@@ -113,19 +113,13 @@ fn backend_row(dest: &Dest, protocol: &'static str) -> BackendRow {
     }
 }
 
-/// Every real server, once.
-pub fn backends(servers: &[(Service, Vec<Dest>)]) -> Vec<BackendRow> {
-    let mut rows: Vec<BackendRow> = servers
-        .iter()
-        .flat_map(|(s, dests)| {
-            dests
-                .iter()
-                .map(|d| backend_row(d, proto_name(s.key.protocol)))
-        })
-        .collect();
-    rows.sort();
-    rows.dedup();
-    rows
+/// The endpoints of the frontends `rows` ([`services`]: only kube-proxy's virtual servers),
+/// each once.
+pub fn backends(rows: &[ServiceRow]) -> Vec<BackendRow> {
+    let mut backends: Vec<BackendRow> = rows.iter().flat_map(|r| r.backends.clone()).collect();
+    backends.sort();
+    backends.dedup();
+    backends
 }
 
 /// The persistence templates of `text` (`/proc/net/ip_vs_conn`): a client (port 0) sent to a
@@ -158,7 +152,8 @@ pub fn affinity(text: &str) -> Vec<ClientAffinityRow> {
             else {
                 return None;
             };
-            if *state != "NONE" || hex_port(from_port)? != 0 {
+            // A template's state is NONE, or ASSURED once a connection used it.
+            if !matches!(*state, "NONE" | "ASSURED") || hex_port(from_port)? != 0 {
                 return None;
             }
             Some(ClientAffinityRow {
@@ -288,7 +283,26 @@ add KUBE-NODE-PORT-TCP 30080
                 "203.0.113.11:80 TCP LoadBalancer local [10.244.1.11:8080] [192.0.2.0/24] None",
             ]
         );
-        assert_eq!(backends(&servers).len(), 5, "{:?}", backends(&servers));
+        // The foreign virtual server's real server is not an endpoint.
+        let endpoints: Vec<String> = backends(&rows)
+            .iter()
+            .map(|b| {
+                format!(
+                    "{}{}",
+                    b.address,
+                    if b.draining { "(draining)" } else { "" }
+                )
+            })
+            .collect();
+        assert_eq!(
+            endpoints,
+            [
+                "10.244.1.11:8080",
+                "10.244.1.11:8080(draining)",
+                "10.244.1.12:8080",
+                "10.244.2.11:8080"
+            ]
+        );
     }
 
     #[test]
@@ -296,17 +310,27 @@ add KUBE-NODE-PORT-TCP 30080
         let text = "\
 Pro FromIP   FPrt ToIP     TPrt DestIP   DPrt State       Expires PEName PEData
 TCP 0AF4010A 0000 0A60000A 0050 0AF4010B 1F90 NONE          10795
+TCP 0AF4010C 0000 0A60000A 0050 0AF4010C 1F90 ASSURED       10790
 TCP 0AF4010A 9C40 0A60000A 0050 0AF4010B 1F90 ESTABLISHED     899
 ";
         assert_eq!(
             affinity(text),
-            [ClientAffinityRow {
-                client: "10.244.1.10".into(),
-                service: "10.96.0.10:80".into(),
-                protocol: "TCP",
-                endpoint: "10.244.1.11:8080".into(),
-                expires_seconds: Some(10795),
-            }]
+            [
+                ClientAffinityRow {
+                    client: "10.244.1.10".into(),
+                    service: "10.96.0.10:80".into(),
+                    protocol: "TCP",
+                    endpoint: "10.244.1.11:8080".into(),
+                    expires_seconds: Some(10795),
+                },
+                ClientAffinityRow {
+                    client: "10.244.1.12".into(),
+                    service: "10.96.0.10:80".into(),
+                    protocol: "TCP",
+                    endpoint: "10.244.1.12:8080".into(),
+                    expires_seconds: Some(10790),
+                }
+            ]
         );
     }
 }

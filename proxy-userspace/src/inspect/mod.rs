@@ -580,9 +580,10 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
             let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
             out(&rows, json, |r| services_table_of(r, false))
         }
-        (Mode::Ipvs, What::Backends) => out(&ipvs::backends(&ipvs::read()?), json, |r| {
-            endpoints_table(r)
-        }),
+        (Mode::Ipvs, What::Backends) => {
+            let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
+            out(&ipvs::backends(&rows), json, |r| endpoints_table(r))
+        }
         (Mode::Ipvs, What::Conntrack) => {
             let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
             let flows = conntrack::flows(&conntrack_list()?, &rows);

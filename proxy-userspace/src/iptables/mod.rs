@@ -217,9 +217,9 @@ impl Dataplane for IptablesDataplane {
         let rendered = rules::render(state, &settings, &self.chains, changed);
         restore(self.config.backend, &rendered.text)?;
         self.chains = rendered.chains;
-        // The chains exist now; the jumps to them are checked once and at each full sync
-        // (something else may have flushed the built-in chains).
-        if !self.jumps_checked || matches!(scope, Scope::All) {
+        // The chains exist now; the jumps to them are checked once and at each full or
+        // periodic sync (something else may have flushed the built-in chains).
+        if !self.jumps_checked || scope.checks_jumps() {
             ensure_jumps(self.config.backend)?;
             self.jumps_checked = true;
         }

@@ -490,7 +490,7 @@ impl IpvsDataplane {
             self.config.backend,
             &rules::iptables_restore(&plan, &settings),
         )?;
-        if full {
+        if full || scope.checks_jumps() {
             ensure_jumps(self.config.backend)?;
             self.jumps_checked = true;
         }
@@ -632,9 +632,21 @@ fn cleanup_rules(b: Backend) -> anyhow::Result<usize> {
 }
 
 /// Removes everything the mode installed (kube-proxy's `--cleanup`): the iptables jumps and
-/// chains (from both backends), the ipsets, every IPVS virtual server, and `kube-ipvs0`.
-/// Nothing installed: nothing done (IPVS is not even loaded for it).
+/// chains (from both backends), the ipsets, the IPVS virtual servers of the mode (those at an
+/// address bound to `kube-ipvs0`, and those at a port of its NodePort sets), and `kube-ipvs0`.
+/// Unlike kube-proxy, which flushes the whole IPVS table, other virtual servers (keepalived's,
+/// say) stay. Nothing installed: nothing done (IPVS is not even loaded for it).
 pub fn cleanup() -> anyhow::Result<()> {
+    // What is ours, read before the sets and the interface that tell it go.
+    let bound = if dummy_exists() {
+        dummy_addresses()?
+    } else {
+        BTreeSet::new()
+    };
+    let node_ports = ipset_members(&[
+        (rules::NODE_PORT_TCP, libc::IPPROTO_TCP as u8),
+        (rules::NODE_PORT_UDP, libc::IPPROTO_UDP as u8),
+    ]);
     for b in Backend::ALL.into_iter().filter(|b| iptables::available(*b)) {
         let removed = cleanup_rules(b)?;
         if removed > 0 {
@@ -655,12 +667,19 @@ pub fn cleanup() -> anyhow::Result<()> {
         ipset_restore(&input)?;
         tracing::info!(sets = ours.len(), "cleaned up the IPVS mode's ipsets");
     }
-    if netlink::loaded() {
+    if netlink::loaded() && (!bound.is_empty() || !node_ports.is_empty()) {
         match Ipvs::open() {
             Ok(mut ipvs) => {
-                if !ipvs.services()?.is_empty() {
-                    ipvs.flush()?;
-                    tracing::info!("cleaned up the IPVS virtual servers");
+                let mut removed = 0;
+                for service in ipvs.services()? {
+                    let key = service.key;
+                    if bound.contains(&key.addr) || node_ports.contains(&(key.protocol, key.port)) {
+                        ipvs.delete_service(&key)?;
+                        removed += 1;
+                    }
+                }
+                if removed > 0 {
+                    tracing::info!(removed, "cleaned up the IPVS virtual servers");
                 }
             }
             Err(OpenError::NoIpvs) => {}
@@ -674,20 +693,37 @@ pub fn cleanup() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether the mode's state is here: `kube-ipvs0`, its ipsets, or IPVS virtual servers (an
-/// earlier run in this mode, or kube-proxy's).
+/// The ports in kube-proxy's NodePort sets (bitmap:port), with the protocol each set is for.
+fn ipset_members(sets: &[(&str, u8)]) -> BTreeSet<(u8, u16)> {
+    let mut members = BTreeSet::new();
+    for &(set, protocol) in sets {
+        let Ok(output) = Command::new("ipset")
+            .args(["save", set])
+            .stderr(Stdio::null())
+            .output()
+        else {
+            continue;
+        };
+        for line in String::from_utf8_lossy(&output.stdout).lines() {
+            if let Some(port) = line
+                .strip_prefix("add ")
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|p| p.parse().ok())
+            {
+                members.insert((protocol, port));
+            }
+        }
+    }
+    members
+}
+
+/// Whether the mode's state is here: `kube-ipvs0` or its ipsets (an earlier run in this mode,
+/// or kube-proxy's). Virtual servers alone are not: they may be another load balancer's.
 pub fn installed() -> bool {
-    if dummy_exists() {
-        return true;
-    }
-    if ipset_names()
-        .iter()
-        .any(|n| rules::SETS.iter().any(|s| s.name == n.as_str()))
-    {
-        return true;
-    }
-    netlink::loaded()
-        && Ipvs::open().is_ok_and(|mut ipvs| ipvs.services().is_ok_and(|s| !s.is_empty()))
+    dummy_exists()
+        || ipset_names()
+            .iter()
+            .any(|n| rules::SETS.iter().any(|s| s.name == n.as_str()))
 }
 
 #[cfg(test)]

@@ -44,7 +44,6 @@ const CMD_SET_DEST: u8 = 6;
 const CMD_DEL_DEST: u8 = 7;
 const CMD_GET_DEST: u8 = 8;
 const CMD_SET_CONFIG: u8 = 12;
-const CMD_FLUSH: u8 = 17;
 
 // IPVS_CMD_ATTR_*
 const CMD_ATTR_SERVICE: u16 = 1;
@@ -576,12 +575,6 @@ impl Ipvs {
     pub fn set_timeouts(&mut self, t: &Timeouts) -> anyhow::Result<()> {
         self.change(CMD_SET_CONFIG, &timeout_attrs(t))
             .context("setting the IPVS timeouts")
-    }
-
-    /// Deletes every virtual server of the namespace (`ipvsadm -C`).
-    pub fn flush(&mut self) -> anyhow::Result<()> {
-        self.change(CMD_FLUSH, &Attrs::default())
-            .context("flushing the IPVS table")
     }
 }
 

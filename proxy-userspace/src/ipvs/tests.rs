@@ -119,7 +119,8 @@ fn dests(ipvs: &mut Ipvs, key: &ServiceKey) -> BTreeMap<String, (u32, u32)> {
 
 /// The dataplane as the agent drives it: a full sync programs the virtual servers, the
 /// addresses, the sets and the rules; a partial one follows a change; a full one repairs
-/// what someone else changed (and leaves the excluded ranges); cleanup removes it all.
+/// what someone else changed (and leaves the excluded ranges); cleanup removes what is the
+/// mode's.
 #[test]
 fn ipvs_dataplane_syncs_and_cleans_up() {
     in_netns("ipvs::tests::ipvs_dataplane_syncs_and_cleans_up", || {
@@ -274,6 +275,15 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
             "{}",
             sh("ipset list -n; ip link; ipvsadm -Ln || true")
         );
+        // The mode's virtual servers (NodePorts included) are gone; another load balancer's
+        // stays.
+        let left: Vec<ServiceKey> = ipvs
+            .services()
+            .unwrap()
+            .into_iter()
+            .map(|s| s.key)
+            .collect();
+        assert_eq!(left, [foreign([172, 31, 0, 1]).key]);
         let filter = sh(&format!(
             "{} -t filter",
             config().backend.tool("iptables-save")

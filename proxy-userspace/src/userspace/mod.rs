@@ -368,9 +368,9 @@ impl Dataplane for UserspaceDataplane {
             self.config.backend,
             &rules::render(state, &settings, &ports),
         )?;
-        // The chains exist now; the jumps to them are checked once and at each full sync
-        // (something else may have flushed the built-in chains).
-        if !self.jumps_checked || matches!(scope, Scope::All) {
+        // The chains exist now; the jumps to them are checked once and at each full or
+        // periodic sync (something else may have flushed the built-in chains).
+        if !self.jumps_checked || scope.checks_jumps() {
             ensure_jumps(self.config.backend)?;
             self.jumps_checked = true;
         }
