@@ -149,11 +149,14 @@ fn raise_open_files_limit() {
         if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) == 0 {
             tracing::info!(before, after = nr_open, "raised the limit of open files");
         } else {
+            let e = std::io::Error::last_os_error();
+            // Without CAP_SYS_RESOURCE: at least up to the hard limit.
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
             tracing::warn!(
-                limit = before,
-                "cannot raise the limit of open files ({}): a proxy socket a Service port and \
-                 two a connection must fit in it",
-                std::io::Error::last_os_error()
+                limit = limit.rlim_cur,
+                "cannot raise the limit of open files to fs.nr_open ({e}): a proxy socket a \
+                 Service port and two a connection must fit in it"
             );
         }
     }

@@ -82,6 +82,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         );
     }
     proxy_tests::cleanup_stale();
+    let open_files = raise_open_files_limit();
     let agent = agent_bin()?;
     let mut sandbox = Sandbox::build().context("building the sandbox")?;
     sandbox.start_backends(BACKEND_PORT)?;
@@ -113,6 +114,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         opts.load.threads, opts.rounds, opts.load.seconds, opts.changes
     );
     let mut cells = Vec::new();
+    let mut not_run = Vec::new();
     for &n in &opts.services {
         let listener = sandbox
             .node1
@@ -125,18 +127,42 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         }
         eprintln!(" done");
         for mode in &opts.modes {
+            // The userspace proxy holds a socket a Service port, and two a connection.
+            let wanted = u64::from(n) + 8192;
+            if mode.id == "userspace" && open_files < wanted {
+                let why = format!(
+                    "userspace at {n} Services: not run, the agent may open {open_files} files \
+                     (this process's hard limit, which it cannot raise: no CAP_SYS_RESOURCE) \
+                     and needs about {wanted}"
+                );
+                eprintln!("{why}");
+                not_run.push(why);
+                continue;
+            }
             let cell = measure(&mut sandbox, &agent, &api, n, (mode.id, mode.args), opts)
                 .with_context(|| format!("{n} services, {}", mode.id))?;
             cells.push(cell);
         }
     }
-    let table = table(&cells);
+    let mut table = table(&cells);
+    for why in &not_run {
+        let _ = writeln!(table, "\nNot measured: {why}.");
+    }
     println!("\n{table}");
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     std::fs::create_dir_all(&dir)?;
     let labels: Vec<String> = opts.services.iter().map(u32::to_string).collect();
+    // One value a count (NaN where the mode was not run: no point there).
     let of_mode = |mode: &str, value: fn(&Cell) -> f64| -> Vec<f64> {
-        cells.iter().filter(|c| c.mode == mode).map(value).collect()
+        opts.services
+            .iter()
+            .map(|&n| {
+                cells
+                    .iter()
+                    .find(|c| c.mode == mode && c.services == n)
+                    .map_or(f64::NAN, value)
+            })
+            .collect()
     };
     let direct = |c: &Cell| c.paths[0].0;
     let last = |c: &Cell| c.paths[2].0;
@@ -408,6 +434,36 @@ fn table(cells: &[Cell]) -> String {
     out
 }
 
+/// Raises this process's limit of open files (the agents it starts inherit it) to
+/// `fs.nr_open`, or the soft limit to the hard one where that cannot be raised; returns the
+/// limit the agents get.
+fn raise_open_files_limit() -> u64 {
+    let nr_open: u64 = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1 << 20);
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write the one struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return 0;
+        }
+        let raised = libc::rlimit {
+            rlim_cur: nr_open,
+            rlim_max: nr_open.max(limit.rlim_max),
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+            return nr_open;
+        }
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    }
+    limit.rlim_max
+}
+
 /// The machine the figures come from.
 fn machine() -> String {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
@@ -495,6 +551,7 @@ fn chart(title: &str, unit: &str, labels: &[String], series: &[(&str, Vec<f64>)]
         let points: Vec<String> = values
             .iter()
             .enumerate()
+            .filter(|(_, v)| v.is_finite())
             .map(|(i, v)| format!("{:.1},{:.1}", x(i), y(*v)))
             .collect();
         let _ = writeln!(
