@@ -743,7 +743,12 @@ pub fn run(test: &str, mode_id: &str) {
     let mode = mode(mode_id);
     if let Err(reason) = (mode.kernel_has)() {
         // Not a failure: the kernel lacks it, and `cargo xtask vm-test` runs it on one that
-        // has it. Loud all the same.
+        // has it (and sets SANDBOX_NEED_IPVS there, so that a kernel without it fails). Loud
+        // all the same.
+        assert!(
+            std::env::var_os("SANDBOX_NEED_IPVS").is_none(),
+            "{test}: {reason} (SANDBOX_NEED_IPVS is set)"
+        );
         let _ = writeln!(
             std::io::stderr(),
             "\nSKIPPED {test}: {reason}; `cargo xtask vm-test` runs it on Debian's 6.1 kernel\n"

@@ -145,10 +145,12 @@ fn main() -> anyhow::Result<()> {
                     // that run only here (IPVS) from them.
                     .env("VM_RW_DIR", &parity_vm)
                     .env("PARITY_RESULTS_DIR", &parity_vm)
+                    // This kernel has IPVS: its tests must run, not skip.
+                    .env("SANDBOX_NEED_IPVS", "1")
                     .env(
                         "VM_PASS_ENV",
                         "SANDBOX_TIMEOUT_SCALE RUST_TEST_THREADS SANDBOX_NO_SKIP RUST_BACKTRACE \
-                     PARITY_RESULTS_DIR",
+                     PARITY_RESULTS_DIR SANDBOX_NEED_IPVS",
                     );
                 run(&mut cmd)
             };
