@@ -176,9 +176,9 @@ struct AgentArgs {
     #[arg(long, default_value = "250ms", value_parser = parse_udp_timeout)]
     udp_timeout: Duration,
     /// Which iptables the iptables, ipvs and userspace modes write to: `legacy`, `nft`
-    /// (nf_tables), or `auto`: the
-    /// one already holding kube-proxy's rules, else the node's `iptables` (as kube-proxy's
-    /// image picks). Legacy is far faster with thousands of Services.
+    /// (nf_tables), or `auto`: the one already holding kube-proxy's rules, else the node's
+    /// `iptables` (as kube-proxy's image picks). Legacy is far faster with thousands of
+    /// Services.
     #[arg(long, value_enum, default_value = "auto")]
     iptables_backend: IptablesBackend,
     /// The IPVS scheduler of the ipvs mode (kube-proxy's flag): rr, wrr, lc, wlc, lblc, lblcr,
