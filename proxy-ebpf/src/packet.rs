@@ -233,14 +233,15 @@ impl Flow {
             }
             let mut ip = Sum::default();
             ip.replace32(old_addr.raw(), addr.raw());
-            let (addr_field, port_field) = match at {
-                End::Source => (IP_SADDR_OFF, IPV4_MIN),
-                End::Destination => (IP_DADDR_OFF, IPV4_MIN + 2),
+            // `port_off` without options, as a constant.
+            let port_field = match at {
+                End::Source => IPV4_MIN,
+                End::Destination => IPV4_MIN + 2,
             };
             // SAFETY: all within data..data + IPV4_MIN + 4, checked above.
             unsafe {
                 write16(data + IP_CSUM_OFF, ip.apply(read16(data + IP_CSUM_OFF)));
-                write32(data + addr_field, addr.raw());
+                write32(data + addr_off, addr.raw());
                 write16(data + port_field, port.raw());
             }
         }

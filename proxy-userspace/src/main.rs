@@ -343,8 +343,23 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
     runtime.block_on(agent::run(config, make_dataplane))
 }
 
+/// Whether a mode's state is here.
+type Installed = fn() -> bool;
 /// Removes what a mode installed.
 type Cleanup = fn() -> anyhow::Result<()>;
+
+/// The fallback modes' state: whether it is here, and what removes it. IPVS first: its jumps
+/// go to chains the iptables mode's cleanup deletes.
+const LEFTOVERS: [(ProxyMode, Installed, Cleanup); 4] = [
+    (ProxyMode::Ipvs, ipvs::installed, ipvs::cleanup),
+    (ProxyMode::Iptables, iptables::installed, iptables::cleanup),
+    (ProxyMode::Nftables, nftables::installed, nftables::cleanup),
+    (
+        ProxyMode::Userspace,
+        userspace::installed,
+        userspace::cleanup,
+    ),
+];
 
 /// The ebpf mode's start: the pin directory's lock (held until the agent exits: a second agent
 /// on the same pins fails), and the programs loaded ahead.
@@ -401,19 +416,7 @@ fn start_mode(
     node_ips: &[std::net::IpAddr],
     ebpf: &mut EbpfStart,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
-    // IPVS before iptables, as in cleanup().
-    for other in [
-        ProxyMode::Ipvs,
-        ProxyMode::Iptables,
-        ProxyMode::Nftables,
-        ProxyMode::Userspace,
-    ] {
-        let (installed, cleanup): (fn() -> bool, Cleanup) = match other {
-            ProxyMode::Iptables => (iptables::installed, iptables::cleanup),
-            ProxyMode::Nftables => (nftables::installed, nftables::cleanup),
-            ProxyMode::Ipvs => (ipvs::installed, ipvs::cleanup),
-            _ => (userspace::installed, userspace::cleanup),
-        };
+    for (other, installed, cleanup) in LEFTOVERS {
         if other != mode && installed() {
             tracing::warn!(
                 "removing the rules of an earlier {}-mode run (or of kube-proxy: stop it \
@@ -538,11 +541,9 @@ fn start_mode(
 
 /// `--cleanup` (kube-proxy's semantics): removes what any mode installed, then exits.
 fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
-    // IPVS first: its jumps go to chains the iptables mode's cleanup deletes.
-    ipvs::cleanup()?;
-    iptables::cleanup()?;
-    nftables::cleanup()?;
-    userspace::cleanup()?;
+    for (_, _, cleanup) in LEFTOVERS {
+        cleanup()?;
+    }
     cleanup_ebpf(args)
 }
 

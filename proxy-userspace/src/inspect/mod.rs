@@ -557,18 +557,20 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
             false => Ok(table(rows)),
         }
     }
-    let rules_mode = |mode: Mode| -> anyhow::Result<String> {
+    // The iptables rules of the iptables and userspace modes.
+    let iptables_rules = || -> anyhow::Result<String> {
         match mode {
-            Mode::Nftables => nft_list(),
             Mode::Iptables => iptables_save(crate::iptables::Backend::detect()?),
             _ => iptables_save(crate::userspace::detect_backend()?),
         }
     };
-    let services_of = |text: &str| -> anyhow::Result<Vec<ServiceRow>> {
+    // The frontends in the mode's own state.
+    let frontends = || -> anyhow::Result<Vec<ServiceRow>> {
         match mode {
-            Mode::Nftables => nftables::services(text),
-            Mode::Iptables => Ok(iptables::services(text)),
-            _ => Ok(userspace::services(text)),
+            Mode::Nftables => nftables::services(&nft_list()?),
+            Mode::Ipvs => Ok(ipvs::services(&ipvs::read()?, &ipset_save()?)),
+            Mode::Iptables => Ok(iptables::services(&iptables_rules()?)),
+            _ => Ok(userspace::services(&iptables_rules()?)),
         }
     };
     match (mode, what) {
@@ -576,32 +578,18 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
         (Mode::Ebpf, What::Backends) => out(&backends(pin_dir)?, json, |r| backends_table(r)),
         (Mode::Ebpf, What::Conntrack) => out(&conntrack(pin_dir)?, json, |r| conntrack_table(r)),
         (Mode::Ebpf, What::Affinity) => out(&affinity(pin_dir)?, json, |r| affinity_table(r)),
-        (Mode::Ipvs, What::Services) => {
-            let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
-            out(&rows, json, |r| services_table_of(r, false))
+        (_, What::Services) => out(&frontends()?, json, |r| services_table_of(r, false)),
+        (_, What::Conntrack) => {
+            let flows = conntrack::flows(&conntrack_list()?, &frontends()?);
+            out(&flows, json, |r| flows_table(r))
         }
         (Mode::Ipvs, What::Backends) => {
-            let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
-            out(&ipvs::backends(&rows), json, |r| endpoints_table(r))
-        }
-        (Mode::Ipvs, What::Conntrack) => {
-            let rows = ipvs::services(&ipvs::read()?, &ipset_save()?);
-            let flows = conntrack::flows(&conntrack_list()?, &rows);
-            out(&flows, json, |r| flows_table(r))
+            out(&ipvs::backends(&frontends()?), json, |r| endpoints_table(r))
         }
         (Mode::Ipvs, What::Affinity) => {
             let path = "/proc/net/ip_vs_conn";
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
             out(&ipvs::affinity(&text), json, |r| client_affinity_table(r))
-        }
-        (_, What::Services) => {
-            let rows = services_of(&rules_mode(mode)?)?;
-            out(&rows, json, |r| services_table_of(r, false))
-        }
-        (_, What::Conntrack) => {
-            let rows = services_of(&rules_mode(mode)?)?;
-            let flows = conntrack::flows(&conntrack_list()?, &rows);
-            out(&flows, json, |r| flows_table(r))
         }
         (Mode::Userspace, What::Backends | What::Affinity) => bail!(
             "`inspect {}` is not available in userspace mode: the endpoints and the ClientIP \
@@ -616,7 +604,7 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
             endpoints_table(r)
         }),
         (_, What::Backends) => {
-            let rows = iptables::backends(&rules_mode(mode)?);
+            let rows = iptables::backends(&iptables_rules()?);
             out(&rows, json, |r| endpoints_table(r))
         }
         (Mode::Nftables, What::Affinity) => {
@@ -624,7 +612,7 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
             out(&rows, json, |r| client_affinity_table(r))
         }
         (_, What::Affinity) => {
-            let rows = iptables::affinity(&rules_mode(mode)?, &recent_lists()?);
+            let rows = iptables::affinity(&iptables_rules()?, &recent_lists()?);
             out(&rows, json, |r| client_affinity_table(r))
         }
     }

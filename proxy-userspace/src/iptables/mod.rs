@@ -196,14 +196,24 @@ pub(crate) fn node_port_ips(
     if matches!(spec, NodePortAddresses::Cidrs(c) if c.iter().any(|(_, len)| *len == 0)) {
         return Ok(None);
     }
-    let default_route = external::default_route_interface();
-    let selected = external::node_addresses(
+    Ok(Some(selected_node_ips(
         spec,
         primary,
-        default_route.as_deref(),
         &external::interface_addresses()?,
-    );
-    Ok(Some(selected.iter().map(|a| a.addr).collect()))
+    )))
+}
+
+/// The addresses among `addresses` (the node's interfaces) that `spec` selects.
+pub(crate) fn selected_node_ips(
+    spec: &NodePortAddresses,
+    primary: &[IpAddr],
+    addresses: &[external::InterfaceAddr],
+) -> Vec<Ipv4Addr> {
+    let default_route = external::default_route_interface();
+    external::node_addresses(spec, primary, default_route.as_deref(), addresses)
+        .iter()
+        .map(|a| a.addr)
+        .collect()
 }
 
 impl Dataplane for IptablesDataplane {

@@ -304,16 +304,11 @@ impl IpvsDataplane {
             .into_iter()
             .filter(|a| a.interface != DUMMY)
             .collect();
-        let default_route = external::default_route_interface();
-        let node_port_ips: Vec<Ipv4Addr> = external::node_addresses(
+        let node_port_ips = iptables::selected_node_ips(
             &self.config.node_port_addresses,
             &self.config.primary,
-            default_route.as_deref(),
             &addresses,
-        )
-        .iter()
-        .map(|a| a.addr)
-        .collect();
+        );
         let mut node_ips: Vec<Ipv4Addr> = self
             .config
             .primary

@@ -126,8 +126,9 @@ pub struct UserspaceDataplane {
 
 /// Raises the limit of open files as far as the kernel allows (`fs.nr_open`): a proxy socket a
 /// Service port and one or two a proxied connection exhaust a container runtime's default
-/// (often 1024, or tens of thousands) with thousands of Services.
-fn raise_open_files_limit() {
+/// (often 1024, or tens of thousands) with thousands of Services. Without CAP_SYS_RESOURCE,
+/// only up to the hard limit. Returns the limit now in force (children inherit it).
+pub fn raise_open_files_limit() -> u64 {
     let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
         .ok()
         .and_then(|v| v.trim().parse().ok())
@@ -139,7 +140,7 @@ fn raise_open_files_limit() {
     // SAFETY: getrlimit and setrlimit read or write the one struct passed.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return;
+            return 0;
         }
         let before = limit.rlim_cur;
         let wanted = libc::rlimit {
@@ -148,18 +149,18 @@ fn raise_open_files_limit() {
         };
         if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) == 0 {
             tracing::info!(before, after = nr_open, "raised the limit of open files");
-        } else {
-            let e = std::io::Error::last_os_error();
-            // Without CAP_SYS_RESOURCE: at least up to the hard limit.
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-            tracing::warn!(
-                limit = limit.rlim_cur,
-                "cannot raise the limit of open files to fs.nr_open ({e}): a proxy socket a \
-                 Service port and two a connection must fit in it"
-            );
+            return nr_open;
         }
+        let e = std::io::Error::last_os_error();
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        tracing::warn!(
+            limit = limit.rlim_cur,
+            "cannot raise the limit of open files to fs.nr_open ({e}): a proxy socket a \
+             Service port and two a connection must fit in it"
+        );
     }
+    limit.rlim_cur
 }
 
 impl UserspaceDataplane {

@@ -82,7 +82,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         );
     }
     proxy_tests::cleanup_stale();
-    let open_files = raise_open_files_limit();
+    // The agents inherit it (the userspace mode needs a socket a Service port).
+    let open_files = proxy_userspace::userspace::raise_open_files_limit();
     let agent = agent_bin()?;
     let mut sandbox = Sandbox::build().context("building the sandbox")?;
     sandbox.start_backends(BACKEND_PORT)?;
@@ -432,36 +433,6 @@ fn table(cells: &[Cell]) -> String {
          absolute rates across modes (the chart)."
     );
     out
-}
-
-/// Raises this process's limit of open files (the agents it starts inherit it) to
-/// `fs.nr_open`, or the soft limit to the hard one where that cannot be raised; returns the
-/// limit the agents get.
-fn raise_open_files_limit() -> u64 {
-    let nr_open: u64 = std::fs::read_to_string("/proc/sys/fs/nr_open")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(1 << 20);
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit and setrlimit read or write the one struct passed.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return 0;
-        }
-        let raised = libc::rlimit {
-            rlim_cur: nr_open,
-            rlim_max: nr_open.max(limit.rlim_max),
-        };
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-            return nr_open;
-        }
-        limit.rlim_cur = limit.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-    }
-    limit.rlim_max
 }
 
 /// The machine the figures come from.
