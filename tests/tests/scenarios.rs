@@ -97,3 +97,106 @@ fn auto_mode_falls_back_to_nftables_where_ebpf_cannot_load() {
 fn userspace() {
     suite("scenarios::userspace", "userspace");
 }
+
+/// Switching a node from one mode to another leaves nothing of the previous one: each agent
+/// starts on what the one before it left (stopped, as a rollout stops it), serves, and the
+/// state of every other mode is gone by then (ebpf pins, legacy and nf_tables iptables chains,
+/// the nftables table, the userspace chains).
+#[test]
+fn switching_modes_leaves_nothing_of_the_previous_one() {
+    use proxy_tests::{
+        BACKEND_PORT, Sandbox,
+        agent::{AgentRun, AgentSource},
+        example::{MANIFEST, WEB},
+        privileged, tcp_request,
+    };
+    if !privileged("switching_modes_leaves_nothing_of_the_previous_one") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    // What each mode leaves in node1 when it stops, as the tools list it.
+    let node = sandbox.node("node1").name.clone();
+    let listed = |program: &str, args: &[&str]| -> String {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", &node, program])
+            .args(args)
+            .output()
+            .expect(program);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let left = |mode: &str, pin_dir: &std::path::Path| -> bool {
+        match mode {
+            "ebpf" => pin_dir.join(proxy_common::MAP_SERVICES).exists(),
+            "iptables-legacy" => {
+                listed("iptables-legacy-save", &["-t", "nat"]).contains(":KUBE-SVC-")
+            }
+            "iptables-nft" => listed("iptables-nft-save", &["-t", "nat"]).contains(":KUBE-SVC-"),
+            "nftables" => listed("nft", &["list", "tables"]).contains("kube-proxy"),
+            _ => ["iptables-legacy-save", "iptables-nft-save"]
+                .iter()
+                .any(|save| listed(save, &["-t", "nat"]).contains(":KUBE-PORTALS-CONTAINER")),
+        }
+    };
+    // ebpf first and last: its pins are what the others remove, and it removes theirs.
+    let sequence = [
+        "ebpf",
+        "iptables-legacy",
+        "nftables",
+        "userspace",
+        "iptables-nft",
+        "ebpf",
+    ];
+    let mut first: Option<AgentRun> = None;
+    let mut previous: Option<&str> = None;
+    for id in sequence {
+        let mode = scenarios::parse_mode(id).unwrap();
+        // The other modes look for the first (ebpf) agent's pins; an ebpf agent uses its own
+        // pin directory, which its start waits on.
+        let pin_dir = first
+            .as_ref()
+            .filter(|_| id != "ebpf")
+            .map(|a| a.bpffs.path().to_owned());
+        let mut args: Vec<&str> = mode.args.to_vec();
+        let pin_dir_text = pin_dir.as_ref().map(|p| p.display().to_string());
+        if let Some(p) = &pin_dir_text {
+            args.extend(["--bpf-pin-dir", p]);
+        }
+        let agent = AgentRun::start_with_args(
+            &mut sandbox,
+            "node1",
+            AgentSource::Manifest(MANIFEST),
+            // The ebpf agent's start waits for its maps to hold a service.
+            1,
+            &args,
+        )
+        .unwrap_or_else(|e| panic!("starting the {id} agent: {e:#}"));
+        let pin_dir = pin_dir.unwrap_or_else(|| agent.bpffs.path().to_owned());
+        if let Some(before) = previous.filter(|before| *before != id) {
+            assert!(
+                !left(before, &pin_dir),
+                "the {id} agent left the {before} mode's state:\n{}",
+                agent.log_text()
+            );
+        }
+        let answer = tcp_request(&sandbox.pod("client").ns, WEB, "hi")
+            .unwrap_or_else(|e| panic!("web through the {id} mode: {e:#}"));
+        assert!(
+            ["be1", "be2", "be3"].contains(&answer.as_str()),
+            "{id}: {answer}"
+        );
+        agent.stop(&mut sandbox).unwrap();
+        assert!(
+            left(id, &pin_dir),
+            "the {id} agent left nothing to switch from"
+        );
+        // The agents of a node share a log file, which each appends to: the next one's start
+        // must not be read from this one's lines.
+        std::fs::remove_file(&agent.log).unwrap();
+        previous = Some(id);
+        if first.is_none() {
+            first = Some(agent);
+        }
+    }
+    first.unwrap().cleanup(&sandbox).unwrap();
+}
