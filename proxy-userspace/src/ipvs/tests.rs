@@ -134,7 +134,12 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
         );
         assert!(!installed());
         cleanup().unwrap();
-        let mut dp = IpvsDataplane::new(config()).unwrap();
+        // --ipvs-scheduler: every virtual server gets it.
+        let mut dp = IpvsDataplane::new(IpvsConfig {
+            scheduler: "lc".into(),
+            ..config()
+        })
+        .unwrap();
         assert_eq!(
             std::fs::read_to_string("/proc/sys/net/ipv4/vs/conntrack")
                 .unwrap()
@@ -160,7 +165,10 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
             plan.virtual_servers.keys().collect::<Vec<_>>()
         );
         let web = key([10, 96, 0, 10], libc::IPPROTO_TCP, 80);
-        assert_eq!(services[&web].scheduler, "rr");
+        assert!(
+            services.values().all(|s| s.scheduler == "lc"),
+            "{services:?}"
+        );
         assert_eq!(
             dests(&mut ipvs, &web).keys().collect::<Vec<_>>(),
             ["10.244.1.11:8080", "10.244.1.12:8080", "10.244.2.11:8080"]
@@ -183,9 +191,9 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
                 "{timeouts}"
             );
             let listed = String::from_utf8_lossy(&o.stdout);
-            assert!(listed.contains("TCP  10.96.0.10:80 rr"), "{listed}");
+            assert!(listed.contains("TCP  10.96.0.10:80 lc"), "{listed}");
             assert!(
-                listed.contains("UDP  10.96.0.53:53 rr persistent 10800"),
+                listed.contains("UDP  10.96.0.53:53 lc persistent 10800"),
                 "{listed}"
             );
             assert!(listed.contains("-> 10.244.1.11:8080"), "{listed}");
