@@ -338,7 +338,7 @@ pub struct SockRevNatValue {
 /// belong to one service port (two services sharing a pod have two ids for it), so that the
 /// draining flag says whether the endpoint is still in that service.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
 pub struct Backend {
     pub addr: Be32,
     pub port: Be16,

@@ -235,7 +235,8 @@ pub struct Endpoint {
 /// What the dataplane should program.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DesiredState {
-    pub services: BTreeMap<ServicePortName, ServicePort>,
+    /// Shared with the tracker's copy of the Service.
+    pub services: BTreeMap<ServicePortName, Arc<ServicePort>>,
     /// Endpoints of the ports in `services`, sorted and de-duplicated by (ip, port). A port
     /// without endpoints has no entry.
     pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
@@ -364,8 +365,8 @@ fn cluster_ip_strings(spec: &k8s_openapi::api::core::v1::ServiceSpec) -> Vec<Str
 
 /// The ports of one service, as parsed from the Service object, sorted by name. A boxed slice
 /// rather than a map: most services have one or two ports, and a map's node would take about
-/// 2 KiB each.
-type ServiceInfo = Box<[(ServicePortName, ServicePort)]>;
+/// 2 KiB each. Each port is shared with the desired state.
+type ServiceInfo = Box<[(ServicePortName, Arc<ServicePort>)]>;
 
 /// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
 /// that comparing two versions says whether anything programmable changed.
@@ -760,7 +761,7 @@ impl ChangeTracker {
 
 /// One service's ports and the endpoints of each port that has some, both sorted by name.
 type Rendered = (
-    Vec<(ServicePortName, ServicePort)>,
+    Vec<(ServicePortName, Arc<ServicePort>)>,
     Vec<(ServicePortName, Vec<Endpoint>)>,
 );
 
@@ -1008,7 +1009,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
         }
         ports.push((
             spn,
-            ServicePort {
+            Arc::new(ServicePort {
                 cluster_ips: cluster_ips.clone(),
                 port: number,
                 protocol,
@@ -1022,7 +1023,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
                 lb_algorithm,
                 source_ranges: source_ranges.clone(),
                 health_check_node_port,
-            },
+            }),
         ));
     }
     ports.sort_by(|a, b| a.0.cmp(&b.0));
@@ -2012,11 +2013,7 @@ endpoints:
         assert_eq!(ips(&state), ["10.244.1.11", "10.244.2.12"]);
         // internalTrafficPolicy: Local: this node's only, with the same fallback.
         let local = |state: &mut DesiredState| {
-            state
-                .services
-                .get_mut(&http)
-                .unwrap()
-                .internal_traffic_local = true;
+            Arc::make_mut(state.services.get_mut(&http).unwrap()).internal_traffic_local = true;
         };
         local(&mut state);
         assert_eq!(ips(&state), ["10.244.1.11"]);

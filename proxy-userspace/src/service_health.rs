@@ -294,8 +294,12 @@ mod tests {
         };
         let http = ServicePortName::new(nn("web"), "http", Protocol::Tcp);
         let https = ServicePortName::new(nn("web"), "https", Protocol::Tcp);
-        state.services.insert(http.clone(), port(Some(32000)));
-        state.services.insert(https.clone(), port(Some(32000)));
+        state
+            .services
+            .insert(http.clone(), port(Some(32000)).into());
+        state
+            .services
+            .insert(https.clone(), port(Some(32000)).into());
         state.endpoints.insert(
             http,
             vec![
@@ -317,19 +321,21 @@ mod tests {
         );
         // No health check node port: no health check (ClusterIP, eTP Cluster...).
         let plain = ServicePortName::new(nn("plain"), "", Protocol::Tcp);
-        state.services.insert(plain.clone(), port(None));
+        state.services.insert(plain.clone(), port(None).into());
         state
             .endpoints
             .insert(plain, vec![ep("10.244.1.11", 80, "node1", true, false)]);
         // Only terminating endpoints here: zero, so the load balancer drains this node.
         let draining = ServicePortName::new(nn("draining"), "", Protocol::Udp);
-        state.services.insert(draining.clone(), port(Some(32001)));
+        state
+            .services
+            .insert(draining.clone(), port(Some(32001)).into());
         state
             .endpoints
             .insert(draining, vec![ep("10.244.1.16", 53, "node1", false, true)]);
         // No endpoints at all.
         let empty = ServicePortName::new(nn("empty"), "", Protocol::Tcp);
-        state.services.insert(empty, port(Some(32002)));
+        state.services.insert(empty, port(Some(32002)).into());
 
         let checks = health_checks(&state);
         let expected: HealthChecks = [

@@ -301,7 +301,8 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
             lb_algorithm: None,
             source_ranges: vec![],
             health_check_node_port: None,
-        },
+        }
+        .into(),
     );
     let endpoints = svc
         .endpoints
@@ -352,7 +353,7 @@ pub fn add_external_service(state: &mut DesiredState, svc: &ExternalSvc<'_>) -> 
             endpoints: &endpoints,
         },
     );
-    let sp = state.services.get_mut(&key).expect("just added");
+    let sp = Arc::make_mut(state.services.get_mut(&key).expect("just added"));
     let v4 = |ips: &[Ipv4Addr]| ips.iter().copied().map(IpAddr::V4).collect();
     sp.node_port = svc.node_port;
     sp.load_balancer_ips = v4(svc.load_balancer_ips);

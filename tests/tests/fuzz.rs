@@ -304,7 +304,7 @@ impl World {
                 endpoints: &[],
             },
         );
-        let port = self.state.services.get_mut(&key).unwrap();
+        let port = std::sync::Arc::make_mut(self.state.services.get_mut(&key).unwrap());
         port.session_affinity_timeout = def.affinity;
         port.internal_traffic_local = def.local;
         self.state.endpoints.remove(&key);

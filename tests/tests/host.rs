@@ -309,16 +309,9 @@ fn lab_state() -> DesiredState {
     add("gone", GONE, 80, Protocol::Tcp, &[a, b]);
     state.endpoints.remove(&empty);
     // Its endpoint has no node: not local.
-    state
-        .services
-        .get_mut(&local)
-        .unwrap()
-        .internal_traffic_local = true;
-    state
-        .services
-        .get_mut(&sticky)
-        .unwrap()
-        .session_affinity_timeout = Some(3600);
+    std::sync::Arc::make_mut(state.services.get_mut(&local).unwrap()).internal_traffic_local = true;
+    std::sync::Arc::make_mut(state.services.get_mut(&sticky).unwrap()).session_affinity_timeout =
+        Some(3600);
     state
 }
 

@@ -37,7 +37,9 @@ fn web(
             endpoints: &[],
         },
     );
-    configure(state.services.get_mut(&key).unwrap());
+    configure(std::sync::Arc::make_mut(
+        state.services.get_mut(&key).unwrap(),
+    ));
     state.endpoints.insert(key, endpoints);
     state
 }

@@ -16,7 +16,7 @@
 //! ready, terminating) drains for as long as it is listed. An endpoint that comes back within
 //! its drain gets its old id back, so its flows are untouched.
 use std::{
-    collections::{BTreeSet, HashMap, HashSet},
+    collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
     time::{Duration, Instant},
 };
@@ -37,6 +37,8 @@ use proxy_common::{
     SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey,
     ServiceValue, SourceRangeKey,
 };
+
+use foldhash::{HashMap, HashSet};
 
 use crate::{
     dataplane::{NotProgrammable, Scope},
@@ -100,7 +102,7 @@ pub struct ServiceMaps {
     /// Backend ids of each service port, by endpoint. Ids come from a counter, are not reused
     /// soon, and belong to one port, so the draining flag of an id says whether that endpoint
     /// is still in that port, and a conntrack entry never finds a different backend.
-    ids: HashMap<ServicePortName, HashMap<Backend, u32>>,
+    ids: HashMap<ServicePortName, PortIds>,
     by_id: HashMap<u32, IdState>,
     /// Ids flagged draining, and when they go (None: while the endpoint is still listed).
     draining: HashMap<u32, Option<Instant>>,
@@ -113,6 +115,42 @@ pub struct ServiceMaps {
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     /// The source ranges written for each frontend.
     ranges: HashMap<Frontend, Vec<(Ipv4Addr, u8)>>,
+}
+
+/// The backend ids of one service port, by endpoint, sorted: a port has a few endpoints, where a
+/// hash map's table would take several times their size (megabytes at 30k Services).
+#[derive(Default)]
+struct PortIds(Vec<(Backend, u32)>);
+
+impl PortIds {
+    fn find(&self, b: &Backend) -> Result<usize, usize> {
+        self.0.binary_search_by(|(x, _)| x.cmp(b))
+    }
+
+    fn get(&self, b: &Backend) -> Option<u32> {
+        self.find(b).ok().map(|i| self.0[i].1)
+    }
+
+    fn insert(&mut self, b: Backend, id: u32) {
+        match self.find(&b) {
+            Ok(i) => self.0[i].1 = id,
+            Err(i) => self.0.insert(i, (b, id)),
+        }
+    }
+
+    fn remove(&mut self, b: &Backend) {
+        if let Ok(i) = self.find(b) {
+            self.0.remove(i);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (Backend, u32)> + '_ {
+        self.0.iter().copied()
+    }
 }
 
 struct IdState {
@@ -169,8 +207,8 @@ impl ServiceMaps {
         let services_max = services.map().info()?.max_entries() as usize;
         let backends_max = backends.map().info()?.max_entries() as usize;
         let now = Instant::now();
-        let mut by_id = HashMap::new();
-        let mut draining = HashMap::new();
+        let mut by_id = HashMap::default();
+        let mut draining = HashMap::default();
         for entry in backends.iter() {
             let (id, backend) = entry?;
             if backend.flags & BACKEND_DRAINING != 0 {
@@ -186,9 +224,9 @@ impl ServiceMaps {
             );
         }
         let keys: Vec<ServiceKey> = services.keys().collect::<Result<_, _>>()?;
-        let mut frontends = HashMap::new();
-        let mut heads = HashMap::new();
-        let mut draining_frontends = HashMap::new();
+        let mut frontends = HashMap::default();
+        let mut heads = HashMap::default();
+        let mut draining_frontends = HashMap::default();
         let mut used_slots = 0;
         let mut damaged = 0;
         for key in keys.iter().filter(|k| k.slot == 0) {
@@ -258,10 +296,10 @@ impl ServiceMaps {
             frontends,
             heads,
             draining_frontends,
-            owners: HashMap::new(),
-            claims: HashMap::new(),
+            owners: HashMap::default(),
+            claims: HashMap::default(),
             used_slots,
-            ids: HashMap::new(),
+            ids: HashMap::default(),
             by_id,
             draining,
             next_id,
@@ -441,7 +479,7 @@ impl ServiceMaps {
     /// slots `old` of a recovered frontend give that endpoint.
     fn id_of(&self, spn: &ServicePortName, old: &[u32], b: &Backend) -> Option<u32> {
         if let Some(id) = self.ids.get(spn).and_then(|ids| ids.get(b)) {
-            return Some(*id);
+            return Some(id);
         }
         old.iter().copied().find(|id| {
             self.by_id.get(id).is_some_and(|s| {
@@ -734,7 +772,6 @@ impl ServiceMaps {
         let leaving: Vec<(Backend, u32)> = ids
             .iter()
             .filter(|(_, id)| !in_slots.contains(id))
-            .map(|(b, id)| (*b, *id))
             .collect();
         for (b, id) in leaving {
             let until = if listed.contains(&b) {
@@ -859,7 +896,7 @@ fn range_key(fe: &Frontend, (addr, len): (Ipv4Addr, u8)) -> LpmKey<SourceRangeKe
 fn recover_ranges(
     trie: &LpmTrie<MapData, SourceRangeKey, u8>,
 ) -> anyhow::Result<HashMap<Frontend, Vec<(Ipv4Addr, u8)>>> {
-    let mut out: HashMap<Frontend, Vec<(Ipv4Addr, u8)>> = HashMap::new();
+    let mut out: HashMap<Frontend, Vec<(Ipv4Addr, u8)>> = HashMap::default();
     for key in trie.keys() {
         let key = key.context("listing the source ranges")?;
         let data = key.data();
@@ -1133,7 +1170,8 @@ mod tests {
                     .map(|(ip, len)| (ip.parse().unwrap(), *len))
                     .collect(),
                 health_check_node_port: None,
-            },
+            }
+            .into(),
         );
         state.endpoints.insert(
             spn.clone(),

@@ -225,10 +225,7 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
         let dns_spn = spn("kube-system", "dns", "dns", Protocol::Udp);
         state.services.remove(&web_spn);
         state.endpoints.remove(&web_spn);
-        state
-            .services
-            .get_mut(&dns_spn)
-            .unwrap()
+        std::sync::Arc::make_mut(state.services.get_mut(&dns_spn).unwrap())
             .session_affinity_timeout = Some(60);
         dp.sync(&state, Scope::Changed(&BTreeSet::from([web_spn, dns_spn])))
             .unwrap();
@@ -454,7 +451,7 @@ fn ipvs_serves_traffic() {
             .get_mut(&web)
             .unwrap()
             .retain(|ep| ep.ip.to_string() == "10.244.1.11");
-        state.services.get_mut(&web).unwrap().node_port = Some(30090);
+        std::sync::Arc::make_mut(state.services.get_mut(&web).unwrap()).node_port = Some(30090);
         sh(
             "ip link add eth0 type dummy && ip addr add 192.0.2.11/24 dev eth0 && ip link set eth0 up",
         );

@@ -959,14 +959,11 @@ pub(super) mod tests {
             .unwrap()
             .insert(0, endpoint);
         state.services.remove(&empty);
-        let mut port = s0.services[&dns()].clone();
+        let mut port = ServicePort::clone(&s0.services[&dns()]);
         port.session_affinity_timeout = Some(60);
-        state.services.insert(dns(), port);
+        state.services.insert(dns(), port.into());
         state.endpoints.insert(dns(), s0.endpoints[&dns()].clone());
-        state
-            .services
-            .get_mut(&local)
-            .unwrap()
+        std::sync::Arc::make_mut(state.services.get_mut(&local).unwrap())
             .source_ranges
             .clear();
         let changed = BTreeSet::from([elsewhere, empty, dns(), local]);
@@ -974,10 +971,7 @@ pub(super) mod tests {
         assert!(listed.contains("timeout 1m"), "{listed}");
         assert!(!listed.contains("firewall-NEUDBC3L"), "{listed}");
 
-        state
-            .services
-            .get_mut(&dns())
-            .unwrap()
+        std::sync::Arc::make_mut(state.services.get_mut(&dns()).unwrap())
             .session_affinity_timeout = Some(120);
         let listed = sync(
             &state,

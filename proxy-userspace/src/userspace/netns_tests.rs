@@ -302,24 +302,26 @@ async fn scenario() {
     let rr = spn("rr", Protocol::Tcp);
     let mut port = service([10, 96, 0, 10], 80, Protocol::Tcp);
     port.node_port = Some(30080);
-    state.services.insert(rr.clone(), port);
+    state.services.insert(rr.clone(), port.into());
     state.endpoints.insert(rr.clone(), both.clone());
     let sticky = spn("sticky", Protocol::Tcp);
     let mut port = service([10, 96, 0, 11], 80, Protocol::Tcp);
     port.session_affinity_timeout = Some(60);
-    state.services.insert(sticky.clone(), port);
+    state.services.insert(sticky.clone(), port.into());
     state.endpoints.insert(sticky.clone(), both.clone());
     let retry = spn("retry", Protocol::Tcp);
-    state
-        .services
-        .insert(retry.clone(), service([10, 96, 0, 12], 80, Protocol::Tcp));
+    state.services.insert(
+        retry.clone(),
+        service([10, 96, 0, 12], 80, Protocol::Tcp).into(),
+    );
     state
         .endpoints
         .insert(retry.clone(), endpoints(&[(A, 8080), (DEAD, 8080)]));
     let empty = spn("empty", Protocol::Tcp);
-    state
-        .services
-        .insert(empty.clone(), service([10, 96, 0, 13], 80, Protocol::Tcp));
+    state.services.insert(
+        empty.clone(),
+        service([10, 96, 0, 13], 80, Protocol::Tcp).into(),
+    );
     // Load balancer IPs open to the node's own range, and closed to it.
     for (name, last, range) in [
         ("lb-open", 10, [10, 0, 0, 0]),
@@ -329,13 +331,14 @@ async fn scenario() {
         let mut port = service([10, 96, 0, 20 + last], 80, Protocol::Tcp);
         port.load_balancer_ips = vec![IpAddr::from([203, 0, 113, last])];
         port.source_ranges = vec![(IpAddr::from(range), 24)];
-        state.services.insert(lb.clone(), port);
+        state.services.insert(lb.clone(), port.into());
         state.endpoints.insert(lb, both.clone());
     }
     let dns = spn("dns", Protocol::Udp);
-    state
-        .services
-        .insert(dns.clone(), service([10, 96, 0, 53], 53, Protocol::Udp));
+    state.services.insert(
+        dns.clone(),
+        service([10, 96, 0, 53], 53, Protocol::Udp).into(),
+    );
     state
         .endpoints
         .insert(dns.clone(), endpoints(&[(A, 5353), (B, 5353)]));
