@@ -10,8 +10,8 @@ use std::{
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, DROP_NO_BACKEND, LAYOUT_VERSION,
-    MAP_AGENT_STATE, MAP_DROPS, MAP_SERVICES, ServiceKey, ServiceValue,
+    AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, Backend, DROP_NO_BACKEND, LAYOUT_VERSION,
+    MAP_AGENT_STATE, MAP_BACKENDS, MAP_DROPS, MAP_SERVICES, ServiceKey, ServiceValue,
 };
 use proxy_tests::{
     fixtures::*,
@@ -482,4 +482,85 @@ fn a_second_agent_on_the_same_pins_is_refused() {
     );
     drop(first);
     PinDirLock::acquire(bpffs.path()).expect("free again once the first agent is gone");
+}
+
+/// Every head in the services map counts slots that exist, each naming a backend that exists:
+/// what a packet needs to be translated, whatever the writer was doing.
+fn assert_every_head_complete(p: &Programs) {
+    let services = services_map(p);
+    let backends: BpfHashMap<MapData, u32, Backend> =
+        Map::HashMap(MapData::from_pin(p.bpffs.path().join(MAP_BACKENDS)).unwrap())
+            .try_into()
+            .unwrap();
+    for head in services.keys().map(Result::unwrap).filter(|k| k.slot == 0) {
+        let count = services.get(&head, 0).unwrap().count;
+        for slot in 1..=count {
+            let id = services
+                .get(&ServiceKey { slot, ..head }, 0)
+                .unwrap_or_else(|e| panic!("{head:?} counts {count} slots, slot {slot}: {e}"))
+                .backend_id;
+            backends
+                .get(&id, 0)
+                .unwrap_or_else(|e| panic!("{head:?} slot {slot} names backend {id}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complete() {
+    if !privileged("a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complete")
+    {
+        return;
+    }
+    let mut p = Programs::load_draining(SMALL, Duration::ZERO).unwrap();
+    let mut state = DesiredState::default();
+    set_web(&mut state, &[(BE1, 8080)]);
+    p.program(&state).unwrap();
+    // The next sync moves web to another endpoint and adds 40 services of two endpoints (120
+    // entries of the services map), where entries the writer does not know of (as another
+    // agent on the same pins would leave) leave room for 60.
+    set_web(&mut state, &[(BE2, 8080)]);
+    let names: Vec<String> = (0..40).map(|i| format!("svc{i}")).collect();
+    let vip = |i: usize| Ipv4Addr::new(10, 96, 1, i as u8);
+    for (i, name) in names.iter().enumerate() {
+        add_service(
+            &mut state,
+            &Svc {
+                name,
+                vip: vip(i),
+                port: 80,
+                protocol: Protocol::Tcp,
+                endpoints: &[(BE1, 8080), (BE3, 8080)],
+            },
+        );
+    }
+    let mut services = services_map(&p);
+    let foreign: Vec<ServiceKey> = (0..SMALL.services as usize - 60 - services.keys().count())
+        .map(|i| key(Ipv4Addr::from(0xc000_0000 + i as u32), 80, 0))
+        .collect();
+    for k in &foreign {
+        services.insert(k, ServiceValue::default(), 0).unwrap();
+    }
+    let err = format!("{:#}", p.program(&state).unwrap_err());
+    assert!(
+        err.contains("writing service slots (stopped after 60 of 121)")
+            && err.contains("read back"),
+        "{err}"
+    );
+    assert_every_head_complete(&p);
+    let web = dnat(&p, &Spec::tcp(CLIENT, 40000, VIP, 80)).dst;
+    assert!(web == BE1 || web == BE2, "web goes to {web}");
+    // Room again: the next syncs write everything (the first may find the map still counted
+    // full: the entries it does not know of drain, for a period of 0 here, after it).
+    for k in &foreign {
+        services.remove(k).unwrap();
+    }
+    let synced = (0..3).any(|_| p.program(&state).is_ok());
+    assert!(synced, "{:#}", p.program(&state).unwrap_err());
+    assert_every_head_complete(&p);
+    assert_eq!(dnat(&p, &Spec::tcp(CLIENT, 40001, VIP, 80)).dst, BE2);
+    for i in 0..names.len() {
+        let to = dnat(&p, &Spec::tcp(CLIENT, 40002, vip(i), 80)).dst;
+        assert!(to == BE1 || to == BE3, "service {i} goes to {to}");
+    }
 }

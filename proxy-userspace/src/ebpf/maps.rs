@@ -40,6 +40,7 @@ use proxy_common::{
 
 use foldhash::{HashMap, HashSet};
 
+use super::batch;
 use crate::{
     dataplane::{NotProgrammable, Scope},
     maglev,
@@ -115,6 +116,38 @@ pub struct ServiceMaps {
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     /// The source ranges written for each frontend.
     ranges: HashMap<Frontend, Vec<(Ipv4Addr, u8)>>,
+    /// During a sync's first phase: the writes to the services and backends maps, held back to
+    /// be made a batch at a time (see [`Self::flush`]).
+    batch: Option<Batch>,
+}
+
+/// Writes held back, in the order they were asked for.
+#[derive(Default)]
+struct Batch {
+    backend_ids: Vec<u32>,
+    backends: Vec<Backend>,
+    service_keys: Vec<ServiceKey>,
+    services: Vec<ServiceValue>,
+    /// Slots beyond their frontend's new count.
+    surplus: Vec<ServiceKey>,
+}
+
+impl Batch {
+    /// Writes a batch holds before it is made: enough that system calls cost little, few enough
+    /// that the batch costs no memory to speak of.
+    const SIZE: usize = 8192;
+
+    fn is_full(&self) -> bool {
+        self.backends.len() + self.services.len() >= Self::SIZE
+    }
+
+    fn clear(&mut self) {
+        self.backend_ids.clear();
+        self.backends.clear();
+        self.service_keys.clear();
+        self.services.clear();
+        self.surplus.clear();
+    }
 }
 
 /// The backend ids of one service port, by endpoint, sorted: a port has a few endpoints, where a
@@ -196,24 +229,54 @@ impl ServiceMaps {
     }
 
     fn recover(
-        mut services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
+        services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
         backends: BpfHashMap<MapData, u32, Backend>,
         agent_state: Array<MapData, u64>,
         maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
         source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
         config: WriterConfig,
     ) -> anyhow::Result<Self> {
-        let drain_period = config.drain_period;
-        let services_max = services.map().info()?.max_entries() as usize;
-        let backends_max = backends.map().info()?.max_entries() as usize;
+        let mut maps = Self {
+            services_max: services.map().info()?.max_entries() as usize,
+            backends_max: backends.map().info()?.max_entries() as usize,
+            services,
+            backends,
+            drain_period: config.drain_period,
+            lb_algorithm: config.lb_algorithm,
+            maglev,
+            maglev_table_size: config.maglev_table_size,
+            maglev_stale: false,
+            frontends: HashMap::default(),
+            heads: HashMap::default(),
+            draining_frontends: HashMap::default(),
+            owners: HashMap::default(),
+            claims: HashMap::default(),
+            used_slots: 0,
+            ids: HashMap::default(),
+            by_id: HashMap::default(),
+            draining: HashMap::default(),
+            next_id: 1,
+            reserved_until: 1,
+            agent_state,
+            ranges: HashMap::default(),
+            source_ranges,
+            batch: None,
+        };
+        maps.read_back()?;
+        Ok(maps)
+    }
+
+    /// Makes the writer's record of the maps what they hold, as after a restart: no port claims
+    /// anything until the next full sync, which adopts what it still wants and drains the rest.
+    fn read_back(&mut self) -> anyhow::Result<()> {
         let now = Instant::now();
         let mut by_id = HashMap::default();
         let mut draining = HashMap::default();
-        for entry in backends.iter() {
+        for entry in self.backends.iter() {
             let (id, backend) = entry?;
             if backend.flags & BACKEND_DRAINING != 0 {
                 // Whose it was is not recorded: it drains for a full period from now.
-                draining.insert(id, Some(now + drain_period));
+                draining.insert(id, Some(now + self.drain_period));
             }
             by_id.insert(
                 id,
@@ -223,23 +286,23 @@ impl ServiceMaps {
                 },
             );
         }
-        let keys: Vec<ServiceKey> = services.keys().collect::<Result<_, _>>()?;
+        let keys: Vec<ServiceKey> = self.services.keys().collect::<Result<_, _>>()?;
         let mut frontends = HashMap::default();
         let mut heads = HashMap::default();
         let mut draining_frontends = HashMap::default();
         let mut used_slots = 0;
         let mut damaged = 0;
         for key in keys.iter().filter(|k| k.slot == 0) {
-            let Ok(head) = services.get(key, 0) else {
+            let Ok(head) = self.services.get(key, 0) else {
                 continue; // deleted since it was listed
             };
             if head.flags & SERVICE_DRAINING != 0 {
-                draining_frontends.insert(*key, now + drain_period);
+                draining_frontends.insert(*key, now + self.drain_period);
             }
             // A lost slot does not stop the recovery: the first sync rewrites it.
             let slots: Vec<u32> = (1..=head.count)
                 .map(|slot| {
-                    services
+                    self.services
                         .get(&ServiceKey { slot, ..*key }, 0)
                         .map_or(LOST, |v| v.backend_id)
                 })
@@ -264,7 +327,7 @@ impl ServiceMaps {
                 .get(&head)
                 .is_none_or(|slots: &Vec<u32>| usize::from(key.slot) > slots.len())
             {
-                match services.remove(key) {
+                match self.services.remove(key) {
                     Ok(()) | Err(MapError::KeyNotFound) => {}
                     Err(e) => return Err(e).context("deleting an orphaned slot"),
                 }
@@ -272,9 +335,9 @@ impl ServiceMaps {
         }
         // Never below an id still in the maps, nor below one handed out before (conntrack may
         // name it although its backend is gone).
-        let saved = agent_state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0)? as u32;
+        let saved = self.agent_state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0)? as u32;
         let after_max = by_id.keys().max().map_or(1, |m| m.wrapping_add(1));
-        let next_id = saved.max(after_max).max(1);
+        let next_id = saved.max(after_max).max(self.next_id).max(1);
         if !frontends.is_empty() {
             tracing::info!(
                 frontends = frontends.len(),
@@ -283,31 +346,20 @@ impl ServiceMaps {
                 "recovered services from the pinned maps"
             );
         }
-        Ok(Self {
-            services,
-            backends,
-            services_max,
-            backends_max,
-            drain_period,
-            lb_algorithm: config.lb_algorithm,
-            maglev,
-            maglev_table_size: config.maglev_table_size,
-            maglev_stale: false,
-            frontends,
-            heads,
-            draining_frontends,
-            owners: HashMap::default(),
-            claims: HashMap::default(),
-            used_slots,
-            ids: HashMap::default(),
-            by_id,
-            draining,
-            next_id,
-            reserved_until: next_id,
-            agent_state,
-            ranges: recover_ranges(&source_ranges)?,
-            source_ranges,
-        })
+        self.ranges = recover_ranges(&self.source_ranges)?;
+        self.frontends = frontends;
+        self.heads = heads;
+        self.draining_frontends = draining_frontends;
+        self.owners.clear();
+        self.claims.clear();
+        self.used_slots = used_slots;
+        self.ids.clear();
+        self.by_id = by_id;
+        self.draining = draining;
+        self.next_id = next_id;
+        self.reserved_until = next_id;
+        self.batch = None;
+        Ok(())
     }
 
     pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
@@ -323,14 +375,26 @@ impl ServiceMaps {
         };
         let now = Instant::now();
         let mut errors = Errors::default();
-        // Phase 1: every wanted frontend.
+        // Phase 1: every wanted frontend, its writes made in batches.
+        self.batch = Some(Batch::default());
         let mut previous = Vec::with_capacity(ports.len());
         for spn in &ports {
             let old = self.owners.remove(spn).unwrap_or_default();
             let mut owned = Vec::new();
             for wanted in desired_frontends(state, spn, self.lb_algorithm) {
                 let fe = wanted.fe;
-                match self.program(spn, &wanted) {
+                // Maglev tables and source ranges are written around slot 0: such a frontend
+                // is written directly, after what is held back.
+                let direct = self.writes_directly(&wanted);
+                if direct || self.batch.as_ref().is_some_and(Batch::is_full) {
+                    self.flush()?;
+                }
+                let held = if direct { self.batch.take() } else { None };
+                let programmed = self.program(spn, &wanted);
+                if direct {
+                    self.batch = held;
+                }
+                match programmed {
                     Ok(()) => {
                         owned.push(fe);
                         self.claims.insert(fe, spn.clone());
@@ -351,6 +415,8 @@ impl ServiceMaps {
                 self.owners.insert(spn.clone(), owned);
             }
         }
+        self.flush()?;
+        self.batch = None;
         // Phase 2: the frontends their ports no longer want, unless another port has them now.
         for (spn, old) in ports.iter().zip(previous) {
             for fe in old {
@@ -386,6 +452,82 @@ impl ServiceMaps {
             }
         }
         errors.into_result(ports.len())
+    }
+
+    /// Whether `wanted` needs more than the services and backends maps, around its slot 0:
+    /// a Maglev table, or source ranges (now, or to remove).
+    fn writes_directly(&self, wanted: &Wanted) -> bool {
+        let maglev = |head: &ServiceValue| head.flags & SERVICE_MAGLEV != 0;
+        maglev(&wanted.head)
+            || self.heads.get(&wanted.fe).is_some_and(maglev)
+            || !wanted.source_ranges.is_empty()
+            || self.ranges.contains_key(&wanted.fe)
+    }
+
+    /// Makes the writes held back, each kind a system call: the new backends, then the slots
+    /// and heads in the order they were asked for, then the surplus slots' deletion. That is
+    /// the order each frontend needs, so a failure leaves every frontend serving, with its old
+    /// backends or its new ones. The writer then forgets what it had recorded and reads the
+    /// maps back, and fails the sync: the next one, a full one, writes what is missing.
+    fn flush(&mut self) -> anyhow::Result<()> {
+        let Some(mut batch) = self.batch.take() else {
+            return Ok(());
+        };
+        let written = batch::update(&self.backends, &batch.backend_ids, &batch.backends)
+            .map_err(|(n, e)| (n, batch.backends.len(), "backends", e))
+            .and_then(|()| {
+                batch::update(&self.services, &batch.service_keys, &batch.services)
+                    .map_err(|(n, e)| (n, batch.services.len(), "service slots", e))
+            });
+        if let Err((n, of, what, e)) = written {
+            let failed = anyhow!("writing {what} (stopped after {n} of {of}): {e}");
+            return Err(match self.read_back() {
+                Ok(()) => failed.context("the maps were read back; the next sync rewrites them"),
+                Err(again) => {
+                    failed.context(format!("reading the maps back failed too: {again:#}"))
+                }
+            });
+        }
+        for key in &batch.surplus {
+            // An orphan slot beyond the count is unseen by packets: the failure is only noted.
+            self.remove_slot(key)?;
+        }
+        batch.clear();
+        self.batch = Some(batch);
+        Ok(())
+    }
+
+    /// Writes backend `id`, or holds the write back for [`Self::flush`].
+    fn write_backend(&mut self, id: u32, b: &Backend) -> anyhow::Result<()> {
+        match &mut self.batch {
+            Some(batch) => {
+                batch.backend_ids.push(id);
+                batch.backends.push(*b);
+                Ok(())
+            }
+            None => self
+                .backends
+                .insert(id, b, 0)
+                .with_context(|| format!("writing backend {id}")),
+        }
+    }
+
+    /// Writes `value` to the services map (slot `key.slot` of `fe`), or holds the write back.
+    fn write_service(&mut self, key: ServiceKey, value: ServiceValue) -> anyhow::Result<()> {
+        match &mut self.batch {
+            Some(batch) => {
+                batch.service_keys.push(key);
+                batch.services.push(value);
+                Ok(())
+            }
+            None => self
+                .services
+                .insert(key, value, 0)
+                .with_context(|| match key.slot {
+                    0 => format!("writing {}", describe(&key)),
+                    slot => format!("writing slot {slot} of {}", describe(&key)),
+                }),
+        }
     }
 
     fn owned_by(&self, spn: &ServicePortName, fe: &Frontend) -> bool {
@@ -466,11 +608,15 @@ impl ServiceMaps {
         self.frontends.insert(*fe, ids.clone());
         self.draining_frontends.remove(fe);
         for slot in ids.len() + 1..=old.len() {
-            // An orphan slot beyond the count is unseen by packets: the failure is only noted.
-            self.remove_slot(&ServiceKey {
+            let key = ServiceKey {
                 slot: slot as u16,
                 ..*fe
-            })?;
+            };
+            match &mut self.batch {
+                Some(batch) => batch.surplus.push(key),
+                // An orphan slot beyond the count is unseen by packets: the failure is only noted.
+                None => self.remove_slot(&key)?,
+            }
         }
         Ok(())
     }
@@ -493,9 +639,7 @@ impl ServiceMaps {
     fn acquire(&mut self, spn: &ServicePortName, old: &[u32], b: &Backend) -> anyhow::Result<u32> {
         if let Some(id) = self.id_of(spn, old, b) {
             if self.draining.contains_key(&id) {
-                self.backends
-                    .insert(id, b, 0)
-                    .with_context(|| format!("writing backend {id}"))?;
+                self.write_backend(id, b)?;
                 self.draining.remove(&id);
             }
             let state = self.by_id.get_mut(&id).expect("ids and by_id agree");
@@ -516,9 +660,7 @@ impl ServiceMaps {
                 .context("reserving backend ids")?;
             self.reserved_until = until;
         }
-        self.backends
-            .insert(id, b, 0)
-            .with_context(|| format!("writing backend {id}"))?;
+        self.write_backend(id, b)?;
         self.next_id = id.wrapping_add(1);
         self.ids.entry(spn.clone()).or_default().insert(*b, id);
         self.by_id.insert(
@@ -606,15 +748,11 @@ impl ServiceMaps {
                     slot: i as u16 + 1,
                     ..*fe
                 };
-                self.services
-                    .insert(key, slot_value(*id), 0)
-                    .with_context(|| format!("writing slot {} of {}", i + 1, describe(fe)))?;
+                self.write_service(key, slot_value(*id))?;
             }
         }
         if self.heads.get(fe) != Some(&head) {
-            self.services
-                .insert(fe, head, 0)
-                .with_context(|| format!("writing {}", describe(fe)))?;
+            self.write_service(*fe, head)?;
             self.heads.insert(*fe, head);
         }
         Ok(())

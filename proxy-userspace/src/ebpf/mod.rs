@@ -1,6 +1,7 @@
 //! The ebpf mode: tc programs on pod-facing interfaces and socket programs for host-network
 //! clients, driven by pinned BPF hash maps.
 mod attach;
+mod batch;
 pub mod bpffs;
 pub mod cgroup;
 pub mod external;
