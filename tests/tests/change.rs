@@ -543,8 +543,7 @@ fn a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complet
     }
     let err = format!("{:#}", p.program(&state).unwrap_err());
     assert!(
-        err.contains("writing service slots (stopped after 60 of 121)")
-            && err.contains("read back"),
+        err.contains("writing service slots (60 of 121 written)") && err.contains("read back"),
         "{err}"
     );
     assert_every_head_complete(&p);
@@ -562,5 +561,39 @@ fn a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complet
     for i in 0..names.len() {
         let to = dnat(&p, &Spec::tcp(CLIENT, 40002, vip(i), 80)).dst;
         assert!(to == BE1 || to == BE3, "service {i} goes to {to}");
+    }
+}
+
+#[test]
+fn a_frontend_two_services_program_in_one_sync_keeps_every_slot_it_counts() {
+    if !privileged("a_frontend_two_services_program_in_one_sync_keeps_every_slot_it_counts") {
+        return;
+    }
+    let mut p = Programs::load(SMALL).unwrap();
+    let mut state = DesiredState::default();
+    let svc = |name, endpoints| Svc {
+        name,
+        vip: VIP,
+        port: 80,
+        protocol: Protocol::Tcp,
+        endpoints,
+    };
+    add_service(
+        &mut state,
+        &svc("three", &[(BE1, 8080), (BE2, 8080), (BE3, 8080)]),
+    );
+    p.program(&state).unwrap();
+    // Another Service takes the same address (as two Services may with an external IP): in
+    // name order, "one" shrinks the frontend to one slot, then "three" grows it back.
+    add_service(&mut state, &svc("one", &[(BE1, 8080)]));
+    for _ in 0..2 {
+        p.program(&state).unwrap();
+        assert_every_head_complete(&p);
+        assert_eq!(
+            flows_by_backend(&p, TCP, VIP, 80)
+                .into_keys()
+                .collect::<Vec<_>>(),
+            vec![BE1, BE2, BE3]
+        );
     }
 }

@@ -28,12 +28,12 @@ struct BatchAttr {
 }
 
 /// Writes `keys[i] -> values[i]` into `map`, in order. On failure, the kernel has written the
-/// first `.0` of them and none after.
+/// first `.0` of them and none after (None: it failed before or after writing, and did not say).
 pub fn update<K: Pod, V: Pod>(
     map: &HashMap<MapData, K, V>,
     keys: &[K],
     values: &[V],
-) -> Result<(), (usize, io::Error)> {
+) -> Result<(), (Option<usize>, io::Error)> {
     assert_eq!(keys.len(), values.len(), "a value for each key");
     if keys.is_empty() {
         return Ok(());
@@ -57,8 +57,11 @@ pub fn update<K: Pod, V: Pod>(
         )
     };
     if r < 0 {
-        // The kernel sets `count` to the number it wrote.
-        return Err((attr.count as usize, io::Error::last_os_error()));
+        let error = io::Error::last_os_error();
+        // The kernel sets `count` to the number it wrote, once it has started writing; an
+        // unchanged count may also mean that it never started.
+        let written = attr.count as usize;
+        return Err(((written < keys.len()).then_some(written), error));
     }
     Ok(())
 }

@@ -119,6 +119,9 @@ pub struct ServiceMaps {
     /// During a sync's first phase: the writes to the services and backends maps, held back to
     /// be made a batch at a time (see [`Self::flush`]).
     batch: Option<Batch>,
+    /// A batch failed and reading the maps back failed too: what is recorded above may not be
+    /// what the maps hold, so nothing is written or expired until they are read back.
+    unknown: bool,
 }
 
 /// Writes held back, in the order they were asked for.
@@ -128,8 +131,6 @@ struct Batch {
     backends: Vec<Backend>,
     service_keys: Vec<ServiceKey>,
     services: Vec<ServiceValue>,
-    /// Slots beyond their frontend's new count.
-    surplus: Vec<ServiceKey>,
 }
 
 impl Batch {
@@ -146,7 +147,6 @@ impl Batch {
         self.backends.clear();
         self.service_keys.clear();
         self.services.clear();
-        self.surplus.clear();
     }
 }
 
@@ -261,6 +261,7 @@ impl ServiceMaps {
             ranges: HashMap::default(),
             source_ranges,
             batch: None,
+            unknown: false,
         };
         maps.read_back()?;
         Ok(maps)
@@ -359,6 +360,7 @@ impl ServiceMaps {
         self.next_id = next_id;
         self.reserved_until = next_id;
         self.batch = None;
+        self.unknown = false;
         Ok(())
     }
 
@@ -373,6 +375,10 @@ impl ServiceMaps {
             }
             Scope::Changed(changed) => changed.iter().cloned().collect(),
         };
+        if self.unknown {
+            self.read_back()
+                .context("reading the maps back after a failed batch of writes")?;
+        }
         let now = Instant::now();
         let mut errors = Errors::default();
         // Phase 1: every wanted frontend, its writes made in batches.
@@ -454,21 +460,25 @@ impl ServiceMaps {
         errors.into_result(ports.len())
     }
 
-    /// Whether `wanted` needs more than the services and backends maps, around its slot 0:
-    /// a Maglev table, or source ranges (now, or to remove).
+    /// Whether `wanted` needs writes that must follow its slot 0 at once, or more than the
+    /// services and backends maps around it: slots to delete (it shrinks; held back, their
+    /// deletion could overtake a later write of the same frontend, and would free room only
+    /// after the batch), a Maglev table, or source ranges (now, or to remove).
     fn writes_directly(&self, wanted: &Wanted) -> bool {
         let maglev = |head: &ServiceValue| head.flags & SERVICE_MAGLEV != 0;
-        maglev(&wanted.head)
+        let slots = self.frontends.get(&wanted.fe).map_or(0, Vec::len);
+        wanted.backends.len() < slots
+            || maglev(&wanted.head)
             || self.heads.get(&wanted.fe).is_some_and(maglev)
             || !wanted.source_ranges.is_empty()
             || self.ranges.contains_key(&wanted.fe)
     }
 
     /// Makes the writes held back, each kind a system call: the new backends, then the slots
-    /// and heads in the order they were asked for, then the surplus slots' deletion. That is
-    /// the order each frontend needs, so a failure leaves every frontend serving, with its old
-    /// backends or its new ones. The writer then forgets what it had recorded and reads the
-    /// maps back, and fails the sync: the next one, a full one, writes what is missing.
+    /// and heads in the order they were asked for. That is the order each frontend needs, so a
+    /// failure leaves every frontend serving, with its old backends or its new ones. The writer
+    /// then forgets what it had recorded and reads the maps back, and fails the sync: the next
+    /// one, a full one, writes what is missing.
     fn flush(&mut self) -> anyhow::Result<()> {
         let Some(mut batch) = self.batch.take() else {
             return Ok(());
@@ -480,17 +490,15 @@ impl ServiceMaps {
                     .map_err(|(n, e)| (n, batch.services.len(), "service slots", e))
             });
         if let Err((n, of, what, e)) = written {
-            let failed = anyhow!("writing {what} (stopped after {n} of {of}): {e}");
+            let written = n.map_or("some or none".to_owned(), |n| n.to_string());
+            let failed = anyhow!("writing {what} ({written} of {of} written): {e}");
+            self.unknown = true;
             return Err(match self.read_back() {
                 Ok(()) => failed.context("the maps were read back; the next sync rewrites them"),
                 Err(again) => {
                     failed.context(format!("reading the maps back failed too: {again:#}"))
                 }
             });
-        }
-        for key in &batch.surplus {
-            // An orphan slot beyond the count is unseen by packets: the failure is only noted.
-            self.remove_slot(key)?;
         }
         batch.clear();
         self.batch = Some(batch);
@@ -612,11 +620,8 @@ impl ServiceMaps {
                 slot: slot as u16,
                 ..*fe
             };
-            match &mut self.batch {
-                Some(batch) => batch.surplus.push(key),
-                // An orphan slot beyond the count is unseen by packets: the failure is only noted.
-                None => self.remove_slot(&key)?,
-            }
+            // An orphan slot beyond the count is unseen by packets: the failure is only noted.
+            self.remove_slot(&key)?;
         }
         Ok(())
     }
@@ -966,6 +971,9 @@ impl ServiceMaps {
 
     /// Deletes the draining frontends and backends whose drain period is over.
     pub(crate) fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
+        if self.unknown {
+            return Ok(()); // the next sync reads the maps back first
+        }
         let done: Vec<Frontend> = self
             .draining_frontends
             .iter()
