@@ -1,7 +1,8 @@
 //! Correct under change, under BPF_PROG_TEST_RUN: endpoints and Services that go away drain
 //! instead of resetting connections, no reverse NAT outlives its flow, an address handed
 //! between Services works in either name order, an update never lets a packet to a service
-//! address pass untranslated, and pinned maps left by another release are checked.
+//! address pass untranslated, a batch of map writes that fails or writes one frontend twice
+//! leaves every service serving, and pinned maps left by another release are checked.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::Ipv4Addr,

@@ -6,7 +6,8 @@
 //!
 //! A sync runs in two phases, so that its result does not depend on the order of the service
 //! ports: first every wanted frontend is programmed, then the frontends nobody wants any more
-//! are removed (an address handed from one Service to another stays with the new one).
+//! are removed (an address handed from one Service to another stays with the new one). The
+//! first phase's writes go in batches that keep the write order (see [`ServiceMaps::flush`]).
 //!
 //! Nothing is cut at once: a backend that leaves its service port is kept, flagged draining
 //! (established TCP connections stay on it, new connections and UDP go elsewhere), and a removed
@@ -389,8 +390,7 @@ impl ServiceMaps {
             let mut owned = Vec::new();
             for wanted in desired_frontends(state, spn, self.lb_algorithm) {
                 let fe = wanted.fe;
-                // Maglev tables and source ranges are written around slot 0: such a frontend
-                // is written directly, after what is held back.
+                // Some frontends need their writes made at once: after what is held back.
                 let direct = self.writes_directly(&wanted);
                 if direct || self.batch.as_ref().is_some_and(Batch::is_full) {
                     self.flush()?;
@@ -520,7 +520,7 @@ impl ServiceMaps {
         }
     }
 
-    /// Writes `value` to the services map (slot `key.slot` of `fe`), or holds the write back.
+    /// Writes `value` at `key` in the services map, or holds the write back.
     fn write_service(&mut self, key: ServiceKey, value: ServiceValue) -> anyhow::Result<()> {
         match &mut self.batch {
             Some(batch) => {
