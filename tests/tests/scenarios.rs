@@ -2,7 +2,12 @@
 //! every test rewrites `docs/parity.md` from the results of all modes.
 use std::sync::Mutex;
 
-use proxy_tests::scenarios;
+use proxy_tests::{
+    BACKEND_PORT, Sandbox,
+    agent::{AgentRun, AgentSource},
+    example::{MANIFEST, WEB},
+    privileged, scenarios, tcp_request,
+};
 
 /// Runs the suite in `mode`, then writes the parity table (even when scenarios failed: the table
 /// shows which).
@@ -50,12 +55,6 @@ fn ipvs() {
 /// BPF pins behind.
 #[test]
 fn auto_mode_falls_back_to_nftables_where_ebpf_cannot_load() {
-    use proxy_tests::{
-        BACKEND_PORT, Sandbox,
-        agent::{AgentRun, AgentSource},
-        example::{MANIFEST, WEB},
-        privileged, tcp_request,
-    };
     if !privileged("auto_mode_falls_back_to_nftables_where_ebpf_cannot_load") {
         return;
     }
@@ -104,12 +103,6 @@ fn userspace() {
 /// the nftables table, the userspace chains).
 #[test]
 fn switching_modes_leaves_nothing_of_the_previous_one() {
-    use proxy_tests::{
-        BACKEND_PORT, Sandbox,
-        agent::{AgentRun, AgentSource},
-        example::{MANIFEST, WEB},
-        privileged, tcp_request,
-    };
     if !privileged("switching_modes_leaves_nothing_of_the_previous_one") {
         return;
     }

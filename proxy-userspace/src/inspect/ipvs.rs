@@ -246,21 +246,18 @@ add KUBE-NODE-PORT-TCP 30080
             server([192, 0, 2, 11], 6, 9999, &[([10, 1, 1, 1], 80, 1)]),
         ];
         let rows = services(&servers, SETS);
+        let shown = |b: &BackendRow| {
+            format!(
+                "{}{}",
+                b.address,
+                if b.draining { "(draining)" } else { "" }
+            )
+        };
         // One line a row: address protocol kind [local] backends [sources] [affinity].
         let summary: Vec<String> = rows
             .iter()
             .map(|r| {
-                let backends: Vec<String> = r
-                    .backends
-                    .iter()
-                    .map(|b| {
-                        format!(
-                            "{}{}",
-                            b.address,
-                            if b.draining { "(draining)" } else { "" }
-                        )
-                    })
-                    .collect();
+                let backends: Vec<String> = r.backends.iter().map(shown).collect();
                 format!(
                     "{} {} {}{} [{}] [{}] {:?}",
                     r.address,
@@ -284,16 +281,7 @@ add KUBE-NODE-PORT-TCP 30080
             ]
         );
         // The foreign virtual server's real server is not an endpoint.
-        let endpoints: Vec<String> = backends(&rows)
-            .iter()
-            .map(|b| {
-                format!(
-                    "{}{}",
-                    b.address,
-                    if b.draining { "(draining)" } else { "" }
-                )
-            })
-            .collect();
+        let endpoints: Vec<String> = backends(&rows).iter().map(shown).collect();
         assert_eq!(
             endpoints,
             [

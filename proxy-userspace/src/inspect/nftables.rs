@@ -2,8 +2,9 @@
 //! the eBPF maps give, following the table as [`crate::nftables::rules`] writes it (kube-proxy's
 //! layout): the `service-ips` and `service-nodeports` verdict maps lead to a Service port's
 //! `service-*`, `local-*` or `external-*` chain, whose `numgen` rules (kube-proxy's `numgen ...
-//! vmap` too) and affinity rules lead to the `endpoint-*` chains and their `dnat to`; `firewall-ips` to the source ranges;
-//! `no-endpoint-services` and `no-endpoint-nodeports` hold the frontends refused or dropped.
+//! vmap` too) and affinity rules lead to the `endpoint-*` chains and their `dnat to`;
+//! `firewall-ips` to the source ranges; `no-endpoint-services` and `no-endpoint-nodeports` hold
+//! the frontends refused or dropped.
 //!
 //! Tolerant: objects, rules and expressions it does not recognise are ignored.
 use std::collections::{BTreeMap, HashMap};

@@ -108,6 +108,15 @@ fn key(addr: [u8; 4], protocol: i32, port: u16) -> ServiceKey {
     }
 }
 
+/// The virtual servers the kernel has.
+fn virtual_servers(ipvs: &mut Ipvs) -> BTreeSet<ServiceKey> {
+    ipvs.services()
+        .unwrap()
+        .into_iter()
+        .map(|s| s.key)
+        .collect()
+}
+
 /// The destinations of `key` as the kernel reports them: address:port -> (weight, connections).
 fn dests(ipvs: &mut Ipvs, key: &ServiceKey) -> BTreeMap<String, (u32, u32)> {
     ipvs.dests(key)
@@ -262,12 +271,7 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
         ipvs.add_service(&foreign([172, 31, 0, 1])).unwrap();
         sh("ip addr add 10.1.2.3/32 dev kube-ipvs0");
         dp.sync(&state, Scope::All).unwrap();
-        let keys: BTreeSet<ServiceKey> = ipvs
-            .services()
-            .unwrap()
-            .into_iter()
-            .map(|s| s.key)
-            .collect();
+        let keys = virtual_servers(&mut ipvs);
         assert!(keys.contains(&dns));
         assert!(!keys.contains(&foreign([10, 1, 2, 3]).key));
         assert!(keys.contains(&foreign([172, 31, 0, 1]).key));
@@ -287,13 +291,10 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
         );
         // The mode's virtual servers (NodePorts included) are gone; another load balancer's
         // stays.
-        let left: Vec<ServiceKey> = ipvs
-            .services()
-            .unwrap()
-            .into_iter()
-            .map(|s| s.key)
-            .collect();
-        assert_eq!(left, [foreign([172, 31, 0, 1]).key]);
+        assert_eq!(
+            virtual_servers(&mut ipvs),
+            BTreeSet::from([foreign([172, 31, 0, 1]).key])
+        );
         let filter = sh(&format!(
             "{} -t filter",
             config().backend.tool("iptables-save")

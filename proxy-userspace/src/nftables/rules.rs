@@ -15,10 +15,11 @@
 //! `affinity-`, then `HASH-namespace/name/protocol/port`): `service-*` (cluster endpoints) and
 //! `local-*` (this node's) pick an endpoint with one `numgen random mod N == 0` rule each (not
 //! kube-proxy's anonymous `vmap`, which makes the kernel's transactions quadratic: see
-//! `endpoint_jumps`), or the one a client used last while its `affinity-*` set remembers it; `endpoint-*` DNATs; `external-*` is the
-//! way in from outside (masquerade, or for externalTrafficPolicy Local the client kept);
-//! `firewall-*` drops sources outside the ranges. Traffic that must leave with the node's
-//! address is marked (`mark-for-masquerade`) and masqueraded in `masquerading`.
+//! `endpoint_jumps`), or the one a client used last while its `affinity-*` set remembers it;
+//! `endpoint-*` DNATs; `external-*` is the way in from outside (masquerade, or for
+//! externalTrafficPolicy Local the client kept); `firewall-*` drops sources outside the ranges.
+//! Traffic that must leave with the node's address is marked (`mark-for-masquerade`) and
+//! masqueraded in `masquerading`.
 //!
 //! Syncs are incremental, as kube-proxy's are: [`Programmed`] records, per Service port, the
 //! chains, sets and map elements written for it, and a sync of a few changed Service ports
