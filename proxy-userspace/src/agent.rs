@@ -11,12 +11,13 @@ use tokio::sync::{oneshot, watch};
 
 use crate::{
     dataplane::{Dataplane, NotProgrammable, Scope},
-    health::{self, ProxyHealth},
-    http,
-    metrics::{self, METRICS},
     model::{ChangeTracker, DesiredState},
-    runner::{RunnerConfig, SyncRunner},
-    service_health, source,
+    serve::health_check_ports,
+    serve::healthz::{self, ProxyHealth},
+    serve::http,
+    serve::metrics::{self, METRICS},
+    source,
+    sync::{RunnerConfig, SyncRunner},
 };
 
 /// The longest time between two full syncs (kube-proxy's `proxyutil.FullSyncPeriod`).
@@ -65,7 +66,7 @@ pub async fn run(
         (
             config.healthz_bind_address,
             "--healthz-bind-address",
-            health::handler(health.clone()),
+            healthz::handler(health.clone()),
         ),
         (
             config.metrics_bind_address,
@@ -97,10 +98,10 @@ pub async fn run(
         )),
         Source::Kubernetes { kubeconfig } => {
             let node_name = config.node_name.clone();
-            let client = source::kube::client(kubeconfig.as_deref()).await?;
-            node_ips = source::kube::node_ips(&client, &node_name).await;
+            let client = source::api::client(kubeconfig.as_deref()).await?;
+            node_ips = source::api::node_ips(&client, &node_name).await;
             tracing::info!(node = %node_name, "watching the API server");
-            tokio::spawn(source::kube::run(
+            tokio::spawn(source::api::run(
                 client,
                 node_name,
                 tracker.clone(),
@@ -145,8 +146,8 @@ pub async fn run(
     // The health check node ports of LoadBalancer Services with externalTrafficPolicy Local,
     // fed after each successful sync and served on their own task, so binding never holds up
     // a sync (and a port that cannot be bound is only logged).
-    let (health_checks, watched) = watch::channel(service_health::HealthChecks::new());
-    let health_check_server = tokio::spawn(service_health::run(health.clone(), watched));
+    let (health_checks, watched) = watch::channel(health_check_ports::HealthChecks::new());
+    let health_check_server = tokio::spawn(health_check_ports::run(health.clone(), watched));
     // The first sync, retries after a failure and one periodic sync an hour look at
     // everything; the other periodic syncs only at what changed (kube-proxy's FullSyncPeriod:
     // rewriting every Service is what costs at 10k of them, a minute in the nftables mode).
@@ -200,7 +201,7 @@ pub async fn run(
                 METRICS.programmed(&triggers);
                 triggers.clear();
                 // Replaced even when equal: each sync retries the ports that failed to bind.
-                health_checks.send_replace(service_health::health_checks(&state));
+                health_checks.send_replace(health_check_ports::health_checks(&state));
             }
             Err(e) => {
                 tracing::error!(?elapsed, "sync failed (will retry): {e:#}");

@@ -33,3 +33,27 @@ pub fn pipe(program: &str, args: &[&str], input: &str) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Runs `program args`: its output, or an error with what it printed.
+pub fn run(program: &str, args: &[&str], package: &str) -> anyhow::Result<String> {
+    let output = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .with_context(|| format!("running {program} (the {package} package)"))?;
+    if !output.status.success() {
+        bail!(
+            "{program} {} failed ({}): {}{}",
+            args.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim(),
+            // SAFETY: geteuid has no preconditions.
+            match unsafe { libc::geteuid() } {
+                0 => "",
+                _ => " (it needs root)",
+            }
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}

@@ -1,21 +1,18 @@
-//! The agent: desired state, its sources, and the dataplanes that program it.
+//! The agent. The data flow, in module order: `source` (where the cluster's objects come from)
+//! feeds `model` (what the cluster wants); `sync` decides when to program; `dataplane` is the
+//! one contract every mode in `modes` implements. `node` and `netfilter` are shared machinery
+//! the modes use, `serve` the agent's HTTP side, `inspect` reads a mode's programming back.
 pub mod agent;
 pub mod command;
 pub mod dataplane;
 pub mod duration;
-pub mod ebpf;
-pub mod health;
-pub mod http;
 pub mod inspect;
-pub mod iptables;
-pub mod ipvs;
-pub mod maglev;
-pub mod manifest;
-pub mod metrics;
 pub mod model;
-pub mod nftables;
-pub mod runner;
-pub mod service_health;
+pub mod modes;
+pub mod netfilter;
+pub mod rows;
+pub mod serve;
 pub mod source;
-pub mod stale_udp;
-pub mod userspace;
+pub mod sync;
+#[cfg(test)]
+mod testing;

@@ -6,17 +6,17 @@ use proxy_userspace::{
     agent::{self, AgentConfig, Source},
     dataplane::Dataplane,
     duration::parse_duration,
-    ebpf::{
+    inspect,
+    model::LbAlgorithm,
+    modes::ebpf::maglev,
+    modes::ebpf::{
         EbpfDataplane, ExternalConfig, MapSizes, WriterConfig,
         external::{NodePortAddresses, SnatPorts, XdpMode},
     },
-    inspect,
-    iptables::{self, IptablesConfig, IptablesDataplane},
-    ipvs::{self, IpvsConfig, IpvsDataplane},
-    maglev,
-    model::LbAlgorithm,
-    nftables::{self, NftablesConfig, NftablesDataplane},
-    userspace::{self, UserspaceConfig, UserspaceDataplane},
+    modes::iptables::{self, IptablesConfig, IptablesDataplane},
+    modes::ipvs::{self, IpvsConfig, IpvsDataplane},
+    modes::nftables::{self, NftablesConfig, NftablesDataplane},
+    modes::userspace::{self, UserspaceConfig, UserspaceDataplane},
 };
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
@@ -365,7 +365,7 @@ const LEFTOVERS: [(ProxyMode, Installed, Cleanup); 4] = [
 /// on the same pins fails), and the programs loaded ahead.
 #[derive(Default)]
 struct EbpfStart {
-    lock: Option<proxy_userspace::ebpf::bpffs::PinDirLock>,
+    lock: Option<proxy_userspace::modes::ebpf::bpffs::PinDirLock>,
     preloaded: Option<std::thread::JoinHandle<anyhow::Result<aya::Ebpf>>>,
 }
 
@@ -382,7 +382,7 @@ impl EbpfStart {
         self.lock = Some(lock);
         let (pin_dir, sizes) = (args.bpf_pin_dir.clone(), map_sizes(args));
         self.preloaded = Some(std::thread::spawn(move || {
-            proxy_userspace::ebpf::load(&pin_dir, sizes)
+            proxy_userspace::modes::ebpf::load(&pin_dir, sizes)
         }));
     }
 
@@ -392,7 +392,7 @@ impl EbpfStart {
             self.lock = Some(lock_pin_dir(args)?);
         }
         let Some(thread) = self.preloaded.take() else {
-            return proxy_userspace::ebpf::load(&args.bpf_pin_dir, map_sizes(args));
+            return proxy_userspace::modes::ebpf::load(&args.bpf_pin_dir, map_sizes(args));
         };
         thread
             .join()
@@ -464,9 +464,10 @@ fn start_mode(
                 Ok(dp) => dp,
                 Err(e) => {
                     // Whatever was attached before the failure goes: another mode may follow.
-                    if let Err(cleanup) =
-                        proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces)
-                    {
+                    if let Err(cleanup) = proxy_userspace::modes::ebpf::cleanup(
+                        &args.bpf_pin_dir,
+                        &args.pod_interfaces,
+                    ) {
                         tracing::warn!("removing the partly started ebpf mode: {cleanup:#}");
                     }
                     return Err(e);
@@ -549,13 +550,15 @@ fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
 
 fn cleanup_ebpf(args: &AgentArgs) -> anyhow::Result<()> {
     let _lock = lock_pin_dir(args)?;
-    proxy_userspace::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces)
+    proxy_userspace::modes::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces)
 }
 
 /// The pin directory (bpffs mounted there when missing), locked against a second agent.
-fn lock_pin_dir(args: &AgentArgs) -> anyhow::Result<proxy_userspace::ebpf::bpffs::PinDirLock> {
-    proxy_userspace::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
-    proxy_userspace::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)
+fn lock_pin_dir(
+    args: &AgentArgs,
+) -> anyhow::Result<proxy_userspace::modes::ebpf::bpffs::PinDirLock> {
+    proxy_userspace::modes::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
+    proxy_userspace::modes::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)
 }
 
 /// A duration above zero (kube-proxy's validation of `--udp-timeout`).

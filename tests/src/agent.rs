@@ -11,8 +11,8 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use proxy_userspace::{
-    inspect,
-    manifest::{self, Object},
+    modes::ebpf::inspect,
+    source::manifest::{self, Object},
 };
 
 use crate::{
@@ -300,7 +300,7 @@ impl AgentRun {
         &self,
         sandbox: &mut Sandbox,
         what: &str,
-        ok: impl Fn(&[inspect::ServiceRow]) -> bool,
+        ok: impl Fn(&[proxy_userspace::rows::ServiceRow]) -> bool,
     ) -> Result<()> {
         let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
         loop {
@@ -376,7 +376,7 @@ impl TestCgroup {
             Some(root) => (root, None),
             None => {
                 let at = std::env::temp_dir().join(format!("{NS_PREFIX}{pid}-cgroup2-{n}"));
-                proxy_userspace::ebpf::cgroup::ensure(&at)
+                proxy_userspace::modes::ebpf::cgroup::ensure(&at)
                     .context("no cgroup2 mounted, and mounting one failed")?;
                 (at.clone(), Some(at))
             }
@@ -429,7 +429,7 @@ impl Drop for TestCgroup {
             std::thread::sleep(Duration::from_millis(10));
         }
         if let Some(at) = &self.mounted {
-            let _ = proxy_userspace::ebpf::bpffs::unmount(at);
+            let _ = proxy_userspace::modes::ebpf::bpffs::unmount(at);
             let _ = std::fs::remove_dir(at);
         }
     }

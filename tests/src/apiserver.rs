@@ -622,7 +622,7 @@ fn uid(seed: u32, n: u64) -> String {
 
 /// UTC now as RFC 3339 with seconds, as metav1.Time serializes.
 fn now_rfc3339() -> String {
-    proxy_userspace::health::rfc3339(SystemTime::now())
+    proxy_userspace::serve::healthz::rfc3339(SystemTime::now())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@
 use std::{net::Ipv4Addr, time::Duration};
 
 use proxy_userspace::{
-    ebpf::{MapSizes, ServiceMaps, WriterConfig},
     model::{DesiredState, Protocol, ServicePortName},
+    modes::ebpf::{MapSizes, ServiceMaps, WriterConfig},
 };
 
 use crate::{
@@ -130,7 +130,7 @@ pub fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec
 /// What a restarted agent does: load again (reusing the pins) and take the maps.
 /// A new map writer on the pinned maps, as a restarted agent's.
 pub fn restart(p: &mut Programs, sizes: MapSizes, drain_period: Duration) {
-    let mut reloaded = proxy_userspace::ebpf::load(p.bpffs.path(), sizes).unwrap();
+    let mut reloaded = proxy_userspace::modes::ebpf::load(p.bpffs.path(), sizes).unwrap();
     let writer = WriterConfig {
         drain_period,
         ..WriterConfig::default()

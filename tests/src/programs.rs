@@ -22,10 +22,10 @@ use proxy_common::{
 };
 use proxy_userspace::{
     dataplane::Scope,
-    ebpf::{self, MapSizes, ServiceMaps, WriterConfig, bpffs, maps::DEFAULT_DRAIN_PERIOD},
     model::{
         DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName, TargetPort,
     },
+    modes::ebpf::{self, MapSizes, ServiceMaps, WriterConfig, bpffs, maps::DEFAULT_DRAIN_PERIOD},
 };
 
 /// A bpffs mounted on a fresh temporary directory, unmounted and removed on drop.

@@ -19,7 +19,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use proxy_userspace::manifest::Object;
+use proxy_userspace::source::manifest::Object;
 
 use crate::{
     BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, UdpConn,

@@ -1,12 +1,12 @@
 //! The stand-in API server, spoken to over raw HTTP/1.1, and its JSON read back with the
-//! k8s-openapi types (through `proxy_userspace::manifest::parse`).
+//! k8s-openapi types (through `proxy_userspace::source::manifest::parse`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use proxy_tests::apiserver::{ApiServer, USER, endpoint_slice, node, service};
-use proxy_userspace::manifest::{self, Object};
+use proxy_userspace::source::manifest::{self, Object};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(5);

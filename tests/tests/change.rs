@@ -22,9 +22,9 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     dataplane::Scope,
-    ebpf::{self, ServiceMaps, WriterConfig, bpffs::PinDirLock, maps::DEFAULT_DRAIN_PERIOD},
-    inspect,
     model::{DesiredState, Protocol, ServicePortName},
+    modes::ebpf::inspect,
+    modes::ebpf::{self, ServiceMaps, WriterConfig, bpffs::PinDirLock, maps::DEFAULT_DRAIN_PERIOD},
 };
 
 const VIP2: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);

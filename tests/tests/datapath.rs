@@ -12,9 +12,9 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     dataplane::{NotProgrammable, Scope},
-    ebpf::{MapSizes, maps::DEFAULT_DRAIN_PERIOD},
-    inspect,
     model::{DesiredState, Protocol},
+    modes::ebpf::inspect,
+    modes::ebpf::{MapSizes, maps::DEFAULT_DRAIN_PERIOD},
 };
 
 #[test]
@@ -298,7 +298,8 @@ fn maps_hold_what_inspect_shows_and_survive_a_restart() {
     ) else {
         return;
     };
-    let shown = inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
+    let shown =
+        proxy_userspace::inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
     assert_eq!(
         shown,
         "SERVICE                  PROTO KIND         BACKENDS (id address)\n\

@@ -12,7 +12,7 @@ use proxy_tests::{
     example::{DNS, FRONT_NODE_PORT, MANIFEST as EXAMPLE, REMOTE, WEB, cluster},
     privileged, tcp_request, tcp_session, udp_request, udp_session,
 };
-use proxy_userspace::manifest::Object;
+use proxy_userspace::source::manifest::Object;
 
 /// The backends that answered `n` new TCP connections (or UDP flows) to `addr`.
 fn spread(sandbox: &Sandbox, addr: SocketAddr, udp: bool, n: usize) -> BTreeSet<String> {

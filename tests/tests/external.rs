@@ -23,7 +23,7 @@ use proxy_tests::{
     },
     http_get, tcp_request, udp_request,
 };
-use proxy_userspace::manifest::Object;
+use proxy_userspace::source::manifest::Object;
 
 fn at(ip: std::net::Ipv4Addr, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(ip), port)

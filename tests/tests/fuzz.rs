@@ -50,9 +50,9 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     dataplane::Scope,
-    ebpf::MapSizes,
-    inspect::monotonic_ns,
     model::{DesiredState, Endpoint, Protocol, ServicePortName},
+    modes::ebpf::MapSizes,
+    modes::ebpf::inspect::monotonic_ns,
 };
 
 /// Frames of the default (short) run.

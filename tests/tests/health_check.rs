@@ -14,7 +14,7 @@ use proxy_tests::{
     agent::{AgentRun, edit_manifest, remove_endpoint, set_conditions},
     patience, privileged,
 };
-use proxy_userspace::manifest::Object;
+use proxy_userspace::source::manifest::Object;
 
 const HC_PORT: u16 = 32100;
 const MOVED_HC_PORT: u16 = 32101;

@@ -25,9 +25,9 @@ use proxy_tests::{
     programs::{Programs, Svc, add_service, spn},
 };
 use proxy_userspace::{
-    ebpf::{self, cgroup},
-    inspect,
     model::{DesiredState, Protocol},
+    modes::ebpf::inspect,
+    modes::ebpf::{self, cgroup},
 };
 
 /// Makes this binary a client: the operations to run (see [`clients`]).
@@ -432,7 +432,7 @@ fn cgroup2_is_mounted_on_an_empty_directory_only() {
     cgroup::ensure(&dir).unwrap();
     assert!(cgroup::is_cgroup2(&dir).unwrap());
     cgroup::ensure(&dir).unwrap(); // already there: nothing to do
-    proxy_userspace::ebpf::bpffs::unmount(&dir).unwrap();
+    proxy_userspace::modes::ebpf::bpffs::unmount(&dir).unwrap();
     // A directory with something in it is never mounted over (a cgroup v1 /sys/fs/cgroup).
     std::fs::write(dir.join("file"), "").unwrap();
     let e = cgroup::ensure(&dir).unwrap_err();

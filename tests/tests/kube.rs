@@ -19,10 +19,10 @@ use proxy_tests::{
     privileged, rbac, tcp_request,
 };
 use proxy_userspace::{
-    health::ProxyHealth,
     model::{ChangeTracker, DesiredState, NamespacedName, Protocol, ServicePortName},
-    runner::{RunnerConfig, SyncRunner},
+    serve::healthz::ProxyHealth,
     source,
+    sync::{RunnerConfig, SyncRunner},
 };
 
 /// The source running on its own runtime, and the state it has produced so far.
@@ -55,7 +55,7 @@ impl Watching {
             .build()
             .unwrap();
         let client = runtime
-            .block_on(source::kube::client(Some(&kubeconfig)))
+            .block_on(source::api::client(Some(&kubeconfig)))
             .unwrap();
         let tracker = Arc::new(Mutex::new(ChangeTracker::new()));
         // No runner: these tests read the tracker directly.
@@ -73,7 +73,7 @@ impl Watching {
             }
         });
         let health = Arc::new(ProxyHealth::new(Duration::from_secs(60)));
-        runtime.spawn(source::kube::run(
+        runtime.spawn(source::api::run(
             client,
             "node1".into(),
             tracker.clone(),

@@ -219,7 +219,7 @@ fn a_rolling_update_of_endpoints_under_load_loses_nothing() {
         ("be3", "10.244.1.13"),
     ];
     let web_rows = |n: usize| {
-        move |rows: &[proxy_userspace::inspect::ServiceRow]| {
+        move |rows: &[proxy_userspace::rows::ServiceRow]| {
             rows.iter()
                 .any(|r| r.address == "10.96.0.10:80" && r.backends.len() == n)
         }

@@ -14,8 +14,9 @@ use proxy_tests::{
     programs::{Programs, Svc, TC_ACT_SHOT, add_service},
 };
 use proxy_userspace::{
-    inspect,
+    inspect::services_table,
     model::{DesiredState, Endpoint, Protocol, ServicePortName},
+    modes::ebpf::inspect,
 };
 
 /// The TCP service `web` on VIP:80 with `endpoints` as given (conditions and node), on node1.
@@ -118,7 +119,7 @@ fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
         return;
     };
     assert_eq!(reached(&p, CLIENT, 42000..42030), BTreeSet::from([BE1]));
-    let shown = inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
+    let shown = services_table(&inspect::services(p.bpffs.path()).unwrap());
     assert!(shown.contains("[internal traffic local]"), "{shown}");
     // No local endpoint left: dropped (and counted), as kube-proxy does; never sent elsewhere.
     let key = web_key(&state);
@@ -177,7 +178,7 @@ fn session_affinity_sends_a_clients_new_connections_to_one_backend() {
         chosen.extend(backends);
     }
     assert_eq!(chosen.len(), 3, "30 clients should reach all 3 backends");
-    let shown = inspect::services_table(&inspect::services(p.bpffs.path()).unwrap());
+    let shown = services_table(&inspect::services(p.bpffs.path()).unwrap());
     assert!(shown.contains("[affinity 60s]"), "{shown}");
     assert_eq!(inspect::affinity(p.bpffs.path()).unwrap().len(), 30);
 
@@ -237,7 +238,7 @@ fn maglev_picks_the_same_backend_on_every_node_and_moves_few_flows() {
         },
     );
     node2.program(&other).unwrap();
-    let shown = inspect::services_table(&inspect::services(node1.bpffs.path()).unwrap());
+    let shown = services_table(&inspect::services(node1.bpffs.path()).unwrap());
     assert!(shown.contains("[maglev]"), "{shown}");
     let flows: Vec<Spec> = (0..300u16)
         .map(|i| {

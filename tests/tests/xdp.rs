@@ -29,9 +29,9 @@ use proxy_tests::{
     },
 };
 use proxy_userspace::{
-    ebpf::MapSizes,
-    inspect::monotonic_ns,
     model::{DesiredState, Protocol},
+    modes::ebpf::MapSizes,
+    modes::ebpf::inspect::monotonic_ns,
 };
 
 /// The translated flows' source ports here (`--bpf-snat-port-range`): narrower than the

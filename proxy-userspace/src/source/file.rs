@@ -21,9 +21,9 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
 
-use crate::manifest::{self, ManifestError, Object};
 use crate::model::{ChangeTracker, InvalidObject, NamespacedName, ServiceUpdate, SliceUpdate};
-use crate::runner::SyncHandle;
+use crate::source::manifest::{self, ManifestError, Object};
+use crate::sync::SyncHandle;
 
 /// How long the directory must stay quiet before a reload: one save is often several events
 /// (truncate, writes, close, rename).
@@ -349,7 +349,7 @@ mod tests {
 
     use super::*;
     use crate::model::{DesiredState, Protocol, ServicePortName};
-    use crate::runner::{RunnerConfig, SyncRunner};
+    use crate::sync::{RunnerConfig, SyncRunner};
 
     /// A directory under the system temp dir, removed on drop (also after a failed assertion).
     struct TempDir(PathBuf);

@@ -1,2 +1,4 @@
+//! Where the cluster's Services and EndpointSlices come from: the API server or a manifest.
+pub mod api;
 pub mod file;
-pub mod kube;
+pub mod manifest;

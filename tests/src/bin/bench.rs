@@ -24,8 +24,8 @@ use proxy_tests::{
     },
 };
 use proxy_userspace::{
-    ebpf::MapSizes,
     model::{DesiredState, Protocol},
+    modes::ebpf::MapSizes,
 };
 
 #[path = "bench/agent.rs"]
@@ -252,7 +252,7 @@ struct XdpRow {
 /// The XDP program `repeat` times on `frame`: the mean time per run (it must pass the frame
 /// on: anything else means the setup is wrong).
 fn time_xdp(p: &Programs, frame: &[u8], repeat: u32) -> anyhow::Result<Duration> {
-    let (verdict, took) = p.time_verdict(proxy_userspace::ebpf::PROG_XDP, frame, repeat)?;
+    let (verdict, took) = p.time_verdict(proxy_userspace::modes::ebpf::PROG_XDP, frame, repeat)?;
     if verdict != XDP_PASS {
         bail!("the XDP program returned {verdict} (not XDP_PASS)");
     }

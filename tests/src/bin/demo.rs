@@ -19,7 +19,7 @@ use proxy_tests::agent::{AgentRun, AgentSource, edit_manifest, remove_endpoint};
 use proxy_tests::example::{DNS, MANIFEST as EXAMPLE, REMOTE, WEB};
 use proxy_tests::scenarios::{self, Mode};
 use proxy_tests::{BACKEND_PORT, EXT_IP, NODE_CIDR, NODE1_IP, NODE2_IP, Sandbox};
-use proxy_userspace::manifest::Object;
+use proxy_userspace::source::manifest::Object;
 
 /// Service names as in the manifest (the datapath only knows addresses).
 const SERVICES: &[(&str, SocketAddr)] = &[("web", WEB), ("dns-like", DNS), ("remote", REMOTE)];

@@ -83,7 +83,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     proxy_tests::cleanup_stale();
     // The agents inherit it (the userspace mode needs a socket a Service port).
-    let open_files = proxy_userspace::userspace::raise_open_files_limit();
+    let open_files = proxy_userspace::modes::userspace::raise_open_files_limit();
     let agent = agent_bin()?;
     let mut sandbox = Sandbox::build().context("building the sandbox")?;
     sandbox.start_backends(BACKEND_PORT)?;
@@ -448,7 +448,7 @@ fn machine() -> String {
         })
         .unwrap_or_else(|| "unknown CPU".into());
     let cores = std::thread::available_parallelism().map_or(0, usize::from);
-    let when = proxy_userspace::health::rfc3339(std::time::SystemTime::now());
+    let when = proxy_userspace::serve::healthz::rfc3339(std::time::SystemTime::now());
     format!(
         "Machine: {cpu}, {cores} cores, kernel {}; measured {when}.",
         kernel.trim()

@@ -1,0 +1,445 @@
+//! The ebpf mode: tc programs on pod-facing interfaces and socket programs for host-network
+//! clients, driven by pinned BPF hash maps.
+mod attach;
+mod batch;
+pub mod bpffs;
+pub mod cgroup;
+pub mod external;
+pub mod inspect;
+mod link_events;
+pub mod maglev;
+pub mod maps;
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, MapInfo, MapType, PerCpuArray},
+    programs::{SchedClassifier, Xdp},
+};
+use proxy_common::{
+    AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
+    AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES,
+    LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK,
+    MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES,
+    MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey,
+};
+
+use attach::detach_all;
+pub use attach::{Attacher, ExternalConfig};
+pub use maps::{ServiceMaps, WriterConfig};
+
+use crate::{
+    dataplane::{Dataplane, Scope},
+    model::DesiredState,
+};
+
+/// The BPF object, embedded at build time (empty when built without bpf-linker).
+pub static BPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+
+pub const PROG_INGRESS: &str = "tc_ingress";
+pub const PROG_EGRESS: &str = "tc_egress";
+pub const PROG_XDP: &str = "xdp_external";
+pub const PROG_EXT_INGRESS: &str = "tc_external_ingress";
+pub const PROG_EXT_EGRESS: &str = "tc_external_egress";
+
+/// Map sizes, in entries. The defaults fit 100k service ports with ~10 endpoints each and 1M
+/// flows (two conntrack entries a flow).
+#[derive(Clone, Copy, Debug)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: 1 << 21,
+            backends: 1 << 20,
+            conntrack: 1 << 21,
+        }
+    }
+}
+
+/// Loads the programs, reusing the maps already pinned in `pin_dir` (so flows and services
+/// survive an agent restart) or creating and pinning them there.
+pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
+    if BPF_OBJECT.is_empty() {
+        bail!(
+            "this binary was built without the BPF object; run `cargo xtask build-ebpf` and \
+             rebuild, or pick another --proxy-mode"
+        );
+    }
+    bpffs::ensure(pin_dir)?;
+    let next_backend_id = check_pinned_layout(pin_dir)?;
+    warn_on_size_changes(pin_dir, sizes);
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pin_dir)
+        .map_max_entries(MAP_SERVICES, sizes.services)
+        .map_max_entries(MAP_BACKENDS, sizes.backends)
+        .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
+        .load(BPF_OBJECT)
+        .with_context(|| {
+            format!(
+                "loading the BPF programs (maps pinned in {}); the agent needs CAP_BPF, \
+                 CAP_NET_ADMIN and CAP_PERFMON, or root",
+                pin_dir.display()
+            )
+        })?;
+    for name in [PROG_INGRESS, PROG_EGRESS, PROG_EXT_INGRESS, PROG_EXT_EGRESS] {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the BPF object"))?
+            .try_into()?;
+        prog.load()
+            .with_context(|| format!("the kernel's verifier rejected {name}"))?;
+    }
+    let xdp: &mut Xdp = ebpf
+        .program_mut(PROG_XDP)
+        .with_context(|| format!("program {PROG_XDP} missing from the BPF object"))?
+        .try_into()?;
+    xdp.load()
+        .with_context(|| format!("the kernel's verifier rejected {PROG_XDP}"))?;
+    cgroup::load_programs(&mut ebpf)?;
+    let mut state: Array<_, u64> = ebpf
+        .map_mut(MAP_AGENT_STATE)
+        .context("map AGENT_STATE missing")?
+        .try_into()?;
+    if let Some(id) = next_backend_id {
+        state.set(AGENT_STATE_NEXT_BACKEND_ID, id, 0)?;
+    }
+    state.set(AGENT_STATE_LAYOUT, LAYOUT_VERSION, 0)?;
+    Ok(ebpf)
+}
+
+/// A pinned map as this build lays it out.
+struct Layout {
+    name: &'static str,
+    map_type: MapType,
+    key_size: usize,
+    value_size: usize,
+    /// For arrays, whose indexes have meanings: the entries this build uses.
+    entries: Option<u32>,
+}
+
+const LAYOUTS: [Layout; 13] = [
+    Layout {
+        name: MAP_SERVICES,
+        map_type: MapType::Hash,
+        key_size: size_of::<ServiceKey>(),
+        value_size: size_of::<ServiceValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_BACKENDS,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<Backend>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_CONNTRACK,
+        map_type: MapType::LruHash,
+        key_size: size_of::<CtKey>(),
+        value_size: size_of::<CtValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_AGENT_STATE,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u64>(),
+        entries: Some(AGENT_STATE_ENTRIES),
+    },
+    Layout {
+        name: MAP_AFFINITY,
+        map_type: MapType::LruHash,
+        key_size: size_of::<AffinityKey>(),
+        value_size: size_of::<AffinityValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_MAGLEV,
+        map_type: MapType::Hash,
+        key_size: size_of::<ServiceKey>(),
+        value_size: size_of::<MaglevChunk>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_CONFIG,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: Some(CONFIG_ENTRIES),
+    },
+    Layout {
+        name: MAP_DROPS,
+        map_type: MapType::PerCpuArray,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u64>(),
+        entries: Some(DROPS_ENTRIES),
+    },
+    Layout {
+        name: MAP_SOCK_REVNAT,
+        map_type: MapType::LruHash,
+        key_size: size_of::<SockRevNatKey>(),
+        value_size: size_of::<SockRevNatValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_HOST_NETNS,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u64>(),
+        entries: Some(1),
+    },
+    Layout {
+        name: MAP_NODE_ADDRS,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_EXTERNAL_IFACES,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_SOURCE_RANGES,
+        map_type: MapType::LpmTrie,
+        // The trie's key: a prefix length, then the data.
+        key_size: size_of::<u32>() + size_of::<SourceRangeKey>(),
+        value_size: size_of::<u8>(),
+        entries: None,
+    },
+];
+
+/// Maps pinned by another release are reused only if this build reads them right: the same
+/// type and key and value sizes, and a layout version this build knows (its own or an older
+/// one it reads as is). Any other pin is removed, with a log line saying what that resets, and
+/// the load creates the map afresh. Returns the next backend id an older AGENT_STATE held, to
+/// carry over into a recreated one (ids must never be reused while conntrack may name them).
+fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
+    let state_pin = pin_dir.join(MAP_AGENT_STATE);
+    let (version, next_backend_id) = match aya::maps::MapData::from_pin(&state_pin) {
+        Ok(data) => {
+            let entries = data.info()?.max_entries();
+            let state: Array<_, u64> = aya::maps::Map::Array(data).try_into()?;
+            let next = state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0).ok();
+            // Layout 1 had no version entry.
+            let version = match entries > AGENT_STATE_LAYOUT {
+                true => state.get(&AGENT_STATE_LAYOUT, 0).unwrap_or(1),
+                false => 1,
+            };
+            (Some(version), next)
+        }
+        Err(_) => (None, None),
+    };
+    // Layout 1 maps mean what layout 2 reads (ids shared by services are adopted by one
+    // service port; no entry is draining yet): reused as they are. Likewise layouts 2 and 3
+    // for layout 4 (no external frontend, zero NAT fields in conntrack).
+    let newer = version.is_some_and(|v| v > LAYOUT_VERSION);
+    for layout in &LAYOUTS {
+        let pin = pin_dir.join(layout.name);
+        let Ok(info) = MapInfo::from_pin(&pin) else {
+            continue;
+        };
+        let fits = info.map_type().ok() == Some(layout.map_type)
+            && info.key_size() as usize == layout.key_size
+            && info.value_size() as usize == layout.value_size
+            && layout.entries.is_none_or(|n| info.max_entries() == n);
+        if fits && !newer {
+            continue;
+        }
+        let what = match layout.name {
+            MAP_CONNTRACK => "established flows are reset",
+            MAP_SERVICES | MAP_BACKENDS => "services are programmed again by the first sync",
+            MAP_SOCK_REVNAT => {
+                "host-network sockets connected earlier show their backend, not the service, \
+                 as their peer"
+            }
+            _ => "its contents are carried over",
+        };
+        tracing::warn!(
+            map = layout.name,
+            pinned_layout = version.unwrap_or(1),
+            layout = LAYOUT_VERSION,
+            "the pinned map was left by an agent of another layout ({:?}, key {} bytes, value \
+             {} bytes, {} entries); this one uses ({:?}, key {}, value {}): recreating it \
+             ({what})",
+            info.map_type().ok(),
+            info.key_size(),
+            info.value_size(),
+            info.max_entries(),
+            layout.map_type,
+            layout.key_size,
+            layout.value_size,
+        );
+        std::fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+    }
+    Ok(next_backend_id)
+}
+
+/// The programs' drop counters (summed over CPUs), read from the loaded object, exported on
+/// `/metrics` as `kubeproxy_bpf_dropped_packets_total{reason}`.
+fn export_drop_counters(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let drops: PerCpuArray<_, u64> = ebpf
+        .take_map(MAP_DROPS)
+        .context("map DROPS missing")?
+        .try_into()?;
+    let drops = std::sync::Mutex::new(drops);
+    crate::serve::metrics::METRICS.add_collector(Box::new(move |out| {
+        use std::fmt::Write as _;
+        let name = "kubeproxy_bpf_dropped_packets_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Packets the BPF programs dropped, by reason\n# TYPE {name} counter"
+        );
+        let drops = drops.lock().unwrap();
+        for (index, reason) in DROP_REASON_NAMES.iter().enumerate() {
+            let total: u64 = drops
+                .get(&(index as u32), 0)
+                .map_or(0, |per_cpu| per_cpu.iter().sum());
+            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {total}");
+        }
+    }));
+    Ok(())
+}
+
+/// Maps already pinned are reused as they are (that is what keeps services and flows across a
+/// restart), so a changed size flag takes effect only once the pin is gone: say so.
+fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
+    let wanted = [
+        (MAP_SERVICES, sizes.services, "--bpf-services-max"),
+        (MAP_BACKENDS, sizes.backends, "--bpf-backends-max"),
+        (MAP_CONNTRACK, sizes.conntrack, "--bpf-ct-max"),
+    ];
+    for (name, size, flag) in wanted {
+        let Ok(info) = aya::maps::MapInfo::from_pin(pin_dir.join(name)) else {
+            continue;
+        };
+        if info.max_entries() != size {
+            tracing::warn!(
+                map = name,
+                pinned = info.max_entries(),
+                requested = size,
+                "the pinned map keeps its size; {flag} applies once the agent is stopped and \
+                 `proxy-userspace agent --cleanup` has removed the pins (flows are then reset)"
+            );
+        }
+    }
+}
+
+/// `agent --cleanup`: detaches the programs from the interfaces matching `pod_interfaces` and
+/// from the cgroup, and removes everything the agent pinned under `pin_dir`.
+pub fn cleanup(pin_dir: &Path, pod_interfaces: &str) -> anyhow::Result<()> {
+    let detached = detach_all(pod_interfaces, pin_dir)? + cgroup::detach_all(pin_dir)?;
+    let mut removed = 0;
+    // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
+    for name in LAYOUTS.map(|l| l.name) {
+        let path = pin_dir.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
+        }
+    }
+    // detach_all emptied it; an empty pin dir goes too unless bpffs is mounted right there.
+    let _ = std::fs::remove_dir(pin_dir.join("links"));
+    let _ = std::fs::remove_dir(pin_dir);
+    tracing::info!(detached, removed, pin_dir = %pin_dir.display(), "cleaned up");
+    Ok(())
+}
+
+/// The ebpf [`Dataplane`]: the maps the programs read, and the programs, attached to the pod
+/// interfaces by a thread of their own (so that a new pod never waits for a sync).
+pub struct EbpfDataplane {
+    maps: ServiceMaps,
+    attacher: attach::AttachThread,
+}
+
+impl EbpfDataplane {
+    /// Takes the programs [`load`] loaded from `pin_dir`, starts forwarding their logs and
+    /// exporting their drop counters, attaches the socket programs to the cgroup `cgroup` (for
+    /// the clients of this process's network namespace), the tc programs to every interface
+    /// whose name matches `pod_interfaces`, now and as such interfaces appear, and the external
+    /// programs to the interfaces carrying the node addresses `external` selects. `writer` says
+    /// how the maps are programmed (drain period, load-balancing algorithm).
+    pub fn new(
+        mut ebpf: Ebpf,
+        pin_dir: &Path,
+        writer: WriterConfig,
+        pod_interfaces: &str,
+        external: ExternalConfig,
+        cgroup: &Path,
+    ) -> anyhow::Result<Self> {
+        if cgroup.as_os_str().is_empty() {
+            tracing::warn!(
+                "--bpf-cgroup-path is empty: host-network clients do not reach services"
+            );
+        } else {
+            let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
+            cgroup::attach(&mut ebpf, cgroup, pin_dir, netns)?;
+        }
+        let maps = ServiceMaps::take_from(&mut ebpf, writer)?;
+        spawn_bpf_logger(&mut ebpf);
+        export_drop_counters(&mut ebpf)?;
+        let attacher = attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir)?;
+        Ok(Self { maps, attacher })
+    }
+}
+
+impl Dataplane for EbpfDataplane {
+    fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
+        self.maps.sync(state, scope)
+    }
+
+    /// Also ends the drains whose period is over (full syncs do too, but they come once an
+    /// hour).
+    fn housekeeping(&mut self) -> anyhow::Result<()> {
+        self.attacher.check()?;
+        self.maps
+            .expire(std::time::Instant::now())
+            .context("expiring drained entries")
+    }
+}
+
+/// Forwards the programs' aya-log records to our log output (the `log` records become tracing
+/// events through tracing-subscriber's bridge).
+fn spawn_bpf_logger(ebpf: &mut Ebpf) {
+    let logger = match aya_log::EbpfLogger::init(ebpf) {
+        Ok(logger) => logger,
+        Err(e) => {
+            tracing::warn!("BPF program logs unavailable: {e}");
+            return;
+        }
+    };
+    // SAFETY: the logger owns its ring buffer's fd, which stays open and the same for as long
+    // as the logger lives, and the AsyncFd owns the logger.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
+    let mut logger = match registered {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::warn!("BPF program logs unavailable: {e}");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = logger.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    });
+}

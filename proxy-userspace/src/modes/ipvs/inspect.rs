@@ -1,0 +1,332 @@
+//! The IPVS mode's state as `inspect` rows: the kernel's virtual and real servers (read over
+//! generic netlink) give the frontends and their endpoints; kube-proxy's ipsets (`ipset save`)
+//! tell what kind each frontend is and its policies, which IPVS itself does not know; the
+//! persistence templates in `/proc/net/ip_vs_conn` are the ClientIP affinity.
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use crate::modes::ipvs::{
+    netlink::{Dest, FLAG_PERSISTENT, Ipvs, OpenError, Service},
+    rules::{
+        CLUSTER_IP, EXTERNAL_IP, EXTERNAL_IP_LOCAL, LOAD_BALANCER, LOAD_BALANCER_LOCAL,
+        LOAD_BALANCER_SOURCE_CIDR, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_TCP,
+        NODE_PORT_UDP,
+    },
+};
+use crate::{
+    modes::ebpf::inspect::proto_name,
+    rows::{BackendRow, ClientAffinityRow, ServiceRow, row},
+};
+
+/// Every virtual server with its real servers.
+pub fn read() -> anyhow::Result<Vec<(Service, Vec<Dest>)>> {
+    let mut ipvs = match Ipvs::open() {
+        Ok(ipvs) => ipvs,
+        Err(OpenError::NoIpvs) => anyhow::bail!(
+            "this kernel has no IPVS, so no ipvs-mode state to read; pass --proxy-mode to read \
+             another mode's"
+        ),
+        Err(OpenError::Other(e)) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for service in ipvs.services()? {
+        let dests = ipvs.dests(&service.key)?;
+        out.push((service, dests));
+    }
+    Ok(out)
+}
+
+/// The entries of each set in `text` (`ipset save`).
+fn sets(text: &str) -> HashMap<&str, HashSet<&str>> {
+    let mut sets: HashMap<&str, HashSet<&str>> = HashMap::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if let (Some("add"), Some(set), Some(entry)) = (words.next(), words.next(), words.next()) {
+            sets.entry(set).or_default().insert(entry);
+        }
+    }
+    sets
+}
+
+/// The frontends of `servers`, each with its endpoints and policies; a NodePort once, as
+/// `*:port`, though IPVS has one virtual server per node address.
+pub fn services(servers: &[(Service, Vec<Dest>)], ipsets: &str) -> Vec<ServiceRow> {
+    let sets = sets(ipsets);
+    let has = |set: &str, entry: &str| sets.get(set).is_some_and(|s| s.contains(entry));
+    let mut rows: BTreeMap<(String, &'static str), ServiceRow> = BTreeMap::new();
+    for (service, dests) in servers {
+        let key = service.key;
+        let protocol = proto_name(key.protocol);
+        // The sets' spelling: `10.96.0.10,tcp:80`.
+        let entry = format!("{},{}:{}", key.addr, protocol.to_lowercase(), key.port);
+        let port = key.port.to_string();
+        let (node_ports, local_node_ports) = match protocol {
+            "UDP" => (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
+            _ => (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
+        };
+        let (kind, address, local_only) = if has(CLUSTER_IP, &entry) {
+            // internalTrafficPolicy Local leaves only the local real servers: not visible here.
+            ("ClusterIP", format!("{}:{}", key.addr, key.port), false)
+        } else if has(LOAD_BALANCER, &entry) {
+            let local = has(LOAD_BALANCER_LOCAL, &entry);
+            ("LoadBalancer", format!("{}:{}", key.addr, key.port), local)
+        } else if has(EXTERNAL_IP, &entry) {
+            let local = has(EXTERNAL_IP_LOCAL, &entry);
+            ("ExternalIP", format!("{}:{}", key.addr, key.port), local)
+        } else if has(node_ports, &port) {
+            let local = has(local_node_ports, &port);
+            ("NodePort", format!("*:{}", key.port), local)
+        } else {
+            // Not in kube-proxy's sets: someone else's virtual server.
+            continue;
+        };
+        let row = rows.entry((address.clone(), protocol)).or_insert_with(|| {
+            let mut r = row(address, protocol, kind);
+            r.local_only = local_only;
+            r.affinity_timeout_seconds =
+                (service.flags & FLAG_PERSISTENT != 0).then_some(service.timeout);
+            r.maglev = service.scheduler == "mh";
+            r.source_ranges = sets
+                .get(LOAD_BALANCER_SOURCE_CIDR)
+                .into_iter()
+                .flatten()
+                .filter_map(|e| e.strip_prefix(entry.as_str())?.strip_prefix(','))
+                .map(str::to_owned)
+                .collect();
+            r.source_ranges.sort();
+            r
+        });
+        for dest in dests {
+            let b = backend_row(dest, protocol);
+            if !row.backends.contains(&b) {
+                row.backends.push(b);
+            }
+        }
+        row.backends.sort();
+    }
+    rows.into_values().collect()
+}
+
+/// A real server as a row: weight 0 is a terminating endpoint kept for its connections.
+fn backend_row(dest: &Dest, protocol: &'static str) -> BackendRow {
+    BackendRow {
+        id: 0,
+        address: format!("{}:{}", dest.addr, dest.port),
+        protocol,
+        draining: dest.weight == 0,
+    }
+}
+
+/// The endpoints of the frontends `rows` ([`services`]: only kube-proxy's virtual servers),
+/// each once.
+pub fn backends(rows: &[ServiceRow]) -> Vec<BackendRow> {
+    let mut backends: Vec<BackendRow> = rows.iter().flat_map(|r| r.backends.clone()).collect();
+    backends.sort();
+    backends.dedup();
+    backends
+}
+
+/// The persistence templates of `text` (`/proc/net/ip_vs_conn`): a client (port 0) sent to a
+/// real server by a persistent virtual server, for the seconds left.
+pub fn affinity(text: &str) -> Vec<ClientAffinityRow> {
+    let hex_ip = |s: &str| {
+        u32::from_str_radix(s, 16)
+            .ok()
+            .map(std::net::Ipv4Addr::from)
+    };
+    let hex_port = |s: &str| u16::from_str_radix(s, 16).ok();
+    let mut rows: Vec<ClientAffinityRow> = text
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            // Pro FromIP FPrt ToIP TPrt DestIP DPrt State Expires ...
+            let [
+                proto,
+                from,
+                from_port,
+                to,
+                to_port,
+                dest,
+                dest_port,
+                state,
+                expires,
+                ..,
+            ] = w.as_slice()
+            else {
+                return None;
+            };
+            // A template's state is NONE, or ASSURED once a connection used it.
+            if !matches!(*state, "NONE" | "ASSURED") || hex_port(from_port)? != 0 {
+                return None;
+            }
+            Some(ClientAffinityRow {
+                client: hex_ip(from)?.to_string(),
+                service: format!("{}:{}", hex_ip(to)?, hex_port(to_port)?),
+                protocol: match *proto {
+                    "TCP" => "TCP",
+                    "UDP" => "UDP",
+                    "SCTP" => "SCTP",
+                    _ => "?",
+                },
+                endpoint: format!("{}:{}", hex_ip(dest)?, hex_port(dest_port)?),
+                expires_seconds: expires.parse().ok(),
+            })
+        })
+        .collect();
+    rows.sort();
+    rows
+}
+
+/// kube-proxy's ipsets (the IPVS mode's), as `ipset save` prints them.
+pub(crate) fn ipset_save() -> anyhow::Result<String> {
+    crate::command::run("ipset", &["save"], "ipset")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::modes::ipvs::netlink::ServiceKey;
+
+    fn server(
+        addr: [u8; 4],
+        protocol: u8,
+        port: u16,
+        dests: &[([u8; 4], u16, u32)],
+    ) -> (Service, Vec<Dest>) {
+        (
+            Service {
+                key: ServiceKey {
+                    addr: Ipv4Addr::from(addr),
+                    protocol,
+                    port,
+                },
+                scheduler: "rr".into(),
+                flags: 0,
+                timeout: 0,
+                netmask: 0xffff_ffff,
+            },
+            dests
+                .iter()
+                .map(|&(a, port, weight)| Dest {
+                    addr: Ipv4Addr::from(a),
+                    port,
+                    weight,
+                    active_conns: 0,
+                    inactive_conns: 0,
+                })
+                .collect(),
+        )
+    }
+
+    const SETS: &str = "\
+create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536
+add KUBE-CLUSTER-IP 10.96.0.10,tcp:80
+add KUBE-CLUSTER-IP 10.96.0.20,udp:53
+create KUBE-LOAD-BALANCER hash:ip,port family inet hashsize 1024 maxelem 65536
+add KUBE-LOAD-BALANCER 203.0.113.11,tcp:80
+add KUBE-LOAD-BALANCER-LOCAL 203.0.113.11,tcp:80
+add KUBE-LOAD-BALANCER-SOURCE-CIDR 203.0.113.11,tcp:80,192.0.2.0/24
+add KUBE-EXTERNAL-IP 198.51.100.10,tcp:80
+add KUBE-NODE-PORT-TCP 30080
+";
+
+    #[test]
+    fn frontends_by_kind_from_the_sets() {
+        let mut web = server(
+            [10, 96, 0, 10],
+            6,
+            80,
+            &[([10, 244, 1, 12], 8080, 1), ([10, 244, 1, 11], 8080, 0)],
+        );
+        web.0.flags = FLAG_PERSISTENT;
+        web.0.timeout = 10800;
+        let servers = [
+            web,
+            server([10, 96, 0, 20], 17, 53, &[]),
+            server([203, 0, 113, 11], 6, 80, &[([10, 244, 1, 11], 8080, 1)]),
+            server([198, 51, 100, 10], 6, 80, &[([10, 244, 2, 11], 8080, 1)]),
+            // One virtual server per node address: one row.
+            server([192, 0, 2, 11], 6, 30080, &[([10, 244, 2, 11], 8080, 1)]),
+            server([10, 0, 0, 1], 6, 30080, &[([10, 244, 2, 11], 8080, 1)]),
+            // Not kube-proxy's.
+            server([192, 0, 2, 11], 6, 9999, &[([10, 1, 1, 1], 80, 1)]),
+        ];
+        let rows = services(&servers, SETS);
+        let shown = |b: &BackendRow| {
+            format!(
+                "{}{}",
+                b.address,
+                if b.draining { "(draining)" } else { "" }
+            )
+        };
+        // One line a row: address protocol kind [local] backends [sources] [affinity].
+        let summary: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                let backends: Vec<String> = r.backends.iter().map(shown).collect();
+                format!(
+                    "{} {} {}{} [{}] [{}] {:?}",
+                    r.address,
+                    r.protocol,
+                    r.kind,
+                    if r.local_only { " local" } else { "" },
+                    backends.join(" "),
+                    r.source_ranges.join(" "),
+                    r.affinity_timeout_seconds,
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                "*:30080 TCP NodePort [10.244.2.11:8080] [] None",
+                "10.96.0.10:80 TCP ClusterIP [10.244.1.11:8080(draining) 10.244.1.12:8080] [] Some(10800)",
+                "10.96.0.20:53 UDP ClusterIP [] [] None",
+                "198.51.100.10:80 TCP ExternalIP [10.244.2.11:8080] [] None",
+                "203.0.113.11:80 TCP LoadBalancer local [10.244.1.11:8080] [192.0.2.0/24] None",
+            ]
+        );
+        // The foreign virtual server's real server is not an endpoint.
+        let endpoints: Vec<String> = backends(&rows).iter().map(shown).collect();
+        assert_eq!(
+            endpoints,
+            [
+                "10.244.1.11:8080",
+                "10.244.1.11:8080(draining)",
+                "10.244.1.12:8080",
+                "10.244.2.11:8080"
+            ]
+        );
+    }
+
+    #[test]
+    fn affinity_from_persistence_templates() {
+        let text = "\
+Pro FromIP   FPrt ToIP     TPrt DestIP   DPrt State       Expires PEName PEData
+TCP 0AF4010A 0000 0A60000A 0050 0AF4010B 1F90 NONE          10795
+TCP 0AF4010C 0000 0A60000A 0050 0AF4010C 1F90 ASSURED       10790
+TCP 0AF4010A 9C40 0A60000A 0050 0AF4010B 1F90 ESTABLISHED     899
+";
+        assert_eq!(
+            affinity(text),
+            [
+                ClientAffinityRow {
+                    client: "10.244.1.10".into(),
+                    service: "10.96.0.10:80".into(),
+                    protocol: "TCP",
+                    endpoint: "10.244.1.11:8080".into(),
+                    expires_seconds: Some(10795),
+                },
+                ClientAffinityRow {
+                    client: "10.244.1.12".into(),
+                    service: "10.96.0.10:80".into(),
+                    protocol: "TCP",
+                    endpoint: "10.244.1.12:8080".into(),
+                    expires_seconds: Some(10790),
+                }
+            ]
+        );
+    }
+}

@@ -1,0 +1,683 @@
+//! What kube-proxy's IPVS mode programs for a desired state, as pure functions of the state and
+//! the settings, so that the golden tests show every change in review:
+//!
+//! - [`plan`]: the IPVS virtual servers (one per frontend address, protocol and port: cluster
+//!   IPs, external IPs, load balancer IPs, and each NodePort on each node address) with their
+//!   real servers, the addresses bound to `kube-ipvs0`, and the ipset entries;
+//! - [`ipset_restore`]: the ipsets, as one `ipset restore` input (each set refilled through a
+//!   temporary set and swapped in, so that no packet sees a half-written set);
+//! - [`iptables_restore`]: kube-proxy's few iptables rules (its IPVS proxier's
+//!   `writeIptablesRules`), which match those sets: masquerade what needs it (off-cluster
+//!   sources to cluster IPs, NodePorts, load balancer and external IPs unless their traffic
+//!   policy is Local, hairpin connections), drop load balancer traffic from outside its source
+//!   ranges, and refuse new connections to a service address on a port that is not a Service's.
+//!
+//! IPVS does the load balancing and the DNAT itself; a virtual server without real servers
+//! answers with an ICMP port unreachable (the client's connection is refused), so there is no
+//! reject rule per Service as in the iptables mode.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr},
+};
+
+use super::netlink::{FLAG_PERSISTENT, Service, ServiceKey};
+use crate::{
+    model::{DesiredState, Endpoint, Protocol, ServicePortName},
+    modes::iptables::rules::{MASQ_MARK, protocol_name, v4},
+};
+
+/// What the plan depends on besides the state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// `--ipvs-scheduler`.
+    pub scheduler: String,
+    /// `--cluster-cidr`: traffic from outside it to a cluster IP is masqueraded.
+    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
+    /// `--masquerade-all`: every connection to a cluster IP is masqueraded.
+    pub masquerade_all: bool,
+    /// The node addresses NodePorts answer on (one virtual server each).
+    pub node_port_ips: Vec<Ipv4Addr>,
+    /// The node's own addresses: a load balancer whose source ranges hold one of them is
+    /// reachable from the node itself (kube-proxy's `allowFromNode`).
+    pub node_ips: Vec<Ipv4Addr>,
+}
+
+/// One ipset: its name, type, and the comment its iptables rules carry (kube-proxy's).
+pub struct SetDef {
+    pub name: &'static str,
+    pub kind: &'static str,
+    pub comment: &'static str,
+}
+
+pub const LOOP_BACK: &str = "KUBE-LOOP-BACK";
+pub const CLUSTER_IP: &str = "KUBE-CLUSTER-IP";
+pub const EXTERNAL_IP: &str = "KUBE-EXTERNAL-IP";
+pub const EXTERNAL_IP_LOCAL: &str = "KUBE-EXTERNAL-IP-LOCAL";
+pub const LOAD_BALANCER: &str = "KUBE-LOAD-BALANCER";
+pub const LOAD_BALANCER_FW: &str = "KUBE-LOAD-BALANCER-FW";
+pub const LOAD_BALANCER_LOCAL: &str = "KUBE-LOAD-BALANCER-LOCAL";
+pub const LOAD_BALANCER_SOURCE_IP: &str = "KUBE-LOAD-BALANCER-SOURCE-IP";
+pub const LOAD_BALANCER_SOURCE_CIDR: &str = "KUBE-LOAD-BALANCER-SOURCE-CIDR";
+pub const NODE_PORT_TCP: &str = "KUBE-NODE-PORT-TCP";
+pub const NODE_PORT_LOCAL_TCP: &str = "KUBE-NODE-PORT-LOCAL-TCP";
+pub const NODE_PORT_UDP: &str = "KUBE-NODE-PORT-UDP";
+pub const NODE_PORT_LOCAL_UDP: &str = "KUBE-NODE-PORT-LOCAL-UDP";
+pub const NODE_PORT_SCTP: &str = "KUBE-NODE-PORT-SCTP-HASH";
+pub const NODE_PORT_LOCAL_SCTP: &str = "KUBE-NODE-PORT-LOCAL-SCTP-HASH";
+pub const HEALTH_CHECK_NODE_PORT: &str = "KUBE-HEALTH-CHECK-NODE-PORT";
+pub const IPVS_IPS: &str = "KUBE-IPVS-IPS";
+
+/// kube-proxy's ipsets (IPv4), in its order.
+#[rustfmt::skip]
+pub const SETS: &[SetDef] = &[
+    SetDef { name: LOOP_BACK, kind: "hash:ip,port,ip", comment: "Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose" },
+    SetDef { name: CLUSTER_IP, kind: "hash:ip,port", comment: "Kubernetes service cluster ip + port for masquerade purpose" },
+    SetDef { name: EXTERNAL_IP, kind: "hash:ip,port", comment: "Kubernetes service external ip + port for masquerade and filter purpose" },
+    SetDef { name: EXTERNAL_IP_LOCAL, kind: "hash:ip,port", comment: "Kubernetes service external ip + port with externalTrafficPolicy=local" },
+    SetDef { name: LOAD_BALANCER, kind: "hash:ip,port", comment: "Kubernetes service lb portal" },
+    SetDef { name: LOAD_BALANCER_FW, kind: "hash:ip,port", comment: "Kubernetes service load balancer ip + port for load balancer with sourceRange" },
+    SetDef { name: LOAD_BALANCER_LOCAL, kind: "hash:ip,port", comment: "Kubernetes service load balancer ip + port with externalTrafficPolicy=local" },
+    SetDef { name: LOAD_BALANCER_SOURCE_IP, kind: "hash:ip,port,ip", comment: "Kubernetes service load balancer ip + port + source IP for packet filter purpose" },
+    SetDef { name: LOAD_BALANCER_SOURCE_CIDR, kind: "hash:ip,port,net", comment: "Kubernetes service load balancer ip + port + source cidr for packet filter purpose" },
+    SetDef { name: NODE_PORT_TCP, kind: "bitmap:port", comment: "Kubernetes nodeport TCP port for masquerade purpose" },
+    SetDef { name: NODE_PORT_LOCAL_TCP, kind: "bitmap:port", comment: "Kubernetes nodeport TCP port with externalTrafficPolicy=local" },
+    SetDef { name: NODE_PORT_UDP, kind: "bitmap:port", comment: "Kubernetes nodeport UDP port for masquerade purpose" },
+    SetDef { name: NODE_PORT_LOCAL_UDP, kind: "bitmap:port", comment: "Kubernetes nodeport UDP port with externalTrafficPolicy=local" },
+    SetDef { name: NODE_PORT_SCTP, kind: "hash:ip,port", comment: "Kubernetes nodeport SCTP port for masquerade purpose with type 'hash ip:port'" },
+    SetDef { name: NODE_PORT_LOCAL_SCTP, kind: "hash:ip,port", comment: "Kubernetes nodeport SCTP port with externalTrafficPolicy=local with type 'hash ip:port'" },
+    SetDef { name: HEALTH_CHECK_NODE_PORT, kind: "bitmap:port", comment: "Kubernetes health check node port" },
+    SetDef { name: IPVS_IPS, kind: "hash:ip", comment: "Kubernetes service IP list" },
+];
+
+fn set_def(name: &str) -> &'static SetDef {
+    SETS.iter().find(|s| s.name == name).expect("a known set")
+}
+
+/// One planned virtual server: the service, its real servers, and the Service port it serves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VirtualServer {
+    pub service: Service,
+    pub dests: BTreeSet<(Ipv4Addr, u16)>,
+    pub owner: ServicePortName,
+}
+
+/// Everything the mode programs for one state.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub virtual_servers: BTreeMap<ServiceKey, VirtualServer>,
+    /// The addresses bound to `kube-ipvs0`: cluster, external and load balancer IPs.
+    pub bind: BTreeSet<Ipv4Addr>,
+    /// Each set's entries, in `ipset` syntax; every set of [`SETS`] is present.
+    pub sets: BTreeMap<&'static str, BTreeSet<String>>,
+    /// Load balancer frontends (address, protocol, port) whose source ranges leave out the
+    /// node: the node's own connections to them are dropped (`KUBE-IPVS-OUT-FILTER`).
+    pub no_node_access: BTreeSet<(Ipv4Addr, &'static str, u16)>,
+}
+
+impl Plan {
+    fn add(&mut self, set: &'static str, entry: String) {
+        self.sets.entry(set).or_default().insert(entry);
+    }
+
+    fn is_empty(&self, set: &str) -> bool {
+        self.sets.get(set).is_none_or(BTreeSet::is_empty)
+    }
+}
+
+/// The IPv4 endpoint addresses of `endpoints`.
+fn dests(endpoints: &[&Endpoint]) -> BTreeSet<(Ipv4Addr, u16)> {
+    endpoints
+        .iter()
+        .filter_map(|ep| match ep.ip {
+            IpAddr::V4(ip) => Some((ip, ep.port)),
+            IpAddr::V6(_) => None,
+        })
+        .collect()
+}
+
+fn within(addr: Ipv4Addr, net: Ipv4Addr, len: u8) -> bool {
+    let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+    u32::from(addr) & mask == u32::from(net) & mask
+}
+
+/// The virtual servers, bound addresses and set entries of `state` (kube-proxy's IPVS
+/// `syncProxyRules`, reduced to IPv4).
+///
+/// Real servers follow kube-proxy's `syncEndpoint`: the usable endpoints (ready, else serving
+/// and terminating); for a frontend whose traffic policy is Local (cluster IPs with
+/// internalTrafficPolicy Local; NodePorts, external and load balancer IPs with
+/// externalTrafficPolicy Local) only this node's, and when this node has none, the cluster's
+/// where the Service uses them, so that pods on this node still reach the Service (kube-proxy
+/// #97081; traffic from outside then reaches an endpoint without masquerade, and its reply is
+/// lost, as with kube-proxy).
+pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
+    let mut plan = Plan::default();
+    for def in SETS {
+        plan.sets.insert(def.name, BTreeSet::new());
+    }
+    for (spn, port) in &state.services {
+        let proto = protocol_name(port.protocol);
+        let cluster = state.usable_endpoints(spn, false);
+        let local = state.usable_endpoints(spn, true);
+        let external_ips = v4(&port.external_ips);
+        let lb_ips = v4(&port.load_balancer_ips);
+        let has_external =
+            port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
+        let uses_cluster =
+            !port.internal_traffic_local || (has_external && !port.external_traffic_local);
+        let for_policy = |local_policy: bool| {
+            if !local_policy {
+                dests(&cluster)
+            } else if !local.is_empty() {
+                dests(&local)
+            } else if uses_cluster {
+                dests(&cluster)
+            } else {
+                BTreeSet::new()
+            }
+        };
+        let internal = for_policy(port.internal_traffic_local);
+        let external = for_policy(port.external_traffic_local);
+        let (flags, timeout) = match port.session_affinity_timeout {
+            Some(t) => (FLAG_PERSISTENT, t),
+            None => (0, 0),
+        };
+        let add_vs = |plan: &mut Plan, addr: Ipv4Addr, vs_port: u16, dests| {
+            let key = ServiceKey {
+                addr,
+                protocol: port.protocol.number(),
+                port: vs_port,
+            };
+            plan.virtual_servers
+                .entry(key)
+                .or_insert_with(|| VirtualServer {
+                    service: Service {
+                        key,
+                        scheduler: settings.scheduler.clone(),
+                        flags,
+                        timeout,
+                        netmask: u32::MAX,
+                    },
+                    dests,
+                    owner: spn.clone(),
+                });
+        };
+        let ip_port = |ip: Ipv4Addr| format!("{ip},{proto}:{}", port.port);
+
+        for ip in v4(&port.cluster_ips) {
+            add_vs(&mut plan, ip, port.port, internal.clone());
+            plan.bind.insert(ip);
+            plan.add(CLUSTER_IP, ip_port(ip));
+        }
+        for &ip in &external_ips {
+            add_vs(&mut plan, ip, port.port, external.clone());
+            plan.bind.insert(ip);
+            let set = if port.external_traffic_local {
+                EXTERNAL_IP_LOCAL
+            } else {
+                EXTERNAL_IP
+            };
+            plan.add(set, ip_port(ip));
+        }
+        for &ip in &lb_ips {
+            add_vs(&mut plan, ip, port.port, external.clone());
+            plan.bind.insert(ip);
+            plan.add(LOAD_BALANCER, ip_port(ip));
+            if port.external_traffic_local {
+                plan.add(LOAD_BALANCER_LOCAL, ip_port(ip));
+            }
+            let ranges: Vec<(Ipv4Addr, u8)> = port
+                .source_ranges
+                .iter()
+                .filter_map(|(net, len)| match net {
+                    IpAddr::V4(net) => Some((*net, *len)),
+                    IpAddr::V6(_) => None,
+                })
+                .collect();
+            if port.source_ranges.is_empty() {
+                continue;
+            }
+            plan.add(LOAD_BALANCER_FW, ip_port(ip));
+            for (net, len) in &ranges {
+                plan.add(
+                    LOAD_BALANCER_SOURCE_CIDR,
+                    format!("{},{net}/{len}", ip_port(ip)),
+                );
+            }
+            let from_node = settings
+                .node_ips
+                .iter()
+                .any(|n| ranges.iter().any(|(net, len)| within(*n, *net, *len)));
+            if from_node {
+                // The node reaches the address with the address itself as source.
+                plan.add(LOAD_BALANCER_SOURCE_IP, format!("{},{ip}", ip_port(ip)));
+            } else {
+                plan.no_node_access.insert((ip, proto, port.port));
+            }
+        }
+        if let Some(node_port) = port.node_port {
+            for &ip in &settings.node_port_ips {
+                add_vs(&mut plan, ip, node_port, external.clone());
+            }
+            let (all, local_set) = match port.protocol {
+                Protocol::Tcp => (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
+                Protocol::Udp => (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
+                Protocol::Sctp => (NODE_PORT_SCTP, NODE_PORT_LOCAL_SCTP),
+            };
+            let entries: Vec<String> = if port.protocol == Protocol::Sctp {
+                settings
+                    .node_port_ips
+                    .iter()
+                    .map(|ip| format!("{ip},{proto}:{node_port}"))
+                    .collect()
+            } else {
+                vec![node_port.to_string()]
+            };
+            for entry in entries {
+                if port.external_traffic_local {
+                    plan.add(local_set, entry.clone());
+                }
+                plan.add(all, entry);
+            }
+        }
+        if let Some(hc) = port.health_check_node_port {
+            plan.add(HEALTH_CHECK_NODE_PORT, hc.to_string());
+        }
+        // Hairpin: a local endpoint reaching itself through the Service is masqueraded, so
+        // that its reply comes back through IPVS.
+        for ep in state.endpoints_of(spn) {
+            if let IpAddr::V4(ip) = ep.ip
+                && state.is_local(ep)
+            {
+                plan.add(LOOP_BACK, format!("{ip},{proto}:{},{ip}", ep.port));
+            }
+        }
+    }
+    for ip in plan.bind.clone() {
+        plan.add(IPVS_IPS, ip.to_string());
+    }
+    plan
+}
+
+/// The temporary set that set number `i` of [`SETS`] is refilled through.
+fn temp_set(i: usize) -> String {
+    format!("KUBE-IPVS-TMP-{i}")
+}
+
+/// Whether `name` is one of the mode's temporary sets.
+pub fn is_temp_set(name: &str) -> bool {
+    name.starts_with("KUBE-IPVS-TMP-")
+}
+
+fn create_args(kind: &str) -> &'static str {
+    if kind == "bitmap:port" {
+        "range 0-65535"
+    } else {
+        "family inet hashsize 1024 maxelem 65536"
+    }
+}
+
+/// The `ipset restore` input that makes every set of [`SETS`] hold exactly `sets`' entries:
+/// each set is created if missing, and refilled through a temporary set swapped in at once.
+pub fn ipset_restore(sets: &BTreeMap<&'static str, BTreeSet<String>>) -> String {
+    let mut out = String::new();
+    for (i, def) in SETS.iter().enumerate() {
+        let args = create_args(def.kind);
+        let tmp = temp_set(i);
+        let _ = writeln!(out, "create {} {} {args} -exist", def.name, def.kind);
+        let _ = writeln!(out, "create {tmp} {} {args} -exist", def.kind);
+        let _ = writeln!(out, "flush {tmp}");
+        for entry in sets.get(def.name).into_iter().flatten() {
+            let _ = writeln!(out, "add {tmp} {entry}");
+        }
+        let _ = writeln!(out, "swap {tmp} {}", def.name);
+        let _ = writeln!(out, "destroy {tmp}");
+    }
+    out
+}
+
+/// nat and filter chains of the mode: (table, chain).
+#[rustfmt::skip]
+pub const CHAINS: &[(&str, &str)] = &[
+    ("nat", "KUBE-SERVICES"),
+    ("nat", "KUBE-POSTROUTING"),
+    ("nat", "KUBE-NODE-PORT"),
+    ("nat", "KUBE-LOAD-BALANCER"),
+    ("nat", "KUBE-MARK-MASQ"),
+    ("filter", "KUBE-FORWARD"),
+    ("filter", "KUBE-NODE-PORT"),
+    ("filter", "KUBE-PROXY-FIREWALL"),
+    ("filter", "KUBE-SOURCE-RANGES-FIREWALL"),
+    ("filter", "KUBE-IPVS-FILTER"),
+    ("filter", "KUBE-IPVS-OUT-FILTER"),
+];
+
+/// The rules matching the non-empty sets: (set, table, chain, protocol match, match, target),
+/// kube-proxy's `ipsetWithIptablesChain`.
+#[rustfmt::skip]
+const SET_RULES: &[(&str, &str, &str, &str, &str, &str)] = &[
+    (LOOP_BACK, "nat", "KUBE-POSTROUTING", "", "dst,dst,src", "MASQUERADE"),
+    (LOAD_BALANCER, "nat", "KUBE-SERVICES", "", "dst,dst", "KUBE-LOAD-BALANCER"),
+    (LOAD_BALANCER_LOCAL, "nat", "KUBE-LOAD-BALANCER", "", "dst,dst", "RETURN"),
+    (NODE_PORT_LOCAL_TCP, "nat", "KUBE-NODE-PORT", "tcp", "dst", "RETURN"),
+    (NODE_PORT_TCP, "nat", "KUBE-NODE-PORT", "tcp", "dst", "KUBE-MARK-MASQ"),
+    (NODE_PORT_LOCAL_UDP, "nat", "KUBE-NODE-PORT", "udp", "dst", "RETURN"),
+    (NODE_PORT_UDP, "nat", "KUBE-NODE-PORT", "udp", "dst", "KUBE-MARK-MASQ"),
+    (NODE_PORT_LOCAL_SCTP, "nat", "KUBE-NODE-PORT", "sctp", "dst,dst", "RETURN"),
+    (NODE_PORT_SCTP, "nat", "KUBE-NODE-PORT", "sctp", "dst,dst", "KUBE-MARK-MASQ"),
+    (LOAD_BALANCER_FW, "filter", "KUBE-PROXY-FIREWALL", "", "dst,dst", "KUBE-SOURCE-RANGES-FIREWALL"),
+    (LOAD_BALANCER_SOURCE_CIDR, "filter", "KUBE-SOURCE-RANGES-FIREWALL", "", "dst,dst,src", "RETURN"),
+    (LOAD_BALANCER_SOURCE_IP, "filter", "KUBE-SOURCE-RANGES-FIREWALL", "", "dst,dst,src", "RETURN"),
+];
+
+/// The `iptables-restore --noflush` input of `plan`: every chain of [`CHAINS`] written whole.
+pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
+    let mut nat = String::new();
+    let mut filter = String::new();
+    let mut rule = |table: &str, chain: &str, args: &str| {
+        let out = if table == "nat" {
+            &mut nat
+        } else {
+            &mut filter
+        };
+        let _ = writeln!(out, "-A {chain} {args}");
+    };
+    let matching = |set: &str, how: &str| {
+        format!(
+            "-m comment --comment \"{}\" -m set --match-set {set} {how}",
+            set_def(set).comment
+        )
+    };
+
+    for (set, table, chain, proto, how, target) in SET_RULES {
+        if plan.is_empty(set) {
+            continue;
+        }
+        let proto = if proto.is_empty() {
+            String::new()
+        } else {
+            format!("-p {proto} ")
+        };
+        rule(
+            table,
+            chain,
+            &format!("{proto}{} -j {target}", matching(set, how)),
+        );
+    }
+    if !plan.is_empty(CLUSTER_IP) {
+        let args = if settings.masquerade_all {
+            format!("{} -j KUBE-MARK-MASQ", matching(CLUSTER_IP, "dst,dst"))
+        } else if let Some((net, len)) = settings.cluster_cidr {
+            format!(
+                "{} ! -s {net}/{len} -j KUBE-MARK-MASQ",
+                matching(CLUSTER_IP, "dst,dst")
+            )
+        } else {
+            // Without the pod range, only the node's own connections (whose source is the
+            // cluster IP itself, bound to kube-ipvs0) are masqueraded.
+            format!("{} -j KUBE-MARK-MASQ", matching(CLUSTER_IP, "src,dst"))
+        };
+        rule("nat", "KUBE-SERVICES", &args);
+    }
+    // External IPs: accepted (so that IPVS gets them) from off the node, and where the address
+    // is the node's own.
+    let external_ip_rules = |rule: &mut dyn FnMut(&str, &str, &str), m: &str| {
+        rule(
+            "nat",
+            "KUBE-SERVICES",
+            &format!("{m} -m physdev ! --physdev-is-in -m addrtype ! --src-type LOCAL -j ACCEPT"),
+        );
+        rule(
+            "nat",
+            "KUBE-SERVICES",
+            &format!("{m} -m addrtype --dst-type LOCAL -j ACCEPT"),
+        );
+    };
+    if !plan.is_empty(EXTERNAL_IP) {
+        let m = matching(EXTERNAL_IP, "dst,dst");
+        rule("nat", "KUBE-SERVICES", &format!("{m} -j KUBE-MARK-MASQ"));
+        external_ip_rules(&mut rule, &m);
+    }
+    if !plan.is_empty(EXTERNAL_IP_LOCAL) {
+        external_ip_rules(&mut rule, &matching(EXTERNAL_IP_LOCAL, "dst,dst"));
+    }
+    rule(
+        "nat",
+        "KUBE-SERVICES",
+        "-m addrtype --dst-type LOCAL -j KUBE-NODE-PORT",
+    );
+    rule("nat", "KUBE-LOAD-BALANCER", "-j KUBE-MARK-MASQ");
+    rule("filter", "KUBE-SOURCE-RANGES-FIREWALL", "-j DROP");
+    for (ip, proto, port) in &plan.no_node_access {
+        rule(
+            "filter",
+            "KUBE-IPVS-OUT-FILTER",
+            &format!("-s {ip} -m ipvs --vaddr {ip} --vproto {proto} --vport {port} -j DROP"),
+        );
+    }
+    // Traffic to the virtual servers is accepted before any other nat rule sees it.
+    for set in [CLUSTER_IP, LOAD_BALANCER] {
+        if !plan.is_empty(set) {
+            rule(
+                "nat",
+                "KUBE-SERVICES",
+                &format!("-m set --match-set {set} dst,dst -j ACCEPT"),
+            );
+        }
+    }
+    rule(
+        "filter",
+        "KUBE-FORWARD",
+        &format!(
+            "-m comment --comment \"kubernetes forwarding rules\" -m mark --mark {MASQ_MARK}/{MASQ_MARK} -j ACCEPT"
+        ),
+    );
+    rule(
+        "filter",
+        "KUBE-FORWARD",
+        "-m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    );
+    rule(
+        "filter",
+        "KUBE-NODE-PORT",
+        &format!("{} -j ACCEPT", matching(HEALTH_CHECK_NODE_PORT, "dst")),
+    );
+    // A service address (bound to kube-ipvs0, so local) answers only on its Services' ports:
+    // new connections to another port would reach the node's own listeners (kube-proxy #72236).
+    for (set, how) in [
+        (LOAD_BALANCER, "dst,dst"),
+        (CLUSTER_IP, "dst,dst"),
+        (EXTERNAL_IP, "dst,dst"),
+        (EXTERNAL_IP_LOCAL, "dst,dst"),
+        (HEALTH_CHECK_NODE_PORT, "dst"),
+    ] {
+        rule(
+            "filter",
+            "KUBE-IPVS-FILTER",
+            &format!("-m set --match-set {set} {how} -j RETURN"),
+        );
+    }
+    rule(
+        "filter",
+        "KUBE-IPVS-FILTER",
+        &format!("-m conntrack --ctstate NEW -m set --match-set {IPVS_IPS} dst -j REJECT"),
+    );
+    rule(
+        "nat",
+        "KUBE-POSTROUTING",
+        &format!("-m mark ! --mark {MASQ_MARK}/{MASQ_MARK} -j RETURN"),
+    );
+    // Cleared, so that a packet traversing the rules again is not masqueraded again.
+    rule(
+        "nat",
+        "KUBE-POSTROUTING",
+        &format!("-j MARK --xor-mark {MASQ_MARK}"),
+    );
+    rule(
+        "nat",
+        "KUBE-POSTROUTING",
+        "-m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully",
+    );
+    rule(
+        "nat",
+        "KUBE-MARK-MASQ",
+        &format!("-j MARK --or-mark {MASQ_MARK}"),
+    );
+
+    let mut out = String::new();
+    for (table, rules) in [("filter", &filter), ("nat", &nat)] {
+        let _ = writeln!(out, "*{table}");
+        for (_, chain) in CHAINS.iter().filter(|(t, _)| *t == table) {
+            let _ = writeln!(out, ":{chain} - [0:0]");
+        }
+        out.push_str(rules);
+        out.push_str("COMMIT\n");
+    }
+    out
+}
+
+/// The virtual servers of `plan` as `ipvsadm -Ln` lists them (for the golden file and logs).
+pub fn describe(plan: &Plan) -> String {
+    let mut out = String::new();
+    for vs in plan.virtual_servers.values() {
+        let s = &vs.service;
+        let persistent = if s.flags & FLAG_PERSISTENT != 0 {
+            format!(" persistent {}", s.timeout)
+        } else {
+            String::new()
+        };
+        let _ = writeln!(out, "{} {}{persistent}  # {}", s.key, s.scheduler, vs.owner);
+        for (ip, port) in &vs.dests {
+            let _ = writeln!(out, "  -> {ip}:{port} Masq 1");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{fixture, golden};
+
+    pub(crate) const FIXTURE: &str = include_str!("testdata/services.yaml");
+
+    pub(crate) fn settings() -> Settings {
+        Settings {
+            scheduler: "rr".into(),
+            cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+            masquerade_all: false,
+            node_port_ips: vec![Ipv4Addr::new(192, 0, 2, 11)],
+            node_ips: vec![Ipv4Addr::new(192, 0, 2, 11)],
+        }
+    }
+
+    #[test]
+    fn plan_and_rules_match_the_golden_files() {
+        let plan = plan(&fixture(FIXTURE), &settings());
+        golden("ipvs", "ipvs.golden", &describe(&plan));
+        golden("ipvs", "ipset.golden", &ipset_restore(&plan.sets));
+        golden(
+            "ipvs",
+            "rules.golden",
+            &iptables_restore(&plan, &settings()),
+        );
+    }
+
+    fn vs(plan: &Plan, addr: [u8; 4], port: u16) -> &VirtualServer {
+        plan.virtual_servers
+            .values()
+            .find(|v| v.service.key.addr == Ipv4Addr::from(addr) && v.service.key.port == port)
+            .unwrap_or_else(|| panic!("no virtual server {addr:?}:{port}:\n{}", describe(plan)))
+    }
+
+    #[test]
+    fn policies_pick_the_real_servers_as_kube_proxy() {
+        let state = fixture(FIXTURE);
+        let plan = plan(&state, &settings());
+        let ips = |v: &VirtualServer| {
+            v.dests
+                .iter()
+                .map(|(ip, _)| ip.to_string())
+                .collect::<Vec<_>>()
+        };
+        // eTP Local with a local endpoint: only it behind the NodePort and the LB address; the
+        // cluster IP has all.
+        assert_eq!(ips(vs(&plan, [192, 0, 2, 11], 30081)), ["10.244.1.13"]);
+        assert_eq!(ips(vs(&plan, [203, 0, 113, 11], 80)), ["10.244.1.13"]);
+        assert_eq!(
+            ips(vs(&plan, [10, 96, 0, 21], 80)),
+            ["10.244.1.13", "10.244.2.13"]
+        );
+        // Session affinity: persistent, the affinity timeout.
+        let dns = vs(&plan, [10, 96, 0, 53], 53);
+        assert_eq!(
+            (
+                dns.service.flags,
+                dns.service.timeout,
+                dns.service.key.protocol
+            ),
+            (FLAG_PERSISTENT, 10800, 17)
+        );
+        assert!(plan.bind.contains(&Ipv4Addr::new(203, 0, 113, 11)));
+        assert!(
+            !plan.bind.contains(&Ipv4Addr::new(192, 0, 2, 11)),
+            "node addresses stay"
+        );
+        // The node (192.0.2.11) is inside shop/local's source range 192.0.2.0/24: it may reach
+        // the address, whose own address is the source of its connections.
+        assert!(plan.no_node_access.is_empty());
+        assert!(plan.sets[LOAD_BALANCER_SOURCE_IP].contains("203.0.113.11,tcp:80,203.0.113.11"));
+        let outside = Settings {
+            node_ips: vec![Ipv4Addr::new(198, 18, 0, 1)],
+            ..settings()
+        };
+        let plan = super::plan(&state, &outside);
+        assert!(plan.sets[LOAD_BALANCER_SOURCE_IP].is_empty());
+        assert!(
+            plan.no_node_access
+                .contains(&(Ipv4Addr::new(203, 0, 113, 11), "tcp", 80))
+        );
+        let rules = iptables_restore(&plan, &outside);
+        assert!(rules.contains(
+            "-A KUBE-IPVS-OUT-FILTER -s 203.0.113.11 -m ipvs --vaddr 203.0.113.11 --vproto tcp --vport 80 -j DROP"
+        ), "{rules}");
+    }
+
+    #[test]
+    fn masquerade_without_a_cluster_cidr_or_with_masquerade_all() {
+        let state = fixture(FIXTURE);
+        let none = Settings {
+            cluster_cidr: None,
+            ..settings()
+        };
+        let text = iptables_restore(&plan(&state, &none), &none);
+        assert!(
+            text.contains("--match-set KUBE-CLUSTER-IP src,dst -j KUBE-MARK-MASQ"),
+            "{text}"
+        );
+        let all = Settings {
+            masquerade_all: true,
+            ..settings()
+        };
+        let text = iptables_restore(&plan(&state, &all), &all);
+        assert!(
+            text.contains("--match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"),
+            "{text}"
+        );
+        assert!(!text.contains("! -s"), "{text}");
+    }
+
+    #[test]
+    fn every_set_is_written_even_empty() {
+        let text = ipset_restore(&plan(&DesiredState::default(), &settings()).sets);
+        for def in SETS {
+            assert!(
+                text.contains(&format!("create {} {} ", def.name, def.kind)),
+                "{text}"
+            );
+            assert!(def.name.len() <= 31, "{} is too long for ipset", def.name);
+        }
+        assert!(!text.contains("add "), "{text}");
+    }
+}

@@ -1,0 +1,213 @@
+//! kube-proxy's nftables mode, for nodes where the eBPF datapath cannot run: the ruleset of
+//! [`rules`] in `table ip kube-proxy`, written with one `nft -f` transaction per sync, and
+//! stale UDP conntrack entries deleted when endpoints go.
+//!
+//! As kube-proxy's, syncs are incremental: between full syncs only the changed Service ports'
+//! chains and map elements are written. The dataplane keeps what the table holds
+//! ([`rules::Programmed`]); a failed transaction changes nothing in the kernel, but the next
+//! sync writes the table anew all the same.
+pub mod inspect;
+pub mod rules;
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context, bail};
+
+use crate::{
+    dataplane::{Dataplane, Scope},
+    model::DesiredState,
+    modes::ebpf::external::NodePortAddresses,
+    modes::iptables::node_port_ips,
+    netfilter::stale_udp::StaleUdp,
+};
+
+/// What the mode is configured with (kube-proxy's flags).
+#[derive(Clone, Debug)]
+pub struct NftablesConfig {
+    /// `--cluster-cidr`.
+    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
+    pub node_port_addresses: NodePortAddresses,
+    pub primary: Vec<IpAddr>,
+}
+
+pub struct NftablesDataplane {
+    config: NftablesConfig,
+    /// What the table holds; None until the first sync and after a failed one.
+    programmed: Option<rules::Programmed>,
+    udp: StaleUdp,
+}
+
+impl NftablesDataplane {
+    /// Checks that nft works here. What an earlier run left in the table is replaced at the
+    /// first sync.
+    pub fn new(config: NftablesConfig) -> anyhow::Result<Self> {
+        let output = Command::new("nft")
+            .args(["list", "tables"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .context(
+                "running nft: the nftables mode needs the nft command (the nftables package)",
+            )?;
+        if !output.status.success() {
+            bail!(
+                "nft list tables failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        Ok(Self {
+            config,
+            programmed: None,
+            udp: StaleUdp::default(),
+        })
+    }
+
+    fn settings(&self) -> anyhow::Result<rules::Settings> {
+        Ok(rules::Settings {
+            cluster_cidr: self.config.cluster_cidr,
+            masquerade_all: self.config.masquerade_all,
+            node_port_addresses: node_port_ips(
+                &self.config.node_port_addresses,
+                &self.config.primary,
+            )?,
+        })
+    }
+}
+
+impl Dataplane for NftablesDataplane {
+    fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
+        let settings = self.settings()?;
+        // Taken: if the transaction fails, the next sync starts from an unknown table.
+        let rendered = rules::render(state, &settings, self.programmed.take(), scope);
+        if !rendered.text.is_empty() {
+            nft(&rendered.text)?;
+        }
+        self.programmed = Some(rendered.programmed);
+        self.udp.clear(state);
+        Ok(())
+    }
+}
+
+/// Runs `nft -f -` on `input`: one transaction, all or nothing.
+fn nft(input: &str) -> anyhow::Result<()> {
+    crate::command::pipe("nft", &["-f", "-"], input)
+}
+
+/// The tables kube-proxy's nftables mode writes: ours, and in dual-stack clusters kube-proxy's
+/// IPv6 one.
+const TABLES: &[&str] = &["ip kube-proxy", "ip6 kube-proxy"];
+
+/// Whether `table` exists here (false also when nft cannot be run).
+fn exists(table: &str) -> bool {
+    Command::new("nft")
+        .args(["list", "table"])
+        .args(table.split(' '))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Removes the tables (kube-proxy's `--cleanup`): everything the mode installed, and kube-proxy's
+/// own. Nothing installed: nothing done.
+pub fn cleanup() -> anyhow::Result<()> {
+    for table in TABLES.iter().filter(|t| exists(t)) {
+        nft(&format!("delete table {table}\n"))?;
+        tracing::info!(table, "cleaned up the nftables rules");
+    }
+    Ok(())
+}
+
+/// Whether the mode's table is installed here (an earlier run in this mode, or kube-proxy's).
+pub fn installed() -> bool {
+    TABLES.iter().any(|t| exists(t))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeSet, io::Write as _};
+
+    use super::*;
+    use crate::{
+        model::{NamespacedName, Protocol, ServicePortName},
+        modes::nftables::rules::tests::FIXTURE,
+        testing::fixture,
+    };
+
+    /// Set to 1 to make the kernel tests fail instead of skipping (as the sandbox tests').
+    const NO_SKIP_ENV: &str = "SANDBOX_NO_SKIP";
+
+    /// Whether tests that program nftables can run here (root, nft). Otherwise prints a loud
+    /// `SKIPPED <test>: <reason>` line to stderr and returns false (or panics when
+    /// `SANDBOX_NO_SKIP=1`).
+    pub(super) fn privileged(test: &str) -> bool {
+        // SAFETY: geteuid has no preconditions.
+        let reason = if unsafe { libc::geteuid() } != 0 {
+            "not running as root".to_string()
+        } else {
+            match Command::new("nft").arg("--version").output() {
+                Ok(o) if o.status.success() => return true,
+                Ok(o) => format!(
+                    "nft --version failed: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+                Err(e) => format!("nft unavailable: {e}"),
+            }
+        };
+        if std::env::var(NO_SKIP_ENV).is_ok_and(|v| v == "1") {
+            panic!("{test} cannot run: {reason} ({NO_SKIP_ENV}=1)");
+        }
+        // Straight to fd 2: `eprintln!` would be captured by the test harness.
+        let _ = writeln!(std::io::stderr(), "\nSKIPPED {test}: {reason}\n");
+        false
+    }
+
+    /// The dataplane as the agent drives it, in a network namespace of the test's thread:
+    /// the table appears at the first sync, follows a partial one, and cleanup removes it.
+    #[test]
+    fn dataplane_syncs_and_cleans_up() {
+        if !privileged("modes::nftables::tests::dataplane_syncs_and_cleans_up") {
+            return;
+        }
+        // A thread of its own: the namespace is the thread's, and so its children's (nft).
+        std::thread::spawn(|| {
+            // SAFETY: unshare has no memory preconditions; it changes this thread only.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+            assert!(!installed());
+            cleanup().unwrap();
+            let mut dp = NftablesDataplane::new(NftablesConfig {
+                cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+                masquerade_all: false,
+                node_port_addresses: NodePortAddresses::Cidrs(vec![(Ipv4Addr::UNSPECIFIED, 0)]),
+                primary: Vec::new(),
+            })
+            .unwrap();
+            let mut state = fixture(FIXTURE);
+            dp.sync(&state, Scope::All).unwrap();
+            assert!(installed());
+            let web =
+                ServicePortName::new(NamespacedName::new("shop", "web"), "http", Protocol::Tcp);
+            state.services.remove(&web);
+            dp.sync(&state, Scope::Changed(&BTreeSet::from([web])))
+                .unwrap();
+            let listed = Command::new("nft")
+                .args(["list", "table", "ip", "kube-proxy"])
+                .output()
+                .unwrap();
+            let listed = String::from_utf8_lossy(&listed.stdout);
+            assert!(listed.contains("chain services {"), "{listed}");
+            assert!(!listed.contains("shop/web"), "{listed}");
+            cleanup().unwrap();
+            assert!(!installed());
+        })
+        .join()
+        .unwrap();
+    }
+}

@@ -1,0 +1,642 @@
+//! kube-proxy's userspace mode (its first proxy mode, removed in 1.26), for nodes where neither
+//! BPF nor NAT to the endpoints is wanted: the agent itself proxies every Service port. Each
+//! Service port gets a proxy socket on an ephemeral port of the node ([`proxy`]), which picks
+//! an endpoint ([`balancer`]: round robin, ClientIP affinity, retries) and copies the bytes;
+//! iptables nat rules ([`rules`], one `iptables-restore --noflush` per sync) send the Service's
+//! frontends to it.
+//!
+//! A Service port keeps its proxy socket, and so its proxy port and its rules, for as long as
+//! it exists: a sync that changes only its endpoints changes only the socket's endpoint list,
+//! and established connections carry on. Its socket closes when it goes (its proxied TCP
+//! connections carry on, as in kube-proxy). Each sync reconciles the sockets of the Service
+//! ports in its scope ([`Scope::All`]: all of them, and closes those of Service ports the state
+//! no longer names), then rewrites the rules of all.
+//!
+//! What the proxy cannot do, as in kube-proxy: the endpoint sees the node's address, never the
+//! client's. So externalTrafficPolicy Local is honoured only in its choice of endpoints (this
+//! node's), not in keeping the client address; where it picks other endpoints than
+//! internalTrafficPolicy, the external frontends get a proxy socket of their own. Also unlike
+//! the other modes: IPv4 only, no SCTP, and the proxy sockets listen on every node address.
+pub mod balancer;
+pub mod inspect;
+pub mod proxy;
+pub mod rules;
+
+#[cfg(test)]
+mod netns_tests;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    hash::BuildHasher as _,
+    net::{IpAddr, Ipv4Addr},
+    process::{Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use tokio::runtime::Handle;
+
+use self::{
+    balancer::Balancer,
+    proxy::{ProxySocket, Shared},
+    rules::{Listener, ProxyPorts},
+};
+use crate::{
+    dataplane::{Dataplane, Scope},
+    model::{DesiredState, Protocol, ServicePortName},
+    modes::ebpf::external::{self, InterfaceAddr, NodePortAddresses},
+    modes::iptables::Backend,
+};
+
+/// kube-proxy's default `--udp-timeout`: how long a UDP session lives without traffic.
+pub const DEFAULT_UDP_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// What the mode is configured with (kube-proxy's flags).
+#[derive(Clone, Debug)]
+pub struct UserspaceConfig {
+    /// Which iptables the rules go to (`--iptables-backend`).
+    pub backend: Backend,
+    /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
+    pub node_port_addresses: NodePortAddresses,
+    /// The Node object's addresses (empty with the manifest source). The first IPv4 one the
+    /// node holds is where the node's own traffic to a Service is DNATed to.
+    pub primary: Vec<IpAddr>,
+    /// `--udp-timeout`: a UDP session ends after this long without a datagram either way.
+    pub udp_timeout: Duration,
+}
+
+/// The iptables backends, for cleanup and detection.
+const BACKENDS: [Backend; 2] = [Backend::Legacy, Backend::Nft];
+
+const PORTALS_COMMENT: &str = "handle ClusterIPs; NOTE: this must be before the NodePort rules";
+const NODEPORTS_COMMENT: &str =
+    "handle service NodePorts; NOTE: this must be the last rule in the chain";
+const NON_LOCAL_COMMENT: &str = "Ensure that non-local NodePort traffic can flow";
+const FIREWALL_COMMENT: &str = "kubernetes service portals firewall";
+
+/// The jumps from the built-in chains to the mode's: (table, chain, inserted first (else
+/// appended), match, target). The first five are kube-proxy's own, so that cleanup also
+/// removes what a kube-proxy in userspace mode left.
+#[rustfmt::skip]
+const JUMPS: &[(&str, &str, bool, &[&str], &str)] = &[
+    ("nat", "PREROUTING", true, &["-m", "comment", "--comment", PORTALS_COMMENT], rules::CONTAINER_PORTALS),
+    ("nat", "OUTPUT", true, &["-m", "comment", "--comment", PORTALS_COMMENT], rules::HOST_PORTALS),
+    ("nat", "PREROUTING", false, &["-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", NODEPORTS_COMMENT], rules::CONTAINER_NODEPORTS),
+    ("nat", "OUTPUT", false, &["-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", NODEPORTS_COMMENT], rules::HOST_NODEPORTS),
+    ("filter", "INPUT", true, &["-m", "comment", "--comment", NON_LOCAL_COMMENT], rules::NON_LOCAL_NODEPORTS),
+    ("filter", "INPUT", true, &["-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", FIREWALL_COMMENT], rules::FIREWALL),
+    ("filter", "FORWARD", true, &["-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", FIREWALL_COMMENT], rules::FIREWALL),
+    ("filter", "OUTPUT", true, &["-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", FIREWALL_COMMENT], rules::FIREWALL),
+];
+
+/// The proxy sockets of one Service port.
+#[derive(Debug, Default)]
+struct ServiceProxy {
+    internal: Option<ProxySocket>,
+    /// Only where the external frontends need their own ([`rules::needs_external_listener`]).
+    external: Option<ProxySocket>,
+}
+
+impl ServiceProxy {
+    fn ports(&self) -> Option<ProxyPorts> {
+        Some(ProxyPorts {
+            internal: self.internal.as_ref()?.port,
+            external: self.external.as_ref().map(|s| s.port),
+        })
+    }
+
+    fn sockets(&self) -> impl Iterator<Item = &ProxySocket> {
+        self.internal.iter().chain(&self.external)
+    }
+}
+
+pub struct UserspaceDataplane {
+    config: UserspaceConfig,
+    /// Where the proxy sockets are served: the agent's runtime.
+    runtime: Handle,
+    proxies: BTreeMap<ServicePortName, ServiceProxy>,
+    /// Proxy ports of UDP sockets closed or left without endpoints since the rules were last
+    /// written: their conntrack entries are deleted once the new rules are in.
+    stale_udp: Vec<u16>,
+    /// Service ports already reported as not proxied (SCTP).
+    unsupported: BTreeSet<ServicePortName>,
+    jumps_checked: bool,
+    warned_no_node_ip: bool,
+}
+
+/// Raises the limit of open files as far as the kernel allows (`fs.nr_open`): a proxy socket a
+/// Service port and one or two a proxied connection exhaust a container runtime's default
+/// (often 1024, or tens of thousands) with thousands of Services. Without CAP_SYS_RESOURCE,
+/// only up to the hard limit. Returns the limit now in force (children inherit it).
+pub fn raise_open_files_limit() -> u64 {
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1 << 20);
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write the one struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return 0;
+        }
+        let before = limit.rlim_cur;
+        let wanted = libc::rlimit {
+            rlim_cur: nr_open,
+            rlim_max: nr_open.max(limit.rlim_max),
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) == 0 {
+            tracing::info!(before, after = nr_open, "raised the limit of open files");
+            return nr_open;
+        }
+        let e = std::io::Error::last_os_error();
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        tracing::warn!(
+            limit = limit.rlim_cur,
+            "cannot raise the limit of open files to fs.nr_open ({e}): a proxy socket a \
+             Service port and two a connection must fit in it"
+        );
+    }
+    limit.rlim_cur
+}
+
+impl UserspaceDataplane {
+    /// Checks that iptables works here; the proxy sockets will be served on the current tokio
+    /// runtime (the agent's), so this must be called from within it.
+    pub fn new(config: UserspaceConfig) -> anyhow::Result<Self> {
+        let runtime = Handle::try_current()
+            .context("the userspace mode serves its proxy sockets on a tokio runtime")?;
+        owned_chains(config.backend, "nat").context(
+            "the userspace mode needs iptables-save and iptables-restore (the iptables package)",
+        )?;
+        raise_open_files_limit();
+        Ok(Self {
+            config,
+            runtime,
+            proxies: BTreeMap::new(),
+            stale_udp: Vec::new(),
+            unsupported: BTreeSet::new(),
+            jumps_checked: false,
+            warned_no_node_ip: false,
+        })
+    }
+
+    /// The proxy ports of the Service port `spn`, if it has a proxy socket.
+    pub fn proxy_ports(&self, spn: &ServicePortName) -> Option<ProxyPorts> {
+        self.proxies.get(spn)?.ports()
+    }
+
+    fn settings(&mut self) -> anyhow::Result<rules::Settings> {
+        let addresses = external::interface_addresses()?;
+        let default_route = external::default_route_interface();
+        let node_ip = match node_ip(&self.config.primary, default_route.as_deref(), &addresses) {
+            Some(ip) => ip,
+            None => {
+                if !self.warned_no_node_ip {
+                    tracing::warn!(
+                        "the node has no IPv4 address but loopback ones: its own processes reach \
+                         Services through 127.0.0.1 (TCP works, UDP replies do not)"
+                    );
+                    self.warned_no_node_ip = true;
+                }
+                Ipv4Addr::LOCALHOST
+            }
+        };
+        let every = matches!(&self.config.node_port_addresses,
+            NodePortAddresses::Cidrs(c) if c.iter().any(|(_, len)| *len == 0));
+        let node_port_addresses = (!every).then(|| {
+            external::node_addresses(
+                &self.config.node_port_addresses,
+                &self.config.primary,
+                default_route.as_deref(),
+                &addresses,
+            )
+            .iter()
+            .map(|a| a.addr)
+            .collect()
+        });
+        Ok(rules::Settings {
+            node_ip,
+            node_port_addresses,
+        })
+    }
+
+    /// Opens, updates or closes the proxy sockets of `spn` to match `state`.
+    fn reconcile(&mut self, state: &DesiredState, spn: &ServicePortName) -> std::io::Result<()> {
+        let port = state.services.get(spn);
+        let Some(port) = port.filter(|p| rules::proxied(p)) else {
+            if let Some(mut gone) = self.proxies.remove(spn) {
+                for slot in [&mut gone.internal, &mut gone.external] {
+                    close(slot, &mut self.stale_udp);
+                }
+            }
+            if port.is_some_and(|p| p.protocol == Protocol::Sctp)
+                && self.unsupported.insert(spn.clone())
+            {
+                tracing::warn!(service = %spn, "not proxied: the userspace mode has no SCTP");
+            }
+            return Ok(());
+        };
+        let affinity = port
+            .session_affinity_timeout
+            .map(|s| Duration::from_secs(s.into()));
+        let opener = Opener {
+            runtime: &self.runtime,
+            udp_timeout: self.config.udp_timeout,
+            protocol: port.protocol,
+            affinity,
+        };
+        let proxy = self.proxies.entry(spn.clone()).or_default();
+        opener.update(
+            &mut proxy.internal,
+            spn.to_string(),
+            rules::endpoints(state, spn, port, Listener::Internal),
+            &mut self.stale_udp,
+        )?;
+        if rules::needs_external_listener(port) {
+            opener.update(
+                &mut proxy.external,
+                format!("{spn} (external)"),
+                rules::endpoints(state, spn, port, Listener::External),
+                &mut self.stale_udp,
+            )?;
+        } else {
+            close(&mut proxy.external, &mut self.stale_udp);
+        }
+        Ok(())
+    }
+}
+
+/// Opens and updates the proxy sockets of one Service port.
+struct Opener<'a> {
+    runtime: &'a Handle,
+    udp_timeout: Duration,
+    protocol: Protocol,
+    affinity: Option<Duration>,
+}
+
+impl Opener<'_> {
+    /// Makes `slot` an open proxy socket for `name` proxying to `endpoints`: the one there
+    /// (only its endpoints and affinity updated), or a new one.
+    fn update(
+        &self,
+        slot: &mut Option<ProxySocket>,
+        name: String,
+        endpoints: Vec<std::net::SocketAddrV4>,
+        stale_udp: &mut Vec<u16>,
+    ) -> std::io::Result<()> {
+        if slot.as_ref().is_some_and(|s| !s.is_running()) {
+            tracing::error!(service = %name, "the proxy socket's task stopped: opening another");
+            close(slot, stale_udp);
+        }
+        let socket = match slot {
+            Some(socket) => socket,
+            None => {
+                // A random start, so that nodes do not all begin with the same endpoint.
+                let start = std::hash::RandomState::new().hash_one(&name) as usize;
+                let shared = Arc::new(Shared {
+                    name,
+                    balancer: std::sync::Mutex::new(Balancer::new(self.affinity, start)),
+                });
+                let socket =
+                    ProxySocket::open(self.runtime, self.protocol, shared, self.udp_timeout)?;
+                tracing::info!(
+                    service = %socket.shared.name,
+                    protocol = %self.protocol,
+                    proxy_port = socket.port,
+                    "opened the proxy socket"
+                );
+                slot.insert(socket)
+            }
+        };
+        let mut balancer = socket.shared.balancer();
+        balancer.set_affinity(self.affinity);
+        let had_endpoints = !balancer.endpoints().is_empty();
+        if balancer.set_endpoints(endpoints) {
+            tracing::debug!(
+                service = %socket.shared.name,
+                endpoints = ?balancer.endpoints(),
+                "endpoints changed"
+            );
+            if self.protocol == Protocol::Udp && had_endpoints && balancer.endpoints().is_empty() {
+                stale_udp.push(socket.port);
+            }
+            socket.end_sessions_not_to(balancer.endpoints());
+        }
+        Ok(())
+    }
+}
+
+/// Closes the proxy socket in `slot`, if any.
+fn close(slot: &mut Option<ProxySocket>, stale_udp: &mut Vec<u16>) {
+    if let Some(socket) = slot.take() {
+        tracing::info!(
+            service = %socket.shared.name,
+            protocol = %socket.protocol,
+            proxy_port = socket.port,
+            "closed the proxy socket"
+        );
+        if socket.protocol == Protocol::Udp {
+            stale_udp.push(socket.port);
+        }
+    }
+}
+
+impl Dataplane for UserspaceDataplane {
+    fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
+        let names: BTreeSet<ServicePortName> = match scope {
+            Scope::All => self
+                .proxies
+                .keys()
+                .chain(state.services.keys())
+                .cloned()
+                .collect(),
+            Scope::Changed(changed) => changed.clone(),
+        };
+        let mut failed = Vec::new();
+        for spn in &names {
+            if let Err(e) = self.reconcile(state, spn) {
+                failed.push(format!("{spn}: {e}"));
+            }
+        }
+        let settings = self.settings()?;
+        let ports: BTreeMap<ServicePortName, ProxyPorts> = self
+            .proxies
+            .iter()
+            .filter_map(|(spn, proxy)| Some((spn.clone(), proxy.ports()?)))
+            .collect();
+        restore(
+            self.config.backend,
+            &rules::render(state, &settings, &ports),
+        )?;
+        // The chains exist now; the jumps to them are checked once and at each full or
+        // periodic sync (something else may have flushed the built-in chains).
+        if !self.jumps_checked || scope.checks_jumps() {
+            ensure_jumps(self.config.backend)?;
+            self.jumps_checked = true;
+        }
+        // UDP flows redirected to a socket now closed (or without endpoints) would keep going
+        // there while their conntrack entry lives: deleted, their next datagram meets the new
+        // rules (kube-proxy cleared a removed UDP Service's entries too).
+        for port in self.stale_udp.drain(..) {
+            clear_udp_flows(port);
+        }
+        self.expire_affinity();
+        if !failed.is_empty() {
+            bail!("opening proxy sockets failed: {}", failed.join("; "));
+        }
+        Ok(())
+    }
+
+    fn housekeeping(&mut self) -> anyhow::Result<()> {
+        self.expire_affinity();
+        Ok(())
+    }
+}
+
+impl UserspaceDataplane {
+    /// Forgets the clients whose session affinity expired.
+    fn expire_affinity(&self) {
+        let now = Instant::now();
+        for socket in self.proxies.values().flat_map(ServiceProxy::sockets) {
+            socket.shared.balancer().expire(now);
+        }
+    }
+}
+
+/// Where the node's own traffic to a Service is DNATed to (kube-proxy's `hostIP`): the first
+/// IPv4 address of the Node object (`primary`) that the node holds, else the first address of
+/// the default route's interface, else the first of another interface than the loopback one
+/// (whose other addresses are service addresses, such as a load balancer's for DSR).
+fn node_ip(
+    primary: &[IpAddr],
+    default_route: Option<&str>,
+    addresses: &[InterfaceAddr],
+) -> Option<Ipv4Addr> {
+    let held = |ip: &Ipv4Addr| !ip.is_loopback() && addresses.iter().any(|a| a.addr == *ip);
+    let not_lo = |a: &InterfaceAddr| a.interface != "lo" && !a.addr.is_loopback();
+    primary
+        .iter()
+        .filter_map(|ip| match ip {
+            IpAddr::V4(ip) => Some(*ip),
+            IpAddr::V6(_) => None,
+        })
+        .find(held)
+        .or_else(|| {
+            addresses
+                .iter()
+                .find(|a| Some(a.interface.as_str()) == default_route && not_lo(a))
+                .map(|a| a.addr)
+        })
+        .or_else(|| addresses.iter().find(|a| not_lo(a)).map(|a| a.addr))
+}
+
+/// Runs `iptables-restore --noflush` on `input`: one transaction, all or nothing.
+fn restore(b: Backend, input: &str) -> anyhow::Result<()> {
+    crate::modes::iptables::restore(b, input)
+}
+
+/// `iptables -t TABLE OP CHAIN [1] MATCH -j TARGET` for one of [`JUMPS`]; whether it succeeded.
+fn jump(
+    b: Backend,
+    op: &str,
+    (table, chain, first, matches, target): &(&str, &str, bool, &[&str], &str),
+) -> anyhow::Result<bool> {
+    let op = match op {
+        "add" if *first => "-I",
+        "add" => "-A",
+        other => other,
+    };
+    let mut args = vec!["-w", "-t", table, op, chain];
+    if op == "-I" {
+        args.push("1");
+    }
+    args.extend_from_slice(matches);
+    args.extend(["-j", target]);
+    let status = Command::new(b.tool("iptables"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .context("running iptables")?;
+    Ok(status.success())
+}
+
+fn ensure_jumps(b: Backend) -> anyhow::Result<()> {
+    for rule in JUMPS {
+        if !jump(b, "-C", rule)? && !jump(b, "add", rule)? {
+            bail!("cannot add the jump to {} in {} {}", rule.4, rule.0, rule.1);
+        }
+    }
+    Ok(())
+}
+
+/// The chains of `table` that the mode owns and that exist, as iptables-save lists them.
+fn owned_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
+    let output = Command::new(b.tool("iptables-save"))
+        .args(["-t", table])
+        .stderr(Stdio::piped())
+        .output()
+        .context("running iptables-save")?;
+    if !output.status.success() {
+        bail!(
+            "iptables-save -t {table} failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    let owned: &[&str] = rules::CHAINS
+        .iter()
+        .find(|(t, _)| *t == table)
+        .map_or(&[], |(_, c)| c);
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
+        .filter(|c| owned.contains(c))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Whether `b`'s tools can be run here.
+fn available(b: Backend) -> bool {
+    Command::new(b.tool("iptables-save"))
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// How many of the mode's chains `b` holds (0 when its tools fail).
+fn held(b: Backend) -> usize {
+    rules::CHAINS
+        .iter()
+        .map(|(table, _)| owned_chains(b, table).map_or(0, |c| c.len()))
+        .sum()
+}
+
+/// The backend for `--iptables-backend auto`: the one already holding the mode's chains (an
+/// earlier run's, or a kube-proxy's in userspace mode), else as the iptables mode picks.
+pub fn detect_backend() -> anyhow::Result<Backend> {
+    let (legacy, nft) = (held(Backend::Legacy), held(Backend::Nft));
+    if legacy != nft {
+        return Ok(if legacy > nft {
+            Backend::Legacy
+        } else {
+            Backend::Nft
+        });
+    }
+    Backend::detect()
+}
+
+/// Removes everything the mode installed (or a kube-proxy in userspace mode left), from both
+/// backends: the jumps, then the chains (kube-proxy's `--cleanup`). Nothing installed: nothing
+/// done. The proxy sockets are the agent's own and go with it.
+pub fn cleanup() -> anyhow::Result<()> {
+    for b in BACKENDS.into_iter().filter(|b| available(*b)) {
+        let mut removed = 0;
+        for rule in JUMPS {
+            while jump(b, "-D", rule)? {
+                removed += 1;
+            }
+        }
+        let mut input = String::new();
+        for (table, _) in rules::CHAINS {
+            let chains = owned_chains(b, table)?;
+            if chains.is_empty() {
+                continue;
+            }
+            input.push_str(&format!("*{table}\n"));
+            for chain in &chains {
+                input.push_str(&format!(":{chain} - [0:0]\n"));
+            }
+            for chain in &chains {
+                input.push_str(&format!("-X {chain}\n"));
+            }
+            input.push_str("COMMIT\n");
+            removed += chains.len();
+        }
+        if !input.is_empty() {
+            restore(b, &input)?;
+        }
+        if removed > 0 {
+            tracing::info!(
+                backend = b.name(),
+                removed,
+                "cleaned up the userspace mode's rules"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether the mode's chains are installed here, in either backend (an earlier run in this
+/// mode, or a kube-proxy's in userspace mode).
+pub fn installed() -> bool {
+    BACKENDS.into_iter().any(|b| held(b) > 0)
+}
+
+/// Deletes the conntrack entries of UDP flows redirected to the proxy port `port`.
+fn clear_udp_flows(port: u16) {
+    let port = port.to_string();
+    let args = ["-D", "-p", "udp", "--dst-nat", "--reply-port-src", &port];
+    match Command::new("conntrack")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+    {
+        Ok(o) if o.status.success() => {}
+        // conntrack exits 1 when no entry matched.
+        Ok(o) if String::from_utf8_lossy(&o.stderr).contains("0 flow entries") => {}
+        Ok(o) => tracing::warn!(
+            proxy_port = %port,
+            "deleting stale UDP conntrack entries: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => tracing::warn!("deleting stale UDP conntrack entries: conntrack: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_node_ip_is_a_held_primary_address_else_the_default_routes() {
+        let a = |interface: &str, addr: [u8; 4]| InterfaceAddr {
+            interface: interface.into(),
+            addr: addr.into(),
+        };
+        let addresses = [
+            a("eth0", [192, 0, 2, 11]),
+            a("eth1", [198, 51, 100, 7]),
+            a("lo", [127, 0, 0, 1]),
+            a("lo", [203, 0, 113, 10]),
+        ];
+        let ip = |o: [u8; 4]| IpAddr::V4(o.into());
+        // The Node's first IPv4 address held here (an ExternalIP NATed by a cloud is not).
+        assert_eq!(
+            node_ip(
+                &[ip([203, 0, 113, 1]), ip([198, 51, 100, 7])],
+                Some("eth0"),
+                &addresses
+            ),
+            Some(Ipv4Addr::new(198, 51, 100, 7))
+        );
+        assert_eq!(
+            node_ip(&[], Some("eth1"), &addresses),
+            Some(Ipv4Addr::new(198, 51, 100, 7))
+        );
+        assert_eq!(
+            node_ip(&[], None, &addresses),
+            Some(Ipv4Addr::new(192, 0, 2, 11))
+        );
+        // Never the loopback interface's.
+        assert_eq!(node_ip(&[], Some("lo"), &addresses[2..]), None);
+        assert_eq!(node_ip(&[], None, &addresses[2..]), None);
+    }
+}

@@ -1,0 +1,4 @@
+//! What the netfilter modes (iptables, nftables, IPVS, userspace) share.
+pub mod conntrack;
+pub mod iptables_save;
+pub mod stale_udp;

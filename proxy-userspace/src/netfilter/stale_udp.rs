@@ -1,0 +1,117 @@
+//! Stale UDP conntrack entries, for the netfilter modes (iptables, nftables): UDP has no
+//! connection to end, so a conntrack entry keeps sending a flow to the endpoint it was NATed to
+//! even after that endpoint left, or keeps a flow that arrived while a port had no endpoints
+//! unNATed. Deleting the entries makes the next packet pick an endpoint again (kube-proxy's
+//! `conntrack.CleanStaleEntries`).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr},
+    process::{Command, Stdio},
+};
+
+use crate::{
+    model::{DesiredState, Protocol, ServicePortName},
+    modes::iptables::rules::v4,
+};
+
+/// What a UDP Service port was last programmed with: its frontends and endpoints, to find the
+/// conntrack entries a change leaves stale.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct UdpPort {
+    frontends: Vec<Ipv4Addr>,
+    node_port: Option<u16>,
+    endpoints: BTreeSet<Ipv4Addr>,
+}
+
+/// The UDP Service ports as last programmed.
+#[derive(Debug, Default)]
+pub struct StaleUdp {
+    ports: BTreeMap<ServicePortName, UdpPort>,
+}
+
+impl StaleUdp {
+    /// Deletes the conntrack entries of UDP flows that the change to `state` (now programmed)
+    /// left pointing nowhere: to an endpoint that left (kube-proxy's rule), or blackholed while
+    /// a port had no endpoints.
+    pub fn clear(&mut self, state: &DesiredState) {
+        let mut now = BTreeMap::new();
+        for (spn, port) in &state.services {
+            if port.protocol != Protocol::Udp {
+                continue;
+            }
+            let mut frontends = v4(&port.cluster_ips);
+            frontends.extend(v4(&port.external_ips));
+            frontends.extend(v4(&port.load_balancer_ips));
+            let endpoints = state
+                .usable_endpoints(spn, false)
+                .iter()
+                .filter_map(|ep| match ep.ip {
+                    IpAddr::V4(ip) => Some(ip),
+                    IpAddr::V6(_) => None,
+                })
+                .collect();
+            now.insert(
+                spn.clone(),
+                UdpPort {
+                    frontends,
+                    node_port: port.node_port,
+                    endpoints,
+                },
+            );
+        }
+        for (spn, before) in &self.ports {
+            let after = now.get(spn).cloned().unwrap_or_default();
+            for gone in before.endpoints.difference(&after.endpoints) {
+                for vip in &before.frontends {
+                    conntrack_delete(&[
+                        "--orig-dst",
+                        &vip.to_string(),
+                        "--dst-nat",
+                        &gone.to_string(),
+                    ]);
+                }
+                if let Some(node_port) = before.node_port {
+                    conntrack_delete(&[
+                        "--dport",
+                        &node_port.to_string(),
+                        "--dst-nat",
+                        &gone.to_string(),
+                    ]);
+                }
+            }
+        }
+        for (spn, after) in &now {
+            let had = self.ports.get(spn).is_some_and(|b| !b.endpoints.is_empty());
+            if !had && !after.endpoints.is_empty() {
+                for vip in &after.frontends {
+                    conntrack_delete(&["--orig-dst", &vip.to_string()]);
+                }
+                if let Some(node_port) = after.node_port {
+                    conntrack_delete(&["--dport", &node_port.to_string()]);
+                }
+            }
+        }
+        self.ports = now;
+    }
+}
+
+/// `conntrack -D -p udp ARGS`; finding nothing to delete is not an error.
+fn conntrack_delete(args: &[&str]) {
+    let result = Command::new("conntrack")
+        .args(["-D", "-p", "udp"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output();
+    match result {
+        Ok(o) if o.status.success() => {}
+        // conntrack exits 1 when no entry matched.
+        Ok(o) if String::from_utf8_lossy(&o.stderr).contains("0 flow entries") => {}
+        Ok(o) => tracing::warn!(
+            ?args,
+            "deleting stale UDP conntrack entries: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => tracing::warn!("deleting stale UDP conntrack entries: conntrack: {e}"),
+    }
+}

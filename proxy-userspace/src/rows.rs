@@ -1,0 +1,148 @@
+//! The rows `inspect` prints: every mode's reader returns its programming as these, so one
+//! table printer serves them all.
+use serde::Serialize;
+
+/// One service address with its backends, in slot order.
+#[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ServiceRow {
+    /// `*:port` for a NodePort (every node address).
+    pub address: String,
+    pub protocol: &'static str,
+    /// ClusterIP, NodePort, LoadBalancer or ExternalIP.
+    pub kind: &'static str,
+    /// The endpoints of an externalTrafficPolicy Local frontend for clients inside the cluster.
+    pub in_cluster_scope: bool,
+    pub backends: Vec<BackendRow>,
+    /// Removed: serves only the TCP connections already established through it.
+    pub draining: bool,
+    /// Only this node's endpoints (internalTrafficPolicy: Local on a cluster IP,
+    /// externalTrafficPolicy: Local on the others); none: dropped.
+    pub local_only: bool,
+    /// loadBalancerSourceRanges: the only sources admitted from outside.
+    pub source_ranges: Vec<String>,
+    /// sessionAffinity ClientIP, with this timeout.
+    pub affinity_timeout_seconds: Option<u32>,
+    /// New flows pick by Maglev (else at random).
+    pub maglev: bool,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord, Clone)]
+pub struct BackendRow {
+    pub id: u32,
+    pub address: String,
+    pub protocol: &'static str,
+    /// Left its service port: keeps its established TCP connections, takes no new flows.
+    pub draining: bool,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+pub struct FlowRow {
+    pub direction: &'static str,
+    pub protocol: &'static str,
+    pub source: String,
+    pub destination: String,
+    /// The service address the flow was sent to.
+    pub service: String,
+    pub backend_id: u32,
+    /// A flow from outside the node (NodePort, LoadBalancer, external IP).
+    pub external: bool,
+    /// For a flow sent to another node's endpoint: the node address and port it is sent from
+    /// (forward entry), or the client it answers (reply entry).
+    pub translated: Option<String>,
+    pub packets: u64,
+    pub idle_seconds: f64,
+    /// A FIN or RST was seen: the entry has the short closing lifetime.
+    pub closing: bool,
+    /// Past its lifetime: the programs ignore it (the LRU evicts it eventually).
+    pub expired: bool,
+}
+
+/// A client's affinity to a backend (sessionAffinity ClientIP).
+#[derive(Debug, Serialize, PartialEq)]
+pub struct AffinityRow {
+    pub client: String,
+    pub service: String,
+    pub protocol: &'static str,
+    pub backend_id: u32,
+    pub idle_seconds: f64,
+}
+
+/// A flow the kernel's conntrack table holds (the nftables, iptables and userspace modes).
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct ConntrackRow {
+    /// Always `forward`: the kernel's entry holds both directions.
+    pub direction: &'static str,
+    pub protocol: &'static str,
+    pub source: String,
+    /// The frontend the client sent the flow to.
+    pub destination: String,
+    /// The service address it matched (`*:port` for a NodePort).
+    pub service: String,
+    /// A flow to a NodePort, load balancer or external IP.
+    pub external: bool,
+    /// Where the flow was sent: the endpoint (in the userspace mode, the proxy port).
+    pub translated: String,
+    /// Packets from the client; None unless the kernel counts them
+    /// (`net.netfilter.nf_conntrack_acct`).
+    pub packets: Option<u64>,
+    /// TCP's state; for UDP, `replied` or `unreplied`.
+    pub state: String,
+    /// The seconds the kernel keeps the entry without traffic.
+    pub expires_seconds: u64,
+}
+
+/// A client's affinity to an endpoint, as the kernel remembers it (nftables, iptables modes).
+#[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ClientAffinityRow {
+    pub client: String,
+    /// The Service port, as kube-proxy names it (`namespace/name:port`).
+    pub service: String,
+    pub protocol: &'static str,
+    pub endpoint: String,
+    /// The seconds until it is forgotten; None where the kernel does not say (iptables).
+    pub expires_seconds: Option<u64>,
+}
+
+/// A row without endpoints or policies yet.
+pub(crate) fn row(address: String, protocol: &'static str, kind: &'static str) -> ServiceRow {
+    ServiceRow {
+        address,
+        protocol,
+        kind,
+        in_cluster_scope: false,
+        backends: Vec::new(),
+        draining: false,
+        local_only: false,
+        source_ranges: Vec::new(),
+        affinity_timeout_seconds: None,
+        maglev: false,
+    }
+}
+
+/// An endpoint as a row lists it (ids are the eBPF maps'; none here).
+pub(crate) fn backend(address: String, protocol: &'static str) -> BackendRow {
+    BackendRow {
+        id: 0,
+        address,
+        protocol,
+        draining: false,
+    }
+}
+
+/// A protocol as iptables and nft name it (or its number), as the rows spell it.
+pub(crate) fn protocol(name: &str) -> &'static str {
+    match name.to_ascii_lowercase().as_str() {
+        "tcp" | "6" => "TCP",
+        "udp" | "17" => "UDP",
+        "sctp" | "132" => "SCTP",
+        _ => "?",
+    }
+}
+
+/// A source range as the rows show it: `10.0.0.1` as `10.0.0.1/32`.
+pub(crate) fn range(addr: &str) -> String {
+    match addr.contains('/') {
+        true => addr.to_owned(),
+        false => format!("{addr}/32"),
+    }
+}

@@ -1,0 +1,101 @@
+//! Helpers for the unit tests: the shared fixture and golden files, and the guard of tests that
+//! need root.
+use std::{io::Write as _, process::Command};
+
+use crate::{
+    model::{ChangeTracker, DesiredState},
+    rows::ServiceRow,
+    source::manifest::{self, Object},
+};
+
+/// Whether tests that write rules into the kernel can run here (root, `tool`). Otherwise
+/// prints a loud `SKIPPED <test>: <reason>` line and returns false (or panics when
+/// `SANDBOX_NO_SKIP=1`), as the modes' own kernel tests do.
+pub(crate) fn privileged(test: &str, tool: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let reason = if unsafe { libc::geteuid() } != 0 {
+        "not running as root".to_owned()
+    } else {
+        match Command::new(tool).arg("--version").output() {
+            Ok(o) if o.status.success() => return true,
+            Ok(o) => format!(
+                "{tool} --version failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Err(e) => format!("{tool} unavailable: {e}"),
+        }
+    };
+    if std::env::var("SANDBOX_NO_SKIP").is_ok_and(|v| v == "1") {
+        panic!("{test} cannot run: {reason} (SANDBOX_NO_SKIP=1)");
+    }
+    // Straight to fd 2: `eprintln!` would be captured by the test harness.
+    let _ = writeln!(std::io::stderr(), "\nSKIPPED {test}: {reason}\n");
+    false
+}
+
+/// Runs `f` on a thread in a network namespace of its own (its commands run there too).
+pub(crate) fn in_new_netns(f: impl FnOnce() -> anyhow::Result<String> + Send + 'static) -> String {
+    std::thread::spawn(move || {
+        // SAFETY: unshare has no memory preconditions; it changes this thread only.
+        assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+        f()
+    })
+    .join()
+    .unwrap()
+    .unwrap()
+}
+
+/// The Services of `text` (a manifest such as testdata/services.yaml) as node1 sees them.
+pub(crate) fn fixture(text: &str) -> DesiredState {
+    let parsed = manifest::parse(text).expect("the fixture parses");
+    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
+    let mut tracker = ChangeTracker::new();
+    for object in &parsed.objects {
+        match object {
+            Object::Service(svc) => tracker.update_service(svc).unwrap(),
+            Object::EndpointSlice(slice) => {
+                tracker.update_slice(slice).unwrap();
+            }
+        }
+    }
+    let mut state = DesiredState {
+        node_name: "node1".into(),
+        ..DesiredState::default()
+    };
+    tracker.apply(&mut state);
+    state
+}
+
+/// Compares `text` with the golden file `name` in the testdata/ of `mode` (`iptables`,
+/// `nftables`), or rewrites the file when UPDATE_GOLDEN is set: a rule change shows in
+/// review as a change of that file.
+pub(crate) fn golden(mode: &str, name: &str, text: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/modes")
+        .join(mode)
+        .join("testdata")
+        .join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, text).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_default();
+    if want != text {
+        let first = want
+            .lines()
+            .zip(text.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(want.lines().count().min(text.lines().count()));
+        panic!(
+            "{} differs from the rules rendered now, first at line {} \
+             (UPDATE_GOLDEN=1 rewrites it):\n{text}",
+            path.display(),
+            first + 1
+        );
+    }
+}
+
+/// The addresses of a row's endpoints.
+pub(crate) fn rule_backends(row: &ServiceRow) -> Vec<&str> {
+    row.backends.iter().map(|b| b.address.as_str()).collect()
+}
