@@ -33,7 +33,8 @@ use kube::{
 use tokio::sync::oneshot;
 
 use crate::{
-    model::{ChangeTracker, InvalidObject, NamespacedName},
+    kubernetes::InvalidObject,
+    model::{ChangeTracker, NamespacedName},
     serve::healthz::ProxyHealth,
     sync::SyncHandle,
 };

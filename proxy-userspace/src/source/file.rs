@@ -21,7 +21,8 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
 
-use crate::model::{ChangeTracker, InvalidObject, NamespacedName, ServiceUpdate, SliceUpdate};
+use crate::kubernetes::InvalidObject;
+use crate::model::{ChangeTracker, NamespacedName, ServiceUpdate, SliceUpdate};
 use crate::source::manifest::{self, ManifestError, Object};
 use crate::sync::SyncHandle;
 

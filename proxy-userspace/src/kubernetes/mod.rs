@@ -1,0 +1,87 @@
+//! The only code that knows the Kubernetes API's shapes: Services and EndpointSlices validated
+//! and reduced to what the tracker records of them.
+mod service;
+mod slice;
+
+use std::net::IpAddr;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+pub use self::{
+    service::{DEFAULT_AFFINITY_TIMEOUT, LB_ALGORITHM_ANNOTATION, service_skip_reason},
+    slice::LAST_CHANGE_TRIGGER_TIME,
+};
+use crate::model::{NamespacedName, Protocol, shared};
+
+/// Links an EndpointSlice to the Service it belongs to (in the slice's namespace).
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Objects with this label are handled by another proxy, as kube-proxy's informers filter them out.
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Set on the EndpointSlices of headless services, which kube-proxy's informers also filter out.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+
+/// An object that cannot be programmed. The tracker keeps the last valid version of it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{kind} {}: {reason}", show_key(key))]
+pub struct InvalidObject {
+    pub kind: &'static str,
+    /// The object's namespace and name; the name is empty when that is what is wrong.
+    pub key: NamespacedName,
+    pub reason: String,
+}
+
+fn show_key(key: &NamespacedName) -> String {
+    if key.name.is_empty() {
+        format!("{}/<no name>", key.namespace)
+    } else {
+        key.to_string()
+    }
+}
+
+fn object_key(kind: &'static str, meta: &ObjectMeta) -> Result<NamespacedName, InvalidObject> {
+    let key = NamespacedName::new(
+        shared(meta.namespace.as_deref().unwrap_or_default()),
+        meta.name.as_deref().unwrap_or_default(),
+    );
+    let missing = if key.name.is_empty() {
+        "metadata.name"
+    } else if key.namespace.is_empty() {
+        "metadata.namespace"
+    } else {
+        return Ok(key);
+    };
+    Err(InvalidObject {
+        kind,
+        key,
+        reason: format!("{missing} is missing"),
+    })
+}
+
+fn parse_ip(field: &str, value: &str) -> Result<IpAddr, String> {
+    value
+        .parse()
+        .map_err(|_| format!("{field}: {value:?} is not an IP address"))
+}
+
+fn parse_ips<'a>(
+    field: &str,
+    values: impl IntoIterator<Item = &'a String>,
+) -> Result<Vec<IpAddr>, String> {
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(i, value)| parse_ip(&format!("{field}[{i}]"), value))
+        .collect()
+}
+
+fn port_number(field: &str, value: i32) -> Result<u16, String> {
+    u16::try_from(value)
+        .ok()
+        .filter(|&port| port != 0)
+        .ok_or_else(|| format!("{field} {value} is not in 1..=65535"))
+}
+
+/// The protocol of an optional API field, which the API server defaults to TCP.
+fn protocol_or_tcp(value: Option<&str>) -> Result<Protocol, String> {
+    value.map_or(Ok(Protocol::Tcp), str::parse)
+}

@@ -1,0 +1,158 @@
+//! The names of things: namespaced objects, Service ports, protocols.
+use std::{
+    collections::HashSet,
+    fmt,
+    str::FromStr,
+    sync::{Arc, LazyLock, Mutex, PoisonError},
+};
+
+/// A namespaced object's name. The strings are shared: the tracker, the desired state and a
+/// dataplane's bookkeeping each keep copies of the names of every service port, so a copy is a
+/// reference count rather than two allocations.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NamespacedName {
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
+}
+
+impl NamespacedName {
+    pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for NamespacedName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// The IP protocol number, as it appears in the IP header.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        })
+    }
+}
+
+impl FromStr for Protocol {
+    type Err = String;
+
+    /// Accepts the API's spelling only: "tcp" is rejected by the API server too.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "TCP" => Ok(Protocol::Tcp),
+            "UDP" => Ok(Protocol::Udp),
+            "SCTP" => Ok(Protocol::Sctp),
+            _ => Err(format!("protocol {s:?} is not TCP, UDP or SCTP")),
+        }
+    }
+}
+
+/// One port of one service: the unit that is programmed. Its fields are [`PortName`]'s.
+///
+/// A shared pointer, 8 bytes: the tracker, the desired state and a dataplane's bookkeeping keep
+/// several copies of every service port's name, mostly as map keys, so with tens of thousands
+/// of ports the copies' size, not the names', is what counts. Compared, ordered and hashed by
+/// value.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName(Arc<PortName>);
+
+/// What a [`ServicePortName`] names.
+#[derive(PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PortName {
+    pub service: NamespacedName,
+    /// The port's name; "" for the single unnamed port a service may have.
+    pub port: Arc<str>,
+    pub protocol: Protocol,
+}
+
+impl std::ops::Deref for ServicePortName {
+    type Target = PortName;
+
+    fn deref(&self) -> &PortName {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServicePortName")
+            .field("service", &self.service)
+            .field("port", &self.port)
+            .field("protocol", &self.protocol)
+            .finish()
+    }
+}
+
+impl ServicePortName {
+    pub fn new(service: NamespacedName, port: impl Into<Arc<str>>, protocol: Protocol) -> Self {
+        Self(Arc::new(PortName {
+            service,
+            port: port.into(),
+            protocol,
+        }))
+    }
+
+    /// The smallest name of `service`'s ports, to range over them in a sorted map.
+    pub(crate) fn first_of(service: &NamespacedName) -> Self {
+        Self::new(service.clone(), "", Protocol::Tcp)
+    }
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}", self.service)
+        } else {
+            write!(f, "{}:{}", self.service, self.port)
+        }
+    }
+}
+
+/// A string that many objects share (a namespace, a node, zone or port name), kept once
+/// however many objects name it. Strings no object uses any more are dropped as the set grows,
+/// so it stays within twice the names in use.
+pub(crate) fn shared(name: &str) -> Arc<str> {
+    #[derive(Default)]
+    struct Shared {
+        names: HashSet<Arc<str>>,
+        /// Its size after the last clean-up.
+        kept: usize,
+    }
+    static SHARED: LazyLock<Mutex<Shared>> = LazyLock::new(Default::default);
+    let mut shared = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(name) = shared.names.get(name) {
+        return Arc::clone(name);
+    }
+    if shared.names.len() >= 2 * shared.kept.max(512) {
+        shared.names.retain(|name| Arc::strong_count(name) > 1);
+        shared.kept = shared.names.len();
+    }
+    let name = Arc::<str>::from(name);
+    shared.names.insert(Arc::clone(&name));
+    name
+}

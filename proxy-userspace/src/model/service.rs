@@ -1,0 +1,71 @@
+//! A Service port and its endpoints, as the desired state holds them.
+use std::{fmt, net::IpAddr, sync::Arc};
+
+use super::Protocol;
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum TargetPort {
+    Number(u16),
+    /// A container port name; resolved per endpoint through the EndpointSlice port of the same name.
+    Name(String),
+}
+
+impl fmt::Display for TargetPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TargetPort::Number(n) => write!(f, "{n}"),
+            TargetPort::Name(name) => f.write_str(name),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    /// spec.clusterIPs (or spec.clusterIP), primary family first.
+    pub cluster_ips: Vec<IpAddr>,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub target_port: TargetPort,
+    pub node_port: Option<u16>,
+    pub external_ips: Vec<IpAddr>,
+    /// status.loadBalancer.ingress[].ip (hostname-only entries carry no address to program).
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// Some(seconds) when sessionAffinity is ClientIP.
+    pub session_affinity_timeout: Option<u32>,
+    /// externalTrafficPolicy is Local and the service is reachable from outside the cluster.
+    pub external_traffic_local: bool,
+    /// internalTrafficPolicy is Local.
+    pub internal_traffic_local: bool,
+    /// The Service's [`crate::kubernetes::LB_ALGORITHM_ANNOTATION`], if set (else the agent's `--lb-algorithm`).
+    pub lb_algorithm: Option<LbAlgorithm>,
+    /// spec.loadBalancerSourceRanges (or kube-proxy's fallback, the
+    /// `service.beta.kubernetes.io/load-balancer-source-ranges` annotation) of a LoadBalancer
+    /// Service: the only sources its load balancer addresses accept. Empty: any source.
+    pub source_ranges: Vec<(IpAddr, u8)>,
+    /// spec.healthCheckNodePort, kept only where kube-proxy serves it: LoadBalancer Services
+    /// with externalTrafficPolicy Local (see `service_health.rs`). A Service-wide field, on
+    /// each of its ports.
+    pub health_check_node_port: Option<u16>,
+}
+
+/// How new flows pick an endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LbAlgorithm {
+    /// At random (kube-proxy's iptables and nftables modes do the same).
+    Random,
+    /// Maglev consistent hashing of the 5-tuple: the same endpoint for a flow on every node,
+    /// and few flows move when an endpoint comes or goes.
+    Maglev,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Endpoint {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    /// Shared with the tracker's copy of the slice (and with every port the endpoint serves).
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
+}

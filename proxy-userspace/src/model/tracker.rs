@@ -1,0 +1,413 @@
+//! The change tracker: Services and EndpointSlices in, the desired state and the changed
+//! Service ports out.
+use std::{
+    collections::BTreeMap,
+    collections::{BTreeSet, HashMap},
+    net::IpAddr,
+    sync::Arc,
+    time::SystemTime,
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+use super::{DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName};
+use crate::kubernetes::InvalidObject;
+
+/// An endpoint left out of an EndpointSlice whose other endpoints are used, as kube-proxy skips
+/// single endpoints it cannot program.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("EndpointSlice {slice}: {reason}; this endpoint is skipped")]
+pub struct SkippedEndpoint {
+    pub slice: NamespacedName,
+    pub reason: String,
+}
+
+/// The ports of one service, as parsed from the Service object, sorted by name. A boxed slice
+/// rather than a map: most services have one or two ports, and a map's node would take about
+/// 2 KiB each. Each port is shared with the desired state.
+pub(crate) type ServiceInfo = Box<[(ServicePortName, Arc<ServicePort>)]>;
+
+/// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
+/// that comparing two versions says whether anything programmable changed.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SliceInfo {
+    pub(crate) service: NamespacedName,
+    pub(crate) ports: Box<[SlicePort]>,
+    pub(crate) endpoints: Box<[SliceEndpoint]>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SlicePort {
+    pub(crate) name: Arc<str>,
+    pub(crate) protocol: Protocol,
+    pub(crate) port: u16,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SliceEndpoint {
+    pub(crate) ip: IpAddr,
+    pub(crate) ready: bool,
+    pub(crate) serving: bool,
+    pub(crate) terminating: bool,
+    pub(crate) node_name: Option<Arc<str>>,
+    pub(crate) zone: Option<Arc<str>>,
+}
+
+/// A Service reduced to what the tracker records of it: what a source computes from the object
+/// (without holding the tracker) and may keep to compare with the next version.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceUpdate {
+    pub key: NamespacedName,
+    /// None: not proxied (`skip_reason` says why); the tracker treats it as deleted.
+    pub(crate) ports: Option<Arc<ServiceInfo>>,
+    /// Why it is not proxied (see [`service_skip_reason`]).
+    pub skip_reason: Option<&'static str>,
+}
+
+/// An EndpointSlice reduced to what the tracker records of it; see [`ServiceUpdate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SliceUpdate {
+    pub key: NamespacedName,
+    /// None: not proxied (headless, another proxy's, FQDN); the tracker treats it as deleted.
+    pub(crate) info: Option<Arc<SliceInfo>>,
+    /// The endpoints left out of it.
+    pub(crate) skipped: Vec<SkippedEndpoint>,
+    /// [`LAST_CHANGE_TRIGGER_TIME`], when the slice has a valid one.
+    pub(crate) trigger_time: Option<SystemTime>,
+}
+
+/// Everything one service's desired state is computed from. Cloning is cheap (reference counts).
+#[derive(Debug, PartialEq)]
+struct Inputs {
+    service: Option<Arc<ServiceInfo>>,
+    slices: Vec<(NamespacedName, Arc<SliceInfo>)>,
+}
+
+/// Tracks Services and EndpointSlices and the services changed since the last [`apply`].
+///
+/// [`apply`]: ChangeTracker::apply
+#[derive(Debug, Default)]
+pub struct ChangeTracker {
+    /// Proxied services; skipped ones (headless, ExternalName...) are absent.
+    services: HashMap<NamespacedName, Arc<ServiceInfo>>,
+    /// Keyed by the slice's own namespace/name.
+    slices: HashMap<NamespacedName, Arc<SliceInfo>>,
+    /// Owner service -> its slices, sorted (a service has few). Slices may arrive before their
+    /// service, so an entry can exist without a service.
+    slices_by_service: HashMap<NamespacedName, Vec<NamespacedName>>,
+    /// The endpoints skipped in each slice's current version (slices with none are absent), so
+    /// that each is reported once rather than on every update of its slice.
+    skipped: HashMap<NamespacedName, Vec<SkippedEndpoint>>,
+    /// Services with changes not yet applied -> their inputs as last applied (`previous`); the
+    /// live maps above are `current`.
+    pending: HashMap<NamespacedName, Inputs>,
+    /// The trigger times of the pending changes' slices, by service (see
+    /// [`ChangeTracker::take_trigger_times`]).
+    trigger_times: HashMap<NamespacedName, Vec<SystemTime>>,
+    /// Trigger times before this are ignored: a slice listed at start may carry one from long
+    /// ago (kube-proxy's rule). None: every one counts.
+    started: Option<SystemTime>,
+}
+
+impl ChangeTracker {
+    pub fn new() -> Self {
+        // In whole seconds, as trigger times are written: a change made in the second the
+        // tracker started counts.
+        let now = SystemTime::now();
+        let into_second = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(std::time::Duration::ZERO, |d| {
+                std::time::Duration::from_nanos(d.subsec_nanos().into())
+            });
+        Self {
+            started: Some(now - into_second),
+            ..Self::default()
+        }
+    }
+
+    /// Records the latest version of a Service. A service that is not proxied (see
+    /// [`service_skip_reason`]) counts as deleted.
+    pub fn update_service(&mut self, svc: &Service) -> Result<(), InvalidObject> {
+        self.set_service(&ServiceUpdate::parse(svc)?);
+        Ok(())
+    }
+
+    /// [`ChangeTracker::update_service`] with the Service already read.
+    pub fn set_service(&mut self, update: &ServiceUpdate) {
+        let key = &update.key;
+        self.change(key, |t| match &update.ports {
+            Some(ports) => t.services.insert(key.clone(), Arc::clone(ports)),
+            None => t.services.remove(key),
+        });
+    }
+
+    pub fn delete_service(&mut self, key: &NamespacedName) {
+        if self.services.contains_key(key) {
+            self.change(key, |t| t.services.remove(key));
+        }
+    }
+
+    /// Records the latest version of an EndpointSlice. Slices of headless services, slices for
+    /// another proxy and FQDN slices count as deleted. Endpoints that cannot be programmed are
+    /// left out; the ones not already reported for this slice are returned, to be logged.
+    pub fn update_slice(
+        &mut self,
+        slice: &EndpointSlice,
+    ) -> Result<Vec<SkippedEndpoint>, InvalidObject> {
+        Ok(self.set_slice(&SliceUpdate::parse(slice)?))
+    }
+
+    /// [`ChangeTracker::update_slice`] with the EndpointSlice already read.
+    pub fn set_slice(&mut self, update: &SliceUpdate) -> Vec<SkippedEndpoint> {
+        let key = &update.key;
+        let Some(info) = &update.info else {
+            self.delete_slice(key);
+            return Vec::new();
+        };
+        let skipped = &update.skipped;
+        let reported = self.skipped.remove(key).unwrap_or_default();
+        let new: Vec<SkippedEndpoint> = skipped
+            .iter()
+            .filter(|s| !reported.contains(s))
+            .cloned()
+            .collect();
+        if !skipped.is_empty() {
+            self.skipped.insert(key.clone(), skipped.clone());
+        }
+        let owner = &info.service;
+        let old_owner = self
+            .slices
+            .get(key)
+            .map(|old| old.service.clone())
+            .filter(|old| old != owner);
+        // A relabelled slice leaves its old service: both services change.
+        if let Some(old_owner) = &old_owner {
+            self.change(old_owner, |t| t.unlink_slice(old_owner, key));
+        }
+        self.change(owner, |t| {
+            let slices = t.slices_by_service.entry(owner.clone()).or_default();
+            if let Err(at) = slices.binary_search(key) {
+                slices.insert(at, key.clone());
+            }
+            t.slices.insert(key.clone(), Arc::clone(info));
+        });
+        if let Some(time) = update.trigger_time
+            && self.pending.contains_key(owner)
+            && self.started.is_none_or(|started| time >= started)
+        {
+            self.trigger_times
+                .entry(owner.clone())
+                .or_default()
+                .push(time);
+        }
+        new
+    }
+
+    /// Forgets the slice named `key` (its own namespace/name).
+    pub fn delete_slice(&mut self, key: &NamespacedName) {
+        self.skipped.remove(key);
+        let Some(owner) = self.slices.get(key).map(|s| s.service.clone()) else {
+            return;
+        };
+        self.change(&owner, |t| {
+            t.unlink_slice(&owner, key);
+            t.slices.remove(key);
+        });
+    }
+
+    /// The Services the tracker holds (proxied ones, at their last valid version).
+    pub fn service_keys(&self) -> Vec<NamespacedName> {
+        self.services.keys().cloned().collect()
+    }
+
+    /// The EndpointSlices the tracker holds (see [`ChangeTracker::service_keys`]).
+    pub fn slice_keys(&self) -> Vec<NamespacedName> {
+        self.slices.keys().cloned().collect()
+    }
+
+    /// True when some service's inputs differ from those last applied. [`apply`] may still report
+    /// nothing when the difference does not reach the desired state (an endpoint moved from one
+    /// slice to another, say).
+    ///
+    /// [`apply`]: ChangeTracker::apply
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// The trigger times ([`LAST_CHANGE_TRIGGER_TIME`]) of the slice changes that the last
+    /// [`apply`] took, for the network programming latency once they are programmed. Changes
+    /// that cancelled out left none.
+    ///
+    /// [`apply`]: ChangeTracker::apply
+    pub fn take_trigger_times(&mut self) -> Vec<SystemTime> {
+        let pending = &self.pending;
+        let (taken, kept) = std::mem::take(&mut self.trigger_times)
+            .into_iter()
+            .partition(|(service, _)| !pending.contains_key(service));
+        self.trigger_times = kept;
+        taken.into_values().flatten().collect()
+    }
+
+    /// Applies pending changes to `state`; returns every ServicePortName whose service port or
+    /// endpoints changed (added, modified or removed). Changes that cancel out (A->B->A) are
+    /// dropped. The work is proportional to the changed services, not to all of them.
+    pub fn apply(&mut self, state: &mut DesiredState) -> BTreeSet<ServicePortName> {
+        let pending = std::mem::take(&mut self.pending);
+        if state.services.is_empty() && state.endpoints.is_empty() {
+            return self.apply_fresh(pending.into_keys(), state);
+        }
+        let mut changed = BTreeSet::new();
+        for service in pending.into_keys() {
+            let (ports, endpoints) = self.render(&service);
+            // `state` holds what was applied last: diffing against it (rather than against the
+            // saved inputs) keeps `state` exact whatever it held before.
+            sync_range(&mut state.services, &service, ports, &mut changed);
+            sync_range(&mut state.endpoints, &service, endpoints, &mut changed);
+        }
+        changed
+    }
+
+    /// [`ChangeTracker::apply`] to an empty state (the first sync): the maps are built at once
+    /// from sorted entries, which fills their nodes (inserting one by one leaves them about
+    /// two-thirds full: megabytes with tens of thousands of services) and takes less time.
+    fn apply_fresh(
+        &self,
+        services: impl Iterator<Item = NamespacedName>,
+        state: &mut DesiredState,
+    ) -> BTreeSet<ServicePortName> {
+        let (mut ports, mut endpoints) = (Vec::new(), Vec::new());
+        for service in services {
+            let (p, e) = self.render(&service);
+            ports.extend(p);
+            endpoints.extend(e);
+        }
+        let changed = (ports.iter().map(|(spn, _)| spn.clone()))
+            .chain(endpoints.iter().map(|(spn, _)| spn.clone()))
+            .collect();
+        state.services = BTreeMap::from_iter(ports);
+        state.endpoints = BTreeMap::from_iter(endpoints);
+        changed
+    }
+
+    /// Runs `mutate` as a change to `service`: saves its applied inputs the first time it changes,
+    /// and drops the pending entry when the change brings it back to them.
+    fn change<R>(&mut self, service: &NamespacedName, mutate: impl FnOnce(&mut Self) -> R) {
+        if !self.pending.contains_key(service) {
+            let previous = self.inputs(service);
+            self.pending.insert(service.clone(), previous);
+        }
+        mutate(self);
+        if self.pending.get(service) == Some(&self.inputs(service)) {
+            self.pending.remove(service);
+            self.trigger_times.remove(service);
+        }
+    }
+
+    fn unlink_slice(&mut self, owner: &NamespacedName, slice: &NamespacedName) {
+        if let Some(slices) = self.slices_by_service.get_mut(owner) {
+            slices.retain(|s| s != slice);
+            if slices.is_empty() {
+                self.slices_by_service.remove(owner);
+            }
+        }
+    }
+
+    fn inputs(&self, service: &NamespacedName) -> Inputs {
+        Inputs {
+            service: self.services.get(service).cloned(),
+            slices: self
+                .slices_by_service
+                .get(service)
+                .into_iter()
+                .flatten()
+                .map(|name| (name.clone(), Arc::clone(&self.slices[name])))
+                .collect(),
+        }
+    }
+
+    /// The desired state of one service: its ports, and for each port the endpoints of every
+    /// slice port with the same name and protocol (this is how named target ports resolve: the
+    /// slice carries the number each endpoint uses). Both sorted by port name.
+    fn render(&self, service: &NamespacedName) -> Rendered {
+        let Some(ports) = self.services.get(service) else {
+            return Default::default();
+        };
+        // Index i holds the endpoints of ports[i].
+        let mut endpoints: Vec<Vec<Endpoint>> = vec![Vec::new(); ports.len()];
+        for slice_name in self.slices_by_service.get(service).into_iter().flatten() {
+            let slice = &self.slices[slice_name];
+            for slice_port in &slice.ports {
+                let Some(i) = ports.iter().position(|(spn, _)| {
+                    spn.port == slice_port.name && spn.protocol == slice_port.protocol
+                }) else {
+                    continue;
+                };
+                endpoints[i].extend(slice.endpoints.iter().map(|ep| Endpoint {
+                    ip: ep.ip,
+                    port: slice_port.port,
+                    ready: ep.ready,
+                    serving: ep.serving,
+                    terminating: ep.terminating,
+                    node_name: ep.node_name.clone(),
+                    zone: ep.zone.clone(),
+                }));
+            }
+        }
+        let endpoints = ports
+            .iter()
+            .zip(endpoints)
+            .filter_map(|((spn, _), mut eps)| {
+                dedup_endpoints(&mut eps);
+                (!eps.is_empty()).then(|| (spn.clone(), eps))
+            })
+            .collect();
+        (ports.to_vec(), endpoints)
+    }
+}
+
+/// One service's ports and the endpoints of each port that has some, both sorted by name.
+type Rendered = (
+    Vec<(ServicePortName, Arc<ServicePort>)>,
+    Vec<(ServicePortName, Vec<Endpoint>)>,
+);
+
+/// Sorts by (ip, port) and keeps one of each. An endpoint can be listed twice (briefly, while the
+/// EndpointSlice controller moves it between slices); the copy that can take traffic wins, so a
+/// move never drops a working endpoint.
+fn dedup_endpoints(eps: &mut Vec<Endpoint>) {
+    eps.sort_by(|a, b| {
+        (a.ip, a.port)
+            .cmp(&(b.ip, b.port))
+            .then(b.ready.cmp(&a.ready))
+            .then(b.serving.cmp(&a.serving))
+            .then(a.terminating.cmp(&b.terminating))
+            .then_with(|| a.cmp(b))
+    });
+    eps.dedup_by(|later, kept| (later.ip, later.port) == (kept.ip, kept.port));
+}
+
+/// Makes `service`'s entries in `map` equal to `wanted` (sorted by name), recording the keys
+/// that changed.
+fn sync_range<V: PartialEq>(
+    map: &mut BTreeMap<ServicePortName, V>,
+    service: &NamespacedName,
+    wanted: Vec<(ServicePortName, V)>,
+    changed: &mut BTreeSet<ServicePortName>,
+) {
+    let stale: Vec<ServicePortName> = map
+        .range(ServicePortName::first_of(service)..)
+        .take_while(|(spn, _)| spn.service == *service)
+        .filter(|(spn, _)| wanted.binary_search_by(|(w, _)| w.cmp(spn)).is_err())
+        .map(|(spn, _)| spn.clone())
+        .collect();
+    for spn in stale {
+        map.remove(&spn);
+        changed.insert(spn);
+    }
+    for (spn, value) in wanted {
+        if map.get(&spn) != Some(&value) {
+            map.insert(spn.clone(), value);
+            changed.insert(spn);
+        }
+    }
+}
