@@ -1,7 +1,7 @@
 use std::{io::IsTerminal, path::PathBuf, time::Duration};
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum, builder::TypedValueParser as _};
 use proxy_userspace::{
     agent::{self, AgentConfig, Source},
     dataplane::Dataplane,
@@ -157,7 +157,7 @@ struct AgentArgs {
     /// How new flows pick an endpoint: `random`, or `maglev` (consistent hashing: the same
     /// endpoint for a flow on every node). A Service overrides it with the annotation
     /// `service.kube-proxy-ebpf.io/lb-algorithm`.
-    #[arg(long, value_enum, default_value = "random")]
+    #[arg(long, default_value = "random", value_parser = lb_algorithm())]
     lb_algorithm: LbAlgorithm,
     /// Entries of each Maglev table: a prime (Cilium's sizes: 251 ... 16381 ... 131071). Larger
     /// tables spread flows more evenly and cost 4 bytes an entry per Service using Maglev.
@@ -568,6 +568,15 @@ fn parse_udp_timeout(s: &str) -> Result<Duration, String> {
         return Err("must be greater than 0".into());
     }
     Ok(timeout)
+}
+
+/// `--lb-algorithm`: the model's names, listed in `--help`.
+fn lb_algorithm() -> impl clap::builder::TypedValueParser<Value = LbAlgorithm> {
+    let names = LbAlgorithm::NAMES.map(|(name, _)| name);
+    clap::builder::PossibleValuesParser::new(names).map(|name| {
+        name.parse::<LbAlgorithm>()
+            .expect("a name from LbAlgorithm::NAMES")
+    })
 }
 
 /// An IPv4 CIDR, like 10.244.0.0/16 (the IPv4 one of a dual-stack pair).

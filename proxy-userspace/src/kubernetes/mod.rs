@@ -5,13 +5,18 @@ mod slice;
 
 use std::net::IpAddr;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::{
+    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
 
 pub use self::{
     service::{DEFAULT_AFFINITY_TIMEOUT, LB_ALGORITHM_ANNOTATION, service_skip_reason},
     slice::LAST_CHANGE_TRIGGER_TIME,
 };
-use crate::model::{NamespacedName, Protocol, shared};
+use crate::model::{
+    ChangeTracker, NamespacedName, Protocol, ReducedService, ReducedSlice, SkippedEndpoint, shared,
+};
 
 /// Links an EndpointSlice to the Service it belongs to (in the slice's namespace).
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -84,4 +89,23 @@ fn port_number(field: &str, value: i32) -> Result<u16, String> {
 /// The protocol of an optional API field, which the API server defaults to TCP.
 fn protocol_or_tcp(value: Option<&str>) -> Result<Protocol, String> {
     value.map_or(Ok(Protocol::Tcp), str::parse)
+}
+
+/// The tracker fed with API objects: each is reduced ([`ReducedService::parse`],
+/// [`ReducedSlice::parse`]) and upserted; an object that cannot be programmed is an error, and
+/// the tracker keeps its last valid version.
+impl ChangeTracker {
+    /// A Service; one that is not proxied (see [`service_skip_reason`]) counts as deleted.
+    pub fn update_service(&mut self, svc: &Service) -> Result<(), InvalidObject> {
+        self.upsert_service(&ReducedService::parse(svc)?);
+        Ok(())
+    }
+
+    /// An EndpointSlice; see [`ChangeTracker::upsert_slice`].
+    pub fn update_slice(
+        &mut self,
+        slice: &EndpointSlice,
+    ) -> Result<Vec<SkippedEndpoint>, InvalidObject> {
+        Ok(self.upsert_slice(&ReducedSlice::parse(slice)?))
+    }
 }

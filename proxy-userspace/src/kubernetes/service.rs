@@ -8,7 +8,7 @@ use super::{
     protocol_or_tcp,
 };
 use crate::model::{
-    LbAlgorithm, NamespacedName, ServiceInfo, ServicePort, ServicePortName, ServiceUpdate,
+    LbAlgorithm, NamespacedName, ReducedService, ServiceInfo, ServicePort, ServicePortName,
     TargetPort, shared,
 };
 
@@ -21,7 +21,7 @@ const MAX_AFFINITY_TIMEOUT: i32 = 86400;
 /// A Service annotation choosing its [`LbAlgorithm`] (`random` or `maglev`).
 pub const LB_ALGORITHM_ANNOTATION: &str = "service.kube-proxy-ebpf.io/lb-algorithm";
 
-impl ServiceUpdate {
+impl ReducedService {
     /// Reads a Service; errs when it cannot be programmed (the tracker then keeps the last valid
     /// version).
     pub fn parse(svc: &Service) -> Result<Self, InvalidObject> {
@@ -145,22 +145,14 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
     } else {
         Vec::new()
     };
-    let lb_algorithm = match svc
+    let lb_algorithm = svc
         .metadata
         .annotations
         .as_ref()
         .and_then(|a| a.get(LB_ALGORITHM_ANNOTATION))
-        .map(String::as_str)
-    {
-        None => None,
-        Some("random") => Some(LbAlgorithm::Random),
-        Some("maglev") => Some(LbAlgorithm::Maglev),
-        Some(other) => {
-            return Err(format!(
-                "metadata.annotations[{LB_ALGORITHM_ANNOTATION:?}] {other:?} is not random or maglev"
-            ));
-        }
-    };
+        .map(|value| value.parse::<LbAlgorithm>())
+        .transpose()
+        .map_err(|e| format!("metadata.annotations[{LB_ALGORITHM_ANNOTATION:?}] {e}"))?;
 
     let mut ports = Vec::new();
     for (i, port) in spec.ports.iter().flatten().enumerate() {

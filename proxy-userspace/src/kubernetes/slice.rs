@@ -8,7 +8,7 @@ use super::{
     parse_ip, port_number, protocol_or_tcp,
 };
 use crate::model::{
-    NamespacedName, SkippedEndpoint, SliceEndpoint, SliceInfo, SlicePort, SliceUpdate, shared,
+    NamespacedName, ReducedSlice, SkippedEndpoint, SliceEndpoint, SliceInfo, SlicePort, shared,
 };
 
 /// The annotation the EndpointSlice controller sets to the time of the change (a Pod or the
@@ -16,7 +16,7 @@ use crate::model::{
 /// starts.
 pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
-impl SliceUpdate {
+impl ReducedSlice {
     /// Reads an EndpointSlice; errs when it cannot be programmed at all. Endpoints that cannot
     /// be programmed are left out (and listed, to be reported).
     pub fn parse(slice: &EndpointSlice) -> Result<Self, InvalidObject> {

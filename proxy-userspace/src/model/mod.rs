@@ -16,7 +16,7 @@ pub(crate) use names::shared;
 pub use names::{NamespacedName, PortName, Protocol, ServicePortName};
 pub use service::{Endpoint, LbAlgorithm, ServicePort, TargetPort};
 pub use state::DesiredState;
-pub use tracker::{ChangeTracker, ServiceUpdate, SkippedEndpoint, SliceUpdate};
+pub use tracker::{ChangeTracker, ReducedService, ReducedSlice, SkippedEndpoint};
 pub(crate) use tracker::{ServiceInfo, SliceEndpoint, SliceInfo, SlicePort};
 
 #[cfg(test)]

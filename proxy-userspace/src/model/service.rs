@@ -1,5 +1,5 @@
 //! A Service port and its endpoints, as the desired state holds them.
-use std::{fmt, net::IpAddr, sync::Arc};
+use std::{fmt, net::IpAddr, str::FromStr, sync::Arc};
 
 use super::Protocol;
 
@@ -49,13 +49,33 @@ pub struct ServicePort {
 }
 
 /// How new flows pick an endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LbAlgorithm {
     /// At random (kube-proxy's iptables and nftables modes do the same).
     Random,
     /// Maglev consistent hashing of the 5-tuple: the same endpoint for a flow on every node,
     /// and few flows move when an endpoint comes or goes.
     Maglev,
+}
+
+impl LbAlgorithm {
+    /// Every algorithm, by the name the flag and the annotation give it.
+    pub const NAMES: [(&str, LbAlgorithm); 2] = [
+        ("random", LbAlgorithm::Random),
+        ("maglev", LbAlgorithm::Maglev),
+    ];
+}
+
+impl FromStr for LbAlgorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::NAMES
+            .iter()
+            .find(|(name, _)| *name == s)
+            .map(|(_, algorithm)| *algorithm)
+            .ok_or_else(|| format!("{s:?} is not random or maglev"))
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -855,15 +855,15 @@ endpoints:
 fn updates_keep_only_what_reaches_the_state() {
     // A source compares updates to see whether an object changed: a label, an annotation or
     // a pod reference does not count; a port or a condition does.
-    let base = ServiceUpdate::parse(&service(WEB)).unwrap();
+    let base = ReducedService::parse(&service(WEB)).unwrap();
     let labelled = WEB.replace(
         "name: web, namespace: default",
         "name: web, namespace: default, labels: {app: web}, annotations: {a: b}",
     );
-    assert_eq!(ServiceUpdate::parse(&service(&labelled)).unwrap(), base);
+    assert_eq!(ReducedService::parse(&service(&labelled)).unwrap(), base);
     let moved = WEB.replace("port: 9090", "port: 9100");
-    assert_ne!(ServiceUpdate::parse(&service(&moved)).unwrap(), base);
-    let headless = ServiceUpdate::parse(&service(&WEB.replace("10.96.0.10", "None"))).unwrap();
+    assert_ne!(ReducedService::parse(&service(&moved)).unwrap(), base);
+    let headless = ReducedService::parse(&service(&WEB.replace("10.96.0.10", "None"))).unwrap();
     assert_eq!(
         headless.skip_reason,
         Some("it is headless (clusterIP: None)")
@@ -871,21 +871,21 @@ fn updates_keep_only_what_reaches_the_state() {
     assert_ne!(headless, base);
 
     let endpoints = |extra: &str| format!("[{{addresses: [10.244.1.11], nodeName: node1{extra}}}]");
-    let base = SliceUpdate::parse(&slice_of("web", "web-1", "IPv4", &endpoints(""))).unwrap();
+    let base = ReducedSlice::parse(&slice_of("web", "web-1", "IPv4", &endpoints(""))).unwrap();
     let pod = ", targetRef: {kind: Pod, name: web-abc}, hostname: web-abc";
     let same = slice_of("web", "web-1", "IPv4", &endpoints(pod));
-    assert_eq!(SliceUpdate::parse(&same).unwrap(), base);
+    assert_eq!(ReducedSlice::parse(&same).unwrap(), base);
     let not_ready = endpoints(", conditions: {ready: false}");
     let changed = slice_of("web", "web-1", "IPv4", &not_ready);
-    assert_ne!(SliceUpdate::parse(&changed).unwrap(), base);
+    assert_ne!(ReducedSlice::parse(&changed).unwrap(), base);
 
     // Applying an update is the same as applying the object.
     let mut by_object = ChangeTracker::new();
     let mut by_update = ChangeTracker::new();
     by_object.update_service(&service(WEB)).unwrap();
     by_object.update_slice(&changed).unwrap();
-    by_update.set_service(&ServiceUpdate::parse(&service(WEB)).unwrap());
-    by_update.set_slice(&SliceUpdate::parse(&changed).unwrap());
+    by_update.upsert_service(&ReducedService::parse(&service(WEB)).unwrap());
+    by_update.upsert_slice(&ReducedSlice::parse(&changed).unwrap());
     let (mut a, mut b) = (DesiredState::default(), DesiredState::default());
     assert_eq!(by_object.apply(&mut a), by_update.apply(&mut b));
     assert_eq!(a, b);

@@ -8,10 +8,7 @@ use std::{
     time::SystemTime,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-
 use super::{DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName};
-use crate::kubernetes::InvalidObject;
 
 /// An endpoint left out of an EndpointSlice whose other endpoints are used, as kube-proxy skips
 /// single endpoints it cannot program.
@@ -56,23 +53,23 @@ pub(crate) struct SliceEndpoint {
 /// A Service reduced to what the tracker records of it: what a source computes from the object
 /// (without holding the tracker) and may keep to compare with the next version.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ServiceUpdate {
+pub struct ReducedService {
     pub key: NamespacedName,
     /// None: not proxied (`skip_reason` says why); the tracker treats it as deleted.
     pub(crate) ports: Option<Arc<ServiceInfo>>,
-    /// Why it is not proxied (see [`service_skip_reason`]).
+    /// Why it is not proxied (see [`crate::kubernetes::service_skip_reason`]).
     pub skip_reason: Option<&'static str>,
 }
 
-/// An EndpointSlice reduced to what the tracker records of it; see [`ServiceUpdate`].
+/// An EndpointSlice reduced to what the tracker records of it; see [`ReducedService`].
 #[derive(Clone, Debug, PartialEq)]
-pub struct SliceUpdate {
+pub struct ReducedSlice {
     pub key: NamespacedName,
     /// None: not proxied (headless, another proxy's, FQDN); the tracker treats it as deleted.
     pub(crate) info: Option<Arc<SliceInfo>>,
     /// The endpoints left out of it.
     pub(crate) skipped: Vec<SkippedEndpoint>,
-    /// [`LAST_CHANGE_TRIGGER_TIME`], when the slice has a valid one.
+    /// [`crate::kubernetes::LAST_CHANGE_TRIGGER_TIME`], when the slice has a valid one.
     pub(crate) trigger_time: Option<SystemTime>,
 }
 
@@ -125,15 +122,8 @@ impl ChangeTracker {
         }
     }
 
-    /// Records the latest version of a Service. A service that is not proxied (see
-    /// [`service_skip_reason`]) counts as deleted.
-    pub fn update_service(&mut self, svc: &Service) -> Result<(), InvalidObject> {
-        self.set_service(&ServiceUpdate::parse(svc)?);
-        Ok(())
-    }
-
-    /// [`ChangeTracker::update_service`] with the Service already read.
-    pub fn set_service(&mut self, update: &ServiceUpdate) {
+    /// Records the latest version of a Service. One that is not proxied counts as deleted.
+    pub fn upsert_service(&mut self, update: &ReducedService) {
         let key = &update.key;
         self.change(key, |t| match &update.ports {
             Some(ports) => t.services.insert(key.clone(), Arc::clone(ports)),
@@ -147,18 +137,10 @@ impl ChangeTracker {
         }
     }
 
-    /// Records the latest version of an EndpointSlice. Slices of headless services, slices for
-    /// another proxy and FQDN slices count as deleted. Endpoints that cannot be programmed are
-    /// left out; the ones not already reported for this slice are returned, to be logged.
-    pub fn update_slice(
-        &mut self,
-        slice: &EndpointSlice,
-    ) -> Result<Vec<SkippedEndpoint>, InvalidObject> {
-        Ok(self.set_slice(&SliceUpdate::parse(slice)?))
-    }
-
-    /// [`ChangeTracker::update_slice`] with the EndpointSlice already read.
-    pub fn set_slice(&mut self, update: &SliceUpdate) -> Vec<SkippedEndpoint> {
+    /// Records the latest version of an EndpointSlice. One that is not proxied (of a headless
+    /// service, another proxy's, FQDN) counts as deleted. Of the endpoints left out of it, those
+    /// not already reported for this slice are returned, to be logged.
+    pub fn upsert_slice(&mut self, update: &ReducedSlice) -> Vec<SkippedEndpoint> {
         let key = &update.key;
         let Some(info) = &update.info else {
             self.delete_slice(key);
@@ -234,7 +216,7 @@ impl ChangeTracker {
         !self.pending.is_empty()
     }
 
-    /// The trigger times ([`LAST_CHANGE_TRIGGER_TIME`]) of the slice changes that the last
+    /// The trigger times ([`crate::kubernetes::LAST_CHANGE_TRIGGER_TIME`]) of the slice changes that the last
     /// [`apply`] took, for the network programming latency once they are programmed. Changes
     /// that cancelled out left none.
     ///

@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
 
 use crate::kubernetes::InvalidObject;
-use crate::model::{ChangeTracker, NamespacedName, ServiceUpdate, SliceUpdate};
+use crate::model::{ChangeTracker, NamespacedName, ReducedService, ReducedSlice};
 use crate::source::manifest::{self, ManifestError, Object};
 use crate::sync::SyncHandle;
 
@@ -145,15 +145,15 @@ type ObjectKey = (&'static str, NamespacedName);
 /// the desired state), kept until the next load to see what changed.
 #[derive(Clone, Debug, PartialEq)]
 enum Entry {
-    Service(Result<ServiceUpdate, InvalidObject>),
-    Slice(Result<SliceUpdate, InvalidObject>),
+    Service(Result<ReducedService, InvalidObject>),
+    Slice(Result<ReducedSlice, InvalidObject>),
 }
 
 impl Entry {
     fn new(object: &Object) -> Self {
         match object {
-            Object::Service(svc) => Entry::Service(ServiceUpdate::parse(svc)),
-            Object::EndpointSlice(slice) => Entry::Slice(SliceUpdate::parse(slice)),
+            Object::Service(svc) => Entry::Service(ReducedService::parse(svc)),
+            Object::EndpointSlice(slice) => Entry::Slice(ReducedSlice::parse(slice)),
         }
     }
 
@@ -290,11 +290,11 @@ impl FileSource {
                     if let Some(reason) = update.skip_reason {
                         tracing::info!("{path}: {} is not proxied: {reason}", describe(key));
                     }
-                    tracker.set_service(update);
+                    tracker.upsert_service(update);
                     None
                 }
                 Entry::Slice(Ok(update)) => {
-                    let skipped = tracker.set_slice(update);
+                    let skipped = tracker.upsert_slice(update);
                     errors += skipped.len();
                     for endpoint in skipped {
                         tracing::warn!("{path}: {endpoint}");
