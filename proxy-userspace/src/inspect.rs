@@ -34,9 +34,6 @@ pub fn affinity_table(rows: &[AffinityRow]) -> String {
     out
 }
 
-/// The clock bpf_ktime_get_ns() reads (to tell how long ago an entry was used, or to write
-/// entries by hand in tests).
-
 pub fn services_table(rows: &[ServiceRow]) -> String {
     services_table_of(rows, true)
 }
@@ -252,8 +249,10 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
     // The iptables rules of the iptables and userspace modes.
     let iptables_rules = || -> anyhow::Result<String> {
         match mode {
-            Mode::Iptables => iptables::iptables_save(crate::modes::iptables::Backend::detect()?),
-            _ => iptables::iptables_save(crate::modes::userspace::detect_backend()?),
+            Mode::Iptables => {
+                crate::netfilter::iptables::save(crate::modes::iptables::detect_backend()?)
+            }
+            _ => crate::netfilter::iptables::save(crate::modes::userspace::detect_backend()?),
         }
     };
     // The frontends in the mode's own state.

@@ -11,6 +11,7 @@ pub mod kubernetes;
 pub mod model;
 pub mod modes;
 pub mod netfilter;
+pub mod node;
 pub mod rows;
 pub mod serve;
 pub mod source;

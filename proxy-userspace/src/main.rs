@@ -7,16 +7,19 @@ use proxy_userspace::{
     dataplane::Dataplane,
     duration::parse_duration,
     inspect,
+    model::Cidr,
     model::LbAlgorithm,
     modes::ebpf::maglev,
     modes::ebpf::{
         EbpfDataplane, ExternalConfig, MapSizes, WriterConfig,
-        external::{NodePortAddresses, SnatPorts, XdpMode},
+        external::{SnatPorts, XdpMode},
     },
     modes::iptables::{self, IptablesConfig, IptablesDataplane},
     modes::ipvs::{self, IpvsConfig, IpvsDataplane},
-    modes::nftables::{self, NftablesConfig, NftablesDataplane},
+    modes::nftables::{self, NftablesDataplane},
     modes::userspace::{self, UserspaceConfig, UserspaceDataplane},
+    netfilter::{iptables::Backend, rules::NetfilterConfig},
+    node::NodePortAddresses,
 };
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
@@ -167,7 +170,7 @@ struct AgentArgs {
     /// connections to a cluster IP from outside it are masqueraded, and pods reaching an
     /// externalTrafficPolicy Local frontend get any endpoint. Empty: neither.
     #[arg(long, value_parser = parse_cidr)]
-    cluster_cidr: Option<(std::net::Ipv4Addr, u8)>,
+    cluster_cidr: Option<Cidr>,
     /// Masquerade every connection to a cluster IP (kube-proxy's flag, iptables, nftables and
     /// ipvs modes).
     #[arg(long)]
@@ -192,7 +195,7 @@ struct AgentArgs {
     /// Comma-separated CIDRs whose IPVS virtual servers the ipvs mode leaves alone when it
     /// removes what it does not know (kube-proxy's flag).
     #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
-    ipvs_exclude_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
+    ipvs_exclude_cidrs: Vec<Cidr>,
     /// IPVS's idle timeout of established TCP connections (kube-proxy's flag); 0 leaves the
     /// kernel's (900s).
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
@@ -220,14 +223,11 @@ enum IptablesBackend {
 
 impl IptablesBackend {
     /// The backend named, or for `auto` the one `detect` picks.
-    fn or(
-        self,
-        detect: fn() -> anyhow::Result<iptables::Backend>,
-    ) -> anyhow::Result<iptables::Backend> {
+    fn or(self, detect: fn() -> anyhow::Result<Backend>) -> anyhow::Result<Backend> {
         match self {
             IptablesBackend::Auto => detect(),
-            IptablesBackend::Legacy => Ok(iptables::Backend::Legacy),
-            IptablesBackend::Nft => Ok(iptables::Backend::Nft),
+            IptablesBackend::Legacy => Ok(Backend::Legacy),
+            IptablesBackend::Nft => Ok(Backend::Nft),
         }
     }
 }
@@ -430,6 +430,12 @@ fn start_mode(
         tracing::info!("removing the eBPF programs of an earlier ebpf-mode run");
         cleanup_ebpf(args)?;
     }
+    let netfilter = || NetfilterConfig {
+        cluster_cidr: args.cluster_cidr,
+        masquerade_all: args.masquerade_all,
+        node_port_addresses: args.nodeport_addresses.clone(),
+        primary: node_ips.to_vec(),
+    };
     let warn_without_cluster_cidr = || {
         if args.cluster_cidr.is_none() && !args.masquerade_all {
             tracing::warn!(
@@ -477,12 +483,7 @@ fn start_mode(
             Ok(Box::new(dp))
         }
         ProxyMode::Nftables => {
-            let dp = NftablesDataplane::new(NftablesConfig {
-                cluster_cidr: args.cluster_cidr,
-                masquerade_all: args.masquerade_all,
-                node_port_addresses: args.nodeport_addresses.clone(),
-                primary: node_ips.to_vec(),
-            })?;
+            let dp = NftablesDataplane::new(netfilter())?;
             warn_without_cluster_cidr();
             tracing::info!("nftables dataplane ready");
             Ok(Box::new(dp))
@@ -499,7 +500,7 @@ fn start_mode(
             Ok(Box::new(dp))
         }
         ProxyMode::Ipvs => {
-            let backend = args.iptables_backend.or(iptables::Backend::detect)?;
+            let backend = args.iptables_backend.or(iptables::detect_backend)?;
             let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
             let scheduler = match args.ipvs_scheduler.as_str() {
                 "" => ipvs::DEFAULT_SCHEDULER.to_owned(),
@@ -515,23 +516,17 @@ fn start_mode(
                     udp: secs(args.ipvs_udp_timeout),
                 },
                 backend,
-                cluster_cidr: args.cluster_cidr,
-                masquerade_all: args.masquerade_all,
-                node_port_addresses: args.nodeport_addresses.clone(),
-                primary: node_ips.to_vec(),
+                netfilter: netfilter(),
             })?;
             warn_without_cluster_cidr();
             tracing::info!(backend = backend.name(), scheduler, "ipvs dataplane ready");
             Ok(Box::new(dp))
         }
         ProxyMode::Iptables => {
-            let backend = args.iptables_backend.or(iptables::Backend::detect)?;
+            let backend = args.iptables_backend.or(iptables::detect_backend)?;
             let dp = IptablesDataplane::new(IptablesConfig {
                 backend,
-                cluster_cidr: args.cluster_cidr,
-                masquerade_all: args.masquerade_all,
-                node_port_addresses: args.nodeport_addresses.clone(),
-                primary: node_ips.to_vec(),
+                netfilter: netfilter(),
             })?;
             warn_without_cluster_cidr();
             tracing::info!(backend = backend.name(), "iptables dataplane ready");
@@ -580,24 +575,12 @@ fn lb_algorithm() -> impl clap::builder::TypedValueParser<Value = LbAlgorithm> {
 }
 
 /// An IPv4 CIDR, like 10.244.0.0/16 (the IPv4 one of a dual-stack pair).
-fn parse_cidr(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
-    let v4 = s
-        .split(',')
+fn parse_cidr(s: &str) -> Result<Cidr, String> {
+    s.split(',')
         .map(str::trim)
         .find(|c| !c.contains(':'))
-        .ok_or_else(|| format!("{s:?} has no IPv4 CIDR"))?;
-    let (addr, len) = v4
-        .split_once('/')
-        .ok_or_else(|| format!("{v4:?} is not a CIDR like 10.244.0.0/16"))?;
-    let addr: std::net::Ipv4Addr = addr
+        .ok_or_else(|| format!("{s:?} has no IPv4 CIDR"))?
         .parse()
-        .map_err(|_| format!("{addr:?} is not an IPv4 address"))?;
-    let len: u8 = len
-        .parse()
-        .ok()
-        .filter(|l| *l <= 32)
-        .ok_or_else(|| format!("{len:?} is not a prefix length (0-32)"))?;
-    Ok((addr, len))
 }
 
 /// kube-proxy's rule: the override, else the hostname, lower-cased.

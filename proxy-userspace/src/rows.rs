@@ -2,6 +2,8 @@
 //! table printer serves them all.
 use serde::Serialize;
 
+use crate::model::Protocol;
+
 /// One service address with its backends, in slot order.
 #[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ServiceRow {
@@ -129,14 +131,9 @@ pub(crate) fn backend(address: String, protocol: &'static str) -> BackendRow {
     }
 }
 
-/// A protocol as iptables and nft name it (or its number), as the rows spell it.
+/// A protocol as netfilter's tools print it (its name or number), as the rows spell it.
 pub(crate) fn protocol(name: &str) -> &'static str {
-    match name.to_ascii_lowercase().as_str() {
-        "tcp" | "6" => "TCP",
-        "udp" | "17" => "UDP",
-        "sctp" | "132" => "SCTP",
-        _ => "?",
-    }
+    Protocol::from_tool(name).map_or("?", Protocol::name)
 }
 
 /// A source range as the rows show it: `10.0.0.1` as `10.0.0.1/32`.

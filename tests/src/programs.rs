@@ -23,7 +23,8 @@ use proxy_common::{
 use proxy_userspace::{
     dataplane::Scope,
     model::{
-        DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName, TargetPort,
+        Cidr, DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName,
+        TargetPort,
     },
     modes::ebpf::{self, MapSizes, ServiceMaps, WriterConfig, bpffs, maps::DEFAULT_DRAIN_PERIOD},
 };
@@ -362,7 +363,7 @@ pub fn add_external_service(state: &mut DesiredState, svc: &ExternalSvc<'_>) -> 
     sp.source_ranges = svc
         .source_ranges
         .iter()
-        .map(|(ip, len)| (IpAddr::V4(*ip), *len))
+        .map(|(ip, len)| Cidr::v4(*ip, *len))
         .collect();
     if let Some(eps) = state.endpoints.get_mut(&key) {
         for (ep, (_, _, node)) in eps.iter_mut().zip(svc.endpoints) {

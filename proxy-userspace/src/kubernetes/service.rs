@@ -1,5 +1,5 @@
 //! Services: which are proxied, and each port's frontends and policies.
-use std::{net::IpAddr, sync::Arc};
+use std::sync::Arc;
 
 use k8s_openapi::{api::core::v1::Service, apimachinery::pkg::util::intstr::IntOrString};
 
@@ -8,7 +8,7 @@ use super::{
     protocol_or_tcp,
 };
 use crate::model::{
-    LbAlgorithm, NamespacedName, ReducedService, ServiceInfo, ServicePort, ServicePortName,
+    Cidr, LbAlgorithm, NamespacedName, ReducedService, ServiceInfo, ServicePort, ServicePortName,
     TargetPort, shared,
 };
 
@@ -222,7 +222,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceIn
 const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 
 /// A LoadBalancer Service's source ranges (CIDRs), from the spec or else the annotation.
-fn source_ranges(svc: &Service) -> Result<Vec<(IpAddr, u8)>, String> {
+fn source_ranges(svc: &Service) -> Result<Vec<Cidr>, String> {
     let from_spec: Vec<String> = svc
         .spec
         .as_ref()
@@ -251,15 +251,9 @@ fn source_ranges(svc: &Service) -> Result<Vec<(IpAddr, u8)>, String> {
     values
         .iter()
         .map(|cidr| {
-            let bad = || format!("{field}: {cidr:?} is not a CIDR (like 203.0.113.0/24)");
-            let (addr, len) = cidr.trim().split_once('/').ok_or_else(bad)?;
-            let addr: IpAddr = addr.parse().map_err(|_| bad())?;
-            let len: u8 = len.parse().map_err(|_| bad())?;
-            let max = if addr.is_ipv4() { 32 } else { 128 };
-            if len > max {
-                return Err(bad());
-            }
-            Ok((addr, len))
+            cidr.trim()
+                .parse()
+                .map_err(|_| format!("{field}: {cidr:?} is not a CIDR (like 203.0.113.0/24)"))
         })
         .collect()
 }

@@ -7,11 +7,13 @@
 //! This follows kube-proxy's `ServiceChangeTracker` / `EndpointsChangeTracker`: for each service
 //! with pending changes we keep its inputs as last applied (`previous`) next to the live ones
 //! (`current`), and a change that returns a service to its applied inputs is dropped.
+mod addr;
 mod names;
 mod service;
 mod state;
 mod tracker;
 
+pub use addr::{Cidr, ipv4};
 pub(crate) use names::shared;
 pub use names::{NamespacedName, PortName, Protocol, ServicePortName};
 pub use service::{Endpoint, LbAlgorithm, ServicePort, TargetPort};

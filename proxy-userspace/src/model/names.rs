@@ -38,6 +38,8 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    pub const ALL: [Protocol; 3] = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp];
+
     /// The IP protocol number, as it appears in the IP header.
     pub fn number(self) -> u8 {
         match self {
@@ -46,15 +48,40 @@ impl Protocol {
             Protocol::Sctp => 132,
         }
     }
+
+    /// The API's name (`TCP`), as the inspect rows show it too.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+
+    /// The name iptables, nft and kube-proxy's chain hashes use (`tcp`).
+    pub fn keyword(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+
+    pub fn from_number(number: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.number() == number)
+    }
+
+    /// A protocol as netfilter's tools print it: its name in any case, or its number.
+    pub fn from_tool(name: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|p| name.eq_ignore_ascii_case(p.keyword()) || name.parse() == Ok(p.number()))
+    }
 }
 
 impl fmt::Display for Protocol {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Protocol::Tcp => "TCP",
-            Protocol::Udp => "UDP",
-            Protocol::Sctp => "SCTP",
-        })
+        f.write_str(self.name())
     }
 }
 
@@ -63,12 +90,10 @@ impl FromStr for Protocol {
 
     /// Accepts the API's spelling only: "tcp" is rejected by the API server too.
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "TCP" => Ok(Protocol::Tcp),
-            "UDP" => Ok(Protocol::Udp),
-            "SCTP" => Ok(Protocol::Sctp),
-            _ => Err(format!("protocol {s:?} is not TCP, UDP or SCTP")),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("protocol {s:?} is not TCP, UDP or SCTP"))
     }
 }
 

@@ -1,7 +1,7 @@
 //! A Service port and its endpoints, as the desired state holds them.
 use std::{fmt, net::IpAddr, str::FromStr, sync::Arc};
 
-use super::Protocol;
+use super::{Cidr, Protocol};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum TargetPort {
@@ -41,7 +41,7 @@ pub struct ServicePort {
     /// spec.loadBalancerSourceRanges (or kube-proxy's fallback, the
     /// `service.beta.kubernetes.io/load-balancer-source-ranges` annotation) of a LoadBalancer
     /// Service: the only sources its load balancer addresses accept. Empty: any source.
-    pub source_ranges: Vec<(IpAddr, u8)>,
+    pub source_ranges: Vec<Cidr>,
     /// spec.healthCheckNodePort, kept only where kube-proxy serves it: LoadBalancer Services
     /// with externalTrafficPolicy Local (see `service_health.rs`). A Service-wide field, on
     /// each of its ports.

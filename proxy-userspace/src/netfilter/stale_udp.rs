@@ -10,8 +10,8 @@ use std::{
 };
 
 use crate::{
+    model::ipv4,
     model::{DesiredState, Protocol, ServicePortName},
-    modes::iptables::rules::v4,
 };
 
 /// What a UDP Service port was last programmed with: its frontends and endpoints, to find the
@@ -39,9 +39,9 @@ impl StaleUdp {
             if port.protocol != Protocol::Udp {
                 continue;
             }
-            let mut frontends = v4(&port.cluster_ips);
-            frontends.extend(v4(&port.external_ips));
-            frontends.extend(v4(&port.load_balancer_ips));
+            let mut frontends = ipv4(&port.cluster_ips);
+            frontends.extend(ipv4(&port.external_ips));
+            frontends.extend(ipv4(&port.load_balancer_ips));
             let endpoints = state
                 .usable_endpoints(spn, false)
                 .iter()

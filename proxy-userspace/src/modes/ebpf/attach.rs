@@ -44,9 +44,10 @@ use proxy_common::{
 
 use super::{
     PROG_EGRESS, PROG_EXT_EGRESS, PROG_EXT_INGRESS, PROG_INGRESS, PROG_XDP,
-    external::{self, InterfaceAddr, NodePortAddresses, SnatPorts, XdpMode},
+    external::{self, SnatPorts, XdpMode},
     link_events::{LinkEvent, LinkEvents},
 };
+use crate::node::{self, InterfaceAddr, NodePortAddresses};
 
 /// How often the interfaces are listed anyway: a safety net for attachments that failed and
 /// for notifications lost without the kernel saying so (when it says so, they are listed at
@@ -254,12 +255,12 @@ impl Attacher {
         let Some(config) = self.external.clone() else {
             return Ok(());
         };
-        let default_route = external::default_route_interface();
-        let selected = external::node_addresses(
+        let default_route = node::default_route_interface();
+        let selected = node::node_addresses(
             &config.addresses,
             &config.primary,
             default_route.as_deref(),
-            &external::interface_addresses()?,
+            &node::interface_addresses()?,
         );
         if self.node_addrs.as_ref() != Some(&selected) {
             self.write_node_addrs(ebpf, &selected, default_route.as_deref())?;
@@ -321,12 +322,13 @@ impl Attacher {
             let _ = map.remove(&k);
         }
         // Flows to other nodes' endpoints through a LoadBalancer or external IP leave from the
-        // primary address: the default route's interface's first, else the first selected.
-        let primary = selected
-            .iter()
-            .find(|a| Some(a.interface.as_str()) == default_route)
-            .or(selected.first())
-            .map_or(0, raw);
+        // node's primary address among the selected ones.
+        let node_ips = self
+            .external
+            .as_ref()
+            .map_or(&[][..], |e| e.primary.as_slice());
+        let primary = node::primary_ipv4(node_ips, default_route, selected)
+            .map_or(0, |ip| Be32::from_octets(ip.octets()).raw());
         let mut config: Array<_, u32> =
             aya::maps::Map::Array(MapData::from_pin(self.pin_dir.join(MAP_CONFIG))?).try_into()?;
         config

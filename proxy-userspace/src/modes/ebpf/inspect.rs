@@ -5,22 +5,20 @@ use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_EXTERNAL,
-    CT_FORWARD, CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP, IPPROTO_UDP, MAP_AFFINITY,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
-    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
-    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue,
-    SourceRangeKey,
+    CT_FORWARD, CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY,
+    SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
 };
 
-use crate::rows::{AffinityRow, BackendRow, FlowRow, ServiceRow};
+use crate::{
+    model::Protocol,
+    rows::{AffinityRow, BackendRow, FlowRow, ServiceRow},
+};
 
-pub fn proto_name(proto: u8) -> &'static str {
-    match proto {
-        IPPROTO_TCP => "TCP",
-        IPPROTO_UDP => "UDP",
-        132 => "SCTP",
-        _ => "?",
-    }
+/// A protocol number as the rows spell it.
+fn proto_name(proto: u8) -> &'static str {
+    Protocol::from_number(proto).map_or("?", Protocol::name)
 }
 
 fn ip(addr: Be32) -> Ipv4Addr {

@@ -41,11 +41,10 @@ use proxy_common::{
 
 use foldhash::{HashMap, HashSet};
 
-use super::batch;
+use super::{batch, maglev};
 use crate::{
     dataplane::{NotProgrammable, Scope},
-    model::{DesiredState, LbAlgorithm, Protocol, ServicePortName},
-    modes::ebpf::maglev,
+    model::{Cidr, DesiredState, LbAlgorithm, Protocol, ServicePortName, ipv4},
 };
 
 /// A service address as the datapath matches it: slot 0 of the services map.
@@ -1157,13 +1156,10 @@ pub fn desired_frontends(
         return Vec::new();
     };
     let proto = sp.protocol.number();
-    let v4 = |ips: &[IpAddr]| -> Vec<Be32> {
-        ips.iter()
-            .filter_map(|ip| match ip {
-                IpAddr::V4(ip) => Some(Be32::from_octets(ip.octets())),
-                IpAddr::V6(_) => None,
-            })
-            .collect()
+    let v4 = |ips: &[IpAddr]| {
+        ipv4(ips)
+            .into_iter()
+            .map(|ip| Be32::from_octets(ip.octets()))
     };
     let mut policy = 0;
     if sp.session_affinity_timeout.is_some() {
@@ -1182,7 +1178,6 @@ pub fn desired_frontends(
     };
     let cluster = as_backends(state, state.cluster_endpoints(spn), sp.protocol);
     let mut wanted: Vec<Wanted> = v4(&sp.cluster_ips)
-        .into_iter()
         .map(|addr| Wanted {
             fe: ServiceKey::new(addr, Be16::new(sp.port), proto, 0),
             head: head(internal_flags),
@@ -1207,14 +1202,7 @@ pub fn desired_frontends(
     if external.is_empty() {
         return wanted;
     }
-    let ranges: Vec<(Ipv4Addr, u8)> = sp
-        .source_ranges
-        .iter()
-        .filter_map(|(ip, len)| match ip {
-            IpAddr::V4(ip) => Some((*ip, *len)),
-            IpAddr::V6(_) => None,
-        })
-        .collect();
+    let ranges: Vec<(Ipv4Addr, u8)> = sp.source_ranges.iter().filter_map(Cidr::as_v4).collect();
     // IPv6 ranges only: no IPv4 source may use the addresses.
     let restricted = !sp.source_ranges.is_empty();
     let external_backends = as_backends(state, state.external_endpoints(spn), sp.protocol);
@@ -1264,7 +1252,7 @@ fn describe(key: &ServiceKey) -> String {
     format!(
         "{addr}:{}/{}{scope}",
         key.port.get(),
-        crate::modes::ebpf::inspect::proto_name(key.proto)
+        Protocol::from_number(key.proto).map_or("?", Protocol::name)
     )
 }
 
@@ -1313,7 +1301,10 @@ mod tests {
                 lb_algorithm: None,
                 source_ranges: ranges
                     .iter()
-                    .map(|(ip, len)| (ip.parse().unwrap(), *len))
+                    .map(|(ip, len)| Cidr {
+                        addr: ip.parse().unwrap(),
+                        len: *len,
+                    })
                     .collect(),
                 health_check_node_port: None,
             }

@@ -235,14 +235,6 @@ pub fn affinity(text: &str, lists: &[(String, String)]) -> Vec<ClientAffinityRow
     rows
 }
 
-/// The nat and filter tables of `backend`, as iptables-save prints them.
-pub(crate) fn iptables_save(backend: crate::modes::iptables::Backend) -> anyhow::Result<String> {
-    let save = backend.tool("iptables-save");
-    let mut text = crate::command::run(&save, &["-t", "nat"], "iptables")?;
-    text.push_str(&crate::command::run(&save, &["-t", "filter"], "iptables")?);
-    Ok(text)
-}
-
 /// The `recent` match's lists (iptables session affinity): name and text. None loaded: none.
 pub(crate) fn recent_lists() -> anyhow::Result<Vec<(String, String)>> {
     let dir = Path::new("/proc/self/net/xt_recent");
@@ -268,13 +260,15 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::{
-        modes::iptables::rules::{Settings, render},
+        model::Cidr,
+        modes::iptables::rules::render,
+        netfilter::rules::Settings,
         testing::{fixture, rule_backends},
     };
 
     fn settings() -> Settings {
         Settings {
-            cluster_cidr: Some((std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidr: Some(Cidr::v4(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
             masquerade_all: false,
             node_port_addresses: Some(vec![std::net::Ipv4Addr::new(192, 0, 2, 11)]),
         }
@@ -351,7 +345,7 @@ pub(crate) mod tests {
             }
             let saved = crate::testing::in_new_netns(move || {
                 crate::command::pipe(&b.tool("iptables-restore"), &["-w"], &rendered())?;
-                iptables_save(b)
+                crate::netfilter::iptables::save(b)
             });
             assert_eq!(services(&saved), expected(), "{saved}");
         }

@@ -22,22 +22,10 @@ use std::{
     net::{IpAddr, Ipv4Addr},
 };
 
-use crate::model::{DesiredState, Endpoint, Protocol, ServicePort, ServicePortName};
-
-/// The mark that asks `KUBE-POSTROUTING` to masquerade (kube-proxy's default bit 14).
-pub const MASQ_MARK: &str = "0x4000";
-
-/// What the rules depend on besides the state.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Settings {
-    /// `--cluster-cidr`: traffic from outside it to a cluster IP is masqueraded, and traffic
-    /// from inside it to an externalTrafficPolicy Local frontend short-circuits to any endpoint.
-    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
-    /// `--masquerade-all`: every connection to a cluster IP is masqueraded.
-    pub masquerade_all: bool,
-    /// The node addresses NodePorts answer on; None: every local address (`addrtype LOCAL`).
-    pub node_port_addresses: Option<Vec<Ipv4Addr>>,
-}
+use crate::{
+    model::{DesiredState, Endpoint, ServicePort, ServicePortName, ipv4},
+    netfilter::rules::{MASQ_MARK, Settings, hash16},
+};
 
 /// Chain names of one Service port (kube-proxy's hashes, so that they read the same).
 struct Chains {
@@ -62,28 +50,6 @@ impl Chains {
 /// kube-proxy's endpoint chain: `KUBE-SEP-` and a hash of the port, protocol and endpoint.
 fn endpoint_chain(spn: &str, protocol: &str, endpoint: &str) -> String {
     format!("KUBE-SEP-{}", hash16(&format!("{spn}{protocol}{endpoint}")))
-}
-
-/// The first 16 characters of the base32 (RFC 4648) encoding of the SHA-256 of `text`.
-pub(crate) fn hash16(text: &str) -> String {
-    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
-    let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
-    let bytes = digest.as_ref();
-    // 16 characters of 5 bits: the first 80 bits, i.e. 10 bytes.
-    let bits = bytes[..10]
-        .iter()
-        .fold(0u128, |acc, b| (acc << 8) | u128::from(*b));
-    (0..16)
-        .map(|i| ALPHABET[((bits >> (75 - 5 * i)) & 31) as usize] as char)
-        .collect()
-}
-
-pub(crate) fn protocol_name(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-        Protocol::Sctp => "sctp",
-    }
 }
 
 /// The rules of `state`, and the per-Service chains they declare. `existing`: the per-Service
@@ -233,12 +199,12 @@ fn service_rules(
 ) -> Table {
     let mut own = Table::default();
     let name = spn.to_string();
-    let proto = protocol_name(port.protocol);
+    let proto = port.protocol.keyword();
     let matches = format!("-m {proto} -p {proto}");
     let chains = Chains::of(&name, proto);
-    let cluster_ips: Vec<Ipv4Addr> = v4(&port.cluster_ips);
-    let external_ips = v4(&port.external_ips);
-    let lb_ips = v4(&port.load_balancer_ips);
+    let cluster_ips: Vec<Ipv4Addr> = ipv4(&port.cluster_ips);
+    let external_ips = ipv4(&port.external_ips);
+    let lb_ips = ipv4(&port.load_balancer_ips);
     let has_external = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
 
     let cluster_endpoints = state.usable_endpoints(spn, false);
@@ -373,8 +339,8 @@ fn service_rules(
         for vip in &cluster_ips {
             let from = if settings.masquerade_all {
                 String::new()
-            } else if let Some((net, len)) = settings.cluster_cidr {
-                format!(" ! -s {net}/{len}")
+            } else if let Some(cluster_cidr) = settings.cluster_cidr {
+                format!(" ! -s {cluster_cidr}")
             } else {
                 continue;
             };
@@ -401,11 +367,11 @@ fn service_rules(
             // Pods and the node itself are inside the cluster: any endpoint, as for the
             // cluster IP (kube-proxy's short-circuit); the node's own traffic masqueraded.
             if uses_cluster {
-                if let Some((net, len)) = settings.cluster_cidr {
+                if let Some(cluster_cidr) = settings.cluster_cidr {
                     own.rule(
                         ext,
                         &format!(
-                            "-m comment --comment \"pod traffic for {name} external destinations\" -s {net}/{len} -j {}",
+                            "-m comment --comment \"pod traffic for {name} external destinations\" -s {cluster_cidr} -j {}",
                             chains.cluster
                         ),
                     );
@@ -437,12 +403,11 @@ fn service_rules(
     if firewall && uses_external {
         own.chain(&chains.firewall);
         declared.insert(chains.firewall.clone());
-        for (net, len) in &port.source_ranges {
-            let IpAddr::V4(net) = net else { continue };
+        for range in port.source_ranges.iter().filter(|r| r.addr.is_ipv4()) {
             own.rule(
                 &chains.firewall,
                 &format!(
-                    "-m comment --comment \"{name} loadbalancer IP\" -s {net}/{len} -j {}",
+                    "-m comment --comment \"{name} loadbalancer IP\" -s {range} -j {}",
                     chains.external
                 ),
             );
@@ -566,27 +531,20 @@ fn endpoint_jumps(
     }
 }
 
-/// The IPv4 addresses of `ips` (the mode programs IPv4 only).
-pub(crate) fn v4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
-    ips.iter()
-        .filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some(*ip),
-            IpAddr::V6(_) => None,
-        })
-        .collect()
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::testing::{fixture, golden};
+    use crate::{
+        model::Cidr,
+        testing::{fixture, golden},
+    };
 
     const FIXTURE: &str = include_str!("testdata/services.yaml");
 
     #[test]
     fn rules_match_the_golden_file() {
         let settings = Settings {
-            cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
             masquerade_all: false,
             node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
         };
@@ -602,7 +560,7 @@ pub(crate) mod tests {
     #[test]
     fn a_partial_sync_writes_the_changed_ports_own_chains_only() {
         let settings = Settings {
-            cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
             masquerade_all: false,
             node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
         };

@@ -13,7 +13,7 @@ use crate::modes::ipvs::{
     },
 };
 use crate::{
-    modes::ebpf::inspect::proto_name,
+    model::Protocol,
     rows::{BackendRow, ClientAffinityRow, ServiceRow, row},
 };
 
@@ -55,7 +55,7 @@ pub fn services(servers: &[(Service, Vec<Dest>)], ipsets: &str) -> Vec<ServiceRo
     let mut rows: BTreeMap<(String, &'static str), ServiceRow> = BTreeMap::new();
     for (service, dests) in servers {
         let key = service.key;
-        let protocol = proto_name(key.protocol);
+        let protocol = Protocol::from_number(key.protocol).map_or("?", Protocol::name);
         // The sets' spelling: `10.96.0.10,tcp:80`.
         let entry = format!("{},{}:{}", key.addr, protocol.to_lowercase(), key.port);
         let port = key.port.to_string();

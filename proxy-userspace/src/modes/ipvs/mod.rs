@@ -29,7 +29,7 @@ pub mod rules;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::Ipv4Addr,
     process::{Command, Stdio},
 };
 
@@ -38,10 +38,13 @@ use netlink::{Dest, Ipvs, OpenError, Service, ServiceKey};
 
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::DesiredState,
-    modes::ebpf::external::{self, NodePortAddresses},
-    modes::iptables::{self, Backend},
-    netfilter::stale_udp::StaleUdp,
+    model::{Cidr, DesiredState, ipv4},
+    netfilter::{
+        iptables::{self, Backend, Jump},
+        rules::NetfilterConfig,
+        stale_udp::StaleUdp,
+    },
+    node,
 };
 
 /// The dummy interface holding the service addresses (kube-proxy's).
@@ -62,20 +65,14 @@ pub struct IpvsConfig {
     pub strict_arp: bool,
     /// `--ipvs-exclude-cidrs`: virtual servers in these ranges are someone else's; a full sync
     /// and `--cleanup` leave them.
-    pub exclude_cidrs: Vec<(Ipv4Addr, u8)>,
+    pub exclude_cidrs: Vec<Cidr>,
     /// `--ipvs-tcp-timeout`, `--ipvs-tcpfin-timeout`, `--ipvs-udp-timeout`: IPVS's idle
     /// timeouts of established TCP connections, of TCP connections after a FIN, and of UDP
     /// flows; zero leaves the kernel's (900 s, 120 s, 300 s).
     pub timeouts: netlink::Timeouts,
     /// `--iptables-backend`, for the mode's few iptables rules.
     pub backend: Backend,
-    /// `--cluster-cidr`.
-    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
-    /// `--masquerade-all`.
-    pub masquerade_all: bool,
-    /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
-    pub node_port_addresses: NodePortAddresses,
-    pub primary: Vec<IpAddr>,
+    pub netfilter: NetfilterConfig,
 }
 
 /// The sysctls the mode needs in the agent's network namespace (kube-proxy's): IPVS keeps
@@ -97,42 +94,19 @@ const STRICT_ARP_SYSCTLS: &[(&str, &str)] = &[
 /// The kernel modules the mode needs (for the error saying IPVS is missing).
 const MODULES: &str = "ip_vs, ip_vs_rr (and ip_vs_<scheduler>), nf_conntrack";
 
-/// The jumps from the built-in chains to the mode's: (table, chain, comment, target),
-/// kube-proxy's `iptablesJumpChain`.
+/// The jumps from the built-in chains to the mode's, kube-proxy's `iptablesJumpChain`.
 #[rustfmt::skip]
-const JUMPS: &[(&str, &str, &str, &str)] = &[
-    ("nat", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
-    ("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
-    ("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
-    ("filter", "FORWARD", "kubernetes forwarding rules", "KUBE-FORWARD"),
-    ("filter", "INPUT", "kubernetes health check rules", "KUBE-NODE-PORT"),
-    ("filter", "INPUT", "kube-proxy firewall rules", "KUBE-PROXY-FIREWALL"),
-    ("filter", "FORWARD", "kube-proxy firewall rules", "KUBE-PROXY-FIREWALL"),
-    ("filter", "INPUT", "kubernetes ipvs access filter", "KUBE-IPVS-FILTER"),
-    ("filter", "OUTPUT", "kubernetes ipvs access filter", "KUBE-IPVS-OUT-FILTER"),
+const JUMPS: &[Jump] = &[
+    Jump::new("nat", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
+    Jump::new("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
+    Jump::new("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+    Jump::new("filter", "FORWARD", "kubernetes forwarding rules", "KUBE-FORWARD"),
+    Jump::new("filter", "INPUT", "kubernetes health check rules", "KUBE-NODE-PORT"),
+    Jump::new("filter", "INPUT", "kube-proxy firewall rules", "KUBE-PROXY-FIREWALL"),
+    Jump::new("filter", "FORWARD", "kube-proxy firewall rules", "KUBE-PROXY-FIREWALL"),
+    Jump::new("filter", "INPUT", "kubernetes ipvs access filter", "KUBE-IPVS-FILTER"),
+    Jump::new("filter", "OUTPUT", "kubernetes ipvs access filter", "KUBE-IPVS-OUT-FILTER"),
 ];
-
-fn jump(
-    b: Backend,
-    op: &str,
-    (table, chain, comment, target): &(&str, &str, &str, &str),
-) -> anyhow::Result<bool> {
-    let mut args = vec![op, chain];
-    if op == "-I" {
-        args.push("1");
-    }
-    args.extend(["-m", "comment", "--comment", comment, "-j", target]);
-    iptables::iptables(b, table, &args)
-}
-
-fn ensure_jumps(b: Backend) -> anyhow::Result<()> {
-    for rule in JUMPS {
-        if !jump(b, "-C", rule)? && !jump(b, "-I", rule)? {
-            bail!("cannot add the jump to {} in {} {}", rule.3, rule.0, rule.1);
-        }
-    }
-    Ok(())
-}
 
 /// A virtual server as programmed: the service and its real servers.
 #[derive(Clone, Debug)]
@@ -225,11 +199,6 @@ fn dummy_addresses() -> anyhow::Result<BTreeSet<Ipv4Addr>> {
         .collect())
 }
 
-fn within(addr: Ipv4Addr, (net, len): (Ipv4Addr, u8)) -> bool {
-    let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
-    u32::from(addr) & mask == u32::from(net) & mask
-}
-
 impl IpvsDataplane {
     /// Checks that IPVS, ipset and iptables work here and sets the mode's sysctls. What an
     /// earlier run left is taken over at the first sync.
@@ -296,36 +265,29 @@ impl IpvsDataplane {
         self.config
             .exclude_cidrs
             .iter()
-            .any(|cidr| within(addr, *cidr))
+            .any(|cidr| cidr.contains(addr.into()))
     }
 
     fn settings(&self) -> anyhow::Result<rules::Settings> {
         // The node's addresses, without the service addresses bound to the dummy interface.
-        let addresses: Vec<_> = external::interface_addresses()?
+        let addresses: Vec<_> = node::interface_addresses()?
             .into_iter()
             .filter(|a| a.interface != DUMMY)
             .collect();
-        let node_port_ips = iptables::selected_node_ips(
-            &self.config.node_port_addresses,
-            &self.config.primary,
+        let netfilter = &self.config.netfilter;
+        let node_port_ips = node::selected_node_ips(
+            &netfilter.node_port_addresses,
+            &netfilter.primary,
             &addresses,
         );
-        let mut node_ips: Vec<Ipv4Addr> = self
-            .config
-            .primary
-            .iter()
-            .filter_map(|ip| match ip {
-                IpAddr::V4(ip) => Some(*ip),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
+        let mut node_ips = ipv4(&netfilter.primary);
         if node_ips.is_empty() {
             node_ips.clone_from(&node_port_ips);
         }
         Ok(rules::Settings {
             scheduler: self.config.scheduler.clone(),
-            cluster_cidr: self.config.cluster_cidr,
-            masquerade_all: self.config.masquerade_all,
+            cluster_cidr: netfilter.cluster_cidr,
+            masquerade_all: netfilter.masquerade_all,
             node_port_ips,
             node_ips,
         })
@@ -487,7 +449,7 @@ impl IpvsDataplane {
             &rules::iptables_restore(&plan, &settings),
         )?;
         if full || scope.checks_jumps() {
-            ensure_jumps(self.config.backend)?;
+            iptables::ensure_jumps(self.config.backend, JUMPS)?;
             self.jumps_checked = true;
         }
         self.reconcile(&plan, &mut current, full)?;
@@ -570,34 +532,14 @@ fn saved_rules(b: Backend, table: &str) -> anyhow::Result<Vec<(String, String)>>
         .collect())
 }
 
-/// The chains of `table` that exist in `b`.
-fn saved_chains(b: Backend, table: &str) -> BTreeSet<String> {
-    Command::new(b.tool("iptables-save"))
-        .args(["-t", table])
-        .stderr(Stdio::null())
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter_map(|l| Some(l.strip_prefix(':')?.split_whitespace().next()?.to_owned()))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// Removes the mode's jumps and chains from `b`: the chains are flushed (their rules refer to
 /// the ipsets), and deleted unless something else still jumps to them (the iptables mode's
 /// per-Service chains jump to KUBE-MARK-MASQ, which the two modes share).
 fn cleanup_rules(b: Backend) -> anyhow::Result<usize> {
-    let mut removed = 0;
-    for rule in JUMPS {
-        while jump(b, "-D", rule)? {
-            removed += 1;
-        }
-    }
+    let mut removed = iptables::remove_jumps(b, JUMPS)?;
     let mut input = String::new();
     for table in ["filter", "nat"] {
-        let present = saved_chains(b, table);
+        let present = iptables::chains(b, table).unwrap_or_default();
         let ours: Vec<&str> = rules::CHAINS
             .iter()
             .filter(|(t, c)| *t == table && present.contains(*c))

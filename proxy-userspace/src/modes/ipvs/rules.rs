@@ -23,8 +23,9 @@ use std::{
 
 use super::netlink::{FLAG_PERSISTENT, Service, ServiceKey};
 use crate::{
+    model::{Cidr, ipv4},
     model::{DesiredState, Endpoint, Protocol, ServicePortName},
-    modes::iptables::rules::{MASQ_MARK, protocol_name, v4},
+    netfilter::rules::MASQ_MARK,
 };
 
 /// What the plan depends on besides the state.
@@ -33,7 +34,7 @@ pub struct Settings {
     /// `--ipvs-scheduler`.
     pub scheduler: String,
     /// `--cluster-cidr`: traffic from outside it to a cluster IP is masqueraded.
-    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
+    pub cluster_cidr: Option<Cidr>,
     /// `--masquerade-all`: every connection to a cluster IP is masqueraded.
     pub masquerade_all: bool,
     /// The node addresses NodePorts answer on (one virtual server each).
@@ -136,11 +137,6 @@ fn dests(endpoints: &[&Endpoint]) -> BTreeSet<(Ipv4Addr, u16)> {
         .collect()
 }
 
-fn within(addr: Ipv4Addr, net: Ipv4Addr, len: u8) -> bool {
-    let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
-    u32::from(addr) & mask == u32::from(net) & mask
-}
-
 /// The virtual servers, bound addresses and set entries of `state` (kube-proxy's IPVS
 /// `syncProxyRules`, reduced to IPv4).
 ///
@@ -157,11 +153,11 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
         plan.sets.insert(def.name, BTreeSet::new());
     }
     for (spn, port) in &state.services {
-        let proto = protocol_name(port.protocol);
+        let proto = port.protocol.keyword();
         let cluster = state.usable_endpoints(spn, false);
         let local = state.usable_endpoints(spn, true);
-        let external_ips = v4(&port.external_ips);
-        let lb_ips = v4(&port.load_balancer_ips);
+        let external_ips = ipv4(&port.external_ips);
+        let lb_ips = ipv4(&port.load_balancer_ips);
         let has_external =
             port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
         let uses_cluster =
@@ -205,7 +201,7 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
         };
         let ip_port = |ip: Ipv4Addr| format!("{ip},{proto}:{}", port.port);
 
-        for ip in v4(&port.cluster_ips) {
+        for ip in ipv4(&port.cluster_ips) {
             add_vs(&mut plan, ip, port.port, internal.clone());
             plan.bind.insert(ip);
             plan.add(CLUSTER_IP, ip_port(ip));
@@ -227,28 +223,25 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
             if port.external_traffic_local {
                 plan.add(LOAD_BALANCER_LOCAL, ip_port(ip));
             }
-            let ranges: Vec<(Ipv4Addr, u8)> = port
+            let ranges: Vec<&Cidr> = port
                 .source_ranges
                 .iter()
-                .filter_map(|(net, len)| match net {
-                    IpAddr::V4(net) => Some((*net, *len)),
-                    IpAddr::V6(_) => None,
-                })
+                .filter(|range| range.addr.is_ipv4())
                 .collect();
             if port.source_ranges.is_empty() {
                 continue;
             }
             plan.add(LOAD_BALANCER_FW, ip_port(ip));
-            for (net, len) in &ranges {
+            for range in &ranges {
                 plan.add(
                     LOAD_BALANCER_SOURCE_CIDR,
-                    format!("{},{net}/{len}", ip_port(ip)),
+                    format!("{},{range}", ip_port(ip)),
                 );
             }
             let from_node = settings
                 .node_ips
                 .iter()
-                .any(|n| ranges.iter().any(|(net, len)| within(*n, *net, *len)));
+                .any(|n| ranges.iter().any(|range| range.contains((*n).into())));
             if from_node {
                 // The node reaches the address with the address itself as source.
                 plan.add(LOAD_BALANCER_SOURCE_IP, format!("{},{ip}", ip_port(ip)));
@@ -408,9 +401,9 @@ pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
     if !plan.is_empty(CLUSTER_IP) {
         let args = if settings.masquerade_all {
             format!("{} -j KUBE-MARK-MASQ", matching(CLUSTER_IP, "dst,dst"))
-        } else if let Some((net, len)) = settings.cluster_cidr {
+        } else if let Some(cluster_cidr) = settings.cluster_cidr {
             format!(
-                "{} ! -s {net}/{len} -j KUBE-MARK-MASQ",
+                "{} ! -s {cluster_cidr} -j KUBE-MARK-MASQ",
                 matching(CLUSTER_IP, "dst,dst")
             )
         } else {
@@ -565,7 +558,7 @@ mod tests {
     pub(crate) fn settings() -> Settings {
         Settings {
             scheduler: "rr".into(),
-            cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
             masquerade_all: false,
             node_port_ips: vec![Ipv4Addr::new(192, 0, 2, 11)],
             node_ips: vec![Ipv4Addr::new(192, 0, 2, 11)],

@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeSet,
     io::Write as _,
-    net::{Ipv4Addr, SocketAddr, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
     process::Command,
     time::{Duration, Instant},
 };
@@ -13,6 +13,7 @@ use std::{
 use super::*;
 use crate::{
     model::{NamespacedName, Protocol, ServicePortName},
+    node::NodePortAddresses,
     testing::fixture,
 };
 
@@ -80,19 +81,25 @@ fn config() -> IpvsConfig {
     IpvsConfig {
         scheduler: DEFAULT_SCHEDULER.into(),
         strict_arp: true,
-        exclude_cidrs: vec![(Ipv4Addr::new(172, 31, 0, 0), 16)],
+        exclude_cidrs: vec![Cidr::v4(Ipv4Addr::new(172, 31, 0, 0), 16)],
         timeouts: netlink::Timeouts {
             tcp: 600,
             tcp_fin: 0,
             udp: 60,
         },
-        backend: Backend::detect().unwrap(),
-        cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
-        masquerade_all: false,
-        node_port_addresses: NodePortAddresses::Cidrs(vec![(Ipv4Addr::new(192, 0, 2, 0), 24)]),
-        // Outside shop/local's source range: the node's own connections to its load balancer
-        // address are dropped (the `-m ipvs` rule is written).
-        primary: vec![IpAddr::V4(Ipv4Addr::new(198, 18, 0, 1))],
+        // Nothing installed in the test's namespace: the node's iptables.
+        backend: Backend::detect(|_| 0).unwrap(),
+        netfilter: NetfilterConfig {
+            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
+            masquerade_all: false,
+            node_port_addresses: NodePortAddresses::Cidrs(vec![Cidr::v4(
+                Ipv4Addr::new(192, 0, 2, 0),
+                24,
+            )]),
+            // Outside shop/local's source range: the node's own connections to its load
+            // balancer address are dropped (the `-m ipvs` rule is written).
+            primary: vec![IpAddr::V4(Ipv4Addr::new(198, 18, 0, 1))],
+        },
     }
 }
 

@@ -451,13 +451,15 @@ mod tests {
     use super::*;
     use crate::{
         dataplane::Scope,
-        modes::nftables::rules::{Settings, render},
+        model::Cidr,
+        modes::nftables::rules::render,
+        netfilter::rules::Settings,
         testing::{fixture, rule_backends},
     };
 
     fn rendered() -> String {
         let settings = Settings {
-            cluster_cidr: Some((std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidr: Some(Cidr::v4(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
             masquerade_all: false,
             node_port_addresses: Some(vec![std::net::Ipv4Addr::new(192, 0, 2, 11)]),
         };

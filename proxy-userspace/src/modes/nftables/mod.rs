@@ -9,35 +9,18 @@
 pub mod inspect;
 pub mod rules;
 
-use std::{
-    net::{IpAddr, Ipv4Addr},
-    process::{Command, Stdio},
-};
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, bail};
 
 use crate::{
     dataplane::{Dataplane, Scope},
     model::DesiredState,
-    modes::ebpf::external::NodePortAddresses,
-    modes::iptables::node_port_ips,
-    netfilter::stale_udp::StaleUdp,
+    netfilter::{rules::NetfilterConfig, stale_udp::StaleUdp},
 };
 
-/// What the mode is configured with (kube-proxy's flags).
-#[derive(Clone, Debug)]
-pub struct NftablesConfig {
-    /// `--cluster-cidr`.
-    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
-    /// `--masquerade-all`.
-    pub masquerade_all: bool,
-    /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
-    pub node_port_addresses: NodePortAddresses,
-    pub primary: Vec<IpAddr>,
-}
-
 pub struct NftablesDataplane {
-    config: NftablesConfig,
+    config: NetfilterConfig,
     /// What the table holds; None until the first sync and after a failed one.
     programmed: Option<rules::Programmed>,
     udp: StaleUdp,
@@ -46,7 +29,7 @@ pub struct NftablesDataplane {
 impl NftablesDataplane {
     /// Checks that nft works here. What an earlier run left in the table is replaced at the
     /// first sync.
-    pub fn new(config: NftablesConfig) -> anyhow::Result<Self> {
+    pub fn new(config: NetfilterConfig) -> anyhow::Result<Self> {
         let output = Command::new("nft")
             .args(["list", "tables"])
             .stdout(Stdio::null())
@@ -68,22 +51,11 @@ impl NftablesDataplane {
             udp: StaleUdp::default(),
         })
     }
-
-    fn settings(&self) -> anyhow::Result<rules::Settings> {
-        Ok(rules::Settings {
-            cluster_cidr: self.config.cluster_cidr,
-            masquerade_all: self.config.masquerade_all,
-            node_port_addresses: node_port_ips(
-                &self.config.node_port_addresses,
-                &self.config.primary,
-            )?,
-        })
-    }
 }
 
 impl Dataplane for NftablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
-        let settings = self.settings()?;
+        let settings = self.config.settings()?;
         // Taken: if the transaction fails, the next sync starts from an unknown table.
         let rendered = rules::render(state, &settings, self.programmed.take(), scope);
         if !rendered.text.is_empty() {
@@ -132,12 +104,13 @@ pub fn installed() -> bool {
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::BTreeSet, io::Write as _};
+    use std::{collections::BTreeSet, io::Write as _, net::Ipv4Addr};
 
     use super::*;
     use crate::{
-        model::{NamespacedName, Protocol, ServicePortName},
+        model::{Cidr, NamespacedName, Protocol, ServicePortName},
         modes::nftables::rules::tests::FIXTURE,
+        node::NodePortAddresses,
         testing::fixture,
     };
 
@@ -182,10 +155,13 @@ mod tests {
             assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
             assert!(!installed());
             cleanup().unwrap();
-            let mut dp = NftablesDataplane::new(NftablesConfig {
-                cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+            let mut dp = NftablesDataplane::new(NetfilterConfig {
+                cluster_cidr: Some(Cidr::v4(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
                 masquerade_all: false,
-                node_port_addresses: NodePortAddresses::Cidrs(vec![(Ipv4Addr::UNSPECIFIED, 0)]),
+                node_port_addresses: NodePortAddresses::Cidrs(vec![Cidr::v4(
+                    Ipv4Addr::UNSPECIFIED,
+                    0,
+                )]),
                 primary: Vec::new(),
             })
             .unwrap();

@@ -43,28 +43,13 @@ use std::{
 
 use crate::{
     dataplane::Scope,
+    model::{Cidr, ipv4},
     model::{DesiredState, Endpoint, ServicePort, ServicePortName},
-    modes::iptables::rules::{hash16, protocol_name, v4},
+    netfilter::rules::{MASQ_MARK, Settings, hash16},
 };
 
 /// The table, as nft commands name it.
 pub const TABLE: &str = "ip kube-proxy";
-
-/// The mark that asks `masquerading` to masquerade (kube-proxy's default bit 14).
-pub const MASQ_MARK: &str = "0x4000";
-
-/// What the rules depend on besides the state.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Settings {
-    /// `--cluster-cidr`: traffic from outside it to a cluster IP is masqueraded, and traffic
-    /// from inside it to an externalTrafficPolicy Local frontend short-circuits to any endpoint.
-    pub cluster_cidr: Option<(Ipv4Addr, u8)>,
-    /// `--masquerade-all`: every connection to a cluster IP is masqueraded.
-    pub masquerade_all: bool,
-    /// The node addresses NodePorts answer on; None: every local address (`fib daddr type
-    /// local`).
-    pub node_port_addresses: Option<Vec<Ipv4Addr>>,
-}
 
 /// The base chains: name, type, hook, priority. The filter chains run before DNAT (-100) so
 /// that they see the frontend; `filter-output-post-dnat` after it, to see what was not
@@ -462,7 +447,7 @@ fn named(prefix: &str, name: &str) -> String {
 
 /// What a Service port's object names are made of: `namespace/name/protocol/port`.
 fn port_base(spn: &ServicePortName) -> String {
-    let proto = protocol_name(spn.protocol);
+    let proto = spn.protocol.keyword();
     format!(
         "{}/{}/{proto}/{}",
         spn.service.namespace, spn.service.name, spn.port
@@ -521,22 +506,20 @@ fn service_port(
     port: &ServicePort,
 ) -> PortRules {
     let name = spn.to_string();
-    let proto = protocol_name(port.protocol);
+    let proto = port.protocol.keyword();
     let base = port_base(spn);
     let cluster_chain = named("service-", &base);
     let local_chain = named("local-", &base);
     let external_chain = named("external-", &base);
     let firewall_chain = named("firewall-", &base);
-    let cluster_ips = v4(&port.cluster_ips);
-    let external_ips = v4(&port.external_ips);
-    let lb_ips = v4(&port.load_balancer_ips);
+    let cluster_ips = ipv4(&port.cluster_ips);
+    let external_ips = ipv4(&port.external_ips);
+    let lb_ips = ipv4(&port.load_balancer_ips);
     let ranges: Vec<String> = port
         .source_ranges
         .iter()
-        .filter_map(|(net, len)| match net {
-            IpAddr::V4(net) => Some(format!("{net}/{len}")),
-            IpAddr::V6(_) => None,
-        })
+        .filter(|range| range.addr.is_ipv4())
+        .map(Cidr::to_string)
         .collect();
     let has_external = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
     let (itl, etl) = (port.internal_traffic_local, port.external_traffic_local);
@@ -613,8 +596,8 @@ fn service_port(
             let from = if settings.masquerade_all {
                 String::new()
             } else {
-                let (net, len) = settings.cluster_cidr?;
-                format!(" ip saddr != {net}/{len}")
+                let cluster_cidr = settings.cluster_cidr?;
+                format!(" ip saddr != {cluster_cidr}")
             };
             Some(format!(
                 "ip daddr {vip} {proto} dport {}{from} jump mark-for-masquerade",
@@ -641,9 +624,9 @@ fn service_port(
             // Pods and the node itself are inside the cluster: any endpoint, as for the cluster
             // IP (kube-proxy's short-circuit); the node's own traffic masqueraded, as its source
             // is the frontend's own address.
-            if let Some((net, len)) = settings.cluster_cidr {
+            if let Some(cluster_cidr) = settings.cluster_cidr {
                 rules.push(format!(
-                    "ip saddr {net}/{len} goto {cluster_chain} comment \"pods: any endpoint\""
+                    "ip saddr {cluster_cidr} goto {cluster_chain} comment \"pods: any endpoint\""
                 ));
             }
             rules.push(
@@ -724,7 +707,7 @@ pub(super) mod tests {
 
     fn settings() -> Settings {
         Settings {
-            cluster_cidr: Some((Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
             masquerade_all: false,
             node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
         }

@@ -232,7 +232,7 @@ mod tests {
     /// As iptables-save prints them back from the kernel, in both backends.
     #[test]
     fn services_read_back_from_the_kernel() {
-        for b in crate::modes::iptables::Backend::ALL {
+        for b in crate::netfilter::iptables::Backend::ALL {
             let save = b.tool("iptables-save");
             let test = format!(
                 "modes::userspace::inspect::tests::services_read_back_from_the_kernel ({save})"
@@ -242,7 +242,7 @@ mod tests {
             }
             let saved = crate::testing::in_new_netns(move || {
                 crate::command::pipe(&b.tool("iptables-restore"), &["-w"], &rendered())?;
-                crate::modes::iptables::inspect::iptables_save(b)
+                crate::netfilter::iptables::save(b)
             });
             check(&services(&saved));
         }

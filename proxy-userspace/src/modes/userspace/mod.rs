@@ -45,8 +45,8 @@ use self::{
 use crate::{
     dataplane::{Dataplane, Scope},
     model::{DesiredState, Protocol, ServicePortName},
-    modes::ebpf::external::{self, InterfaceAddr, NodePortAddresses},
-    modes::iptables::Backend,
+    netfilter::iptables::{self, Backend, Jump},
+    node::{self, NodePortAddresses},
 };
 
 /// kube-proxy's default `--udp-timeout`: how long a UDP session lives without traffic.
@@ -66,28 +66,24 @@ pub struct UserspaceConfig {
     pub udp_timeout: Duration,
 }
 
-/// The iptables backends, for cleanup and detection.
-const BACKENDS: [Backend; 2] = [Backend::Legacy, Backend::Nft];
-
 const PORTALS_COMMENT: &str = "handle ClusterIPs; NOTE: this must be before the NodePort rules";
 const NODEPORTS_COMMENT: &str =
     "handle service NodePorts; NOTE: this must be the last rule in the chain";
 const NON_LOCAL_COMMENT: &str = "Ensure that non-local NodePort traffic can flow";
 const FIREWALL_COMMENT: &str = "kubernetes service portals firewall";
 
-/// The jumps from the built-in chains to the mode's: (table, chain, inserted first (else
-/// appended), match, target). The first five are kube-proxy's own, so that cleanup also
-/// removes what a kube-proxy in userspace mode left.
+/// The jumps from the built-in chains to the mode's. The first five are kube-proxy's own, so
+/// that cleanup also removes what a kube-proxy in userspace mode left.
 #[rustfmt::skip]
-const JUMPS: &[(&str, &str, bool, &[&str], &str)] = &[
-    ("nat", "PREROUTING", true, &["-m", "comment", "--comment", PORTALS_COMMENT], rules::CONTAINER_PORTALS),
-    ("nat", "OUTPUT", true, &["-m", "comment", "--comment", PORTALS_COMMENT], rules::HOST_PORTALS),
-    ("nat", "PREROUTING", false, &["-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", NODEPORTS_COMMENT], rules::CONTAINER_NODEPORTS),
-    ("nat", "OUTPUT", false, &["-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", NODEPORTS_COMMENT], rules::HOST_NODEPORTS),
-    ("filter", "INPUT", true, &["-m", "comment", "--comment", NON_LOCAL_COMMENT], rules::NON_LOCAL_NODEPORTS),
-    ("filter", "INPUT", true, &["-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", FIREWALL_COMMENT], rules::FIREWALL),
-    ("filter", "FORWARD", true, &["-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", FIREWALL_COMMENT], rules::FIREWALL),
-    ("filter", "OUTPUT", true, &["-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", FIREWALL_COMMENT], rules::FIREWALL),
+const JUMPS: &[Jump] = &[
+    Jump::new("nat", "PREROUTING", PORTALS_COMMENT, rules::CONTAINER_PORTALS),
+    Jump::new("nat", "OUTPUT", PORTALS_COMMENT, rules::HOST_PORTALS),
+    Jump::new("nat", "PREROUTING", NODEPORTS_COMMENT, rules::CONTAINER_NODEPORTS).appended().matching(&["-m", "addrtype", "--dst-type", "LOCAL"]),
+    Jump::new("nat", "OUTPUT", NODEPORTS_COMMENT, rules::HOST_NODEPORTS).appended().matching(&["-m", "addrtype", "--dst-type", "LOCAL"]),
+    Jump::new("filter", "INPUT", NON_LOCAL_COMMENT, rules::NON_LOCAL_NODEPORTS),
+    Jump::new("filter", "INPUT", FIREWALL_COMMENT, rules::FIREWALL).new_only(),
+    Jump::new("filter", "FORWARD", FIREWALL_COMMENT, rules::FIREWALL).new_only(),
+    Jump::new("filter", "OUTPUT", FIREWALL_COMMENT, rules::FIREWALL).new_only(),
 ];
 
 /// The proxy sockets of one Service port.
@@ -191,9 +187,10 @@ impl UserspaceDataplane {
     }
 
     fn settings(&mut self) -> anyhow::Result<rules::Settings> {
-        let addresses = external::interface_addresses()?;
-        let default_route = external::default_route_interface();
-        let node_ip = match node_ip(&self.config.primary, default_route.as_deref(), &addresses) {
+        let addresses = node::interface_addresses()?;
+        let default_route = node::default_route_interface();
+        let primary = &self.config.primary;
+        let node_ip = match node::primary_ipv4(primary, default_route.as_deref(), &addresses) {
             Some(ip) => ip,
             None => {
                 if !self.warned_no_node_ip {
@@ -206,22 +203,13 @@ impl UserspaceDataplane {
                 Ipv4Addr::LOCALHOST
             }
         };
-        let every = matches!(&self.config.node_port_addresses,
-            NodePortAddresses::Cidrs(c) if c.iter().any(|(_, len)| *len == 0));
-        let node_port_addresses = (!every).then(|| {
-            external::node_addresses(
-                &self.config.node_port_addresses,
-                &self.config.primary,
-                default_route.as_deref(),
-                &addresses,
-            )
-            .iter()
-            .map(|a| a.addr)
-            .collect()
-        });
         Ok(rules::Settings {
             node_ip,
-            node_port_addresses,
+            node_port_addresses: node::node_port_ips(
+                &self.config.node_port_addresses,
+                primary,
+                &addresses,
+            ),
         })
     }
 
@@ -369,14 +357,14 @@ impl Dataplane for UserspaceDataplane {
             .iter()
             .filter_map(|(spn, proxy)| Some((spn.clone(), proxy.ports()?)))
             .collect();
-        restore(
+        iptables::restore(
             self.config.backend,
             &rules::render(state, &settings, &ports),
         )?;
         // The chains exist now; the jumps to them are checked once and at each full or
         // periodic sync (something else may have flushed the built-in chains).
         if !self.jumps_checked || scope.checks_jumps() {
-            ensure_jumps(self.config.backend)?;
+            iptables::ensure_jumps(self.config.backend, JUMPS)?;
             self.jumps_checked = true;
         }
         // UDP flows redirected to a socket now closed (or without endpoints) would keep going
@@ -408,106 +396,15 @@ impl UserspaceDataplane {
     }
 }
 
-/// Where the node's own traffic to a Service is DNATed to (kube-proxy's `hostIP`): the first
-/// IPv4 address of the Node object (`primary`) that the node holds, else the first address of
-/// the default route's interface, else the first of another interface than the loopback one
-/// (whose other addresses are service addresses, such as a load balancer's for DSR).
-fn node_ip(
-    primary: &[IpAddr],
-    default_route: Option<&str>,
-    addresses: &[InterfaceAddr],
-) -> Option<Ipv4Addr> {
-    let held = |ip: &Ipv4Addr| !ip.is_loopback() && addresses.iter().any(|a| a.addr == *ip);
-    let not_lo = |a: &InterfaceAddr| a.interface != "lo" && !a.addr.is_loopback();
-    primary
-        .iter()
-        .filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some(*ip),
-            IpAddr::V6(_) => None,
-        })
-        .find(held)
-        .or_else(|| {
-            addresses
-                .iter()
-                .find(|a| Some(a.interface.as_str()) == default_route && not_lo(a))
-                .map(|a| a.addr)
-        })
-        .or_else(|| addresses.iter().find(|a| not_lo(a)).map(|a| a.addr))
-}
-
-/// Runs `iptables-restore --noflush` on `input`: one transaction, all or nothing.
-fn restore(b: Backend, input: &str) -> anyhow::Result<()> {
-    crate::modes::iptables::restore(b, input)
-}
-
-/// `iptables -t TABLE OP CHAIN [1] MATCH -j TARGET` for one of [`JUMPS`]; whether it succeeded.
-fn jump(
-    b: Backend,
-    op: &str,
-    (table, chain, first, matches, target): &(&str, &str, bool, &[&str], &str),
-) -> anyhow::Result<bool> {
-    let op = match op {
-        "add" if *first => "-I",
-        "add" => "-A",
-        other => other,
-    };
-    let mut args = vec!["-w", "-t", table, op, chain];
-    if op == "-I" {
-        args.push("1");
-    }
-    args.extend_from_slice(matches);
-    args.extend(["-j", target]);
-    let status = Command::new(b.tool("iptables"))
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .context("running iptables")?;
-    Ok(status.success())
-}
-
-fn ensure_jumps(b: Backend) -> anyhow::Result<()> {
-    for rule in JUMPS {
-        if !jump(b, "-C", rule)? && !jump(b, "add", rule)? {
-            bail!("cannot add the jump to {} in {} {}", rule.4, rule.0, rule.1);
-        }
-    }
-    Ok(())
-}
-
-/// The chains of `table` that the mode owns and that exist, as iptables-save lists them.
+/// The chains of `table` that the mode owns and that exist.
 fn owned_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
-    let output = Command::new(b.tool("iptables-save"))
-        .args(["-t", table])
-        .stderr(Stdio::piped())
-        .output()
-        .context("running iptables-save")?;
-    if !output.status.success() {
-        bail!(
-            "iptables-save -t {table} failed: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
     let owned: &[&str] = rules::CHAINS
         .iter()
         .find(|(t, _)| *t == table)
         .map_or(&[], |(_, c)| c);
-    Ok(String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
-        .filter(|c| owned.contains(c))
-        .map(str::to_owned)
-        .collect())
-}
-
-/// Whether `b`'s tools can be run here.
-fn available(b: Backend) -> bool {
-    Command::new(b.tool("iptables-save"))
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+    let mut chains = iptables::chains(b, table)?;
+    chains.retain(|c| owned.contains(&c.as_str()));
+    Ok(chains)
 }
 
 /// How many of the mode's chains `b` holds (0 when its tools fail).
@@ -519,49 +416,22 @@ fn held(b: Backend) -> usize {
 }
 
 /// The backend for `--iptables-backend auto`: the one already holding the mode's chains (an
-/// earlier run's, or a kube-proxy's in userspace mode), else as the iptables mode picks.
+/// earlier run's, or a kube-proxy's in userspace mode), else the node's.
 pub fn detect_backend() -> anyhow::Result<Backend> {
-    let (legacy, nft) = (held(Backend::Legacy), held(Backend::Nft));
-    if legacy != nft {
-        return Ok(if legacy > nft {
-            Backend::Legacy
-        } else {
-            Backend::Nft
-        });
-    }
-    Backend::detect()
+    Backend::detect(held)
 }
 
 /// Removes everything the mode installed (or a kube-proxy in userspace mode left), from both
 /// backends: the jumps, then the chains (kube-proxy's `--cleanup`). Nothing installed: nothing
 /// done. The proxy sockets are the agent's own and go with it.
 pub fn cleanup() -> anyhow::Result<()> {
-    for b in BACKENDS.into_iter().filter(|b| available(*b)) {
-        let mut removed = 0;
-        for rule in JUMPS {
-            while jump(b, "-D", rule)? {
-                removed += 1;
-            }
-        }
-        let mut input = String::new();
+    for b in Backend::ALL.into_iter().filter(|b| iptables::available(*b)) {
+        let mut removed = iptables::remove_jumps(b, JUMPS)?;
+        let mut chains = Vec::new();
         for (table, _) in rules::CHAINS {
-            let chains = owned_chains(b, table)?;
-            if chains.is_empty() {
-                continue;
-            }
-            input.push_str(&format!("*{table}\n"));
-            for chain in &chains {
-                input.push_str(&format!(":{chain} - [0:0]\n"));
-            }
-            for chain in &chains {
-                input.push_str(&format!("-X {chain}\n"));
-            }
-            input.push_str("COMMIT\n");
-            removed += chains.len();
+            chains.push((*table, owned_chains(b, table)?));
         }
-        if !input.is_empty() {
-            restore(b, &input)?;
-        }
+        removed += iptables::delete_chains(b, &chains)?;
         if removed > 0 {
             tracing::info!(
                 backend = b.name(),
@@ -576,7 +446,7 @@ pub fn cleanup() -> anyhow::Result<()> {
 /// Whether the mode's chains are installed here, in either backend (an earlier run in this
 /// mode, or a kube-proxy's in userspace mode).
 pub fn installed() -> bool {
-    BACKENDS.into_iter().any(|b| held(b) > 0)
+    Backend::ALL.into_iter().any(|b| held(b) > 0)
 }
 
 /// Deletes the conntrack entries of UDP flows redirected to the proxy port `port`.
@@ -598,45 +468,5 @@ fn clear_udp_flows(port: u16) {
             String::from_utf8_lossy(&o.stderr).trim()
         ),
         Err(e) => tracing::warn!("deleting stale UDP conntrack entries: conntrack: {e}"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_node_ip_is_a_held_primary_address_else_the_default_routes() {
-        let a = |interface: &str, addr: [u8; 4]| InterfaceAddr {
-            interface: interface.into(),
-            addr: addr.into(),
-        };
-        let addresses = [
-            a("eth0", [192, 0, 2, 11]),
-            a("eth1", [198, 51, 100, 7]),
-            a("lo", [127, 0, 0, 1]),
-            a("lo", [203, 0, 113, 10]),
-        ];
-        let ip = |o: [u8; 4]| IpAddr::V4(o.into());
-        // The Node's first IPv4 address held here (an ExternalIP NATed by a cloud is not).
-        assert_eq!(
-            node_ip(
-                &[ip([203, 0, 113, 1]), ip([198, 51, 100, 7])],
-                Some("eth0"),
-                &addresses
-            ),
-            Some(Ipv4Addr::new(198, 51, 100, 7))
-        );
-        assert_eq!(
-            node_ip(&[], Some("eth1"), &addresses),
-            Some(Ipv4Addr::new(198, 51, 100, 7))
-        );
-        assert_eq!(
-            node_ip(&[], None, &addresses),
-            Some(Ipv4Addr::new(192, 0, 2, 11))
-        );
-        // Never the loopback interface's.
-        assert_eq!(node_ip(&[], Some("lo"), &addresses[2..]), None);
-        assert_eq!(node_ip(&[], None, &addresses[2..]), None);
     }
 }

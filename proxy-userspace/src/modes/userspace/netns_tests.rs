@@ -24,7 +24,7 @@ use tokio::{
 };
 
 use super::*;
-use crate::model::{Endpoint, NamespacedName, ServicePort, TargetPort};
+use crate::model::{Cidr, Endpoint, NamespacedName, ServicePort, TargetPort};
 
 /// Set to 1 to make these tests fail instead of skipping (as the sandbox tests').
 const NO_SKIP_ENV: &str = "SANDBOX_NO_SKIP";
@@ -330,7 +330,7 @@ async fn scenario() {
         let lb = spn(name, Protocol::Tcp);
         let mut port = service([10, 96, 0, 20 + last], 80, Protocol::Tcp);
         port.load_balancer_ips = vec![IpAddr::from([203, 0, 113, last])];
-        port.source_ranges = vec![(IpAddr::from(range), 24)];
+        port.source_ranges = vec![Cidr::v4(range.into(), 24)];
         state.services.insert(lb.clone(), port.into());
         state.endpoints.insert(lb, both.clone());
     }
@@ -507,7 +507,7 @@ fn cleanup_removes_the_rules_of_both_backends() {
     }
     in_namespace(TEST, || async {
         let state = crate::testing::fixture(include_str!("testdata/services.yaml"));
-        for backend in BACKENDS {
+        for backend in Backend::ALL {
             let mut dp = UserspaceDataplane::new(UserspaceConfig {
                 backend,
                 node_port_addresses: NodePortAddresses::Primary,
@@ -536,7 +536,7 @@ fn cleanup_removes_the_rules_of_both_backends() {
         }
         cleanup().unwrap();
         assert!(!installed());
-        for backend in BACKENDS {
+        for backend in Backend::ALL {
             let saved = Command::new(backend.tool("iptables-save"))
                 .output()
                 .unwrap();

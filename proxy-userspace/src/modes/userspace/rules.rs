@@ -25,10 +25,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, SocketAddrV4},
 };
 
-use crate::{
-    model::{DesiredState, Protocol, ServicePort, ServicePortName},
-    modes::iptables::rules::v4,
-};
+use crate::model::{Cidr, DesiredState, Protocol, ServicePort, ServicePortName, ipv4};
 
 pub const CONTAINER_PORTALS: &str = "KUBE-PORTALS-CONTAINER";
 pub const HOST_PORTALS: &str = "KUBE-PORTALS-HOST";
@@ -98,14 +95,14 @@ pub fn proxied(port: &ServicePort) -> bool {
                 &port.load_balancer_ips,
             ]
             .into_iter()
-            .any(|ips| !v4(ips).is_empty()))
+            .any(|ips| !ipv4(ips).is_empty()))
 }
 
 /// Whether `port` can be reached from outside the cluster (NodePort, external or LB IPs).
 fn has_external(port: &ServicePort) -> bool {
     port.node_port.is_some()
-        || !v4(&port.external_ips).is_empty()
-        || !v4(&port.load_balancer_ips).is_empty()
+        || !ipv4(&port.external_ips).is_empty()
+        || !ipv4(&port.load_balancer_ips).is_empty()
 }
 
 /// Whether the external frontends of `port` need a proxy socket of their own: when the
@@ -226,26 +223,19 @@ fn service_rules(
         }
     };
     // Only these sources may reach the load balancer IPs (all when None).
-    let ranges: Option<Vec<(Ipv4Addr, u8)>> = (!port.source_ranges.is_empty()).then(|| {
-        port.source_ranges
-            .iter()
-            .filter_map(|(net, len)| match net {
-                IpAddr::V4(net) => Some((*net, *len)),
-                IpAddr::V6(_) => None,
-            })
-            .collect()
-    });
+    let ranges: Option<Vec<(Ipv4Addr, u8)>> = (!port.source_ranges.is_empty())
+        .then(|| port.source_ranges.iter().filter_map(Cidr::as_v4).collect());
 
-    let frontends = v4(&port.cluster_ips)
+    let frontends = ipv4(&port.cluster_ips)
         .into_iter()
         .map(|ip| (ip, Listener::Internal, false))
         .chain(
-            v4(&port.external_ips)
+            ipv4(&port.external_ips)
                 .into_iter()
                 .map(|ip| (ip, Listener::External, false)),
         )
         .chain(
-            v4(&port.load_balancer_ips)
+            ipv4(&port.load_balancer_ips)
                 .into_iter()
                 .map(|ip| (ip, Listener::External, true)),
         );

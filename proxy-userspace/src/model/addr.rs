@@ -1,0 +1,110 @@
+//! Address vocabulary, parsed and named once: CIDRs, and the IPv4 addresses of a list (the
+//! datapaths serve IPv4 for now).
+use std::{
+    fmt,
+    net::{IpAddr, Ipv4Addr},
+    str::FromStr,
+};
+
+/// An address range, like 10.244.0.0/16 or fd00::/64.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    /// The prefix length: at most 32 for IPv4, 128 for IPv6.
+    pub len: u8,
+}
+
+impl Cidr {
+    pub fn v4(addr: Ipv4Addr, len: u8) -> Self {
+        debug_assert!(len <= 32);
+        Self {
+            addr: addr.into(),
+            len,
+        }
+    }
+
+    /// The IPv4 network and prefix length; None for an IPv6 range.
+    pub fn as_v4(&self) -> Option<(Ipv4Addr, u8)> {
+        match self.addr {
+            IpAddr::V4(addr) => Some((addr, self.len)),
+            IpAddr::V6(_) => None,
+        }
+    }
+
+    /// Whether `ip` is in the range (never across families).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(self.len)).unwrap_or(0);
+                u32::from(ip) & mask == u32::from(net) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.len))
+                    .unwrap_or(0);
+                u128::from(ip) & mask == u128::from(net) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (addr, len) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not a CIDR (like 192.0.2.0/24)"))?;
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{s:?}: {addr:?} is not an IP address"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len: u8 = len
+            .parse()
+            .ok()
+            .filter(|len| *len <= max)
+            .ok_or_else(|| format!("{s:?}: {len:?} is not a prefix length (0-{max})"))?;
+        Ok(Self { addr, len })
+    }
+}
+
+/// The IPv4 addresses of `ips`, in order.
+pub fn ipv4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
+    ips.iter()
+        .filter_map(|ip| match ip {
+            IpAddr::V4(ip) => Some(*ip),
+            IpAddr::V6(_) => None,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_shows_and_contains() {
+        let net: Cidr = "10.244.0.0/16".parse().unwrap();
+        assert_eq!(net, Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16));
+        assert_eq!(net.to_string(), "10.244.0.0/16");
+        assert!(net.contains("10.244.255.1".parse().unwrap()));
+        assert!(!net.contains("10.245.0.1".parse().unwrap()));
+        assert!(!net.contains("::1".parse().unwrap()));
+        let all: Cidr = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains("203.0.113.9".parse().unwrap()));
+        let v6: Cidr = "fd00::/8".parse().unwrap();
+        assert!(v6.contains("fd12::1".parse().unwrap()));
+        assert_eq!(v6.as_v4(), None);
+        for bad in ["10.0.0.0", "10.0.0.0/33", "x/8", "10.0.0.0/x", "fd00::/129"] {
+            let e = bad.parse::<Cidr>().unwrap_err();
+            assert!(e.contains(bad.split('/').next().unwrap()), "{e}");
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! What the netfilter modes' rules share: kube-proxy's masquerade mark and chain-name hash, and
+//! the settings the iptables and nftables rules are rendered with.
+use std::net::{IpAddr, Ipv4Addr};
+
+use crate::{
+    model::Cidr,
+    node::{self, NodePortAddresses},
+};
+
+/// The mark that asks for masquerading (kube-proxy's default bit 14).
+pub const MASQ_MARK: &str = "0x4000";
+
+/// The flags the iptables, nftables and IPVS modes share (kube-proxy's).
+#[derive(Clone, Debug)]
+pub struct NetfilterConfig {
+    /// `--cluster-cidr`.
+    pub cluster_cidr: Option<Cidr>,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
+    pub node_port_addresses: NodePortAddresses,
+    pub primary: Vec<IpAddr>,
+}
+
+impl NetfilterConfig {
+    /// The settings the rules are rendered with, on this node now.
+    pub fn settings(&self) -> anyhow::Result<Settings> {
+        Ok(Settings {
+            cluster_cidr: self.cluster_cidr,
+            masquerade_all: self.masquerade_all,
+            node_port_addresses: node::node_port_ips(
+                &self.node_port_addresses,
+                &self.primary,
+                &node::interface_addresses()?,
+            ),
+        })
+    }
+}
+
+/// What the iptables and nftables rules depend on besides the state.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// `--cluster-cidr`: traffic from outside it to a cluster IP is masqueraded, and traffic
+    /// from inside it to an externalTrafficPolicy Local frontend short-circuits to any endpoint.
+    pub cluster_cidr: Option<Cidr>,
+    /// `--masquerade-all`: every connection to a cluster IP is masqueraded.
+    pub masquerade_all: bool,
+    /// The node addresses NodePorts answer on; None: every local address (`addrtype LOCAL`,
+    /// `fib daddr type local`).
+    pub node_port_addresses: Option<Vec<Ipv4Addr>>,
+}
+
+/// The first 16 characters of the base32 (RFC 4648) encoding of the SHA-256 of `text`.
+pub(crate) fn hash16(text: &str) -> String {
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
+    let bytes = digest.as_ref();
+    // 16 characters of 5 bits: the first 80 bits, i.e. 10 bytes.
+    let bits = bytes[..10]
+        .iter()
+        .fold(0u128, |acc, b| (acc << 8) | u128::from(*b));
+    (0..16)
+        .map(|i| ALPHABET[((bits >> (75 - 5 * i)) & 31) as usize] as char)
+        .collect()
+}
