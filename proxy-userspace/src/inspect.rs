@@ -1,22 +1,15 @@
-//! `proxy-userspace inspect`: reads what the mode installed on the node (while the agent runs
-//! or after it stopped) and prints it as a table for people or JSON for scripts. In the ebpf
-//! mode, the pinned maps; in the others, the mode's own state, parsed back into the same rows:
-//! the nftables table ([`nftables`]), the iptables rules ([`iptables`], [`userspace`]), the IPVS
-//! table and kube-proxy's ipsets ([`ipvs`]), the kernel's conntrack table ([`conntrack`]) and
-//! the affinity the kernel remembers.
+//! `proxy-userspace inspect` prints what a mode installed on the node (while the agent runs or
+//! after it stopped) as a table for people or JSON for scripts. Each mode's reader, beside its
+//! rules (`modes/<mode>/inspect.rs`), parses its state back into the same [`Rows`]: the ebpf
+//! mode's pinned maps, the nftables table, the iptables rules, the IPVS table and kube-proxy's
+//! ipsets, the kernel's conntrack table and the affinity the kernel remembers.
 
-use std::{fmt::Write as _, path::Path};
+use std::fmt::Write as _;
 
-use anyhow::{Context, bail};
 use serde::Serialize;
 
-use crate::{
-    modes::{
-        ebpf::inspect as ebpf, iptables::inspect as iptables, ipvs::inspect as ipvs,
-        nftables::inspect as nftables, userspace::inspect as userspace,
-    },
-    netfilter::conntrack,
-    rows::{AffinityRow, BackendRow, ClientAffinityRow, ConntrackRow, FlowRow, ServiceRow},
+use crate::rows::{
+    AffinityRow, BackendRow, ClientAffinityRow, ConntrackRow, FlowRow, Rows, ServiceRow,
 };
 
 pub fn affinity_table(rows: &[AffinityRow]) -> String {
@@ -142,100 +135,8 @@ pub fn conntrack_table(rows: &[FlowRow]) -> String {
     }
     out
 }
-/// A proxy mode whose state `inspect` reads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    /// The pinned BPF maps in --bpf-pin-dir.
-    Ebpf,
-    /// `table ip kube-proxy` (nft -j list table ip kube-proxy).
-    Nftables,
-    /// kube-proxy's iptables chains (iptables-save, of the backend holding them).
-    Iptables,
-    /// The userspace mode's iptables chains (KUBE-PORTALS-*, KUBE-NODEPORT-*).
-    Userspace,
-    /// kube-proxy's IPVS mode: found, not read yet.
-    Ipvs,
-}
-
-impl Mode {
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Ebpf => "ebpf",
-            Mode::Nftables => "nftables",
-            Mode::Iptables => "iptables",
-            Mode::Userspace => "userspace",
-            Mode::Ipvs => "ipvs",
-        }
-    }
-}
-
-/// What `inspect` prints.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum What {
-    /// Each frontend (cluster IP, NodePort, load balancer IP, external IP) with its endpoints
-    /// and policies.
-    Services,
-    /// The endpoints.
-    Backends,
-    /// The flows sent to a Service.
-    Conntrack,
-    /// sessionAffinity ClientIP: which client is sent to which endpoint.
-    Affinity,
-}
-
-/// The mode installed on this node (in this network namespace): the ebpf mode's pins in
-/// `pin_dir`, else the one mode whose rules are here.
-pub fn detect(pin_dir: &Path) -> anyhow::Result<Mode> {
-    // A non-ebpf agent removes the pins when it starts, and the ebpf agent the others' rules.
-    if pin_dir.join(proxy_common::MAP_SERVICES).exists() {
-        return Ok(Mode::Ebpf);
-    }
-    let mut found = Vec::new();
-    if crate::modes::nftables::installed() {
-        found.push(Mode::Nftables);
-    }
-    // The IPVS mode writes some of the iptables mode's chains (KUBE-SERVICES...) too.
-    if crate::modes::ipvs::installed() {
-        found.push(Mode::Ipvs);
-    } else if crate::modes::iptables::installed() {
-        found.push(Mode::Iptables);
-    }
-    if crate::modes::userspace::installed() {
-        found.push(Mode::Userspace);
-    }
-    match found.as_slice() {
-        [mode] => Ok(*mode),
-        [] => {
-            // SAFETY: geteuid has no preconditions.
-            let root = unsafe { libc::geteuid() } == 0;
-            bail!(
-                "no proxy mode is installed on this node (in this network namespace): no pinned \
-                 maps in {} (ebpf), no `table ip kube-proxy` (nftables), no kube-proxy iptables \
-                 chains (iptables, userspace), no IPVS virtual servers (ipvs). Is the agent \
-                 running here? Pass --bpf-pin-dir if it pins its maps elsewhere, or --proxy-mode \
-                 to read one mode's state{}",
-                pin_dir.display(),
-                if root {
-                    ""
-                } else {
-                    " (reading the rules needs root)"
-                }
-            )
-        }
-        several => {
-            let names: Vec<&str> = several.iter().map(|m| m.name()).collect();
-            bail!(
-                "the state of several proxy modes is on this node ({}): pass --proxy-mode to \
-                 choose one (an agent starting in one mode removes the others'; `agent \
-                 --cleanup` removes all)",
-                names.join(", ")
-            )
-        }
-    }
-}
-
-/// `what` of `mode`'s state, as a table or as JSON.
-pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Result<String> {
+/// `rows` as a table, or as JSON.
+pub fn show(rows: &Rows, json: bool) -> anyhow::Result<String> {
     fn out<T: Serialize + ?Sized>(
         rows: &T,
         json: bool,
@@ -246,70 +147,14 @@ pub fn show(mode: Mode, what: What, pin_dir: &Path, json: bool) -> anyhow::Resul
             false => Ok(table(rows)),
         }
     }
-    // The iptables rules of the iptables and userspace modes.
-    let iptables_rules = || -> anyhow::Result<String> {
-        match mode {
-            Mode::Iptables => {
-                crate::netfilter::iptables::save(crate::modes::iptables::detect_backend()?)
-            }
-            _ => crate::netfilter::iptables::save(crate::modes::userspace::detect_backend()?),
-        }
-    };
-    // The frontends in the mode's own state.
-    let frontends = || -> anyhow::Result<Vec<ServiceRow>> {
-        match mode {
-            Mode::Nftables => nftables::services(&nftables::nft_list()?),
-            Mode::Ipvs => Ok(ipvs::services(&ipvs::read()?, &ipvs::ipset_save()?)),
-            Mode::Iptables => Ok(iptables::services(&iptables_rules()?)),
-            _ => Ok(userspace::services(&iptables_rules()?)),
-        }
-    };
-    match (mode, what) {
-        (Mode::Ebpf, What::Services) => out(&ebpf::services(pin_dir)?, json, |r| services_table(r)),
-        (Mode::Ebpf, What::Backends) => out(&ebpf::backends(pin_dir)?, json, |r| backends_table(r)),
-        (Mode::Ebpf, What::Conntrack) => {
-            out(&ebpf::conntrack(pin_dir)?, json, |r| conntrack_table(r))
-        }
-        (Mode::Ebpf, What::Affinity) => out(&ebpf::affinity(pin_dir)?, json, |r| affinity_table(r)),
-        (_, What::Services) => out(&frontends()?, json, |r| services_table_of(r, false)),
-        (_, What::Conntrack) => {
-            let flows = conntrack::flows(&conntrack::conntrack_list()?, &frontends()?);
-            out(&flows, json, |r| flows_table(r))
-        }
-        (Mode::Ipvs, What::Backends) => {
-            out(&ipvs::backends(&frontends()?), json, |r| endpoints_table(r))
-        }
-        (Mode::Ipvs, What::Affinity) => {
-            let path = "/proc/net/ip_vs_conn";
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
-            out(&ipvs::affinity(&text), json, |r| client_affinity_table(r))
-        }
-        (Mode::Userspace, What::Backends | What::Affinity) => bail!(
-            "`inspect {}` is not available in userspace mode: the endpoints and the ClientIP \
-             affinity live in the agent's memory (each Service port's proxy). `inspect \
-             services` shows each frontend's proxy port",
-            match what {
-                What::Backends => "backends",
-                _ => "affinity",
-            }
-        ),
-        (Mode::Nftables, What::Backends) => {
-            out(&nftables::backends(&nftables::nft_list()?)?, json, |r| {
-                endpoints_table(r)
-            })
-        }
-        (_, What::Backends) => {
-            let rows = iptables::backends(&iptables_rules()?);
-            out(&rows, json, |r| endpoints_table(r))
-        }
-        (Mode::Nftables, What::Affinity) => {
-            let rows = nftables::affinity(&nftables::nft_list()?)?;
-            out(&rows, json, |r| client_affinity_table(r))
-        }
-        (_, What::Affinity) => {
-            let rows = iptables::affinity(&iptables_rules()?, &iptables::recent_lists()?);
-            out(&rows, json, |r| client_affinity_table(r))
-        }
+    match rows {
+        Rows::Services { rows, ids } => out(rows, json, |r| services_table_of(r, *ids)),
+        Rows::Backends { rows, ids: true } => out(rows, json, |r| backends_table(r)),
+        Rows::Backends { rows, ids: false } => out(rows, json, |r| endpoints_table(r)),
+        Rows::Flows(rows) => out(rows, json, |r| conntrack_table(r)),
+        Rows::Conntrack(rows) => out(rows, json, |r| flows_table(r)),
+        Rows::Affinity(rows) => out(rows, json, |r| affinity_table(r)),
+        Rows::ClientAffinity(rows) => out(rows, json, |r| client_affinity_table(r)),
     }
 }
 

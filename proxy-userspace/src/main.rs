@@ -1,4 +1,4 @@
-use std::{io::IsTerminal, path::PathBuf, time::Duration};
+use std::{io::IsTerminal, net::IpAddr, path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum, builder::TypedValueParser as _};
@@ -7,19 +7,19 @@ use proxy_userspace::{
     dataplane::Dataplane,
     duration::parse_duration,
     inspect,
-    model::Cidr,
-    model::LbAlgorithm,
-    modes::ebpf::maglev,
-    modes::ebpf::{
-        EbpfDataplane, ExternalConfig, MapSizes, WriterConfig,
-        external::{SnatPorts, XdpMode},
+    model::{Cidr, LbAlgorithm},
+    modes::{
+        self, Installation, ProxyMode, StartConfig,
+        ebpf::{
+            self, DEFAULT_PIN_DIR, MapSizes, WriterConfig,
+            external::{SnatPorts, XdpMode},
+            maglev,
+        },
+        ipvs::netlink::Timeouts,
     },
-    modes::iptables::{self, IptablesConfig, IptablesDataplane},
-    modes::ipvs::{self, IpvsConfig, IpvsDataplane},
-    modes::nftables::{self, NftablesDataplane},
-    modes::userspace::{self, UserspaceConfig, UserspaceDataplane},
-    netfilter::{iptables::Backend, rules::NetfilterConfig},
+    netfilter::iptables::Backend,
     node::NodePortAddresses,
+    rows::What,
 };
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
@@ -48,48 +48,49 @@ enum Command {
     Inspect(InspectArgs),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ProxyMode {
-    /// The first of ebpf, nftables and iptables that starts on this node (each is tried for
-    /// real: the BPF programs loaded, the nftables table written).
+/// `--proxy-mode`: one mode, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ModeFlag {
     Auto,
-    /// tc and XDP programs with BPF maps.
-    Ebpf,
-    /// kube-proxy's nftables mode (`table ip kube-proxy`), for nodes where BPF cannot run.
-    Nftables,
-    /// kube-proxy's iptables rules (NAT chains), for nodes without BPF or nftables.
-    Iptables,
-    /// kube-proxy's IPVS mode: the kernel's IP Virtual Server balances, with ipsets and a few
-    /// iptables rules (needs the ip_vs modules).
-    Ipvs,
-    /// kube-proxy's first mode: the agent itself proxies each Service port, which iptables
-    /// rules redirect to it (endpoints see the node's address).
-    Userspace,
+    Only(ProxyMode),
 }
 
-impl ProxyMode {
-    /// What `auto` tries, in order.
-    const AUTO: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Nftables, ProxyMode::Iptables];
+/// `auto`, then every mode, in the registry's order.
+const MODE_FLAGS: [ModeFlag; 1 + ProxyMode::ALL.len()] = {
+    let mut flags = [ModeFlag::Auto; 1 + ProxyMode::ALL.len()];
+    let mut i = 0;
+    while i < ProxyMode::ALL.len() {
+        flags[i + 1] = ModeFlag::Only(ProxyMode::ALL[i]);
+        i += 1;
+    }
+    flags
+};
 
-    fn name(self) -> &'static str {
+impl ValueEnum for ModeFlag {
+    fn value_variants<'a>() -> &'a [Self] {
+        &MODE_FLAGS
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
         match self {
-            ProxyMode::Auto => "auto",
-            ProxyMode::Ebpf => "ebpf",
-            ProxyMode::Nftables => "nftables",
-            ProxyMode::Iptables => "iptables",
-            ProxyMode::Ipvs => "ipvs",
-            ProxyMode::Userspace => "userspace",
+            ModeFlag::Auto => {
+                let tried: Vec<&str> = ProxyMode::AUTO.iter().map(|m| m.name()).collect();
+                Some(clap::builder::PossibleValue::new("auto").help(format!(
+                    "The first of {} that starts on this node (each is tried for real: the BPF \
+                     programs loaded, the nftables table written)",
+                    tried.join(", ")
+                )))
+            }
+            ModeFlag::Only(mode) => mode.to_possible_value(),
         }
     }
 }
-
-const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-proxy-ebpf";
 
 #[derive(clap::Args)]
 struct AgentArgs {
     /// Which proxy mode to use (kube-proxy's flag).
     #[arg(long, value_enum, default_value = "auto")]
-    proxy_mode: ProxyMode,
+    proxy_mode: ModeFlag,
     /// Read Services and EndpointSlices from this file of Kubernetes YAML (multi-document or a
     /// List, watched for changes) instead of the API server.
     #[arg(long, conflicts_with = "kubeconfig")]
@@ -222,12 +223,12 @@ enum IptablesBackend {
 }
 
 impl IptablesBackend {
-    /// The backend named, or for `auto` the one `detect` picks.
-    fn or(self, detect: fn() -> anyhow::Result<Backend>) -> anyhow::Result<Backend> {
+    /// The backend named; None for `auto` (each mode detects its own).
+    fn named(self) -> Option<Backend> {
         match self {
-            IptablesBackend::Auto => detect(),
-            IptablesBackend::Legacy => Ok(Backend::Legacy),
-            IptablesBackend::Nft => Ok(Backend::Nft),
+            IptablesBackend::Auto => None,
+            IptablesBackend::Legacy => Some(Backend::Legacy),
+            IptablesBackend::Nft => Some(Backend::Nft),
         }
     }
 }
@@ -235,20 +236,17 @@ impl IptablesBackend {
 #[derive(clap::Args)]
 struct InspectArgs {
     #[arg(value_enum)]
-    what: InspectWhat,
+    what: What,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
     /// Whose state to read; by default the mode installed on this node (in this network
     /// namespace): the ebpf mode's pins in --bpf-pin-dir, else the one mode whose rules are here.
     #[arg(long, value_enum)]
-    proxy_mode: Option<inspect::Mode>,
+    proxy_mode: Option<ProxyMode>,
     #[arg(long, default_value = DEFAULT_PIN_DIR)]
     bpf_pin_dir: PathBuf,
 }
-
-/// What `inspect` prints.
-type InspectWhat = inspect::What;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -280,7 +278,7 @@ fn init_logging(format: LoggingFormat) {
 
 fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
     if args.cleanup {
-        return cleanup(&args);
+        return modes::cleanup_all(&installation(&args));
     }
     // One malloc arena for every thread: glibc gives each thread its own, and what a thread
     // frees there (the BPF object's parse, a list's JSON) stays resident beside the others'
@@ -307,253 +305,101 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         healthz_bind_address: Some(args.healthz_bind_address.clone()).filter(|a| !a.is_empty()),
         metrics_bind_address: Some(args.metrics_bind_address.clone()).filter(|a| !a.is_empty()),
     };
-    let mut ebpf = EbpfStart::default();
-    if matches!(args.proxy_mode, ProxyMode::Ebpf | ProxyMode::Auto) {
-        ebpf.preload(&args);
+    let mut start = start_config(&args);
+    if matches!(
+        args.proxy_mode,
+        ModeFlag::Only(ProxyMode::Ebpf) | ModeFlag::Auto
+    ) {
+        start
+            .ebpf
+            .preload
+            .start(&start.ebpf.pin_dir, start.ebpf.sizes);
     }
-    let make_dataplane = |node_ips: &[std::net::IpAddr]| -> anyhow::Result<Box<dyn Dataplane>> {
-        if args.proxy_mode != ProxyMode::Auto {
-            return start_mode(args.proxy_mode, &args, node_ips, &mut ebpf);
-        }
-        let mut unavailable = Vec::new();
-        for mode in ProxyMode::AUTO {
-            match start_mode(mode, &args, node_ips, &mut ebpf) {
-                Ok(dataplane) => {
-                    tracing::info!(
-                        mode = mode.name(),
-                        unavailable = ?unavailable,
-                        "--proxy-mode auto: using the first mode that works here"
-                    );
-                    return Ok(dataplane);
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        "--proxy-mode auto: the {} mode cannot run here: {e:#}",
-                        mode.name()
-                    );
-                    unavailable.push(format!("{}: {e:#}", mode.name()));
-                }
-            }
-        }
-        anyhow::bail!(
-            "no proxy mode can run on this node:\n{}",
-            unavailable.join("\n")
-        )
+    let proxy_mode = args.proxy_mode;
+    let make_dataplane = move |node_ips: &[IpAddr]| -> anyhow::Result<Box<dyn Dataplane>> {
+        start.node_ips = node_ips.to_vec();
+        let ModeFlag::Only(mode) = proxy_mode else {
+            return start_first(&mut start);
+        };
+        mode.start(&mut start)
     };
     runtime.block_on(agent::run(config, make_dataplane))
 }
 
-/// Whether a mode's state is here.
-type Installed = fn() -> bool;
-/// Removes what a mode installed.
-type Cleanup = fn() -> anyhow::Result<()>;
-
-/// The fallback modes' state: whether it is here, and what removes it. IPVS first: its jumps
-/// go to chains the iptables mode's cleanup deletes.
-const LEFTOVERS: [(ProxyMode, Installed, Cleanup); 4] = [
-    (ProxyMode::Ipvs, ipvs::installed, ipvs::cleanup),
-    (ProxyMode::Iptables, iptables::installed, iptables::cleanup),
-    (ProxyMode::Nftables, nftables::installed, nftables::cleanup),
-    (
-        ProxyMode::Userspace,
-        userspace::installed,
-        userspace::cleanup,
-    ),
-];
-
-/// The ebpf mode's start: the pin directory's lock (held until the agent exits: a second agent
-/// on the same pins fails), and the programs loaded ahead.
-#[derive(Default)]
-struct EbpfStart {
-    lock: Option<proxy_userspace::modes::ebpf::bpffs::PinDirLock>,
-    preloaded: Option<std::thread::JoinHandle<anyhow::Result<aya::Ebpf>>>,
-}
-
-impl EbpfStart {
-    /// Locks the pin directory and loads the programs on a thread of their own, while the
-    /// source lists (the verifier and the maps take about 0.4 s, which the list of 30k
-    /// Services hides). Loading attaches nothing and removes nothing: the node's traffic is
-    /// touched only once the source's first view is in. A failure here is met again, and
-    /// reported, when the mode starts.
-    fn preload(&mut self, args: &AgentArgs) {
-        let Ok(lock) = lock_pin_dir(args) else {
-            return;
-        };
-        self.lock = Some(lock);
-        let (pin_dir, sizes) = (args.bpf_pin_dir.clone(), map_sizes(args));
-        self.preloaded = Some(std::thread::spawn(move || {
-            proxy_userspace::modes::ebpf::load(&pin_dir, sizes)
-        }));
-    }
-
-    /// The loaded programs: those loaded ahead, else loaded now.
-    fn load(&mut self, args: &AgentArgs) -> anyhow::Result<aya::Ebpf> {
-        if self.lock.is_none() {
-            self.lock = Some(lock_pin_dir(args)?);
-        }
-        let Some(thread) = self.preloaded.take() else {
-            return proxy_userspace::modes::ebpf::load(&args.bpf_pin_dir, map_sizes(args));
-        };
-        thread
-            .join()
-            .map_err(|_| anyhow::anyhow!("loading the BPF programs panicked"))?
-    }
-}
-
-fn map_sizes(args: &AgentArgs) -> MapSizes {
-    MapSizes {
-        services: args.bpf_services_max,
-        backends: args.bpf_backends_max,
-        conntrack: args.bpf_ct_max,
-    }
-}
-
-/// Starts `mode` after removing what the other modes left (it would serve stale state beside
-/// this one's).
-fn start_mode(
-    mode: ProxyMode,
-    args: &AgentArgs,
-    node_ips: &[std::net::IpAddr],
-    ebpf: &mut EbpfStart,
-) -> anyhow::Result<Box<dyn Dataplane>> {
-    for (other, installed, cleanup) in LEFTOVERS {
-        if other != mode && installed() {
-            tracing::warn!(
-                "removing the rules of an earlier {}-mode run (or of kube-proxy: stop it \
-                 before starting this agent)",
-                other.name()
-            );
-            cleanup()?;
+/// `--proxy-mode auto`: the first of [`ProxyMode::AUTO`] that starts.
+fn start_first(start: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
+    let mut unavailable = Vec::new();
+    for mode in ProxyMode::AUTO {
+        match mode.start(start) {
+            Ok(dataplane) => {
+                tracing::info!(
+                    mode = mode.name(),
+                    unavailable = ?unavailable,
+                    "--proxy-mode auto: using the first mode that works here"
+                );
+                return Ok(dataplane);
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "--proxy-mode auto: the {} mode cannot run here: {e:#}",
+                    mode.name()
+                );
+                unavailable.push(format!("{}: {e:#}", mode.name()));
+            }
         }
     }
-    if mode != ProxyMode::Ebpf && args.bpf_pin_dir.join(proxy_common::MAP_SERVICES).exists() {
-        tracing::info!("removing the eBPF programs of an earlier ebpf-mode run");
-        cleanup_ebpf(args)?;
+    anyhow::bail!(
+        "no proxy mode can run on this node:\n{}",
+        unavailable.join("\n")
+    )
+}
+
+fn installation(args: &AgentArgs) -> Installation {
+    Installation {
+        pin_dir: args.bpf_pin_dir.clone(),
+        pod_interfaces: args.pod_interfaces.clone(),
     }
-    let netfilter = || NetfilterConfig {
+}
+
+/// The flags the modes start with (the Node object's addresses come later, from the source).
+fn start_config(args: &AgentArgs) -> StartConfig {
+    let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
+    StartConfig {
+        installation: installation(args),
+        node_ips: Vec::new(),
         cluster_cidr: args.cluster_cidr,
         masquerade_all: args.masquerade_all,
         node_port_addresses: args.nodeport_addresses.clone(),
-        primary: node_ips.to_vec(),
-    };
-    let warn_without_cluster_cidr = || {
-        if args.cluster_cidr.is_none() && !args.masquerade_all {
-            tracing::warn!(
-                "no --cluster-cidr: connections to cluster IPs from outside the pod network are \
-                 not masqueraded"
-            );
-        }
-    };
-    match mode {
-        ProxyMode::Auto => unreachable!("auto tries the other modes"),
-        ProxyMode::Ebpf => {
-            let started = ebpf.load(args).and_then(|loaded| {
-                EbpfDataplane::new(
-                    loaded,
-                    &args.bpf_pin_dir,
-                    WriterConfig {
-                        drain_period: args.bpf_drain_period,
-                        lb_algorithm: args.lb_algorithm,
-                        maglev_table_size: args.lb_maglev_table_size,
-                    },
-                    &args.pod_interfaces,
-                    ExternalConfig {
-                        addresses: args.nodeport_addresses.clone(),
-                        primary: node_ips.to_vec(),
-                        mode: args.xdp_mode,
-                        snat_ports: args.bpf_snat_port_range,
-                    },
-                    &args.bpf_cgroup_path,
-                )
-            });
-            let dp = match started {
-                Ok(dp) => dp,
-                Err(e) => {
-                    // Whatever was attached before the failure goes: another mode may follow.
-                    if let Err(cleanup) = proxy_userspace::modes::ebpf::cleanup(
-                        &args.bpf_pin_dir,
-                        &args.pod_interfaces,
-                    ) {
-                        tracing::warn!("removing the partly started ebpf mode: {cleanup:#}");
-                    }
-                    return Err(e);
-                }
-            };
-            tracing::info!(pin_dir = %args.bpf_pin_dir.display(), "ebpf dataplane loaded");
-            Ok(Box::new(dp))
-        }
-        ProxyMode::Nftables => {
-            let dp = NftablesDataplane::new(netfilter())?;
-            warn_without_cluster_cidr();
-            tracing::info!("nftables dataplane ready");
-            Ok(Box::new(dp))
-        }
-        ProxyMode::Userspace => {
-            let backend = args.iptables_backend.or(userspace::detect_backend)?;
-            let dp = UserspaceDataplane::new(UserspaceConfig {
-                backend,
-                node_port_addresses: args.nodeport_addresses.clone(),
-                primary: node_ips.to_vec(),
-                udp_timeout: args.udp_timeout,
-            })?;
-            tracing::info!(backend = backend.name(), "userspace dataplane ready");
-            Ok(Box::new(dp))
-        }
-        ProxyMode::Ipvs => {
-            let backend = args.iptables_backend.or(iptables::detect_backend)?;
-            let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
-            let scheduler = match args.ipvs_scheduler.as_str() {
-                "" => ipvs::DEFAULT_SCHEDULER.to_owned(),
-                name => name.to_owned(),
-            };
-            let dp = IpvsDataplane::new(IpvsConfig {
-                scheduler: scheduler.clone(),
-                strict_arp: args.ipvs_strict_arp,
-                exclude_cidrs: args.ipvs_exclude_cidrs.clone(),
-                timeouts: ipvs::netlink::Timeouts {
-                    tcp: secs(args.ipvs_tcp_timeout),
-                    tcp_fin: secs(args.ipvs_tcpfin_timeout),
-                    udp: secs(args.ipvs_udp_timeout),
-                },
-                backend,
-                netfilter: netfilter(),
-            })?;
-            warn_without_cluster_cidr();
-            tracing::info!(backend = backend.name(), scheduler, "ipvs dataplane ready");
-            Ok(Box::new(dp))
-        }
-        ProxyMode::Iptables => {
-            let backend = args.iptables_backend.or(iptables::detect_backend)?;
-            let dp = IptablesDataplane::new(IptablesConfig {
-                backend,
-                netfilter: netfilter(),
-            })?;
-            warn_without_cluster_cidr();
-            tracing::info!(backend = backend.name(), "iptables dataplane ready");
-            Ok(Box::new(dp))
-        }
+        iptables_backend: args.iptables_backend.named(),
+        ipvs_scheduler: args.ipvs_scheduler.clone(),
+        ipvs_strict_arp: args.ipvs_strict_arp,
+        ipvs_exclude_cidrs: args.ipvs_exclude_cidrs.clone(),
+        ipvs_timeouts: Timeouts {
+            tcp: secs(args.ipvs_tcp_timeout),
+            tcp_fin: secs(args.ipvs_tcpfin_timeout),
+            udp: secs(args.ipvs_udp_timeout),
+        },
+        udp_timeout: args.udp_timeout,
+        ebpf: ebpf::StartConfig {
+            pin_dir: args.bpf_pin_dir.clone(),
+            sizes: MapSizes {
+                services: args.bpf_services_max,
+                backends: args.bpf_backends_max,
+                conntrack: args.bpf_ct_max,
+            },
+            writer: WriterConfig {
+                drain_period: args.bpf_drain_period,
+                lb_algorithm: args.lb_algorithm,
+                maglev_table_size: args.lb_maglev_table_size,
+            },
+            pod_interfaces: args.pod_interfaces.clone(),
+            node_port_addresses: args.nodeport_addresses.clone(),
+            xdp_mode: args.xdp_mode,
+            snat_ports: args.bpf_snat_port_range,
+            cgroup_path: args.bpf_cgroup_path.clone(),
+            preload: ebpf::Preload::default(),
+        },
     }
-}
-
-/// `--cleanup` (kube-proxy's semantics): removes what any mode installed, then exits.
-fn cleanup(args: &AgentArgs) -> anyhow::Result<()> {
-    for (_, _, cleanup) in LEFTOVERS {
-        cleanup()?;
-    }
-    cleanup_ebpf(args)
-}
-
-fn cleanup_ebpf(args: &AgentArgs) -> anyhow::Result<()> {
-    let _lock = lock_pin_dir(args)?;
-    proxy_userspace::modes::ebpf::cleanup(&args.bpf_pin_dir, &args.pod_interfaces)
-}
-
-/// The pin directory (bpffs mounted there when missing), locked against a second agent.
-fn lock_pin_dir(
-    args: &AgentArgs,
-) -> anyhow::Result<proxy_userspace::modes::ebpf::bpffs::PinDirLock> {
-    proxy_userspace::modes::ebpf::bpffs::ensure(&args.bpf_pin_dir)?;
-    proxy_userspace::modes::ebpf::bpffs::PinDirLock::acquire(&args.bpf_pin_dir)
 }
 
 /// A duration above zero (kube-proxy's validation of `--udp-timeout`).
@@ -599,11 +445,12 @@ fn node_name(hostname_override: Option<String>) -> anyhow::Result<String> {
 }
 
 fn run_inspect(args: InspectArgs) -> anyhow::Result<()> {
+    let at = Installation::at(&args.bpf_pin_dir);
     let mode = match args.proxy_mode {
         Some(mode) => mode,
-        None => inspect::detect(&args.bpf_pin_dir)?,
+        None => modes::detect(&at)?,
     };
-    let out = inspect::show(mode, args.what, &args.bpf_pin_dir, args.json)?;
+    let out = inspect::show(&mode.inspect(args.what, &at)?, args.json)?;
     println!("{}", out.trim_end());
     Ok(())
 }

@@ -4,6 +4,38 @@ use serde::Serialize;
 
 use crate::model::Protocol;
 
+/// What `inspect` prints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum What {
+    /// Each frontend (cluster IP, NodePort, load balancer IP, external IP) with its endpoints
+    /// and policies.
+    Services,
+    /// The endpoints.
+    Backends,
+    /// The flows sent to a Service.
+    Conntrack,
+    /// sessionAffinity ClientIP: which client is sent to which endpoint.
+    Affinity,
+}
+
+/// What a mode's reader read back.
+#[derive(Debug)]
+pub enum Rows {
+    /// The frontends; `ids`: their backends have ids (the eBPF maps'; the other modes' have
+    /// none).
+    Services { rows: Vec<ServiceRow>, ids: bool },
+    /// The endpoints; `ids` as above.
+    Backends { rows: Vec<BackendRow>, ids: bool },
+    /// The ebpf mode's conntrack entries.
+    Flows(Vec<FlowRow>),
+    /// The kernel's conntrack entries of Service flows.
+    Conntrack(Vec<ConntrackRow>),
+    /// The ebpf mode's affinity entries.
+    Affinity(Vec<AffinityRow>),
+    /// The affinity the kernel remembers.
+    ClientAffinity(Vec<ClientAffinityRow>),
+}
+
 /// One service address with its backends, in slot order.
 #[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ServiceRow {

@@ -1,7 +1,333 @@
-//! One folder per proxy mode, each implementing [`crate::dataplane::Dataplane`]. No mode imports
-//! another: what several use lives in `crate::node` and `crate::netfilter`.
+//! The proxy modes, one folder each, and their registry: every mode is listed once here with
+//! what it can do (start, find and remove its state, read it back). `--proxy-mode`, `auto`,
+//! `--cleanup` and `inspect` all go through this list. No mode imports another: what several
+//! use lives in [`crate::node`] and [`crate::netfilter`].
 pub mod ebpf;
 pub mod iptables;
 pub mod ipvs;
 pub mod nftables;
 pub mod userspace;
+
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use crate::{
+    dataplane::Dataplane,
+    model::Cidr,
+    netfilter::{iptables::Backend, rules::NetfilterConfig},
+    node::NodePortAddresses,
+    rows::{Rows, What},
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProxyMode {
+    Ebpf,
+    Nftables,
+    Iptables,
+    Ipvs,
+    Userspace,
+}
+
+impl ProxyMode {
+    pub const ALL: [ProxyMode; 5] = [
+        ProxyMode::Ebpf,
+        ProxyMode::Nftables,
+        ProxyMode::Iptables,
+        ProxyMode::Ipvs,
+        ProxyMode::Userspace,
+    ];
+
+    /// What `--proxy-mode auto` tries, in order.
+    pub const AUTO: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Nftables, ProxyMode::Iptables];
+
+    /// The order in which modes' state is removed: IPVS before iptables, as its jumps go to
+    /// chains the iptables mode's cleanup deletes.
+    const REMOVAL: [ProxyMode; 5] = [
+        ProxyMode::Ipvs,
+        ProxyMode::Iptables,
+        ProxyMode::Nftables,
+        ProxyMode::Userspace,
+        ProxyMode::Ebpf,
+    ];
+
+    fn mode(self) -> &'static Mode {
+        match self {
+            ProxyMode::Ebpf => &EBPF,
+            ProxyMode::Nftables => &NFTABLES,
+            ProxyMode::Iptables => &IPTABLES,
+            ProxyMode::Ipvs => &IPVS,
+            ProxyMode::Userspace => &USERSPACE,
+        }
+    }
+
+    /// The `--proxy-mode` value.
+    pub fn name(self) -> &'static str {
+        self.mode().name
+    }
+
+    /// One line for `--help`.
+    pub fn about(self) -> &'static str {
+        self.mode().about
+    }
+
+    /// Whether the mode's state is on this node (in this network namespace).
+    pub fn installed(self, at: &Installation) -> bool {
+        (self.mode().installed)(at)
+    }
+
+    /// Removes what the mode installed (kube-proxy's `--cleanup`); nothing installed: nothing
+    /// done.
+    pub fn cleanup(self, at: &Installation) -> anyhow::Result<()> {
+        (self.mode().cleanup)(at)
+    }
+
+    /// `what` of the mode's state, read back.
+    pub fn inspect(self, what: What, at: &Installation) -> anyhow::Result<Rows> {
+        (self.mode().inspect)(what, at)
+    }
+
+    /// Starts the mode after removing what the others left (it would serve stale state beside
+    /// this one's).
+    pub fn start(self, config: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
+        for other in Self::REMOVAL {
+            if other != self && other.installed(&config.installation) {
+                tracing::warn!(
+                    "removing the state of an earlier {}-mode run (or of kube-proxy: stop it \
+                     before starting this agent)",
+                    other.name()
+                );
+                other.cleanup(&config.installation)?;
+            }
+        }
+        (self.mode().start)(config)
+    }
+}
+
+impl clap::ValueEnum for ProxyMode {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()).help(self.about()))
+    }
+}
+
+/// Removes what every mode installed here, then exits (`agent --cleanup`).
+pub fn cleanup_all(at: &Installation) -> anyhow::Result<()> {
+    for mode in ProxyMode::REMOVAL {
+        mode.cleanup(at)?;
+    }
+    Ok(())
+}
+
+/// Where the modes' state lives besides the kernel's own tables: the ebpf mode's pins, and the
+/// interfaces it attaches to (whose programs its cleanup detaches).
+#[derive(Clone, Debug)]
+pub struct Installation {
+    /// `--bpf-pin-dir`.
+    pub pin_dir: PathBuf,
+    /// `--pod-interfaces`.
+    pub pod_interfaces: String,
+}
+
+/// The agent's flags that the modes start with, and the Node object's addresses.
+pub struct StartConfig {
+    pub installation: Installation,
+    /// The Node object's addresses (the API source; empty with the manifest source).
+    pub node_ips: Vec<IpAddr>,
+    pub cluster_cidr: Option<Cidr>,
+    pub masquerade_all: bool,
+    pub node_port_addresses: NodePortAddresses,
+    /// `--iptables-backend`; None: the one holding the mode's chains, else the node's.
+    pub iptables_backend: Option<Backend>,
+    pub ipvs_scheduler: String,
+    pub ipvs_strict_arp: bool,
+    pub ipvs_exclude_cidrs: Vec<Cidr>,
+    pub ipvs_timeouts: ipvs::netlink::Timeouts,
+    pub udp_timeout: Duration,
+    pub ebpf: ebpf::StartConfig,
+}
+
+impl StartConfig {
+    fn netfilter(&self) -> NetfilterConfig {
+        if self.cluster_cidr.is_none() && !self.masquerade_all {
+            tracing::warn!(
+                "no --cluster-cidr: connections to cluster IPs from outside the pod network are \
+                 not masqueraded"
+            );
+        }
+        NetfilterConfig {
+            cluster_cidr: self.cluster_cidr,
+            masquerade_all: self.masquerade_all,
+            node_port_addresses: self.node_port_addresses.clone(),
+            primary: self.node_ips.clone(),
+        }
+    }
+
+    fn backend(&self, detect: fn() -> anyhow::Result<Backend>) -> anyhow::Result<Backend> {
+        self.iptables_backend.map_or_else(detect, Ok)
+    }
+}
+
+/// What the registry knows of a mode.
+struct Mode {
+    name: &'static str,
+    about: &'static str,
+    start: fn(&mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>>,
+    installed: fn(&Installation) -> bool,
+    cleanup: fn(&Installation) -> anyhow::Result<()>,
+    inspect: fn(What, &Installation) -> anyhow::Result<Rows>,
+}
+
+const EBPF: Mode = Mode {
+    name: "ebpf",
+    about: "tc and XDP programs with BPF maps",
+    start: |config| {
+        Ok(Box::new(ebpf::start(
+            config.node_ips.clone(),
+            &mut config.ebpf,
+        )?))
+    },
+    installed: |at| ebpf::installed(&at.pin_dir),
+    cleanup: |at| {
+        let _lock = ebpf::lock_pin_dir(&at.pin_dir)?;
+        ebpf::cleanup(&at.pin_dir, &at.pod_interfaces)
+    },
+    inspect: |what, at| ebpf::inspect::read(what, &at.pin_dir),
+};
+
+const NFTABLES: Mode = Mode {
+    name: "nftables",
+    about: "kube-proxy's nftables mode (`table ip kube-proxy`), for nodes where BPF cannot run",
+    start: |config| {
+        let dp = nftables::NftablesDataplane::new(config.netfilter())?;
+        tracing::info!("nftables dataplane ready");
+        Ok(Box::new(dp))
+    },
+    installed: |_| nftables::installed(),
+    cleanup: |_| nftables::cleanup(),
+    inspect: |what, _| nftables::inspect::read(what),
+};
+
+const IPTABLES: Mode = Mode {
+    name: "iptables",
+    about: "kube-proxy's iptables rules (NAT chains), for nodes without BPF or nftables",
+    start: |config| {
+        let backend = config.backend(iptables::detect_backend)?;
+        let dp = iptables::IptablesDataplane::new(iptables::IptablesConfig {
+            backend,
+            netfilter: config.netfilter(),
+        })?;
+        tracing::info!(backend = backend.name(), "iptables dataplane ready");
+        Ok(Box::new(dp))
+    },
+    installed: |_| iptables::installed(),
+    cleanup: |_| iptables::cleanup(),
+    inspect: |what, _| iptables::inspect::read(what),
+};
+
+const IPVS: Mode = Mode {
+    name: "ipvs",
+    about: "kube-proxy's IPVS mode: the kernel's IP Virtual Server balances, with ipsets and a \
+            few iptables rules (needs the ip_vs modules)",
+    start: |config| {
+        let backend = config.backend(iptables::detect_backend)?;
+        let scheduler = match config.ipvs_scheduler.as_str() {
+            "" => ipvs::DEFAULT_SCHEDULER.to_owned(),
+            name => name.to_owned(),
+        };
+        let dp = ipvs::IpvsDataplane::new(ipvs::IpvsConfig {
+            scheduler: scheduler.clone(),
+            strict_arp: config.ipvs_strict_arp,
+            exclude_cidrs: config.ipvs_exclude_cidrs.clone(),
+            timeouts: config.ipvs_timeouts,
+            backend,
+            netfilter: config.netfilter(),
+        })?;
+        tracing::info!(backend = backend.name(), scheduler, "ipvs dataplane ready");
+        Ok(Box::new(dp))
+    },
+    installed: |_| ipvs::installed(),
+    cleanup: |_| ipvs::cleanup(),
+    inspect: |what, _| ipvs::inspect::read(what),
+};
+
+const USERSPACE: Mode = Mode {
+    name: "userspace",
+    about: "kube-proxy's first mode: the agent itself proxies each Service port, which iptables \
+            rules redirect to it (endpoints see the node's address)",
+    start: |config| {
+        let backend = config.backend(userspace::detect_backend)?;
+        let dp = userspace::UserspaceDataplane::new(userspace::UserspaceConfig {
+            backend,
+            node_port_addresses: config.node_port_addresses.clone(),
+            primary: config.node_ips.clone(),
+            udp_timeout: config.udp_timeout,
+        })?;
+        tracing::info!(backend = backend.name(), "userspace dataplane ready");
+        Ok(Box::new(dp))
+    },
+    installed: |_| userspace::installed(),
+    cleanup: |_| userspace::cleanup(),
+    inspect: |what, _| userspace::inspect::read(what),
+};
+
+/// The mode installed on this node (in this network namespace), for `inspect`: the ebpf mode's
+/// pins, else the one mode whose rules are here.
+pub fn detect(at: &Installation) -> anyhow::Result<ProxyMode> {
+    // A non-ebpf agent removes the pins when it starts, and the ebpf agent the others' rules.
+    if ProxyMode::Ebpf.installed(at) {
+        return Ok(ProxyMode::Ebpf);
+    }
+    let mut found: Vec<ProxyMode> = ProxyMode::ALL
+        .into_iter()
+        .filter(|m| *m != ProxyMode::Ebpf && m.installed(at))
+        .collect();
+    // The IPVS mode writes some of the iptables mode's chains (KUBE-SERVICES...) too.
+    if found.contains(&ProxyMode::Ipvs) {
+        found.retain(|m| *m != ProxyMode::Iptables);
+    }
+    match found.as_slice() {
+        [mode] => Ok(*mode),
+        [] => {
+            // SAFETY: geteuid has no preconditions.
+            let root = unsafe { libc::geteuid() } == 0;
+            anyhow::bail!(
+                "no proxy mode is installed on this node (in this network namespace): no pinned \
+                 maps in {} (ebpf), no `table ip kube-proxy` (nftables), no kube-proxy iptables \
+                 chains (iptables, userspace), no IPVS virtual servers (ipvs). Is the agent \
+                 running here? Pass --bpf-pin-dir if it pins its maps elsewhere, or --proxy-mode \
+                 to read one mode's state{}",
+                at.pin_dir.display(),
+                if root {
+                    ""
+                } else {
+                    " (reading the rules needs root)"
+                }
+            )
+        }
+        several => {
+            let names: Vec<&str> = several.iter().map(|m| m.name()).collect();
+            anyhow::bail!(
+                "the state of several proxy modes is on this node ({}): pass --proxy-mode to \
+                 choose one (an agent starting in one mode removes the others'; `agent \
+                 --cleanup` removes all)",
+                names.join(", ")
+            )
+        }
+    }
+}
+
+impl Installation {
+    /// Only `pin_dir` known (`inspect` reads; it removes nothing).
+    pub fn at(pin_dir: &Path) -> Self {
+        Self {
+            pin_dir: pin_dir.to_owned(),
+            pod_interfaces: String::new(),
+        }
+    }
+}

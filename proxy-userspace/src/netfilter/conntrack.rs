@@ -138,6 +138,11 @@ pub(crate) fn conntrack_list() -> anyhow::Result<String> {
     crate::command::run("conntrack", &["-L", "-o", "extended"], "conntrack")
 }
 
+/// The kernel's conntrack entries of flows to `frontends`.
+pub(crate) fn service_flows(frontends: &[ServiceRow]) -> anyhow::Result<Vec<ConntrackRow>> {
+    Ok(flows(&conntrack_list()?, frontends))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

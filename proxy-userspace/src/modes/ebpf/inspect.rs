@@ -13,7 +13,7 @@ use proxy_common::{
 
 use crate::{
     model::Protocol,
-    rows::{AffinityRow, BackendRow, FlowRow, ServiceRow},
+    rows::{AffinityRow, BackendRow, FlowRow, Rows, ServiceRow, What},
 };
 
 /// A protocol number as the rows spell it.
@@ -245,4 +245,20 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: valid out pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// `what` of the maps pinned in `pin_dir`.
+pub fn read(what: What, pin_dir: &Path) -> anyhow::Result<Rows> {
+    Ok(match what {
+        What::Services => Rows::Services {
+            rows: services(pin_dir)?,
+            ids: true,
+        },
+        What::Backends => Rows::Backends {
+            rows: backends(pin_dir)?,
+            ids: true,
+        },
+        What::Conntrack => Rows::Flows(conntrack(pin_dir)?),
+        What::Affinity => Rows::Affinity(affinity(pin_dir)?),
+    })
 }

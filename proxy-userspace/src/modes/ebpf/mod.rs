@@ -10,7 +10,10 @@ mod link_events;
 pub mod maglev;
 pub mod maps;
 
-use std::path::Path;
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context, bail};
 use aya::{
@@ -31,9 +34,11 @@ use attach::detach_all;
 pub use attach::{Attacher, ExternalConfig};
 pub use maps::{ServiceMaps, WriterConfig};
 
+use self::external::{SnatPorts, XdpMode};
 use crate::{
     dataplane::{Dataplane, Scope},
     model::DesiredState,
+    node::NodePortAddresses,
 };
 
 /// The BPF object, embedded at build time (empty when built without bpf-linker).
@@ -356,6 +361,108 @@ pub fn cleanup(pin_dir: &Path, pod_interfaces: &str) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir(pin_dir);
     tracing::info!(detached, removed, pin_dir = %pin_dir.display(), "cleaned up");
     Ok(())
+}
+
+/// The directory the maps are pinned in by default (`--bpf-pin-dir`).
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-proxy-ebpf";
+
+/// What the mode starts with (the agent's `--bpf-*`, `--pod-interfaces`, `--xdp-mode` and
+/// load-balancing flags), and the programs loaded ahead.
+pub struct StartConfig {
+    pub pin_dir: PathBuf,
+    pub sizes: MapSizes,
+    pub writer: WriterConfig,
+    pub pod_interfaces: String,
+    pub node_port_addresses: NodePortAddresses,
+    pub xdp_mode: XdpMode,
+    pub snat_ports: SnatPorts,
+    /// `--bpf-cgroup-path`; empty: host-network clients are not served.
+    pub cgroup_path: PathBuf,
+    pub preload: Preload,
+}
+
+/// Starts the mode: the programs loaded (ahead or now), the maps taken over, the programs
+/// attached. `node_ips`: the Node object's addresses. A failed start detaches whatever it
+/// attached: another mode may follow.
+pub fn start(node_ips: Vec<IpAddr>, config: &mut StartConfig) -> anyhow::Result<EbpfDataplane> {
+    let started = config
+        .preload
+        .take(&config.pin_dir, config.sizes)
+        .and_then(|loaded| {
+            EbpfDataplane::new(
+                loaded,
+                &config.pin_dir,
+                config.writer,
+                &config.pod_interfaces,
+                ExternalConfig {
+                    addresses: config.node_port_addresses.clone(),
+                    primary: node_ips,
+                    mode: config.xdp_mode,
+                    snat_ports: config.snat_ports,
+                },
+                &config.cgroup_path,
+            )
+        });
+    match started {
+        Ok(dp) => {
+            tracing::info!(pin_dir = %config.pin_dir.display(), "ebpf dataplane loaded");
+            Ok(dp)
+        }
+        Err(e) => {
+            if let Err(cleanup) = cleanup(&config.pin_dir, &config.pod_interfaces) {
+                tracing::warn!("removing the partly started ebpf mode: {cleanup:#}");
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The programs loaded ahead of the mode's start, with the pin directory's lock (held until the
+/// agent exits: a second agent on the same pins fails).
+#[derive(Default)]
+pub struct Preload {
+    lock: Option<bpffs::PinDirLock>,
+    loaded: Option<std::thread::JoinHandle<anyhow::Result<Ebpf>>>,
+}
+
+impl Preload {
+    /// Locks the pin directory and loads the programs on a thread of their own, while the
+    /// source lists (the verifier and the maps take about 0.4 s, which the list of 30k
+    /// Services hides). Loading attaches nothing and removes nothing: the node's traffic is
+    /// touched only once the source's first view is in. A failure here is met again, and
+    /// reported, when the mode starts.
+    pub fn start(&mut self, pin_dir: &Path, sizes: MapSizes) {
+        let Ok(lock) = lock_pin_dir(pin_dir) else {
+            return;
+        };
+        self.lock = Some(lock);
+        let pin_dir = pin_dir.to_owned();
+        self.loaded = Some(std::thread::spawn(move || load(&pin_dir, sizes)));
+    }
+
+    /// The loaded programs: those loaded ahead, else loaded now.
+    pub fn take(&mut self, pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
+        if self.lock.is_none() {
+            self.lock = Some(lock_pin_dir(pin_dir)?);
+        }
+        let Some(thread) = self.loaded.take() else {
+            return load(pin_dir, sizes);
+        };
+        thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("loading the BPF programs panicked"))?
+    }
+}
+
+/// The pin directory (bpffs mounted there when missing), locked against a second agent.
+pub fn lock_pin_dir(pin_dir: &Path) -> anyhow::Result<bpffs::PinDirLock> {
+    bpffs::ensure(pin_dir)?;
+    bpffs::PinDirLock::acquire(pin_dir)
+}
+
+/// Whether an ebpf-mode run's maps are pinned in `pin_dir`.
+pub fn installed(pin_dir: &Path) -> bool {
+    pin_dir.join(proxy_common::MAP_SERVICES).exists()
 }
 
 /// The ebpf [`Dataplane`]: the maps the programs read, and the programs, attached to the pod

@@ -14,8 +14,11 @@ use std::{
 use anyhow::Context;
 
 use crate::{
-    netfilter::iptables_save::{SavedRule, chains, parse_save},
-    rows::{BackendRow, ClientAffinityRow, ServiceRow, backend, range, row},
+    netfilter::{
+        conntrack, iptables,
+        iptables_save::{SavedRule, chains, parse_save},
+    },
+    rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, range, row},
 };
 
 /// Where a frontend's chain leads: its endpoints and policies.
@@ -252,6 +255,23 @@ pub(crate) fn recent_lists() -> anyhow::Result<Vec<(String, String)>> {
         lists.push((name, text));
     }
     Ok(lists)
+}
+
+/// `what` of the mode's rules (in the backend holding them).
+pub fn read(what: What) -> anyhow::Result<Rows> {
+    let saved = iptables::save(super::detect_backend()?)?;
+    Ok(match what {
+        What::Services => Rows::Services {
+            rows: services(&saved),
+            ids: false,
+        },
+        What::Backends => Rows::Backends {
+            rows: backends(&saved),
+            ids: false,
+        },
+        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&services(&saved))?),
+        What::Affinity => Rows::ClientAffinity(affinity(&saved, &recent_lists()?)),
+    })
 }
 
 #[cfg(test)]

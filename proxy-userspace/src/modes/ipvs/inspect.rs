@@ -4,6 +4,8 @@
 //! persistence templates in `/proc/net/ip_vs_conn` are the ClientIP affinity.
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use anyhow::Context;
+
 use crate::modes::ipvs::{
     netlink::{Dest, FLAG_PERSISTENT, Ipvs, OpenError, Service},
     rules::{
@@ -14,11 +16,12 @@ use crate::modes::ipvs::{
 };
 use crate::{
     model::Protocol,
-    rows::{BackendRow, ClientAffinityRow, ServiceRow, row},
+    netfilter::conntrack,
+    rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, row},
 };
 
 /// Every virtual server with its real servers.
-pub fn read() -> anyhow::Result<Vec<(Service, Vec<Dest>)>> {
+pub fn virtual_servers() -> anyhow::Result<Vec<(Service, Vec<Dest>)>> {
     let mut ipvs = match Ipvs::open() {
         Ok(ipvs) => ipvs,
         Err(OpenError::NoIpvs) => anyhow::bail!(
@@ -180,6 +183,27 @@ pub fn affinity(text: &str) -> Vec<ClientAffinityRow> {
 /// kube-proxy's ipsets (the IPVS mode's), as `ipset save` prints them.
 pub(crate) fn ipset_save() -> anyhow::Result<String> {
     crate::command::run("ipset", &["save"], "ipset")
+}
+
+/// `what` of the IPVS table and kube-proxy's ipsets.
+pub fn read(what: What) -> anyhow::Result<Rows> {
+    let frontends = || Ok::<_, anyhow::Error>(services(&virtual_servers()?, &ipset_save()?));
+    Ok(match what {
+        What::Services => Rows::Services {
+            rows: frontends()?,
+            ids: false,
+        },
+        What::Backends => Rows::Backends {
+            rows: backends(&frontends()?),
+            ids: false,
+        },
+        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&frontends()?)?),
+        What::Affinity => {
+            let path = "/proc/net/ip_vs_conn";
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+            Rows::ClientAffinity(affinity(&text))
+        }
+    })
 }
 
 #[cfg(test)]

@@ -12,7 +12,10 @@ use std::collections::{BTreeMap, HashMap};
 use anyhow::Context;
 use serde_json::Value;
 
-use crate::rows::{BackendRow, ClientAffinityRow, ServiceRow, backend, protocol, range, row};
+use crate::{
+    netfilter::conntrack,
+    rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, protocol, range, row},
+};
 
 /// The parts of the table inspect reads.
 #[derive(Default)]
@@ -444,6 +447,23 @@ pub(crate) fn nft_list() -> anyhow::Result<String> {
         .split_once(' ')
         .expect("family and name");
     crate::command::run("nft", &["-j", "list", "table", family, table], "nftables")
+}
+
+/// `what` of the mode's table.
+pub fn read(what: What) -> anyhow::Result<Rows> {
+    let listed = nft_list()?;
+    Ok(match what {
+        What::Services => Rows::Services {
+            rows: services(&listed)?,
+            ids: false,
+        },
+        What::Backends => Rows::Backends {
+            rows: backends(&listed)?,
+            ids: false,
+        },
+        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&services(&listed)?)?),
+        What::Affinity => Rows::ClientAffinity(affinity(&listed)?),
+    })
 }
 
 #[cfg(test)]

@@ -14,8 +14,11 @@ use super::rules::{
     CONTAINER_NODEPORTS, CONTAINER_PORTALS, FIREWALL, HOST_NODEPORTS, HOST_PORTALS,
 };
 use crate::{
-    netfilter::iptables_save::{SavedRule, chains, parse_save},
-    rows::{ServiceRow, backend, range, row},
+    netfilter::{
+        conntrack, iptables,
+        iptables_save::{SavedRule, chains, parse_save},
+    },
+    rows::{Rows, ServiceRow, What, backend, range, row},
 };
 
 /// What a row's proxy backend says after the address.
@@ -148,6 +151,28 @@ pub fn services(text: &str) -> Vec<ServiceRow> {
     let mut rows: Vec<ServiceRow> = rows.into_values().collect();
     rows.sort();
     rows
+}
+
+/// `what` of the mode's rules (in the backend holding them). The endpoints and the ClientIP
+/// affinity live in the agent's memory (each Service port's proxy): not readable from here.
+pub fn read(what: What) -> anyhow::Result<Rows> {
+    let frontends = || Ok::<_, anyhow::Error>(services(&iptables::save(super::detect_backend()?)?));
+    Ok(match what {
+        What::Services => Rows::Services {
+            rows: frontends()?,
+            ids: false,
+        },
+        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&frontends()?)?),
+        What::Backends | What::Affinity => anyhow::bail!(
+            "`inspect {}` is not available in userspace mode: the endpoints and the ClientIP \
+             affinity live in the agent's memory (each Service port's proxy). `inspect \
+             services` shows each frontend's proxy port",
+            match what {
+                What::Backends => "backends",
+                _ => "affinity",
+            }
+        ),
+    })
 }
 
 #[cfg(test)]
