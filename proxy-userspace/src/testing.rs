@@ -45,7 +45,10 @@ pub(crate) fn in_new_netns(f: impl FnOnce() -> anyhow::Result<String> + Send + '
     .unwrap()
 }
 
-/// The Services of `text` (a manifest such as testdata/services.yaml) as node1 sees them.
+/// The Services every mode's golden files are rendered from (and their EndpointSlices).
+pub(crate) const SERVICES: &str = include_str!("testdata/services.yaml");
+
+/// The Services of `text` (a manifest such as [`SERVICES`]) as node1 sees them.
 pub(crate) fn fixture(text: &str) -> DesiredState {
     let parsed = manifest::parse(text).expect("the fixture parses");
     assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);

@@ -5,7 +5,7 @@ use std::{net::Ipv4Addr, time::Duration};
 
 use proxy_userspace::{
     model::{DesiredState, Protocol, ServicePortName},
-    modes::ebpf::{MapSizes, ServiceMaps, WriterConfig},
+    modes::ebpf::{MapSizes, MapWriter, WriterConfig},
 };
 
 use crate::{
@@ -135,5 +135,5 @@ pub fn restart(p: &mut Programs, sizes: MapSizes, drain_period: Duration) {
         drain_period,
         ..WriterConfig::default()
     };
-    p.maps = ServiceMaps::take_from(&mut reloaded, writer).unwrap();
+    p.maps = MapWriter::take_from(&mut reloaded, writer).unwrap();
 }

@@ -26,7 +26,7 @@ use proxy_userspace::{
         Cidr, DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName,
         TargetPort,
     },
-    modes::ebpf::{self, MapSizes, ServiceMaps, WriterConfig, bpffs, maps::DEFAULT_DRAIN_PERIOD},
+    modes::ebpf::{self, MapSizes, MapWriter, WriterConfig, bpffs, writer::DEFAULT_DRAIN_PERIOD},
 };
 
 /// A bpffs mounted on a fresh temporary directory, unmounted and removed on drop.
@@ -90,7 +90,7 @@ impl Drop for PrivateBpffs {
 /// The loaded tc programs and the agent's map writer, on a private bpffs.
 pub struct Programs {
     pub ebpf: Ebpf,
-    pub maps: ServiceMaps,
+    pub maps: MapWriter,
     // Dropped last: the maps are pinned there.
     pub bpffs: PrivateBpffs,
 }
@@ -122,7 +122,7 @@ impl Programs {
             drain_period,
             ..WriterConfig::default()
         };
-        let maps = ServiceMaps::take_from(&mut ebpf, writer)?;
+        let maps = MapWriter::take_from(&mut ebpf, writer)?;
         Ok(Self { ebpf, maps, bpffs })
     }
 

@@ -24,7 +24,7 @@ use proxy_userspace::{
     dataplane::Scope,
     model::{DesiredState, Protocol, ServicePortName},
     modes::ebpf::inspect,
-    modes::ebpf::{self, ServiceMaps, WriterConfig, bpffs::PinDirLock, maps::DEFAULT_DRAIN_PERIOD},
+    modes::ebpf::{self, MapWriter, WriterConfig, bpffs::PinDirLock, writer::DEFAULT_DRAIN_PERIOD},
 };
 
 const VIP2: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
@@ -455,7 +455,7 @@ fn pinned_maps_of_another_layout_are_migrated_or_recreated() {
     assert_eq!(state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0).unwrap(), 5000);
     assert_eq!(state.get(&AGENT_STATE_LAYOUT, 0).unwrap(), LAYOUT_VERSION);
     // New backends get ids above the carried-over counter.
-    let mut maps = ServiceMaps::take_from(&mut loaded, WriterConfig::default()).unwrap();
+    let mut maps = MapWriter::take_from(&mut loaded, WriterConfig::default()).unwrap();
     let mut desired = DesiredState::default();
     set_endpoints(&mut desired, "web", VIP, 80, Protocol::Tcp, &[(BE1, 8080)]);
     maps.sync(&desired, Scope::All).unwrap();

@@ -14,7 +14,7 @@ use proxy_userspace::{
     dataplane::{NotProgrammable, Scope},
     model::{DesiredState, Protocol},
     modes::ebpf::inspect,
-    modes::ebpf::{MapSizes, maps::DEFAULT_DRAIN_PERIOD},
+    modes::ebpf::{MapSizes, writer::DEFAULT_DRAIN_PERIOD},
 };
 
 #[test]

@@ -8,7 +8,8 @@ pub mod external;
 pub mod inspect;
 mod link_events;
 pub mod maglev;
-pub mod maps;
+pub mod plan;
+pub mod writer;
 
 use std::{
     net::IpAddr,
@@ -32,7 +33,7 @@ use proxy_common::{
 
 use attach::detach_all;
 pub use attach::{Attacher, ExternalConfig};
-pub use maps::{ServiceMaps, WriterConfig};
+pub use writer::{MapWriter, WriterConfig};
 
 use self::external::{SnatPorts, XdpMode};
 use crate::{
@@ -468,7 +469,7 @@ pub fn installed(pin_dir: &Path) -> bool {
 /// The ebpf [`Dataplane`]: the maps the programs read, and the programs, attached to the pod
 /// interfaces by a thread of their own (so that a new pod never waits for a sync).
 pub struct EbpfDataplane {
-    maps: ServiceMaps,
+    maps: MapWriter,
     attacher: attach::AttachThread,
 }
 
@@ -495,7 +496,7 @@ impl EbpfDataplane {
             let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
             cgroup::attach(&mut ebpf, cgroup, pin_dir, netns)?;
         }
-        let maps = ServiceMaps::take_from(&mut ebpf, writer)?;
+        let maps = MapWriter::take_from(&mut ebpf, writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
         let attacher = attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir)?;

@@ -295,11 +295,11 @@ pub(crate) mod tests {
     }
 
     fn rendered() -> String {
-        let state = fixture(include_str!("testdata/services.yaml"));
+        let state = fixture(crate::testing::SERVICES);
         render(&state, &settings(), &BTreeSet::new(), None).text
     }
 
-    /// What the golden file's Services (iptables/testdata/services.yaml, node1) show.
+    /// What the golden file's Services (src/testdata/services.yaml, node1) show.
     fn expected() -> Vec<ServiceRow> {
         let tcp = |address: &str, kind, backends: &[&str]| {
             let mut r = row(address.to_owned(), "TCP", kind);

@@ -539,7 +539,7 @@ pub(crate) mod tests {
         testing::{fixture, golden},
     };
 
-    const FIXTURE: &str = include_str!("testdata/services.yaml");
+    const FIXTURE: &str = crate::testing::SERVICES;
 
     #[test]
     fn rules_match_the_golden_file() {

@@ -553,7 +553,7 @@ mod tests {
     use super::*;
     use crate::testing::{fixture, golden};
 
-    pub(crate) const FIXTURE: &str = include_str!("testdata/services.yaml");
+    pub(crate) const FIXTURE: &str = crate::testing::SERVICES;
 
     pub(crate) fn settings() -> Settings {
         Settings {

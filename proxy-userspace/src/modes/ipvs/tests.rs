@@ -20,7 +20,7 @@ use crate::{
 /// Set to 1 to make the kernel tests fail instead of skipping (as the sandbox tests').
 const NO_SKIP_ENV: &str = "SANDBOX_NO_SKIP";
 
-const FIXTURE: &str = include_str!("testdata/services.yaml");
+const FIXTURE: &str = crate::testing::SERVICES;
 
 /// Runs `test` in a new network namespace on a thread of its own if IPVS can be used there
 /// (root, the kernel's IPVS); otherwise prints a loud `SKIPPED <name>: <reason>` to stderr.

@@ -483,7 +483,7 @@ mod tests {
             masquerade_all: false,
             node_port_addresses: Some(vec![std::net::Ipv4Addr::new(192, 0, 2, 11)]),
         };
-        let state = fixture(include_str!("testdata/services.yaml"));
+        let state = fixture(crate::testing::SERVICES);
         render(&state, &settings, None, Scope::All).text
     }
 
@@ -492,7 +492,7 @@ mod tests {
     /// the privileged test below, which rewrites it with UPDATE_GOLDEN=1.
     const LISTED: &str = include_str!("testdata/nftables.json");
 
-    /// What the golden ruleset's Services (nftables/testdata/services.yaml, node1) show.
+    /// What the golden ruleset's Services (src/testdata/services.yaml, node1) show.
     fn expected() -> Vec<(&'static str, &'static str, &'static str, Vec<&'static str>)> {
         let web = vec!["10.244.1.11:8080", "10.244.1.12:8080", "10.244.2.11:8080"];
         let front = vec!["10.244.1.12:8080", "10.244.2.11:8080"];

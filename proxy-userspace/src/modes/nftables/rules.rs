@@ -703,7 +703,7 @@ pub(super) mod tests {
         testing::{fixture, golden},
     };
 
-    pub(in crate::modes::nftables) const FIXTURE: &str = include_str!("testdata/services.yaml");
+    pub(in crate::modes::nftables) const FIXTURE: &str = crate::testing::SERVICES;
 
     fn settings() -> Settings {
         Settings {

@@ -185,7 +185,7 @@ mod tests {
 
     /// The golden file's rules: proxy ports numbered from 40001 in order, as its test does.
     fn rendered() -> String {
-        let state = fixture(include_str!("testdata/services.yaml"));
+        let state = fixture(crate::testing::SERVICES);
         let mut next = 40000;
         let mut take = || {
             next += 1;

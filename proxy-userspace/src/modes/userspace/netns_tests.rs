@@ -506,7 +506,7 @@ fn cleanup_removes_the_rules_of_both_backends() {
         return;
     }
     in_namespace(TEST, || async {
-        let state = crate::testing::fixture(include_str!("testdata/services.yaml"));
+        let state = crate::testing::fixture(crate::testing::SERVICES);
         for backend in Backend::ALL {
             let mut dp = UserspaceDataplane::new(UserspaceConfig {
                 backend,

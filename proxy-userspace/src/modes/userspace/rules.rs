@@ -346,7 +346,7 @@ mod tests {
     use super::*;
     use crate::testing::{fixture, golden};
 
-    const FIXTURE: &str = include_str!("testdata/services.yaml");
+    const FIXTURE: &str = crate::testing::SERVICES;
 
     fn spn(ns: &str, name: &str, port: &str) -> ServicePortName {
         ServicePortName::new(

@@ -7,7 +7,7 @@
 //! A sync runs in two phases, so that its result does not depend on the order of the service
 //! ports: first every wanted frontend is programmed, then the frontends nobody wants any more
 //! are removed (an address handed from one Service to another stays with the new one). The
-//! first phase's writes go in batches that keep the write order (see [`ServiceMaps::flush`]).
+//! first phase's writes go in batches that keep the write order (see [`MapWriter::flush`]).
 //!
 //! Nothing is cut at once: a backend that leaves its service port is kept, flagged draining
 //! (established TCP connections stay on it, new connections and UDP go elsewhere), and a removed
@@ -31,24 +31,22 @@ use aya::{
     },
 };
 use proxy_common::{
-    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, BACKEND_LOCAL, Backend, Be16, Be32,
-    CONFIG_MAGLEV_TABLE_SIZE, MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV,
-    MAP_SERVICES, MAP_SOURCE_RANGES, MaglevChunk, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY,
-    SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
-    SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey,
-    ServiceValue, SourceRangeKey,
+    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be32, CONFIG_MAGLEV_TABLE_SIZE,
+    MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV, MAP_SERVICES,
+    MAP_SOURCE_RANGES, MaglevChunk, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
+    SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
 };
 
 use foldhash::{HashMap, HashSet};
 
-use super::{batch, maglev};
+use super::{
+    batch, maglev,
+    plan::{self, Frontend, FrontendPlan, describe, listed_backends},
+};
 use crate::{
     dataplane::{NotProgrammable, Scope},
-    model::{Cidr, DesiredState, LbAlgorithm, Protocol, ServicePortName, ipv4},
+    model::{DesiredState, LbAlgorithm, ServicePortName},
 };
-
-/// A service address as the datapath matches it: slot 0 of the services map.
-pub type Frontend = ServiceKey;
 
 /// How long a removed endpoint or Service keeps serving the TCP connections established
 /// through it, by default (`--bpf-drain-period`).
@@ -75,7 +73,7 @@ impl Default for WriterConfig {
     }
 }
 
-pub struct ServiceMaps {
+pub struct MapWriter {
     services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
     backends: BpfHashMap<MapData, u32, Backend>,
     services_max: usize,
@@ -198,7 +196,7 @@ const ID_BLOCK: u32 = 1024;
 /// A slot whose id a damaged map lost: never an id (ids start at 1), so it is rewritten.
 const LOST: u32 = 0;
 
-impl ServiceMaps {
+impl MapWriter {
     /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
     /// (ids stay stable across restarts, so established flows keep their backend).
     pub fn take_from(ebpf: &mut Ebpf, config: WriterConfig) -> anyhow::Result<Self> {
@@ -387,7 +385,7 @@ impl ServiceMaps {
         for spn in &ports {
             let old = self.owners.remove(spn).unwrap_or_default();
             let mut owned = Vec::new();
-            for wanted in desired_frontends(state, spn, self.lb_algorithm) {
+            for wanted in plan::frontends(state, spn, self.lb_algorithm) {
                 let fe = wanted.fe;
                 // Some frontends need their writes made at once: after what is held back.
                 let direct = self.writes_directly(&wanted);
@@ -463,7 +461,7 @@ impl ServiceMaps {
     /// services and backends maps around it: slots to delete (it shrinks; held back, their
     /// deletion could overtake a later write of the same frontend, and would free room only
     /// after the batch), a Maglev table, or source ranges (now, or to remove).
-    fn writes_directly(&self, wanted: &Wanted) -> bool {
+    fn writes_directly(&self, wanted: &FrontendPlan) -> bool {
         let maglev = |head: &ServiceValue| head.flags & SERVICE_MAGLEV != 0;
         let slots = self.frontends.get(&wanted.fe).map_or(0, Vec::len);
         wanted.backends.len() < slots
@@ -544,7 +542,7 @@ impl ServiceMaps {
     /// Makes `wanted.fe` send to `wanted.backends` (the endpoints of `spn`), in that slot order,
     /// with `wanted.head` (its flags) in slot 0, admitting only its source ranges if it has
     /// some. On failure, the maps keep serving what the frontend had before.
-    fn program(&mut self, spn: &ServicePortName, wanted: &Wanted) -> anyhow::Result<()> {
+    fn program(&mut self, spn: &ServicePortName, wanted: &FrontendPlan) -> anyhow::Result<()> {
         let (fe, head, backends) = (&wanted.fe, wanted.head, wanted.backends.as_slice());
         if backends.len() > usize::from(u16::MAX) {
             return Err(NotProgrammable(format!(
@@ -1095,304 +1093,5 @@ impl Errors {
         } else {
             Ok(())
         }
-    }
-}
-
-/// `endpoints` as backends of a port of `protocol` (flagged local when on this node). IPv4
-/// only for now: IPv6 addresses are kept in the model and skipped here (the programs could not
-/// match them).
-fn as_backends<'a>(
-    state: &DesiredState,
-    endpoints: impl IntoIterator<Item = &'a crate::model::Endpoint>,
-    protocol: Protocol,
-) -> Vec<Backend> {
-    endpoints
-        .into_iter()
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some(Backend {
-                addr: Be32::from_octets(ip.octets()),
-                port: Be16::new(ep.port),
-                proto: protocol.number(),
-                flags: if state.is_local(ep) { BACKEND_LOCAL } else { 0 },
-            }),
-            IpAddr::V6(_) => None,
-        })
-        .collect()
-}
-
-/// Every endpoint the state lists for `spn`, usable or not.
-fn listed_backends(state: &DesiredState, spn: &ServicePortName) -> Vec<Backend> {
-    state.services.get(spn).map_or_else(Vec::new, |sp| {
-        as_backends(state, state.endpoints_of(spn), sp.protocol)
-    })
-}
-
-/// A frontend as a service port wants it: slot 0 (flags, affinity) and the backends.
-pub struct Wanted {
-    pub fe: Frontend,
-    /// Slot 0 without its count (the writer sets it).
-    pub head: ServiceValue,
-    pub backends: Vec<Backend>,
-    /// loadBalancerSourceRanges (with [`SERVICE_SOURCE_RANGES`] in the head).
-    pub source_ranges: Vec<(Ipv4Addr, u8)>,
-}
-
-/// The frontends a service port should have, each with its slot 0 and backends, new flows
-/// picking by `lb_algorithm` unless the Service says otherwise: its cluster IPs, and where the
-/// Service is reachable from outside, its NodePort (on every node address), external IPs and
-/// load balancer addresses. With externalTrafficPolicy Local, those hold only this node's
-/// endpoints, and a second scope holds every endpoint for clients inside the cluster. TCP and
-/// UDP only: SCTP ports are kept in the model and skipped here.
-pub fn desired_frontends(
-    state: &DesiredState,
-    spn: &ServicePortName,
-    lb_algorithm: LbAlgorithm,
-) -> Vec<Wanted> {
-    let Some(sp) = state
-        .services
-        .get(spn)
-        .filter(|sp| sp.protocol != Protocol::Sctp)
-    else {
-        return Vec::new();
-    };
-    let proto = sp.protocol.number();
-    let v4 = |ips: &[IpAddr]| {
-        ipv4(ips)
-            .into_iter()
-            .map(|ip| Be32::from_octets(ip.octets()))
-    };
-    let mut policy = 0;
-    if sp.session_affinity_timeout.is_some() {
-        policy |= SERVICE_AFFINITY;
-    }
-    if sp.lb_algorithm.unwrap_or(lb_algorithm) == LbAlgorithm::Maglev {
-        policy |= SERVICE_MAGLEV;
-    }
-    let head = |flags: u16| {
-        ServiceValue::head(0, policy | flags, sp.session_affinity_timeout.unwrap_or(0))
-    };
-    let internal_flags = if sp.internal_traffic_local {
-        SERVICE_LOCAL_ONLY
-    } else {
-        0
-    };
-    let cluster = as_backends(state, state.cluster_endpoints(spn), sp.protocol);
-    let mut wanted: Vec<Wanted> = v4(&sp.cluster_ips)
-        .map(|addr| Wanted {
-            fe: ServiceKey::new(addr, Be16::new(sp.port), proto, 0),
-            head: head(internal_flags),
-            backends: cluster.clone(),
-            source_ranges: Vec::new(),
-        })
-        .collect();
-
-    let mut external: Vec<(ServiceKey, bool)> = Vec::new();
-    if let Some(node_port) = sp.node_port {
-        external.push((
-            ServiceKey::new(NODE_PORT_ADDR, Be16::new(node_port), proto, 0),
-            false,
-        ));
-    }
-    for addr in v4(&sp.external_ips) {
-        external.push((ServiceKey::new(addr, Be16::new(sp.port), proto, 0), false));
-    }
-    for addr in v4(&sp.load_balancer_ips) {
-        external.push((ServiceKey::new(addr, Be16::new(sp.port), proto, 0), true));
-    }
-    if external.is_empty() {
-        return wanted;
-    }
-    let ranges: Vec<(Ipv4Addr, u8)> = sp.source_ranges.iter().filter_map(Cidr::as_v4).collect();
-    // IPv6 ranges only: no IPv4 source may use the addresses.
-    let restricted = !sp.source_ranges.is_empty();
-    let external_backends = as_backends(state, state.external_endpoints(spn), sp.protocol);
-    let every_endpoint = as_backends(state, state.usable_endpoints(spn, false), sp.protocol);
-    for (fe, load_balancer) in external {
-        let mut flags = SERVICE_EXTERNAL;
-        if sp.external_traffic_local {
-            flags |= SERVICE_LOCAL_ONLY | SERVICE_TWO_SCOPES;
-        }
-        if load_balancer {
-            flags |= SERVICE_LOAD_BALANCER;
-        }
-        let limited = load_balancer && restricted;
-        if limited {
-            flags |= SERVICE_SOURCE_RANGES;
-        }
-        wanted.push(Wanted {
-            fe,
-            head: head(flags),
-            backends: external_backends.clone(),
-            source_ranges: if limited { ranges.clone() } else { Vec::new() },
-        });
-        if sp.external_traffic_local {
-            wanted.push(Wanted {
-                fe: fe.with_scope(SCOPE_INTERNAL),
-                head: head(flags & SERVICE_LOAD_BALANCER),
-                backends: every_endpoint.clone(),
-                source_ranges: Vec::new(),
-            });
-        }
-    }
-    wanted
-}
-
-fn describe(key: &ServiceKey) -> String {
-    let [a, b, c, d] = key.addr.octets();
-    let addr = if key.addr == NODE_PORT_ADDR {
-        "node port ".to_string()
-    } else {
-        format!("{a}.{b}.{c}.{d}")
-    };
-    let scope = if key.scope == SCOPE_INTERNAL {
-        " (internal scope)"
-    } else {
-        ""
-    };
-    format!(
-        "{addr}:{}/{}{scope}",
-        key.port.get(),
-        Protocol::from_number(key.proto).map_or("?", Protocol::name)
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-
-    use super::*;
-    use crate::model::{Endpoint, NamespacedName, ServicePort, TargetPort};
-
-    fn endpoint(ip: &str, node: &str) -> Endpoint {
-        Endpoint {
-            ip: ip.parse().unwrap(),
-            port: 8080,
-            ready: true,
-            serving: true,
-            terminating: false,
-            node_name: Some(Arc::from(node)),
-            zone: None,
-        }
-    }
-
-    /// A LoadBalancer Service with one endpoint on this node and one elsewhere.
-    fn state(external_local: bool, ranges: &[(&str, u8)]) -> (DesiredState, ServicePortName) {
-        let spn = ServicePortName::new(NamespacedName::new("ns", "lb"), "", Protocol::Tcp);
-        let mut state = DesiredState {
-            node_name: "node1".into(),
-            ..DesiredState::default()
-        };
-        state.services.insert(
-            spn.clone(),
-            ServicePort {
-                cluster_ips: vec!["10.96.0.1".parse().unwrap()],
-                port: 80,
-                protocol: Protocol::Tcp,
-                target_port: TargetPort::Number(8080),
-                node_port: Some(30080),
-                external_ips: vec![
-                    "198.51.100.1".parse().unwrap(),
-                    "2001:db8::1".parse().unwrap(),
-                ],
-                load_balancer_ips: vec!["203.0.113.1".parse().unwrap()],
-                session_affinity_timeout: None,
-                external_traffic_local: external_local,
-                internal_traffic_local: false,
-                lb_algorithm: None,
-                source_ranges: ranges
-                    .iter()
-                    .map(|(ip, len)| Cidr {
-                        addr: ip.parse().unwrap(),
-                        len: *len,
-                    })
-                    .collect(),
-                health_check_node_port: None,
-            }
-            .into(),
-        );
-        state.endpoints.insert(
-            spn.clone(),
-            vec![
-                endpoint("10.244.1.5", "node1"),
-                endpoint("10.244.2.5", "node2"),
-            ],
-        );
-        (state, spn)
-    }
-
-    /// Each frontend as `address:port scope flags [backend addresses (L = local)] ranges`.
-    fn shown(state: &DesiredState, spn: &ServicePortName) -> Vec<String> {
-        desired_frontends(state, spn, LbAlgorithm::Random)
-            .iter()
-            .map(|w| {
-                let backends: Vec<String> = w
-                    .backends
-                    .iter()
-                    .map(|b| {
-                        let local = if b.flags & BACKEND_LOCAL != 0 {
-                            "L"
-                        } else {
-                            ""
-                        };
-                        format!("{}{local}", Ipv4Addr::from(b.addr.octets()))
-                    })
-                    .collect();
-                format!(
-                    "{} scope {} flags {} [{}] {:?}",
-                    describe(&w.fe),
-                    w.fe.scope,
-                    w.head.flags,
-                    backends.join(" "),
-                    w.source_ranges
-                )
-            })
-            .collect()
-    }
-
-    #[test]
-    fn external_frontends_with_the_cluster_policy() {
-        let (state, spn) = state(false, &[("192.0.2.0", 24), ("2001:db8::", 32)]);
-        let ext = SERVICE_EXTERNAL;
-        let lb = SERVICE_EXTERNAL | SERVICE_LOAD_BALANCER | SERVICE_SOURCE_RANGES;
-        assert_eq!(
-            shown(&state, &spn),
-            [
-                "10.96.0.1:80/TCP scope 0 flags 0 [10.244.1.5L 10.244.2.5] []".to_string(),
-                format!("node port :30080/TCP scope 0 flags {ext} [10.244.1.5L 10.244.2.5] []"),
-                format!("198.51.100.1:80/TCP scope 0 flags {ext} [10.244.1.5L 10.244.2.5] []"),
-                format!(
-                    "203.0.113.1:80/TCP scope 0 flags {lb} [10.244.1.5L 10.244.2.5] \
-                     [(192.0.2.0, 24)]"
-                ),
-            ]
-        );
-    }
-
-    #[test]
-    fn external_frontends_with_the_local_policy_have_an_in_cluster_scope() {
-        let (state, spn) = state(true, &[]);
-        let local = SERVICE_EXTERNAL | SERVICE_LOCAL_ONLY | SERVICE_TWO_SCOPES;
-        let shown = shown(&state, &spn);
-        assert_eq!(shown.len(), 7, "{shown:#?}");
-        assert_eq!(
-            shown[0],
-            "10.96.0.1:80/TCP scope 0 flags 0 [10.244.1.5L 10.244.2.5] []"
-        );
-        assert_eq!(
-            shown[1],
-            format!("node port :30080/TCP scope 0 flags {local} [10.244.1.5L] []")
-        );
-        assert_eq!(
-            shown[2],
-            "node port :30080/TCP (internal scope) scope 1 flags 0 [10.244.1.5L 10.244.2.5] []"
-        );
-        let lb_in_cluster = SERVICE_LOAD_BALANCER;
-        assert_eq!(
-            shown[6],
-            format!(
-                "203.0.113.1:80/TCP (internal scope) scope 1 flags {lb_in_cluster} \
-                 [10.244.1.5L 10.244.2.5] []"
-            )
-        );
     }
 }
