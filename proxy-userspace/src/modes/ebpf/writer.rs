@@ -84,18 +84,12 @@ pub struct MapWriter {
     maglev_table_size: u32,
     /// The pinned tables were made for another table size: rewrite each at its next sync.
     maglev_stale: bool,
-    /// What the services map holds: each frontend's backend ids, in slot order (none for a
-    /// draining frontend; 0 for a slot a damaged map lost).
-    frontends: HashMap<Frontend, Vec<u32>>,
-    /// What slot 0 of each frontend holds.
-    heads: HashMap<Frontend, ServiceValue>,
-    /// Removed frontends still in the map as draining heads, and when they go.
-    draining_frontends: HashMap<Frontend, Instant>,
+    /// What the services map holds, by frontend.
+    frontends: HashMap<Frontend, Programmed>,
+    /// When the first draining frontend's period ends (None: none drains).
+    frontend_expiry: Option<Instant>,
     /// Which frontends each service port put there.
     owners: HashMap<ServicePortName, Vec<Frontend>>,
-    /// The port that last programmed each frontend: when a Service's address passes to another
-    /// (a rename keeping the cluster IP), the old one's removal must not take it away.
-    claims: HashMap<Frontend, ServicePortName>,
     /// Entries of the services map, counted (heads, draining ones included, and slots).
     used_slots: usize,
     /// Backend ids of each service port, by endpoint. Ids come from a counter, are not reused
@@ -103,8 +97,8 @@ pub struct MapWriter {
     /// is still in that port, and a conntrack entry never finds a different backend.
     ids: HashMap<ServicePortName, PortIds>,
     by_id: HashMap<u32, IdState>,
-    /// Ids flagged draining, and when they go (None: while the endpoint is still listed).
-    draining: HashMap<u32, Option<Instant>>,
+    /// When the first draining backend's period ends (None: none drains for a period).
+    backend_expiry: Option<Instant>,
     next_id: u32,
     /// Ids below this may have been handed out (so a restarted agent starts above it). Kept in
     /// `agent_state` and raised a block at a time before an id past it is used, so even an agent
@@ -120,6 +114,21 @@ pub struct MapWriter {
     /// A batch failed and reading the maps back failed too: what is recorded above may not be
     /// what the maps hold, so nothing is written or expired until they are read back.
     unknown: bool,
+}
+
+/// What the services map holds for one frontend.
+struct Programmed {
+    /// Its backend ids, in slot order (none for a draining frontend; [`LOST`] for a slot a
+    /// damaged map lost).
+    slots: Vec<u32>,
+    /// What slot 0 holds.
+    head: ServiceValue,
+    /// Removed: a draining head without slots until then.
+    draining_until: Option<Instant>,
+    /// The port that last programmed it: when a Service's address passes to another (a rename
+    /// keeping the cluster IP), the old one's removal must not take it away. None: recovered
+    /// from the pins and not claimed yet, or draining.
+    claim: Option<ServicePortName>,
 }
 
 /// Writes held back, in the order they were asked for.
@@ -188,6 +197,21 @@ struct IdState {
     backend: Backend,
     /// None: recovered from the pinned maps and not yet claimed by a port.
     owner: Option<ServicePortName>,
+    /// Flagged draining in the map: no new flows, established TCP connections stay.
+    drain: Option<Drain>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// While its endpoint is still listed (not ready, or terminating).
+    WhileListed,
+    /// Until then (its endpoint is gone).
+    Until(Instant),
+}
+
+/// Makes `first` the earlier of itself and `t`.
+fn earliest(first: &mut Option<Instant>, t: Instant) {
+    *first = Some(first.map_or(t, |f| f.min(t)));
 }
 
 /// Ids reserved in `agent_state` at a time: one map write per this many new backends.
@@ -245,14 +269,12 @@ impl MapWriter {
             maglev_table_size: config.maglev_table_size,
             maglev_stale: false,
             frontends: HashMap::default(),
-            heads: HashMap::default(),
-            draining_frontends: HashMap::default(),
+            frontend_expiry: None,
             owners: HashMap::default(),
-            claims: HashMap::default(),
             used_slots: 0,
             ids: HashMap::default(),
             by_id: HashMap::default(),
-            draining: HashMap::default(),
+            backend_expiry: None,
             next_id: 1,
             reserved_until: 1,
             agent_state,
@@ -270,34 +292,33 @@ impl MapWriter {
     fn read_back(&mut self) -> anyhow::Result<()> {
         let now = Instant::now();
         let mut by_id = HashMap::default();
-        let mut draining = HashMap::default();
+        let mut backend_expiry = None;
         for entry in self.backends.iter() {
             let (id, backend) = entry?;
-            if backend.flags & BACKEND_DRAINING != 0 {
-                // Whose it was is not recorded: it drains for a full period from now.
-                draining.insert(id, Some(now + self.drain_period));
-            }
+            // Whose it was is not recorded: a draining one drains for a full period from now.
+            let drain = (backend.flags & BACKEND_DRAINING != 0).then(|| {
+                earliest(&mut backend_expiry, now + self.drain_period);
+                Drain::Until(now + self.drain_period)
+            });
             by_id.insert(
                 id,
                 IdState {
                     backend,
                     owner: None,
+                    drain,
                 },
             );
         }
         let keys: Vec<ServiceKey> = self.services.keys().collect::<Result<_, _>>()?;
-        let mut frontends = HashMap::default();
-        let mut heads = HashMap::default();
-        let mut draining_frontends = HashMap::default();
+        let mut frontends: HashMap<Frontend, Programmed> = HashMap::default();
         let mut used_slots = 0;
         let mut damaged = 0;
         for key in keys.iter().filter(|k| k.slot == 0) {
             let Ok(head) = self.services.get(key, 0) else {
                 continue; // deleted since it was listed
             };
-            if head.flags & SERVICE_DRAINING != 0 {
-                draining_frontends.insert(*key, now + self.drain_period);
-            }
+            let draining_until =
+                (head.flags & SERVICE_DRAINING != 0).then(|| now + self.drain_period);
             // A lost slot does not stop the recovery: the first sync rewrites it.
             let slots: Vec<u32> = (1..=head.count)
                 .map(|slot| {
@@ -310,8 +331,15 @@ impl MapWriter {
                 damaged += 1;
             }
             used_slots += slots.len() + 1;
-            frontends.insert(*key, slots);
-            heads.insert(*key, head);
+            frontends.insert(
+                *key,
+                Programmed {
+                    slots,
+                    head,
+                    draining_until,
+                    claim: None,
+                },
+            );
         }
         if damaged > 0 {
             tracing::warn!(
@@ -324,7 +352,7 @@ impl MapWriter {
             let head = ServiceKey { slot: 0, ..*key };
             if frontends
                 .get(&head)
-                .is_none_or(|slots: &Vec<u32>| usize::from(key.slot) > slots.len())
+                .is_none_or(|p| usize::from(key.slot) > p.slots.len())
             {
                 match self.services.remove(key) {
                     Ok(()) | Err(MapError::KeyNotFound) => {}
@@ -346,15 +374,13 @@ impl MapWriter {
             );
         }
         self.ranges = recover_ranges(&self.source_ranges)?;
+        self.frontend_expiry = frontends.values().filter_map(|p| p.draining_until).min();
         self.frontends = frontends;
-        self.heads = heads;
-        self.draining_frontends = draining_frontends;
         self.owners.clear();
-        self.claims.clear();
         self.used_slots = used_slots;
         self.ids.clear();
         self.by_id = by_id;
-        self.draining = draining;
+        self.backend_expiry = backend_expiry;
         self.next_id = next_id;
         self.reserved_until = next_id;
         self.batch = None;
@@ -400,13 +426,18 @@ impl MapWriter {
                 match programmed {
                     Ok(()) => {
                         owned.push(fe);
-                        self.claims.insert(fe, spn.clone());
+                        if let Some(p) = self.frontends.get_mut(&fe) {
+                            p.claim = Some(spn.clone());
+                        }
                     }
                     Err(e) => {
                         // It keeps serving what it had (also one recovered after a restart,
                         // which no port claimed yet): still ours.
-                        let ours = self.claims.get(&fe).is_none_or(|owner| owner == spn);
-                        if ours && self.frontends.contains_key(&fe) {
+                        let ours = self
+                            .frontends
+                            .get(&fe)
+                            .is_some_and(|p| p.claim.as_ref().is_none_or(|owner| owner == spn));
+                        if ours {
                             owned.push(fe);
                         }
                         errors.add(spn, e);
@@ -423,7 +454,7 @@ impl MapWriter {
         // Phase 2: the frontends their ports no longer want, unless another port has them now.
         for (spn, old) in ports.iter().zip(previous) {
             for fe in old {
-                let claimed_by = self.claims.get(&fe);
+                let claimed_by = self.frontends.get(&fe).and_then(|p| p.claim.as_ref());
                 if claimed_by == Some(spn) && self.owned_by(spn, &fe) {
                     continue; // still wanted
                 }
@@ -463,10 +494,10 @@ impl MapWriter {
     /// after the batch), a Maglev table, or source ranges (now, or to remove).
     fn writes_directly(&self, wanted: &FrontendPlan) -> bool {
         let maglev = |head: &ServiceValue| head.flags & SERVICE_MAGLEV != 0;
-        let slots = self.frontends.get(&wanted.fe).map_or(0, Vec::len);
-        wanted.backends.len() < slots
+        let programmed = self.frontends.get(&wanted.fe);
+        wanted.backends.len() < programmed.map_or(0, |p| p.slots.len())
             || maglev(&wanted.head)
-            || self.heads.get(&wanted.fe).is_some_and(maglev)
+            || programmed.is_some_and(|p| maglev(&p.head))
             || !wanted.source_ranges.is_empty()
             || self.ranges.contains_key(&wanted.fe)
     }
@@ -552,8 +583,10 @@ impl MapWriter {
             ))
             .into());
         }
-        let old: Vec<u32> = self.frontends.get(fe).cloned().unwrap_or_default();
-        let existed = self.frontends.contains_key(fe);
+        let programmed = self.frontends.get(fe);
+        let old: Vec<u32> = programmed.map(|p| p.slots.clone()).unwrap_or_default();
+        let had_head = programmed.map(|p| p.head);
+        let existed = programmed.is_some();
         // Refuse before writing anything if the maps cannot hold the result.
         let new_slots =
             (backends.len() + 1).saturating_sub(if existed { old.len() + 1 } else { 0 });
@@ -588,10 +621,7 @@ impl MapWriter {
             count: ids.len() as u16,
             ..head
         };
-        let had_maglev = self
-            .heads
-            .get(fe)
-            .is_some_and(|h| h.flags & SERVICE_MAGLEV != 0);
+        let had_maglev = had_head.is_some_and(|h| h.flags & SERVICE_MAGLEV != 0);
         let maglev = head.flags & SERVICE_MAGLEV != 0;
         if maglev && (!had_maglev || old != ids || self.maglev_stale) {
             // Before slot 0 points new flows at it; ids no longer in it only lose new flows.
@@ -599,19 +629,26 @@ impl MapWriter {
         }
         // Before slot 0 turns the check on; ranges no longer wanted go after it.
         let stale_ranges = self.write_ranges(fe, &wanted.source_ranges)?;
-        if let Err(e) = self.write_slots(fe, &old, &ids, head) {
+        if let Err(e) = self.write_slots(fe, &old, &ids, had_head, head) {
             self.restore_slots(fe, &old, &ids);
             return Err(e);
         }
+        // The new slots are live from here on.
+        self.used_slots = self.used_slots + ids.len() + 1 - if existed { old.len() + 1 } else { 0 };
+        let programmed = self.frontends.entry(*fe).or_insert_with(|| Programmed {
+            slots: Vec::new(),
+            head,
+            draining_until: None,
+            claim: None,
+        });
+        programmed.slots.clone_from(&ids);
+        programmed.head = head;
+        programmed.draining_until = None;
         self.remove_ranges(fe, &stale_ranges)?;
         self.ranges_written(fe, &wanted.source_ranges);
         if had_maglev && !maglev {
             self.remove_maglev(fe)?;
         }
-        // The new slots are live from here on.
-        self.used_slots = self.used_slots + ids.len() + 1 - if existed { old.len() + 1 } else { 0 };
-        self.frontends.insert(*fe, ids.clone());
-        self.draining_frontends.remove(fe);
         for slot in ids.len() + 1..=old.len() {
             let key = ServiceKey {
                 slot: slot as u16,
@@ -640,11 +677,11 @@ impl MapWriter {
     /// (and written to the backends map) otherwise.
     fn acquire(&mut self, spn: &ServicePortName, old: &[u32], b: &Backend) -> anyhow::Result<u32> {
         if let Some(id) = self.id_of(spn, old, b) {
-            if self.draining.contains_key(&id) {
+            if self.by_id[&id].drain.is_some() {
                 self.write_backend(id, b)?;
-                self.draining.remove(&id);
             }
             let state = self.by_id.get_mut(&id).expect("ids and by_id agree");
+            state.drain = None;
             if state.owner.is_none() {
                 state.owner = Some(spn.clone());
                 self.ids.entry(spn.clone()).or_default().insert(*b, id);
@@ -670,6 +707,7 @@ impl MapWriter {
             IdState {
                 backend: *b,
                 owner: Some(spn.clone()),
+                drain: None,
             },
         );
         Ok(id)
@@ -736,12 +774,14 @@ impl MapWriter {
         Ok(())
     }
 
-    /// Writes the backend slots that differ from `old`, then slot 0 if it changed.
+    /// Writes the backend slots that differ from `old`, then slot 0 if it changed from
+    /// `old_head`.
     fn write_slots(
         &mut self,
         fe: &Frontend,
         old: &[u32],
         ids: &[u32],
+        old_head: Option<ServiceValue>,
         head: ServiceValue,
     ) -> anyhow::Result<()> {
         for (i, id) in ids.iter().enumerate() {
@@ -753,9 +793,8 @@ impl MapWriter {
                 self.write_service(key, slot_value(*id))?;
             }
         }
-        if self.heads.get(fe) != Some(&head) {
+        if old_head != Some(head) {
             self.write_service(*fe, head)?;
-            self.heads.insert(*fe, head);
         }
         Ok(())
     }
@@ -849,37 +888,34 @@ impl MapWriter {
     /// Turns `fe` into a draining head: no new flows, established TCP connections through it
     /// keep their (draining) backends until the drain period ends.
     fn drain_frontend(&mut self, fe: &Frontend, now: Instant) -> anyhow::Result<()> {
-        let Some(ids) = self.frontends.get(fe).cloned() else {
+        let Some(programmed) = self.frontends.get(fe) else {
             return Ok(());
         };
+        let (slots, old_head) = (programmed.slots.len(), programmed.head);
         // Established flows from outside still find it (the programs for outside traffic look
         // only at external frontends).
-        let external = self
-            .heads
-            .get(fe)
-            .map_or(0, |h| h.flags & (SERVICE_EXTERNAL | SERVICE_LOAD_BALANCER));
+        let external = old_head.flags & (SERVICE_EXTERNAL | SERVICE_LOAD_BALANCER);
         let head = ServiceValue::head(0, SERVICE_DRAINING | external, 0);
         self.services
             .insert(fe, head, 0)
             .with_context(|| format!("writing {}", describe(fe)))?;
-        let ranges = self.ranges.remove(fe).unwrap_or_default();
-        self.remove_ranges(fe, &ranges)?;
-        let had_maglev = self
-            .heads
-            .insert(*fe, head)
-            .is_some_and(|h| h.flags & SERVICE_MAGLEV != 0);
-        if had_maglev {
-            self.remove_maglev(fe)?;
-        }
-        self.claims.remove(fe);
         // Packets no longer see the slots; what follows is cleanup (slots left by a failure
         // here are invisible, and the next agent start deletes them).
-        self.frontends.insert(*fe, Vec::new());
-        self.used_slots -= ids.len();
-        self.draining_frontends
-            .entry(*fe)
-            .or_insert(now + self.drain_period);
-        for slot in 1..=ids.len() {
+        let programmed = self.frontends.get_mut(fe).expect("read above");
+        programmed.slots.clear();
+        programmed.head = head;
+        programmed.claim = None;
+        let until = *programmed
+            .draining_until
+            .get_or_insert(now + self.drain_period);
+        earliest(&mut self.frontend_expiry, until);
+        self.used_slots -= slots;
+        let ranges = self.ranges.remove(fe).unwrap_or_default();
+        self.remove_ranges(fe, &ranges)?;
+        if old_head.flags & SERVICE_MAGLEV != 0 {
+            self.remove_maglev(fe)?;
+        }
+        for slot in 1..=slots {
             self.remove_slot(&ServiceKey {
                 slot: slot as u16,
                 ..*fe
@@ -905,7 +941,7 @@ impl MapWriter {
             .into_iter()
             .flatten()
             .filter_map(|fe| self.frontends.get(fe))
-            .flatten()
+            .flat_map(|p| &p.slots)
             .copied()
             .collect();
         let listed: HashSet<Backend> = listed_backends(state, spn).into_iter().collect();
@@ -914,16 +950,19 @@ impl MapWriter {
             .filter(|(_, id)| !in_slots.contains(id))
             .collect();
         for (b, id) in leaving {
-            let until = if listed.contains(&b) {
-                None
-            } else {
-                let previous = self.draining.get(&id).copied().flatten();
-                Some(previous.unwrap_or(now + self.drain_period))
+            let previous = self.by_id[&id].drain;
+            let drain = match previous {
+                _ if listed.contains(&b) => Drain::WhileListed,
+                Some(Drain::Until(until)) => Drain::Until(until),
+                _ => Drain::Until(now + self.drain_period),
             };
-            if !self.draining.contains_key(&id) {
+            if previous.is_none() {
                 self.flag_draining(id, b)?;
             }
-            self.draining.insert(id, until);
+            if let Drain::Until(until) = drain {
+                earliest(&mut self.backend_expiry, until);
+            }
+            self.by_id.get_mut(&id).expect("ids and by_id agree").drain = Some(drain);
         }
         Ok(())
     }
@@ -934,9 +973,9 @@ impl MapWriter {
         let claimed: HashSet<Frontend> = self.owners.values().flatten().copied().collect();
         let stale: Vec<Frontend> = self
             .frontends
-            .keys()
-            .filter(|fe| !claimed.contains(fe) && !self.draining_frontends.contains_key(fe))
-            .copied()
+            .iter()
+            .filter(|(fe, p)| !claimed.contains(fe) && p.draining_until.is_none())
+            .map(|(fe, _)| *fe)
             .collect();
         for fe in stale {
             self.drain_frontend(&fe, now)?;
@@ -944,12 +983,14 @@ impl MapWriter {
         let unclaimed: Vec<(u32, Backend)> = self
             .by_id
             .iter()
-            .filter(|(id, s)| s.owner.is_none() && !self.draining.contains_key(id))
+            .filter(|(_, s)| s.owner.is_none() && s.drain.is_none())
             .map(|(id, s)| (*id, s.backend))
             .collect();
         for (id, b) in unclaimed {
             self.flag_draining(id, b)?;
-            self.draining.insert(id, Some(now + self.drain_period));
+            let until = now + self.drain_period;
+            earliest(&mut self.backend_expiry, until);
+            self.by_id.get_mut(&id).expect("listed above").drain = Some(Drain::Until(until));
         }
         Ok(())
     }
@@ -971,34 +1012,50 @@ impl MapWriter {
         if self.unknown {
             return Ok(()); // the next sync reads the maps back first
         }
-        let done: Vec<Frontend> = self
-            .draining_frontends
-            .iter()
-            .filter(|(_, until)| **until <= now)
-            .map(|(fe, _)| *fe)
-            .collect();
-        for fe in done {
-            self.remove_slot(&fe)?;
-            self.draining_frontends.remove(&fe);
-            self.frontends.remove(&fe);
-            self.heads.remove(&fe);
-            self.used_slots -= 1;
+        // The frontends are walked only when one may be due (every second otherwise).
+        if self.frontend_expiry.is_some_and(|first| first <= now) {
+            let mut done = Vec::new();
+            self.frontend_expiry = None;
+            for (fe, p) in &self.frontends {
+                match p.draining_until {
+                    Some(until) if until <= now => done.push(*fe),
+                    Some(until) => earliest(&mut self.frontend_expiry, until),
+                    None => {}
+                }
+            }
+            for fe in done {
+                if let Err(e) = self.remove_slot(&fe) {
+                    self.frontend_expiry = Some(now);
+                    return Err(e);
+                }
+                self.frontends.remove(&fe);
+                self.used_slots -= 1;
+            }
         }
-        let done: Vec<u32> = self
-            .draining
-            .iter()
-            .filter(|(_, until)| until.is_some_and(|u| u <= now))
-            .map(|(id, _)| *id)
-            .collect();
+        if self.backend_expiry.is_none_or(|first| first > now) {
+            return Ok(());
+        }
+        let mut done = Vec::new();
+        self.backend_expiry = None;
+        for (id, s) in &self.by_id {
+            match s.drain {
+                Some(Drain::Until(until)) if until <= now => done.push(*id),
+                Some(Drain::Until(until)) => earliest(&mut self.backend_expiry, until),
+                _ => {}
+            }
+        }
         for id in done {
             match self.backends.remove(&id) {
                 Ok(()) | Err(MapError::KeyNotFound) => {}
-                Err(e) => return Err(e).with_context(|| format!("deleting backend {id}")),
+                Err(e) => {
+                    self.backend_expiry = Some(now);
+                    return Err(e).with_context(|| format!("deleting backend {id}"));
+                }
             }
-            self.draining.remove(&id);
             if let Some(IdState {
                 backend,
                 owner: Some(owner),
+                ..
             }) = self.by_id.remove(&id)
                 && let Some(ids) = self.ids.get_mut(&owner)
             {
