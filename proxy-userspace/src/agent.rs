@@ -139,10 +139,7 @@ pub async fn run(
         })
     };
 
-    let mut state = DesiredState {
-        node_name: config.node_name,
-        ..DesiredState::default()
-    };
+    let mut state = DesiredState::new(config.node_name);
     // The health check node ports of LoadBalancer Services with externalTrafficPolicy Local,
     // fed after each successful sync and served on their own task, so binding never holds up
     // a sync (and a port that cannot be bound is only logged).
@@ -188,7 +185,7 @@ pub async fn run(
             Ok(()) => {
                 match scope {
                     Scope::All => tracing::info!(
-                        service_ports = state.services.len(),
+                        service_ports = state.port_count(),
                         ?elapsed,
                         "full sync done"
                     ),

@@ -61,10 +61,7 @@ pub(crate) fn fixture(text: &str) -> DesiredState {
             }
         }
     }
-    let mut state = DesiredState {
-        node_name: "node1".into(),
-        ..DesiredState::default()
-    };
+    let mut state = DesiredState::new("node1");
     tracker.apply(&mut state);
     state
 }

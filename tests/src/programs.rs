@@ -286,7 +286,7 @@ pub fn spn(name: &str, protocol: Protocol) -> ServicePortName {
 /// Adds `svc` (its endpoints all ready) to `state`; returns its port name.
 pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
     let key = spn(svc.name, svc.protocol);
-    state.services.insert(
+    state.insert_port(
         key.clone(),
         ServicePort {
             cluster_ips: vec![IpAddr::V4(svc.vip)],
@@ -302,8 +302,7 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
             lb_algorithm: None,
             source_ranges: vec![],
             health_check_node_port: None,
-        }
-        .into(),
+        },
     );
     let endpoints = svc
         .endpoints
@@ -318,7 +317,7 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
             zone: None,
         })
         .collect();
-    state.endpoints.insert(key.clone(), endpoints);
+    state.set_endpoints(key.clone(), endpoints);
     key
 }
 
@@ -354,7 +353,7 @@ pub fn add_external_service(state: &mut DesiredState, svc: &ExternalSvc<'_>) -> 
             endpoints: &endpoints,
         },
     );
-    let sp = Arc::make_mut(state.services.get_mut(&key).expect("just added"));
+    let sp = state.port_mut(&key).expect("just added");
     let v4 = |ips: &[Ipv4Addr]| ips.iter().copied().map(IpAddr::V4).collect();
     sp.node_port = svc.node_port;
     sp.load_balancer_ips = v4(svc.load_balancer_ips);
@@ -365,7 +364,7 @@ pub fn add_external_service(state: &mut DesiredState, svc: &ExternalSvc<'_>) -> 
         .iter()
         .map(|(ip, len)| Cidr::v4(*ip, *len))
         .collect();
-    if let Some(eps) = state.endpoints.get_mut(&key) {
+    if let Some(eps) = state.endpoints_mut(&key) {
         for (ep, (_, _, node)) in eps.iter_mut().zip(svc.endpoints) {
             ep.node_name = Some(Arc::from(*node));
         }

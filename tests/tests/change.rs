@@ -156,8 +156,7 @@ fn a_deleted_service_keeps_its_established_tcp_connections_until_the_drain_ends(
     p.program(&state).unwrap();
     let tcp = Spec::tcp(CLIENT, 32000, VIP, 80);
     dnat(&p, &tcp);
-    state.services.remove(&web);
-    state.endpoints.remove(&web);
+    state.remove_port(&web);
     p.maps
         .sync(&state, Scope::Changed(&changed(&[&web])))
         .unwrap();
@@ -262,8 +261,7 @@ fn an_address_handed_between_services_works_in_either_name_order() {
         let established = Spec::tcp(CLIENT, 35000, VIP, 53);
         dnat(&p, &established);
         // One sync: the old Service goes, the new one takes its address.
-        state.services.remove(&old);
-        state.endpoints.remove(&old);
+        state.remove_port(&old);
         let new = set_endpoints(&mut state, new_name, VIP, 53, Protocol::Tcp, &[(BE2, 53)]);
         p.maps
             .sync(&state, Scope::Changed(&changed(&[&old, &new])))

@@ -254,8 +254,7 @@ fn endpoint_changes_apply_to_established_flows_only_when_their_backend_goes() {
         assert_eq!(dnat(&p, &Spec::tcp(CLIENT, sport, VIP, 80)).dst, BE2);
     }
     // The service goes away: even established flows pass untouched (the VIP is not routed).
-    state.services.remove(&web);
-    state.endpoints.remove(&web);
+    state.remove_port(&web);
     p.maps
         .sync(&state, Scope::Changed(&BTreeSet::from([web])))
         .unwrap();
@@ -310,7 +309,7 @@ fn maps_hold_what_inspect_shows_and_survive_a_restart() {
     // Loading again reuses the pinned maps, as a restarted agent does.
     // A drain period of zero: what is no longer wanted goes at once.
     restart(&mut p, SMALL, Duration::ZERO);
-    state.services.retain(|k, _| k.protocol == Protocol::Tcp);
+    state.retain_ports(|k| k.protocol == Protocol::Tcp);
     set_web(&mut state, &[(BE2, 8080), (BE3, 8080)]);
     p.maps.sync(&state, Scope::All).unwrap();
     let rows = inspect::services(p.bpffs.path()).unwrap();
@@ -492,7 +491,7 @@ fn backend_ids_are_not_reused_after_a_restart() {
     };
     // Ids 1-4 are handed out (dns: 1, 2; web: 3, 4); web goes away, and with it ids 3 and 4,
     // which conntrack entries may still name.
-    state.services.retain(|k, _| k.protocol == Protocol::Udp);
+    state.retain_ports(|k| k.protocol == Protocol::Udp);
     p.program(&state).unwrap();
     // They drain, and the restarted agent's period of zero ends that at its first sync.
     restart(&mut p, SMALL, Duration::ZERO);
@@ -518,7 +517,7 @@ fn a_restart_into_a_full_map_keeps_serving_the_old_backends() {
     ) else {
         return;
     };
-    state.services.retain(|k, _| k.protocol == Protocol::Tcp);
+    state.retain_ports(|k| k.protocol == Protocol::Tcp);
     p.program(&state).unwrap();
     // While the agent was down the service grew beyond what the map can hold.
     restart(&mut p, SMALL, DEFAULT_DRAIN_PERIOD);
@@ -688,8 +687,7 @@ fn an_address_handed_to_another_service_stays_served() {
     };
     let old = svc(&mut state, "kube-dns", BE1);
     p.program(&state).unwrap();
-    state.services.remove(&old);
-    state.endpoints.remove(&old);
+    state.remove_port(&old);
     let new = svc(&mut state, "coredns", BE2);
     p.maps
         .sync(
@@ -703,8 +701,7 @@ fn an_address_handed_to_another_service_stays_served() {
     p.maps
         .sync(&state, Scope::Changed(&BTreeSet::from([back.clone()])))
         .unwrap();
-    state.services.remove(&new);
-    state.endpoints.remove(&new);
+    state.remove_port(&new);
     p.maps
         .sync(&state, Scope::Changed(&BTreeSet::from([new])))
         .unwrap();

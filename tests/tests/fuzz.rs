@@ -267,10 +267,7 @@ struct World {
 impl World {
     fn new(rng: &mut Rng) -> Self {
         let mut world = Self {
-            state: DesiredState {
-                node_name: NODE.into(),
-                ..DesiredState::default()
-            },
+            state: DesiredState::new(NODE),
             name: [None; SERVICES.len()],
             log: VecDeque::new(),
         };
@@ -304,21 +301,17 @@ impl World {
                 endpoints: &[],
             },
         );
-        let port = std::sync::Arc::make_mut(self.state.services.get_mut(&key).unwrap());
+        let port = self.state.port_mut(&key).unwrap();
         port.session_affinity_timeout = def.affinity;
         port.internal_traffic_local = def.local;
-        self.state.endpoints.remove(&key);
-        if !endpoints.is_empty() {
-            self.state.endpoints.insert(key.clone(), endpoints);
-        }
+        self.state.set_endpoints(key.clone(), endpoints);
         self.name[i] = Some(n);
         key
     }
 
     fn remove(&mut self, i: usize) -> ServicePortName {
         let key = self.spn(i).expect("a present service");
-        self.state.services.remove(&key);
-        self.state.endpoints.remove(&key);
+        self.state.remove_port(&key);
         self.name[i] = None;
         key
     }

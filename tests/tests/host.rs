@@ -284,10 +284,7 @@ fn wait_listening(ns: &Netns, port: u16) {
 /// The lab's services: TCP and UDP on [`VIP`] (backends a and b), and one of each kind the
 /// socket path treats apart.
 fn lab_state() -> DesiredState {
-    let mut state = DesiredState {
-        node_name: "node1".into(),
-        ..Default::default()
-    };
+    let mut state = DesiredState::new("node1");
     let (a, b) = ((Ipv4Addr::LOCALHOST, 8081), (Ipv4Addr::LOCALHOST, 8082));
     let mut add = |name, vip, port, protocol, endpoints: &[(Ipv4Addr, u16)]| {
         add_service(
@@ -307,11 +304,10 @@ fn lab_state() -> DesiredState {
     let local = add("local", LOCAL, 80, Protocol::Tcp, &[a]);
     let sticky = add("sticky", STICKY, 80, Protocol::Tcp, &[a, b]);
     add("gone", GONE, 80, Protocol::Tcp, &[a, b]);
-    state.endpoints.remove(&empty);
+    state.set_endpoints(empty.clone(), Vec::new());
     // Its endpoint has no node: not local.
-    std::sync::Arc::make_mut(state.services.get_mut(&local).unwrap()).internal_traffic_local = true;
-    std::sync::Arc::make_mut(state.services.get_mut(&sticky).unwrap()).session_affinity_timeout =
-        Some(3600);
+    state.port_mut(&local).unwrap().internal_traffic_local = true;
+    state.port_mut(&sticky).unwrap().session_affinity_timeout = Some(3600);
     state
 }
 
@@ -324,8 +320,7 @@ fn program_translates_host_sockets_at_connect_and_back() {
     lab.programs.program(&state).unwrap();
     // "gone" deleted: its frontend drains.
     let gone = spn("gone", Protocol::Tcp);
-    state.services.remove(&gone);
-    state.endpoints.remove(&gone);
+    state.remove_port(&gone);
     lab.programs.program(&state).unwrap();
 
     let (web, dns) = (sa(VIP, 80), sa(VIP, 53));

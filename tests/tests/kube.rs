@@ -127,10 +127,8 @@ fn spn(name: &str, port: &str) -> ServicePortName {
 
 fn ips(state: &DesiredState, spn: &ServicePortName) -> BTreeSet<String> {
     state
-        .endpoints
-        .get(spn)
-        .into_iter()
-        .flatten()
+        .endpoints_of(spn)
+        .iter()
         .map(|e| e.ip.to_string())
         .collect()
 }
@@ -184,7 +182,7 @@ fn services_and_slices_are_added_updated_merged_and_deleted() {
         ips(s, &web_http) == set(&["10.244.1.11"])
     });
     assert_eq!(
-        w.state.services[&web_http].cluster_ips,
+        w.state.port(&web_http).unwrap().cluster_ips,
         vec!["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
     );
 
@@ -218,7 +216,7 @@ fn services_and_slices_are_added_updated_merged_and_deleted() {
         &[("http", 8000, "TCP", 8080)],
     ));
     w.wait("port updated", |s| {
-        s.services.get(&web_http).is_some_and(|p| p.port == 8000)
+        s.port(&web_http).is_some_and(|p| p.port == 8000)
     });
 
     // A slice changes owner: its endpoints move to the other service.
@@ -250,8 +248,8 @@ fn services_and_slices_are_added_updated_merged_and_deleted() {
         &[("http", 80, "TCP", 8080)],
     ));
     api.delete("Service", Some("default"), "web");
-    w.wait("web deleted", |s| !s.services.contains_key(&web_http));
-    assert!(!w.state.services.contains_key(&spn("headless", "http")));
+    w.wait("web deleted", |s| !s.contains(&web_http));
+    assert!(!w.state.contains(&spn("headless", "http")));
 }
 
 #[test]
@@ -265,7 +263,7 @@ fn a_relist_after_410_deletes_what_went_missing() {
         "10.96.0.12",
         &[("http", 80, "TCP", 8080)],
     ));
-    w.wait("both services", |s| s.services.len() == 2);
+    w.wait("both services", |s| s.port_count() == 2);
     // While the client is cut off, a Service is deleted and the history compacted: the watch
     // cannot resume (410), so the watcher must list again and notice the deletion.
     api.set_down(true);
@@ -274,7 +272,7 @@ fn a_relist_after_410_deletes_what_went_missing() {
     std::thread::sleep(Duration::from_millis(300));
     api.set_down(false);
     w.wait("the deletion seen through the re-list", |s| {
-        s.services.len() == 1 && s.services.contains_key(&spn("web", "http"))
+        s.port_count() == 1 && s.contains(&spn("web", "http"))
     });
     assert!(
         api.requests()
@@ -310,9 +308,7 @@ fn an_unreachable_api_server_keeps_the_last_state() {
         "10.96.0.13",
         &[("http", 80, "TCP", 8080)],
     ));
-    w.wait("changes flow again", |s| {
-        s.services.contains_key(&spn("later", "http"))
-    });
+    w.wait("changes flow again", |s| s.contains(&spn("later", "http")));
 }
 
 #[test]

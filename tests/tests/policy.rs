@@ -24,10 +24,7 @@ fn web(
     endpoints: Vec<Endpoint>,
     configure: impl FnOnce(&mut proxy_userspace::model::ServicePort),
 ) -> DesiredState {
-    let mut state = DesiredState {
-        node_name: "node1".into(),
-        ..DesiredState::default()
-    };
+    let mut state = DesiredState::new("node1");
     let key = add_service(
         &mut state,
         &Svc {
@@ -38,15 +35,13 @@ fn web(
             endpoints: &[],
         },
     );
-    configure(std::sync::Arc::make_mut(
-        state.services.get_mut(&key).unwrap(),
-    ));
-    state.endpoints.insert(key, endpoints);
+    configure(state.port_mut(&key).unwrap());
+    state.set_endpoints(key, endpoints);
     state
 }
 
 fn web_key(state: &DesiredState) -> ServicePortName {
-    state.services.keys().next().unwrap().clone()
+    state.port_names().next().unwrap().clone()
 }
 
 /// An endpoint on port 8080 with these conditions, on `node`.
@@ -95,8 +90,7 @@ fn terminating_endpoints_serve_when_none_is_ready() {
     // A ready endpoint appears: it takes every new connection.
     let key = web_key(&state);
     state
-        .endpoints
-        .get_mut(&key)
+        .endpoints_mut(&key)
         .unwrap()
         .push(ep(BE3, "node2", true, true, false));
     p.program(&state).unwrap();
@@ -123,7 +117,7 @@ fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
     assert!(shown.contains("[internal traffic local]"), "{shown}");
     // No local endpoint left: dropped (and counted), as kube-proxy does; never sent elsewhere.
     let key = web_key(&state);
-    state.endpoints.get_mut(&key).unwrap().remove(0);
+    state.endpoints_mut(&key).unwrap().remove(0);
     p.program(&state).unwrap();
     let (verdict, _) = p.run("tc_ingress", &Spec::tcp(CLIENT, 42100, VIP, 80).build());
     assert_eq!(verdict, TC_ACT_SHOT);
@@ -186,8 +180,7 @@ fn session_affinity_sends_a_clients_new_connections_to_one_backend() {
     let bound = *reached(&p, CLIENT, 46000..46001).first().unwrap();
     let key = web_key(&state);
     state
-        .endpoints
-        .get_mut(&key)
+        .endpoints_mut(&key)
         .unwrap()
         .retain(|e| e.ip != IpAddr::V4(bound));
     p.program(&state).unwrap();

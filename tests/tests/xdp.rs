@@ -107,10 +107,7 @@ fn lab(test: &str, services: &[ExternalSvc<'_>]) -> Option<Lab> {
     if !privileged(test) {
         return None;
     }
-    let mut state = DesiredState {
-        node_name: "node1".into(),
-        ..DesiredState::default()
-    };
+    let mut state = DesiredState::new("node1");
     for svc in services {
         add_external_service(&mut state, svc);
     }
@@ -853,10 +850,7 @@ fn a_reply_without_its_flow_is_not_translated() {
     );
     // A pod's own flow through a cluster IP is not external: its replies are not for the
     // external egress program.
-    let mut state = DesiredState {
-        node_name: "node1".into(),
-        ..DesiredState::default()
-    };
+    let mut state = DesiredState::new("node1");
     add_service(
         &mut state,
         &Svc {

@@ -4,19 +4,105 @@ use std::{collections::BTreeMap, sync::Arc};
 
 use super::{Endpoint, ServicePort, ServicePortName};
 
-/// What the dataplane should program.
+/// What the dataplane should program. Read through its methods: the modes do not depend on
+/// how it is kept.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DesiredState {
     /// Shared with the tracker's copy of the Service.
-    pub services: BTreeMap<ServicePortName, Arc<ServicePort>>,
+    pub(super) services: BTreeMap<ServicePortName, Arc<ServicePort>>,
     /// Endpoints of the ports in `services`, sorted and de-duplicated by (ip, port). A port
     /// without endpoints has no entry.
-    pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+    pub(super) endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
     /// This node's name: endpoints whose `nodeName` it is are local.
-    pub node_name: String,
+    node_name: String,
 }
 
 impl DesiredState {
+    /// An empty state for the node `node_name`.
+    pub fn new(node_name: impl Into<String>) -> Self {
+        Self {
+            node_name: node_name.into(),
+            ..Self::default()
+        }
+    }
+
+    /// This node's name: endpoints whose `nodeName` it is are local.
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+
+    /// Every Service port, in name order.
+    pub fn ports(&self) -> impl Iterator<Item = (&ServicePortName, &ServicePort)> + '_ {
+        self.services.iter().map(|(spn, port)| (spn, &**port))
+    }
+
+    /// The Service ports that have endpoints, with them, in name order.
+    pub fn endpoints(&self) -> impl Iterator<Item = (&ServicePortName, &[Endpoint])> + '_ {
+        self.endpoints
+            .iter()
+            .map(|(spn, eps)| (spn, eps.as_slice()))
+    }
+
+    /// The names of every Service port, in order.
+    pub fn port_names(&self) -> impl Iterator<Item = &ServicePortName> + '_ {
+        self.services.keys()
+    }
+
+    pub fn port(&self, spn: &ServicePortName) -> Option<&ServicePort> {
+        self.services.get(spn).map(|port| &**port)
+    }
+
+    pub fn contains(&self, spn: &ServicePortName) -> bool {
+        self.services.contains_key(spn)
+    }
+
+    /// How many Service ports there are.
+    pub fn port_count(&self) -> usize {
+        self.services.len()
+    }
+
+    /// How many Service ports have endpoints.
+    pub fn ports_with_endpoints(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// Adds (or replaces) a Service port; its endpoints are kept.
+    pub fn insert_port(&mut self, spn: ServicePortName, port: ServicePort) {
+        self.services.insert(spn, Arc::new(port));
+    }
+
+    /// Removes a Service port and its endpoints.
+    pub fn remove_port(&mut self, spn: &ServicePortName) {
+        self.services.remove(spn);
+        self.endpoints.remove(spn);
+    }
+
+    /// Keeps the Service ports `keep` says yes to (and their endpoints).
+    pub fn retain_ports(&mut self, mut keep: impl FnMut(&ServicePortName) -> bool) {
+        self.services.retain(|spn, _| keep(spn));
+        let services = &self.services;
+        self.endpoints.retain(|spn, _| services.contains_key(spn));
+    }
+
+    /// A Service port to change in place (copied first if the tracker shares it).
+    pub fn port_mut(&mut self, spn: &ServicePortName) -> Option<&mut ServicePort> {
+        self.services.get_mut(spn).map(Arc::make_mut)
+    }
+
+    /// Sets the endpoints of `spn` (none: it has no entry).
+    pub fn set_endpoints(&mut self, spn: ServicePortName, endpoints: Vec<Endpoint>) {
+        if endpoints.is_empty() {
+            self.endpoints.remove(&spn);
+        } else {
+            self.endpoints.insert(spn, endpoints);
+        }
+    }
+
+    /// The endpoints of `spn` to change in place, if it has some.
+    pub fn endpoints_mut(&mut self, spn: &ServicePortName) -> Option<&mut Vec<Endpoint>> {
+        self.endpoints.get_mut(spn)
+    }
+
     /// All endpoints of `spn`, ready or not (empty when it has none).
     pub fn endpoints_of(&self, spn: &ServicePortName) -> &[Endpoint] {
         self.endpoints.get(spn).map_or(&[], Vec::as_slice)
@@ -36,10 +122,7 @@ impl DesiredState {
     /// that a rollout's last pods keep answering); with internalTrafficPolicy: Local, only
     /// this node's.
     pub fn cluster_endpoints(&self, spn: &ServicePortName) -> Vec<&Endpoint> {
-        let local_only = self
-            .services
-            .get(spn)
-            .is_some_and(|sp| sp.internal_traffic_local);
+        let local_only = self.port(spn).is_some_and(|sp| sp.internal_traffic_local);
         self.usable_endpoints(spn, local_only)
     }
 
@@ -47,10 +130,7 @@ impl DesiredState {
     /// or external IP) go to: as [`Self::cluster_endpoints`], following the external traffic
     /// policy instead of the internal one.
     pub fn external_endpoints(&self, spn: &ServicePortName) -> Vec<&Endpoint> {
-        let local_only = self
-            .services
-            .get(spn)
-            .is_some_and(|sp| sp.external_traffic_local);
+        let local_only = self.port(spn).is_some_and(|sp| sp.external_traffic_local);
         self.usable_endpoints(spn, local_only)
     }
 

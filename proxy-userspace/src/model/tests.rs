@@ -791,10 +791,7 @@ fn apply_repairs_a_fresh_state() {
 #[test]
 fn cluster_endpoints_fall_back_to_terminating_and_follow_the_internal_policy() {
     let mut tracker = ChangeTracker::new();
-    let mut state = DesiredState {
-        node_name: "node1".into(),
-        ..DesiredState::default()
-    };
+    let mut state = DesiredState::new("node1");
     tracker.update_service(&service(WEB)).unwrap();
     let web_slice = |conditions: [&str; 3]| {
         slice(&format!(

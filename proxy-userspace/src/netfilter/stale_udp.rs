@@ -35,7 +35,7 @@ impl StaleUdp {
     /// a port had no endpoints.
     pub fn clear(&mut self, state: &DesiredState) {
         let mut now = BTreeMap::new();
-        for (spn, port) in &state.services {
+        for (spn, port) in state.ports() {
             if port.protocol != Protocol::Udp {
                 continue;
             }

@@ -62,7 +62,7 @@ pub type HealthChecks = BTreeMap<NamespacedName, HealthCheck>;
 /// its ready endpoints on `state.node_name`.
 pub fn health_checks(state: &DesiredState) -> HealthChecks {
     let mut found: BTreeMap<&NamespacedName, (u16, BTreeSet<IpAddr>)> = BTreeMap::new();
-    for (spn, port) in &state.services {
+    for (spn, port) in state.ports() {
         let Some(hc_port) = port.health_check_node_port else {
             continue;
         };
@@ -75,7 +75,7 @@ pub fn health_checks(state: &DesiredState) -> HealthChecks {
             state
                 .endpoints_of(spn)
                 .iter()
-                .filter(|ep| ep.ready && ep.node_name.as_deref() == Some(state.node_name.as_str()))
+                .filter(|ep| ep.ready && ep.node_name.as_deref() == Some(state.node_name()))
                 .map(|ep| ep.ip),
         );
     }
@@ -288,19 +288,12 @@ mod tests {
 
     #[test]
     fn counts_ready_local_endpoints_by_address() {
-        let mut state = DesiredState {
-            node_name: "node1".into(),
-            ..DesiredState::default()
-        };
+        let mut state = DesiredState::new("node1");
         let http = ServicePortName::new(nn("web"), "http", Protocol::Tcp);
         let https = ServicePortName::new(nn("web"), "https", Protocol::Tcp);
-        state
-            .services
-            .insert(http.clone(), port(Some(32000)).into());
-        state
-            .services
-            .insert(https.clone(), port(Some(32000)).into());
-        state.endpoints.insert(
+        state.insert_port(http.clone(), port(Some(32000)));
+        state.insert_port(https.clone(), port(Some(32000)));
+        state.set_endpoints(
             http,
             vec![
                 ep("10.244.1.11", 8080, "node1", true, false),
@@ -312,7 +305,7 @@ mod tests {
             ],
         );
         // The same pod on a second port is still one endpoint.
-        state.endpoints.insert(
+        state.set_endpoints(
             https,
             vec![
                 ep("10.244.1.11", 8443, "node1", true, false),
@@ -321,21 +314,15 @@ mod tests {
         );
         // No health check node port: no health check (ClusterIP, eTP Cluster...).
         let plain = ServicePortName::new(nn("plain"), "", Protocol::Tcp);
-        state.services.insert(plain.clone(), port(None).into());
-        state
-            .endpoints
-            .insert(plain, vec![ep("10.244.1.11", 80, "node1", true, false)]);
+        state.insert_port(plain.clone(), port(None));
+        state.set_endpoints(plain, vec![ep("10.244.1.11", 80, "node1", true, false)]);
         // Only terminating endpoints here: zero, so the load balancer drains this node.
         let draining = ServicePortName::new(nn("draining"), "", Protocol::Udp);
-        state
-            .services
-            .insert(draining.clone(), port(Some(32001)).into());
-        state
-            .endpoints
-            .insert(draining, vec![ep("10.244.1.16", 53, "node1", false, true)]);
+        state.insert_port(draining.clone(), port(Some(32001)));
+        state.set_endpoints(draining, vec![ep("10.244.1.16", 53, "node1", false, true)]);
         // No endpoints at all.
         let empty = ServicePortName::new(nn("empty"), "", Protocol::Tcp);
-        state.services.insert(empty, port(Some(32002)).into());
+        state.insert_port(empty, port(Some(32002)));
 
         let checks = health_checks(&state);
         let expected: HealthChecks = [
@@ -376,8 +363,8 @@ spec:
             let mut state = DesiredState::default();
             tracker.apply(&mut state);
             let ports: BTreeSet<Option<u16>> = state
-                .services
-                .values()
+                .ports()
+                .map(|(_, port)| port)
                 .map(|p| p.health_check_node_port)
                 .collect();
             assert_eq!(ports.len(), 1, "every port carries the Service's value");

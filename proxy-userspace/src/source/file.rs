@@ -410,8 +410,7 @@ endpoints: [{}]
     /// "name -> ip:port,..." for every service port with endpoints.
     fn summary(state: &DesiredState) -> Vec<String> {
         state
-            .services
-            .keys()
+            .port_names()
             .map(|spn| {
                 let eps: Vec<String> = state
                     .endpoints_of(spn)

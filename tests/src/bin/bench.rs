@@ -296,7 +296,6 @@ fn measure_xdp(p: &Programs, args: &Datapath) -> anyhow::Result<XdpRow> {
 /// The external services the XDP rows use: the ping-pong pair, and a NodePort whose 10
 /// endpoints are on another node.
 fn add_external(state: &mut DesiredState) {
-    state.node_name = "node1".into();
     // Name, service port, endpoint, load balancer addresses (none: a NodePort instead).
     type Frontend<'a> = (&'a str, u16, (Ipv4Addr, u16), &'a [Ipv4Addr]);
     let pair: [Frontend<'_>; 2] = [
@@ -366,7 +365,8 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
         conntrack: 2 * (args.new_flows + args.new_flows.min(200_000) + REMOTE_FLOWS) + 1024,
     };
     let mut p = Programs::load(sizes)?;
-    let mut state = DesiredState::default();
+    // The external services' local endpoints are node1's.
+    let mut state = DesiredState::new("node1");
     let mut endpoints = Vec::with_capacity(args.backends as usize);
     for i in 0..count {
         endpoints.clear();

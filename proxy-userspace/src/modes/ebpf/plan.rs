@@ -43,7 +43,7 @@ pub(super) fn as_backends<'a>(
 
 /// Every endpoint the state lists for `spn`, usable or not.
 pub(super) fn listed_backends(state: &DesiredState, spn: &ServicePortName) -> Vec<Backend> {
-    state.services.get(spn).map_or_else(Vec::new, |sp| {
+    state.port(spn).map_or_else(Vec::new, |sp| {
         as_backends(state, state.endpoints_of(spn), sp.protocol)
     })
 }
@@ -69,11 +69,7 @@ pub fn frontends(
     spn: &ServicePortName,
     lb_algorithm: LbAlgorithm,
 ) -> Vec<FrontendPlan> {
-    let Some(sp) = state
-        .services
-        .get(spn)
-        .filter(|sp| sp.protocol != Protocol::Sctp)
-    else {
+    let Some(sp) = state.port(spn).filter(|sp| sp.protocol != Protocol::Sctp) else {
         return Vec::new();
     };
     let proto = sp.protocol.number();
@@ -174,7 +170,7 @@ const FLAG_NAMES: [(u16, &str); 7] = [
 /// source ranges.
 pub fn render(state: &DesiredState, lb_algorithm: LbAlgorithm) -> String {
     let mut out = String::new();
-    for spn in state.services.keys() {
+    for spn in state.port_names() {
         let _ = writeln!(out, "{spn}/{}", spn.protocol);
         for plan in frontends(state, spn, lb_algorithm) {
             let _ = writeln!(out, "  {}", show(&plan));
@@ -274,11 +270,8 @@ mod tests {
     /// A LoadBalancer Service with one endpoint on this node and one elsewhere.
     fn state(external_local: bool, ranges: &[(&str, u8)]) -> (DesiredState, ServicePortName) {
         let spn = ServicePortName::new(NamespacedName::new("ns", "lb"), "", Protocol::Tcp);
-        let mut state = DesiredState {
-            node_name: "node1".into(),
-            ..DesiredState::default()
-        };
-        state.services.insert(
+        let mut state = DesiredState::new("node1");
+        state.insert_port(
             spn.clone(),
             ServicePort {
                 cluster_ips: vec!["10.96.0.1".parse().unwrap()],
@@ -303,10 +296,9 @@ mod tests {
                     })
                     .collect(),
                 health_check_node_port: None,
-            }
-            .into(),
+            },
         );
-        state.endpoints.insert(
+        state.set_endpoints(
             spn.clone(),
             vec![
                 endpoint("10.244.1.5", "node1"),

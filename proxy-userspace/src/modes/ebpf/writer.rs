@@ -392,7 +392,7 @@ impl MapWriter {
         let ports: Vec<ServicePortName> = match scope {
             Scope::All => {
                 // Sorted, so that a given state always gets the same ids.
-                let mut all: BTreeSet<&ServicePortName> = state.services.keys().collect();
+                let mut all: BTreeSet<&ServicePortName> = state.port_names().collect();
                 all.extend(self.owners.keys());
                 all.extend(self.ids.keys());
                 all.into_iter().cloned().collect()

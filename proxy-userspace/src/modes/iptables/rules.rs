@@ -147,7 +147,7 @@ pub fn render(
     nat.rule("KUBE-MARK-MASQ", &format!("-j MARK --or-mark {MASQ_MARK}"));
 
     let mut chains = BTreeSet::new();
-    for (spn, port) in &state.services {
+    for (spn, port) in state.ports() {
         let mut own = service_rules(
             state,
             settings,
@@ -567,8 +567,7 @@ pub(crate) mod tests {
         let state = fixture(FIXTURE);
         let full = render(&state, &settings, &BTreeSet::new(), None);
         let web = state
-            .services
-            .keys()
+            .port_names()
             .find(|spn| spn.to_string() == "shop/web:http")
             .expect("shop/web:http in the fixture")
             .clone();

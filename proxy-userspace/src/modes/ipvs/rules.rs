@@ -152,7 +152,7 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
     for def in SETS {
         plan.sets.insert(def.name, BTreeSet::new());
     }
-    for (spn, port) in &state.services {
+    for (spn, port) in state.ports() {
         let proto = port.protocol.keyword();
         let cluster = state.usable_endpoints(spn, false);
         let local = state.usable_endpoints(spn, true);

@@ -241,10 +241,8 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
             // A partial sync: shop/web goes; kube-system/dns's affinity changes.
             let web_spn = spn("shop", "web", "http", Protocol::Tcp);
             let dns_spn = spn("kube-system", "dns", "dns", Protocol::Udp);
-            state.services.remove(&web_spn);
-            state.endpoints.remove(&web_spn);
-            std::sync::Arc::make_mut(state.services.get_mut(&dns_spn).unwrap())
-                .session_affinity_timeout = Some(60);
+            state.remove_port(&web_spn);
+            state.port_mut(&dns_spn).unwrap().session_affinity_timeout = Some(60);
             dp.sync(&state, Scope::Changed(&BTreeSet::from([web_spn, dns_spn])))
                 .unwrap();
             let services: BTreeMap<ServiceKey, Service> = ipvs
@@ -349,8 +347,8 @@ fn ipvs_real_servers_terminate_gracefully() {
             let keep = |eps: &mut Vec<crate::model::Endpoint>, ip: &str| {
                 eps.retain(|ep| ep.ip.to_string() != ip);
             };
-            keep(state.endpoints.get_mut(&web_spn).unwrap(), "10.244.1.11");
-            keep(state.endpoints.get_mut(&dns_spn).unwrap(), "10.244.1.53");
+            keep(state.endpoints_mut(&web_spn).unwrap(), "10.244.1.11");
+            keep(state.endpoints_mut(&dns_spn).unwrap(), "10.244.1.53");
             let changed = BTreeSet::from([web_spn.clone(), dns_spn.clone()]);
             dp.sync(&state, Scope::Changed(&changed)).unwrap();
             let now = dests(&mut ipvs, &web);
@@ -367,16 +365,14 @@ fn ipvs_real_servers_terminate_gracefully() {
 
             // Back while terminating: weight 1 again, not terminating any more.
             let s0 = fixture(FIXTURE);
-            state
-                .endpoints
-                .insert(web_spn.clone(), s0.endpoints[&web_spn].clone());
+            state.set_endpoints(web_spn.clone(), s0.endpoints_of(&web_spn).to_vec());
             dp.sync(&state, Scope::Changed(&BTreeSet::from([web_spn.clone()])))
                 .unwrap();
             assert_eq!(dests(&mut ipvs, &web)["10.244.1.11:8080"].0, 1);
             assert!(dp.terminating.is_empty());
 
             // Gone again: housekeeping deletes it once its connection entries expired.
-            keep(state.endpoints.get_mut(&web_spn).unwrap(), "10.244.1.11");
+            keep(state.endpoints_mut(&web_spn).unwrap(), "10.244.1.11");
             dp.sync(&state, Scope::Changed(&BTreeSet::from([web_spn.clone()])))
                 .unwrap();
             assert_eq!(dests(&mut ipvs, &web)["10.244.1.11:8080"].0, 0);
@@ -458,11 +454,10 @@ fn ipvs_serves_traffic() {
         let mut state = fixture(FIXTURE);
         let web = spn("shop", "web", "http", Protocol::Tcp);
         state
-            .endpoints
-            .get_mut(&web)
+            .endpoints_mut(&web)
             .unwrap()
             .retain(|ep| ep.ip.to_string() == "10.244.1.11");
-        std::sync::Arc::make_mut(state.services.get_mut(&web).unwrap()).node_port = Some(30090);
+        state.port_mut(&web).unwrap().node_port = Some(30090);
         sh(
             "ip link add eth0 type dummy && ip addr add 192.0.2.11/24 dev eth0 && ip link set eth0 up",
         );

@@ -170,7 +170,7 @@ mod tests {
             assert!(installed());
             let web =
                 ServicePortName::new(NamespacedName::new("shop", "web"), "http", Protocol::Tcp);
-            state.services.remove(&web);
+            state.remove_port(&web);
             dp.sync(&state, Scope::Changed(&BTreeSet::from([web])))
                 .unwrap();
             let listed = Command::new("nft")

@@ -188,12 +188,7 @@ pub fn render(
                 let mut p = p;
                 // The sets and maps were flushed above: every element is written again.
                 p.elements.clear();
-                let all = state
-                    .services
-                    .keys()
-                    .chain(p.ports.keys())
-                    .cloned()
-                    .collect();
+                let all = state.port_names().chain(p.ports.keys()).cloned().collect();
                 (p, all)
             }
         },
@@ -208,7 +203,7 @@ pub fn render(
                 settings: settings.clone(),
                 ..Programmed::default()
             };
-            (fresh, state.services.keys().cloned().collect())
+            (fresh, state.port_names().cloned().collect())
         }
     };
 
@@ -217,8 +212,7 @@ pub fn render(
     for spn in &ports {
         let old = programmed.ports.remove(spn).unwrap_or_default();
         let new = state
-            .services
-            .get(spn)
+            .port(spn)
             .map(|port| service_port(state, settings, spn, port))
             .unwrap_or_default();
         let out = &mut tx.ports;
@@ -280,7 +274,7 @@ pub fn render(
             }
             keys.push(key);
         }
-        if state.services.contains_key(spn) {
+        if state.contains(spn) {
             keys.sort();
             keys.dedup();
             programmed.ports.insert(
@@ -729,12 +723,10 @@ pub(super) mod tests {
     fn changed(mut state: DesiredState) -> (DesiredState, BTreeSet<ServicePortName>) {
         let gone: IpAddr = Ipv4Addr::new(10, 244, 2, 11).into();
         state
-            .endpoints
-            .get_mut(&web())
+            .endpoints_mut(&web())
             .unwrap()
             .retain(|ep| ep.ip != gone);
-        state.services.remove(&dns());
-        state.endpoints.remove(&dns());
+        state.remove_port(&dns());
         (state, BTreeSet::from([web(), dns()]))
     }
 
@@ -934,29 +926,22 @@ pub(super) mod tests {
         let elsewhere = spn("shop", "elsewhere", "", Protocol::Tcp);
         let empty = spn("shop", "empty", "", Protocol::Tcp);
         let local = spn("shop", "local", "", Protocol::Tcp);
-        let mut endpoint = s0.endpoints[&elsewhere][0].clone();
+        let mut endpoint = s0.endpoints_of(&elsewhere)[0].clone();
         endpoint.ip = Ipv4Addr::new(10, 244, 1, 14).into();
         endpoint.node_name = Some("node1".into());
-        state
-            .endpoints
-            .get_mut(&elsewhere)
-            .unwrap()
-            .insert(0, endpoint);
-        state.services.remove(&empty);
-        let mut port = ServicePort::clone(&s0.services[&dns()]);
+        state.endpoints_mut(&elsewhere).unwrap().insert(0, endpoint);
+        state.remove_port(&empty);
+        let mut port = ServicePort::clone(s0.port(&dns()).unwrap());
         port.session_affinity_timeout = Some(60);
-        state.services.insert(dns(), port.into());
-        state.endpoints.insert(dns(), s0.endpoints[&dns()].clone());
-        std::sync::Arc::make_mut(state.services.get_mut(&local).unwrap())
-            .source_ranges
-            .clear();
+        state.insert_port(dns(), port);
+        state.set_endpoints(dns(), s0.endpoints_of(&dns()).to_vec());
+        state.port_mut(&local).unwrap().source_ranges.clear();
         let changed = BTreeSet::from([elsewhere, empty, dns(), local]);
         let listed = sync(&state, &settings(), Scope::Changed(&changed));
         assert!(listed.contains("timeout 1m"), "{listed}");
         assert!(!listed.contains("firewall-NEUDBC3L"), "{listed}");
 
-        std::sync::Arc::make_mut(state.services.get_mut(&dns()).unwrap())
-            .session_affinity_timeout = Some(120);
+        state.port_mut(&dns()).unwrap().session_affinity_timeout = Some(120);
         let listed = sync(
             &state,
             &settings(),

@@ -192,8 +192,7 @@ mod tests {
             next
         };
         let ports = state
-            .services
-            .iter()
+            .ports()
             .filter(|(_, port)| proxied(port))
             .map(|(spn, port)| {
                 let internal = take();

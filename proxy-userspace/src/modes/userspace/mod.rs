@@ -215,7 +215,7 @@ impl UserspaceDataplane {
 
     /// Opens, updates or closes the proxy sockets of `spn` to match `state`.
     fn reconcile(&mut self, state: &DesiredState, spn: &ServicePortName) -> std::io::Result<()> {
-        let port = state.services.get(spn);
+        let port = state.port(spn);
         let Some(port) = port.filter(|p| rules::proxied(p)) else {
             if let Some(mut gone) = self.proxies.remove(spn) {
                 for slot in [&mut gone.internal, &mut gone.external] {
@@ -340,7 +340,7 @@ impl Dataplane for UserspaceDataplane {
             Scope::All => self
                 .proxies
                 .keys()
-                .chain(state.services.keys())
+                .chain(state.port_names())
                 .cloned()
                 .collect(),
             Scope::Changed(changed) => changed.clone(),

@@ -294,34 +294,23 @@ async fn scenario() {
     .unwrap();
     assert!(!installed());
 
-    let mut state = DesiredState {
-        node_name: "node1".into(),
-        ..DesiredState::default()
-    };
+    let mut state = DesiredState::new("node1");
     let both = endpoints(&[(A, 8080), (B, 8080)]);
     let rr = spn("rr", Protocol::Tcp);
     let mut port = service([10, 96, 0, 10], 80, Protocol::Tcp);
     port.node_port = Some(30080);
-    state.services.insert(rr.clone(), port.into());
-    state.endpoints.insert(rr.clone(), both.clone());
+    state.insert_port(rr.clone(), port);
+    state.set_endpoints(rr.clone(), both.clone());
     let sticky = spn("sticky", Protocol::Tcp);
     let mut port = service([10, 96, 0, 11], 80, Protocol::Tcp);
     port.session_affinity_timeout = Some(60);
-    state.services.insert(sticky.clone(), port.into());
-    state.endpoints.insert(sticky.clone(), both.clone());
+    state.insert_port(sticky.clone(), port);
+    state.set_endpoints(sticky.clone(), both.clone());
     let retry = spn("retry", Protocol::Tcp);
-    state.services.insert(
-        retry.clone(),
-        service([10, 96, 0, 12], 80, Protocol::Tcp).into(),
-    );
-    state
-        .endpoints
-        .insert(retry.clone(), endpoints(&[(A, 8080), (DEAD, 8080)]));
+    state.insert_port(retry.clone(), service([10, 96, 0, 12], 80, Protocol::Tcp));
+    state.set_endpoints(retry.clone(), endpoints(&[(A, 8080), (DEAD, 8080)]));
     let empty = spn("empty", Protocol::Tcp);
-    state.services.insert(
-        empty.clone(),
-        service([10, 96, 0, 13], 80, Protocol::Tcp).into(),
-    );
+    state.insert_port(empty.clone(), service([10, 96, 0, 13], 80, Protocol::Tcp));
     // Load balancer IPs open to the node's own range, and closed to it.
     for (name, last, range) in [
         ("lb-open", 10, [10, 0, 0, 0]),
@@ -331,17 +320,12 @@ async fn scenario() {
         let mut port = service([10, 96, 0, 20 + last], 80, Protocol::Tcp);
         port.load_balancer_ips = vec![IpAddr::from([203, 0, 113, last])];
         port.source_ranges = vec![Cidr::v4(range.into(), 24)];
-        state.services.insert(lb.clone(), port.into());
-        state.endpoints.insert(lb, both.clone());
+        state.insert_port(lb.clone(), port);
+        state.set_endpoints(lb, both.clone());
     }
     let dns = spn("dns", Protocol::Udp);
-    state.services.insert(
-        dns.clone(),
-        service([10, 96, 0, 53], 53, Protocol::Udp).into(),
-    );
-    state
-        .endpoints
-        .insert(dns.clone(), endpoints(&[(A, 5353), (B, 5353)]));
+    state.insert_port(dns.clone(), service([10, 96, 0, 53], 53, Protocol::Udp));
+    state.set_endpoints(dns.clone(), endpoints(&[(A, 5353), (B, 5353)]));
     sync(&mut dp, &state, Scope::All);
     assert!(installed());
 
@@ -421,9 +405,7 @@ async fn scenario() {
     let mut established = Client::connect(vip(10, 80)).await.unwrap();
     let kept = server(&established.ask("before").await);
     let other = if kept == "A" { B } else { A };
-    state
-        .endpoints
-        .insert(rr.clone(), endpoints(&[(other, 8080)]));
+    state.set_endpoints(rr.clone(), endpoints(&[(other, 8080)]));
     sync(
         &mut dp,
         &state,
@@ -441,8 +423,7 @@ async fn scenario() {
     // The Service port goes: its socket closes, its proxied connections carry on.
     let mut survivor = Client::connect(vip(10, 80)).await.unwrap();
     survivor.ask("before").await;
-    state.services.remove(&rr);
-    state.endpoints.remove(&rr);
+    state.remove_port(&rr);
     sync(
         &mut dp,
         &state,
@@ -464,7 +445,7 @@ async fn scenario() {
     );
 
     // A full sync with nothing left closes every socket and empties the chains.
-    let proxied: Vec<_> = state.services.keys().cloned().collect();
+    let proxied: Vec<_> = state.port_names().cloned().collect();
     let ports: Vec<ProxyPorts> = proxied
         .iter()
         .map(|spn| dp.proxy_ports(spn).unwrap())

@@ -152,7 +152,7 @@ pub fn render(
 ) -> String {
     let mut rules = Rules::default();
     for (spn, proxy) in ports {
-        if let Some(port) = state.services.get(spn) {
+        if let Some(port) = state.port(spn) {
             service_rules(state, settings, spn, port, proxy, &mut rules);
         }
     }
@@ -364,8 +364,7 @@ mod tests {
             next
         };
         state
-            .services
-            .iter()
+            .ports()
             .filter(|(_, port)| proxied(port))
             .map(|(spn, port)| {
                 let internal = take();
@@ -396,7 +395,7 @@ mod tests {
         // externalTrafficPolicy Local beside internalTrafficPolicy Cluster: two sockets.
         let local = spn("shop", "local", "");
         assert!(ports[&local].external.is_some());
-        let port = &state.services[&local];
+        let port = &state.port(&local).unwrap();
         let addr = |last| SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, last), 8080);
         let cluster = endpoints(&state, &local, port, Listener::Internal);
         assert_eq!(cluster.len(), 2);
@@ -408,7 +407,7 @@ mod tests {
         // Both policies Local: one socket, this node's endpoints (none here).
         let elsewhere = spn("shop", "elsewhere", "");
         assert_eq!(ports[&elsewhere].external, None);
-        let port = &state.services[&elsewhere];
+        let port = &state.port(&elsewhere).unwrap();
         assert!(endpoints(&state, &elsewhere, port, Listener::Internal).is_empty());
         // Both Cluster: one socket.
         assert_eq!(ports[&spn("shop", "front", "")].external, None);

@@ -734,9 +734,8 @@ endpoints:
         let mut state = crate::model::DesiredState::default();
         tracker.apply(&mut state);
         let conditions: Vec<_> = state
-            .endpoints
-            .values()
-            .flatten()
+            .endpoints()
+            .flat_map(|(_, eps)| eps)
             .map(|ep| (ep.ready, ep.serving, ep.terminating))
             .collect();
         // Unset: ready and serving true, terminating false.
@@ -775,8 +774,7 @@ endpoints:
             ]
         );
         let endpoints: Vec<String> = state
-            .endpoints
-            .iter()
+            .endpoints()
             .map(|(spn, eps)| {
                 let eps: Vec<String> = eps
                     .iter()
@@ -784,7 +782,7 @@ endpoints:
                     .collect();
                 format!(
                     "{spn} {:?} -> {}",
-                    state.services[spn].cluster_ips,
+                    state.port(spn).unwrap().cluster_ips,
                     eps.join(",")
                 )
             })
