@@ -8,7 +8,7 @@ use super::{
     protocol_or_tcp,
 };
 use crate::model::{
-    Cidr, LbAlgorithm, NamespacedName, ReducedService, ServiceInfo, ServicePort, ServicePortName,
+    Cidr, LbAlgorithm, NamespacedName, ReducedService, ServicePort, ServicePortName, ServicePorts,
     TargetPort, shared,
 };
 
@@ -70,7 +70,7 @@ fn cluster_ip_strings(spec: &k8s_openapi::api::core::v1::ServiceSpec) -> Vec<Str
 }
 
 /// The service's ports, or None when it is not proxied.
-fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServiceInfo>, String> {
+fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePorts>, String> {
     if service_skip_reason(svc).is_some() {
         return Ok(None);
     }

@@ -19,7 +19,7 @@ pub use names::{NamespacedName, PortName, Protocol, ServicePortName};
 pub use service::{Endpoint, LbAlgorithm, ServicePort, TargetPort};
 pub use state::DesiredState;
 pub use tracker::{ChangeTracker, ReducedService, ReducedSlice, SkippedEndpoint};
-pub(crate) use tracker::{ServiceInfo, SliceEndpoint, SliceInfo, SlicePort};
+pub(crate) use tracker::{ServicePorts, SliceEndpoint, SliceInfo, SlicePort};
 
 #[cfg(test)]
 mod tests;

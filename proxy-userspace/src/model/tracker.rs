@@ -22,7 +22,7 @@ pub struct SkippedEndpoint {
 /// The ports of one service, as parsed from the Service object, sorted by name. A boxed slice
 /// rather than a map: most services have one or two ports, and a map's node would take about
 /// 2 KiB each. Each port is shared with the desired state.
-pub(crate) type ServiceInfo = Box<[(ServicePortName, Arc<ServicePort>)]>;
+pub(crate) type ServicePorts = Box<[(ServicePortName, Arc<ServicePort>)]>;
 
 /// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
 /// that comparing two versions says whether anything programmable changed.
@@ -56,7 +56,7 @@ pub(crate) struct SliceEndpoint {
 pub struct ReducedService {
     pub key: NamespacedName,
     /// None: not proxied (`skip_reason` says why); the tracker treats it as deleted.
-    pub(crate) ports: Option<Arc<ServiceInfo>>,
+    pub(crate) ports: Option<Arc<ServicePorts>>,
     /// Why it is not proxied (see [`crate::kubernetes::service_skip_reason`]).
     pub skip_reason: Option<&'static str>,
 }
@@ -76,7 +76,7 @@ pub struct ReducedSlice {
 /// Everything one service's desired state is computed from. Cloning is cheap (reference counts).
 #[derive(Debug, PartialEq)]
 struct Inputs {
-    service: Option<Arc<ServiceInfo>>,
+    service: Option<Arc<ServicePorts>>,
     slices: Vec<(NamespacedName, Arc<SliceInfo>)>,
 }
 
@@ -86,7 +86,7 @@ struct Inputs {
 #[derive(Debug, Default)]
 pub struct ChangeTracker {
     /// Proxied services; skipped ones (headless, ExternalName...) are absent.
-    services: HashMap<NamespacedName, Arc<ServiceInfo>>,
+    services: HashMap<NamespacedName, Arc<ServicePorts>>,
     /// Keyed by the slice's own namespace/name.
     slices: HashMap<NamespacedName, Arc<SliceInfo>>,
     /// Owner service -> its slices, sorted (a service has few). Slices may arrive before their
