@@ -379,33 +379,33 @@ fn reversed(key: &CtKey) -> CtKey {
     }
 }
 
-/// A new connection from a pod straight to `key.daddr` (no service): a reply entry left on
-/// its reverse 5-tuple by an earlier flow through a service must not rewrite its replies.
+/// A new connection straight to `key.daddr` (no frontend): a reply entry left on its reverse
+/// 5-tuple by an earlier flow through a frontend (the client reusing its port) must not rewrite
+/// its replies once that flow is over (closed, expired or gone). An open flow's entry stays: the
+/// packet may be that flow's own first packet, translated already and seen again (by the tc
+/// program after XDP, or at a bridge after the pod's port). `external_only`: only entries of
+/// flows from outside the node (the external programs' own).
 #[inline(always)]
-pub fn forget_reply(key: &CtKey) {
-    let reverse = reversed(key);
-    if unsafe { CONNTRACK.get(reverse) }.is_some_and(|e| e.direction == CT_REPLY) {
-        let _ = CONNTRACK.remove(reverse);
-    }
-}
-
-/// A new connection from outside straight to `key.daddr` (no frontend): a reply entry of an
-/// external flow left on its reverse 5-tuple, whose flow is over (closed, expired or gone), must
-/// not rewrite its replies. An open flow's entry stays: the packet may be that flow's own first
-/// packet, translated by XDP and seen again by the tc program.
-#[inline(always)]
-pub fn forget_closed_reply(key: &CtKey, now: u64) {
+pub fn forget_finished_reply(key: &CtKey, now: u64, external_only: bool) {
     let reverse = reversed(key);
     let Some(reply) = (unsafe { CONNTRACK.get(reverse) }).copied() else {
         return;
     };
-    if reply.direction != CT_REPLY || reply.flags & CT_EXTERNAL == 0 {
+    let external = reply.flags & CT_EXTERNAL != 0;
+    if reply.direction != CT_REPLY || (external_only && !external) {
         return;
     }
+    // The forward entry is keyed from the client (an external flow's reply entry names it; a
+    // pod's flow comes from this packet's source) to the service address.
+    let (saddr, sport) = if external {
+        (reply.nat_addr, reply.nat_port)
+    } else {
+        (key.saddr, key.sport)
+    };
     let forward_key = CtKey {
-        saddr: reply.nat_addr,
+        saddr,
         daddr: reply.vip,
-        sport: reply.nat_port,
+        sport,
         dport: reply.vport,
         proto: key.proto,
         pad: [0; 3],

@@ -67,7 +67,7 @@ pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
             // A connection straight to a pod (or to anything else): a reply entry left on its
             // reverse 5-tuple by an earlier flow through a frontend (the client reusing its
             // port) must not rewrite its replies.
-            conntrack::forget_closed_reply(&key, unsafe { bpf_ktime_get_ns() });
+            conntrack::forget_finished_reply(&key, unsafe { bpf_ktime_get_ns() }, true);
         }
         return Ok(Verdict::Pass);
     };

@@ -25,8 +25,9 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     }
     let Some((svc_key, svc)) = frontend::internal(key.daddr, key.dport, key.proto) else {
         if flow.syn_only() {
-            // A connection straight to a pod: replies on its 5-tuple are not from a service.
-            conntrack::forget_reply(&key);
+            // A connection straight to a pod: replies on its 5-tuple are not from a service,
+            // unless this is a service flow's SYN seen a second time (at a bridge, say).
+            conntrack::forget_finished_reply(&key, unsafe { bpf_ktime_get_ns() }, false);
         }
         return Ok(TC_ACT_UNSPEC); // not a service: untouched, on to the next tc program
     };

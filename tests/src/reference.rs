@@ -19,7 +19,8 @@
 //!   a removed service's, draining, passes as if it were not there, and so does a packet with IP
 //!   options, which that fixed-size answer does not quote); one whose traffic must stay on the
 //!   node (internalTrafficPolicy: Local) drops it. Anything else passes, and a bare SYN forgets
-//!   the reply entry on its reverse 5-tuple (the pod now talks to that address directly).
+//!   the reply entry on its reverse 5-tuple if that entry's flow is over (the pod now talks to
+//!   that address directly).
 //! - `tc_egress` (a frame to a pod): a reply of a live flow gets the service address back as
 //!   its source; a reply entry whose flow is over is forgotten; everything else passes.
 //!
@@ -533,7 +534,8 @@ pub enum Note {
     ReplyRewritten,
     /// A reply entry without a live flow was deleted.
     ReplyForgotten,
-    /// A bare SYN to a non-service address deleted the reply entry on its reverse 5-tuple.
+    /// A bare SYN to a non-service address deleted the reply entry of a finished flow on its
+    /// reverse 5-tuple.
     DirectSynForgot,
     /// A new flow went to the backend its client sticks to (session affinity).
     AffinityKept,
@@ -689,6 +691,31 @@ impl Model {
         self.now - e.last_seen <= lifetime(e, proto)
     }
 
+    /// Whether `reverse` holds the reply entry of a flow that is over: its forward entry (from
+    /// the client, `reverse`'s destination, to the service address) gone, another flow's,
+    /// closing or expired. An open flow's SYN may be seen again after its translation.
+    fn reply_of_finished_flow(&self, reverse: &Tuple) -> bool {
+        let Some(r) = self.conntrack.get(reverse) else {
+            return false;
+        };
+        if r.direction != Direction::Reply {
+            return false;
+        }
+        let forward = Tuple {
+            src: reverse.dst,
+            dst: r.vip,
+            sport: reverse.dport,
+            dport: r.vport,
+            proto: reverse.proto,
+        };
+        !self.conntrack.get(&forward).is_some_and(|f| {
+            f.direction == Direction::Forward
+                && f.backend_id == r.backend_id
+                && !f.closing
+                && self.live(f, reverse.proto)
+        })
+    }
+
     /// `tc_ingress` on `frame`. For a new flow, `pick` is given the candidates (the backends in
     /// the service's slots) and says which one the program took; `Err` with the candidates when
     /// it says none of them.
@@ -735,12 +762,7 @@ impl Model {
             .cloned()
         else {
             let reverse = t.reversed();
-            if h.syn_only()
-                && self
-                    .conntrack
-                    .get(&reverse)
-                    .is_some_and(|e| e.direction == Direction::Reply)
-            {
+            if h.syn_only() && self.reply_of_finished_flow(&reverse) {
                 self.conntrack.remove(&reverse);
                 notes.push(Note::DirectSynForgot);
             }

@@ -142,6 +142,45 @@ fn a_flow_sticks_and_new_flows_spread() {
     }
 }
 
+/// A bridge CNI (flannel's `cni0`, k3s, the `bridge` plugin) delivers a pod's frame to the
+/// bridge device after its port: the SYN, already translated, meets a tc program a second time
+/// as a connection straight to the endpoint. The flow's reply entry must survive that, or the
+/// SYN-ACK is not translated back and the pod's connection is reset. A bare SYN straight to the
+/// endpoint on a finished flow's 5-tuple still forgets that flow's reply entry.
+#[test]
+fn a_translated_syn_seen_again_keeps_its_flow() {
+    let Some((p, _)) = setup("a_translated_syn_seen_again_keeps_its_flow", &[(BE1, 8080)]) else {
+        return;
+    };
+    let syn = Spec::tcp(CLIENT, 40010, VIP, 80);
+    let seen = dnat(&p, &syn);
+    assert_eq!((seen.dst, seen.dport), (BE1, 8080));
+    // The second pass: the translated SYN, at the bridge.
+    let again = Spec::tcp(CLIENT, 40010, BE1, 8080).build();
+    untouched(&p, "tc_ingress", &again);
+    let syn_ack = Spec {
+        tcp_flags: 0x12,
+        ..Spec::tcp(BE1, 8080, CLIENT, 40010)
+    };
+    let (verdict, out) = p.run("tc_egress", &syn_ack.build());
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    let back = packet::read(&out);
+    assert_eq!(
+        (back.src, back.sport),
+        (VIP, 80),
+        "the SYN-ACK is translated back"
+    );
+    // The flow ends (a RST from the client), then the client reuses its port straight to the
+    // endpoint: that connection's replies are its own.
+    let rst = Spec {
+        tcp_flags: 0x04,
+        ..Spec::tcp(CLIENT, 40010, VIP, 80)
+    };
+    dnat(&p, &rst);
+    untouched(&p, "tc_ingress", &again);
+    untouched(&p, "tc_egress", &syn_ack.build());
+}
+
 #[test]
 fn non_service_traffic_passes_untouched() {
     let Some((p, _)) = setup("non_service_traffic_passes_untouched", &[(BE1, 8080)]) else {
