@@ -152,13 +152,14 @@ pub fn show(rows: &Rows, json: bool) -> anyhow::Result<String> {
         Rows::Backends { rows, ids: true } => out(rows, json, |r| backends_table(r)),
         Rows::Backends { rows, ids: false } => out(rows, json, |r| endpoints_table(r)),
         Rows::Flows(rows) => out(rows, json, |r| conntrack_table(r)),
-        Rows::Conntrack(rows) => out(rows, json, |r| flows_table(r)),
+        Rows::Conntrack(rows) => out(rows, json, |r| kernel_flows_table(r)),
         Rows::Affinity(rows) => out(rows, json, |r| affinity_table(r)),
         Rows::ClientAffinity(rows) => out(rows, json, |r| client_affinity_table(r)),
     }
 }
 
-fn flows_table(rows: &[ConntrackRow]) -> String {
+/// The kernel's conntrack entries of Service flows (the netfilter modes').
+fn kernel_flows_table(rows: &[ConntrackRow]) -> String {
     let mut out = format!(
         "{:<8} {:<5} {:<22} {:<22} {:<22} {:<22} {:>8} {:>10} STATE\n",
         "DIR", "PROTO", "SOURCE", "DESTINATION", "SERVICE", "TRANSLATED", "PACKETS", "EXPIRES(s)"

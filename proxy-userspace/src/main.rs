@@ -14,6 +14,7 @@ use proxy_userspace::{
             self, DEFAULT_PIN_DIR, MapSizes, WriterConfig,
             external::{SnatPorts, XdpMode},
             maglev,
+            pod_interfaces::PodInterfaces,
         },
         ipvs::netlink::Timeouts,
     },
@@ -123,9 +124,12 @@ struct AgentArgs {
     /// works on unified and hybrid hosts alike). Empty: host-network clients are not served.
     #[arg(long, default_value = "/run/kube-proxy-ebpf/cgroupv2")]
     bpf_cgroup_path: PathBuf,
-    /// Interfaces facing pods, by name (`*` matches any run; comma-separated patterns).
-    #[arg(long, default_value = "veth*,cali*,lxc*,cni*")]
-    pod_interfaces: String,
+    /// Interfaces facing pods: `auto`, every veth or netkit device of the node that carries no
+    /// node address (bridge ports included, whatever the CNI names them), and/or name patterns
+    /// (`*` matches any run; comma-separated); `!pattern` excludes. A bridge device never gets
+    /// the programs: a pod's packets would meet them twice.
+    #[arg(long, default_value = "auto")]
+    pod_interfaces: PodInterfaces,
     /// The node addresses NodePorts answer on (kube-proxy's flag): comma-separated CIDRs (every
     /// address of the node within them), or `primary`: the Node object's InternalIP and
     /// ExternalIP with the API source, the addresses of the default route's interface with
@@ -355,17 +359,13 @@ fn start_first(start: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
 }
 
 fn installation(args: &AgentArgs) -> Installation {
-    Installation {
-        pin_dir: args.bpf_pin_dir.clone(),
-        pod_interfaces: args.pod_interfaces.clone(),
-    }
+    Installation::at(&args.bpf_pin_dir)
 }
 
 /// The flags the modes start with (the Node object's addresses come later, from the source).
 fn start_config(args: &AgentArgs) -> StartConfig {
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
     StartConfig {
-        installation: installation(args),
         node_ips: Vec::new(),
         cluster_cidr: args.cluster_cidr,
         masquerade_all: args.masquerade_all,
@@ -393,7 +393,6 @@ fn start_config(args: &AgentArgs) -> StartConfig {
                 maglev_table_size: args.lb_maglev_table_size,
             },
             pod_interfaces: args.pod_interfaces.clone(),
-            node_port_addresses: args.nodeport_addresses.clone(),
             xdp_mode: args.xdp_mode,
             snat_ports: args.bpf_snat_port_range,
             cgroup_path: args.bpf_cgroup_path.clone(),
@@ -413,8 +412,9 @@ fn parse_udp_timeout(s: &str) -> Result<Duration, String> {
 
 /// `--lb-algorithm`: the model's names, listed in `--help`.
 fn lb_algorithm() -> impl clap::builder::TypedValueParser<Value = LbAlgorithm> {
-    let names = LbAlgorithm::NAMES.map(|(name, _)| name);
-    clap::builder::PossibleValuesParser::new(names).map(|name| {
+    let values = LbAlgorithm::NAMES
+        .map(|(name, algorithm)| clap::builder::PossibleValue::new(name).help(algorithm.about()));
+    clap::builder::PossibleValuesParser::new(values).map(|name| {
         name.parse::<LbAlgorithm>()
             .expect("a name from LbAlgorithm::NAMES")
     })

@@ -15,9 +15,7 @@ use proxy_userspace::{
     source::manifest::{self, Object},
 };
 
-use crate::{
-    HOST_IF_PATTERN, NS_PREFIX, Sandbox, apiserver::ApiServer, find_bin, programs::PrivateBpffs,
-};
+use crate::{NS_PREFIX, Sandbox, apiserver::ApiServer, find_bin, programs::PrivateBpffs};
 
 pub const AGENT_BIN_ENV: &str = "PROXY_USERSPACE_BIN";
 
@@ -41,7 +39,7 @@ pub const METRICS_PORT: u16 = 10249;
 /// Runs `agent --cleanup` of the binary `agent` in `node`, on the pins in `pin_dir`.
 pub fn cleanup(agent: &Path, node: &crate::Netns, pin_dir: &Path) -> Result<()> {
     let mut cmd = Command::new(agent);
-    cmd.args(["agent", "--cleanup", "--pod-interfaces", HOST_IF_PATTERN])
+    cmd.args(["agent", "--cleanup"])
         .arg("--bpf-pin-dir")
         .arg(pin_dir);
     node.enter(&mut cmd)?;
@@ -131,12 +129,11 @@ impl AgentRun {
         }
         let healthz = format!("127.0.0.1:{HEALTHZ_PORT}");
         let metrics = format!("127.0.0.1:{METRICS_PORT}");
-        let defaults: [(&str, &dyn AsRef<std::ffi::OsStr>); 10] = [
+        let defaults: [(&str, &dyn AsRef<std::ffi::OsStr>); 9] = [
             ("--hostname-override", &node),
             ("--min-sync-period", &"0s"),
             ("--bpf-pin-dir", &bpffs.path()),
             ("--bpf-cgroup-path", &cgroup.path()),
-            ("--pod-interfaces", &HOST_IF_PATTERN),
             ("--healthz-bind-address", &healthz),
             ("--metrics-bind-address", &metrics),
             // Small maps: tests run side by side.

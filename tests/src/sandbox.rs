@@ -27,8 +27,6 @@ pub const SERVICE_CIDR: &str = "10.96.0.0/16";
 pub const LB_CIDR: &str = "203.0.113.0/24";
 /// External IPs (spec.externalIPs), routed by ext to node1.
 pub const EXTERNAL_IP_CIDR: &str = "198.51.100.0/24";
-/// Node-side pod interfaces are named `veth-<pod>`; the agent's interface pattern.
-pub const HOST_IF_PATTERN: &str = "veth-*";
 /// The node's interface on the node network (in each node namespace).
 pub const NODE_IF: &str = "eth0";
 /// The port the tests conventionally run the backends on.

@@ -19,7 +19,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue};
 use proxy_tests::example::{DNS, MANIFEST as EXAMPLE};
 use proxy_tests::{
-    BACKEND_PORT, HOST_IF_PATTERN, Pod, Sandbox,
+    BACKEND_PORT, Pod, Sandbox,
     agent::{AgentRun, TestCgroup, agent_bin},
     patience, privileged,
     programs::PrivateBpffs,
@@ -123,12 +123,7 @@ fn spawn_agent(
         .arg(manifest)
         .arg("--bpf-pin-dir")
         .arg(pin_dir)
-        .args([
-            "--pod-interfaces",
-            HOST_IF_PATTERN,
-            "--min-sync-period",
-            "0s",
-        ])
+        .args(["--min-sync-period", "0s"])
         .args(["--healthz-bind-address", "", "--metrics-bind-address", ""])
         .args([
             "--bpf-services-max",

@@ -415,3 +415,52 @@ fn a_pod_reaches_itself_through_its_service() {
         assert!(replies.windows(2).all(|w| w[0] == w[1]), "{replies:?}");
     }
 }
+
+/// The pin directory stays locked for as long as the agent runs (not only while it starts): a
+/// second agent on the same pins is refused, says why, and removes nothing of the first's.
+#[test]
+fn a_second_agent_on_the_same_pins_is_refused_while_the_first_runs() {
+    let Some((sandbox, agent)) =
+        cluster("a_second_agent_on_the_same_pins_is_refused_while_the_first_runs")
+    else {
+        return;
+    };
+    let mut second = std::process::Command::new(proxy_tests::agent::agent_bin().unwrap());
+    second
+        .args(["agent", "--proxy-mode", "ebpf", "--manifest"])
+        .arg(&agent.manifest)
+        .arg("--bpf-pin-dir")
+        .arg(agent.bpffs.path())
+        .arg("--bpf-cgroup-path")
+        .arg(agent.cgroup.path())
+        .args(["--healthz-bind-address", "", "--metrics-bind-address", ""]);
+    proxy_tests::Netns::open(&sandbox.node1.name)
+        .enter(&mut second)
+        .unwrap();
+    let mut child = second
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the second agent is running on the first's pins: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the second agent ran: {log}");
+    assert!(log.contains("another agent is using"), "{log}");
+    let answer = tcp_request(&sandbox.pod("client").ns, WEB, "hi").unwrap();
+    assert!(
+        answer.starts_with("be"),
+        "the first agent still serves: {answer}"
+    );
+}

@@ -43,7 +43,7 @@ pub struct ServicePort {
     /// Service: the only sources its load balancer addresses accept. Empty: any source.
     pub source_ranges: Vec<Cidr>,
     /// spec.healthCheckNodePort, kept only where kube-proxy serves it: LoadBalancer Services
-    /// with externalTrafficPolicy Local (see `service_health.rs`). A Service-wide field, on
+    /// with externalTrafficPolicy Local (see `serve/health_check_ports.rs`). A Service-wide field, on
     /// each of its ports.
     pub health_check_node_port: Option<u16>,
 }
@@ -64,6 +64,19 @@ impl LbAlgorithm {
         ("random", LbAlgorithm::Random),
         ("maglev", LbAlgorithm::Maglev),
     ];
+
+    /// What it does, in one line (for `--help`).
+    pub fn about(self) -> &'static str {
+        match self {
+            LbAlgorithm::Random => {
+                "at random (kube-proxy's iptables and nftables modes do the same)"
+            }
+            LbAlgorithm::Maglev => {
+                "Maglev consistent hashing of the 5-tuple: the same endpoint for a flow on every \
+                 node, and few flows move when an endpoint comes or goes"
+            }
+        }
+    }
 }
 
 impl FromStr for LbAlgorithm {

@@ -61,11 +61,6 @@ impl DesiredState {
         self.services.len()
     }
 
-    /// How many Service ports have endpoints.
-    pub fn ports_with_endpoints(&self) -> usize {
-        self.endpoints.len()
-    }
-
     /// Adds (or replaces) a Service port; its endpoints are kept.
     pub fn insert_port(&mut self, spn: ServicePortName, port: ServicePort) {
         self.services.insert(spn, Arc::new(port));

@@ -92,14 +92,20 @@ impl ProxyMode {
     /// Starts the mode after removing what the others left (it would serve stale state beside
     /// this one's).
     pub fn start(self, config: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
+        let installation = Installation::at(&config.ebpf.pin_dir);
         for other in Self::REMOVAL {
-            if other != self && other.installed(&config.installation) {
-                tracing::warn!(
-                    "removing the state of an earlier {}-mode run (or of kube-proxy: stop it \
-                     before starting this agent)",
-                    other.name()
-                );
-                other.cleanup(&config.installation)?;
+            if other != self && other.installed(&installation) {
+                match other {
+                    ProxyMode::Ebpf => {
+                        tracing::info!("removing the eBPF programs of an earlier ebpf-mode run")
+                    }
+                    _ => tracing::warn!(
+                        "removing the rules of an earlier {}-mode run (or of kube-proxy: stop \
+                         it before starting this agent)",
+                        other.name()
+                    ),
+                }
+                other.cleanup(&installation)?;
             }
         }
         (self.mode().start)(config)
@@ -124,19 +130,15 @@ pub fn cleanup_all(at: &Installation) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Where the modes' state lives besides the kernel's own tables: the ebpf mode's pins, and the
-/// interfaces it attaches to (whose programs its cleanup detaches).
+/// Where the modes' state lives besides the kernel's own tables: the ebpf mode's pins.
 #[derive(Clone, Debug)]
 pub struct Installation {
     /// `--bpf-pin-dir`.
     pub pin_dir: PathBuf,
-    /// `--pod-interfaces`.
-    pub pod_interfaces: String,
 }
 
 /// The agent's flags that the modes start with, and the Node object's addresses.
 pub struct StartConfig {
-    pub installation: Installation,
     /// The Node object's addresses (the API source; empty with the manifest source).
     pub node_ips: Vec<IpAddr>,
     pub cluster_cidr: Option<Cidr>,
@@ -154,17 +156,21 @@ pub struct StartConfig {
 
 impl StartConfig {
     fn netfilter(&self) -> NetfilterConfig {
-        if self.cluster_cidr.is_none() && !self.masquerade_all {
-            tracing::warn!(
-                "no --cluster-cidr: connections to cluster IPs from outside the pod network are \
-                 not masqueraded"
-            );
-        }
         NetfilterConfig {
             cluster_cidr: self.cluster_cidr,
             masquerade_all: self.masquerade_all,
             node_port_addresses: self.node_port_addresses.clone(),
             primary: self.node_ips.clone(),
+        }
+    }
+
+    /// Once a netfilter mode started.
+    fn warn_without_cluster_cidr(&self) {
+        if self.cluster_cidr.is_none() && !self.masquerade_all {
+            tracing::warn!(
+                "no --cluster-cidr: connections to cluster IPs from outside the pod network are \
+                 not masqueraded"
+            );
         }
     }
 
@@ -187,15 +193,18 @@ const EBPF: Mode = Mode {
     name: "ebpf",
     about: "tc and XDP programs with BPF maps",
     start: |config| {
+        let node_ips = config.node_ips.clone();
+        let addresses = config.node_port_addresses.clone();
         Ok(Box::new(ebpf::start(
-            config.node_ips.clone(),
+            node_ips,
+            addresses,
             &mut config.ebpf,
         )?))
     },
     installed: |at| ebpf::installed(&at.pin_dir),
     cleanup: |at| {
         let _lock = ebpf::lock_pin_dir(&at.pin_dir)?;
-        ebpf::cleanup(&at.pin_dir, &at.pod_interfaces)
+        ebpf::cleanup(&at.pin_dir)
     },
     inspect: |what, at| ebpf::inspect::read(what, &at.pin_dir),
 };
@@ -205,6 +214,7 @@ const NFTABLES: Mode = Mode {
     about: "kube-proxy's nftables mode (`table ip kube-proxy`), for nodes where BPF cannot run",
     start: |config| {
         let dp = nftables::NftablesDataplane::new(config.netfilter())?;
+        config.warn_without_cluster_cidr();
         tracing::info!("nftables dataplane ready");
         Ok(Box::new(dp))
     },
@@ -222,6 +232,7 @@ const IPTABLES: Mode = Mode {
             backend,
             netfilter: config.netfilter(),
         })?;
+        config.warn_without_cluster_cidr();
         tracing::info!(backend = backend.name(), "iptables dataplane ready");
         Ok(Box::new(dp))
     },
@@ -248,6 +259,7 @@ const IPVS: Mode = Mode {
             backend,
             netfilter: config.netfilter(),
         })?;
+        config.warn_without_cluster_cidr();
         tracing::info!(backend = backend.name(), scheduler, "ipvs dataplane ready");
         Ok(Box::new(dp))
     },
@@ -323,11 +335,9 @@ pub fn detect(at: &Installation) -> anyhow::Result<ProxyMode> {
 }
 
 impl Installation {
-    /// Only `pin_dir` known (`inspect` reads; it removes nothing).
     pub fn at(pin_dir: &Path) -> Self {
         Self {
             pin_dir: pin_dir.to_owned(),
-            pod_interfaces: String::new(),
         }
     }
 }

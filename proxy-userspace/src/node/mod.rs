@@ -176,6 +176,46 @@ pub fn primary_ipv4(
         .or_else(|| candidates.iter().find(not_lo).map(|a| a.addr))
 }
 
+/// The interface's driver, as ethtool reports it (ETHTOOL_GDRVINFO). Not from sysfs: /sys shows
+/// the interfaces of the namespace it was mounted in, which need not be the agent's.
+pub fn driver(interface: &str) -> Option<String> {
+    const ETHTOOL_GDRVINFO: u32 = 0x3;
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 160],
+    }
+    let mut info = DrvInfo {
+        cmd: ETHTOOL_GDRVINFO,
+        driver: [0; 32],
+        rest: [0; 160],
+    };
+    // SAFETY: ifreq is plain data; all zeroes is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let name = interface.as_bytes();
+    if name.len() >= req.ifr_name.len() {
+        return None;
+    }
+    for (dst, src) in req.ifr_name.iter_mut().zip(name) {
+        *dst = *src as libc::c_char;
+    }
+    req.ifr_ifru.ifru_data = (&mut info as *mut DrvInfo).cast();
+    // SAFETY: a datagram socket for the ioctl, closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: SIOCETHTOOL with an ifreq pointing at a buffer of the size the command writes.
+    let r = unsafe { libc::ioctl(fd, libc::SIOCETHTOOL, &mut req) };
+    unsafe { libc::close(fd) };
+    if r < 0 {
+        return None;
+    }
+    let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
+    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -46,6 +46,7 @@ use super::{
     PROG_EGRESS, PROG_EXT_EGRESS, PROG_EXT_INGRESS, PROG_INGRESS, PROG_XDP,
     external::{self, SnatPorts, XdpMode},
     link_events::{LinkEvent, LinkEvents},
+    pod_interfaces::{Link, PodInterfaces},
 };
 use crate::node::{self, InterfaceAddr, NodePortAddresses};
 
@@ -92,18 +93,18 @@ pub struct AttachThread {
 }
 
 impl AttachThread {
-    /// Attaches the programs of `ebpf` to the interfaces matching `pattern` there are (failing
-    /// if that fails), then starts the thread that attaches them to those that appear or get a
-    /// matching name later.
+    /// Attaches the programs of `ebpf` to the pod interfaces `pods` selects there are (failing
+    /// if that fails), then starts the thread that attaches them to those that appear (or are
+    /// renamed, or lose their node address) later.
     pub fn start(
         mut ebpf: Ebpf,
-        pattern: &str,
+        pods: &PodInterfaces,
         external: ExternalConfig,
         pin_dir: &Path,
     ) -> anyhow::Result<Self> {
         // Subscribed before listing: an interface appearing meanwhile is in one or the other.
         let events = LinkEvents::subscribe().context("subscribing to link notifications")?;
-        let mut attacher = Attacher::new(pattern, pin_dir)?;
+        let mut attacher = Attacher::new(pods, pin_dir)?;
         if let Ok(ephemeral) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             && let Some(warning) = external.snat_ports.ephemeral_overlap(&ephemeral)
         {
@@ -194,10 +195,11 @@ fn attach_loop(mut ebpf: Ebpf, mut attacher: Attacher, mut events: LinkEvents, s
     }
 }
 
-/// Interfaces matched by a pattern, and the ifindex each was attached at (a pod that restarts
-/// gets an interface of the same name with a new index); the external interfaces likewise.
+/// The pod interfaces `--pod-interfaces` selects, and the ifindex each was attached at (a pod
+/// that restarts gets an interface of the same name with a new index); the external interfaces
+/// likewise.
 pub struct Attacher {
-    pattern: String,
+    pods: PodInterfaces,
     pin_dir: PathBuf,
     links_dir: PathBuf,
     tcx: bool,
@@ -210,12 +212,12 @@ pub struct Attacher {
 }
 
 impl Attacher {
-    pub fn new(pattern: &str, pin_dir: &Path) -> anyhow::Result<Self> {
+    pub fn new(pods: &PodInterfaces, pin_dir: &Path) -> anyhow::Result<Self> {
         let links_dir = pin_dir.join("links");
         std::fs::create_dir_all(&links_dir)
             .with_context(|| format!("creating {}", links_dir.display()))?;
         Ok(Self {
-            pattern: pattern.to_owned(),
+            pods: pods.clone(),
             pin_dir: pin_dir.to_owned(),
             links_dir,
             tcx: tcx_supported(),
@@ -226,26 +228,78 @@ impl Attacher {
         })
     }
 
-    /// Attaches both programs to every matching interface not yet attached. Interfaces that
-    /// went away are forgotten (the kernel detached their programs), and so are their pins.
+    /// Finds the node addresses and attaches the external programs (see [`Self::scan_external`]),
+    /// then both pod programs to every pod interface not yet attached. Interfaces that went away
+    /// are forgotten (the kernel detached their programs), and so are their pins.
     pub fn scan(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
         let all = interfaces()?;
+        if let Err(e) = self.scan_external(ebpf, &all) {
+            tracing::warn!("serving external traffic: {e:#}");
+        }
+        self.scan_pods(ebpf, &all);
+        self.forget_gone_pins(&all)
+    }
+
+    /// Attaches the pod programs to the pod interfaces among `all` that lack them, and detaches
+    /// them from attached ones that are pod interfaces no more (one that now carries a node
+    /// address: a node's uplink may be a veth, configured after it appeared).
+    fn scan_pods(&mut self, ebpf: &mut Ebpf, all: &[(String, u32)]) {
+        let default_route = node::default_route_interface();
         let present: HashMap<String, u32> = all
             .iter()
-            .filter(|(name, _)| glob_match(&self.pattern, name))
+            .filter(|(name, _)| self.is_pod_interface(name, default_route.as_deref()))
             .cloned()
             .collect();
-        self.attached
-            .retain(|name, index| present.get(name) == Some(index));
+        let stale: Vec<(String, u32)> = self
+            .attached
+            .iter()
+            .filter(|(name, index)| present.get(*name) != Some(index))
+            .map(|(name, index)| (name.clone(), *index))
+            .collect();
+        for (name, index) in stale {
+            self.attached.remove(&name);
+            if all.iter().any(|(n, i)| *n == name && *i == index) {
+                self.detach_pod(&name, index);
+            }
+        }
         for (name, index) in present {
             if !self.attached.contains_key(&name) {
                 self.attach_and_record(ebpf, name, index);
             }
         }
-        if let Err(e) = self.scan_external(ebpf, &all) {
-            tracing::warn!("serving external traffic: {e:#}");
+    }
+
+    /// Whether `--pod-interfaces` selects the interface `name`.
+    fn is_pod_interface(&self, name: &str, default_route: Option<&str>) -> bool {
+        let driver = if self.pods.by_kind() {
+            node::driver(name)
+        } else {
+            None
+        };
+        let carries_node_address = self
+            .node_addrs
+            .iter()
+            .flatten()
+            .any(|a| a.interface == name);
+        self.pods.selects(&Link {
+            name,
+            driver: driver.as_deref(),
+            node_facing: carries_node_address || default_route == Some(name),
+        })
+    }
+
+    /// An interface that is no pod interface any more loses the pod programs.
+    fn detach_pod(&self, interface: &str, index: u32) {
+        for (prog, attach_type, direction) in DIRECTIONS {
+            let _ = std::fs::remove_file(self.pin(index, direction));
+            if !self.tcx {
+                let _ = tc::qdisc_detach_program(interface, attach_type, prog);
+            }
         }
-        self.forget_gone_pins(&all)
+        tracing::info!(
+            interface,
+            "detached tc programs (no pod interface any more)"
+        );
     }
 
     /// Finds the node addresses (see external.rs), writes them for the programs, and attaches
@@ -322,12 +376,14 @@ impl Attacher {
             let _ = map.remove(&k);
         }
         // Flows to other nodes' endpoints through a LoadBalancer or external IP leave from the
-        // node's primary address among the selected ones.
+        // node's primary address among the selected ones (one on the loopback interface only
+        // when nothing else is selected).
         let node_ips = self
             .external
             .as_ref()
             .map_or(&[][..], |e| e.primary.as_slice());
         let primary = node::primary_ipv4(node_ips, default_route, selected)
+            .or(selected.first().map(|a| a.addr))
             .map_or(0, |ip| Be32::from_octets(ip.octets()).raw());
         let mut config: Array<_, u32> =
             aya::maps::Map::Array(MapData::from_pin(self.pin_dir.join(MAP_CONFIG))?).try_into()?;
@@ -485,7 +541,8 @@ impl Attacher {
                 }
                 // Renamed: its old name no longer designates it (its programs stay).
                 self.attached.retain(|_, i| *i != index);
-                if glob_match(&self.pattern, &name) {
+                let default_route = node::default_route_interface();
+                if self.is_pod_interface(&name, default_route.as_deref()) {
                     self.attach_and_record(ebpf, name, index);
                 }
             }
@@ -498,11 +555,16 @@ impl Attacher {
                 }
                 self.remove_xdp_pins(index, None);
             }
-            LinkEvent::Addresses => {
-                if let Err(e) = interfaces().and_then(|all| self.scan_external(ebpf, &all)) {
-                    tracing::warn!("serving external traffic: {e:#}");
+            LinkEvent::Addresses => match interfaces() {
+                Ok(all) => {
+                    if let Err(e) = self.scan_external(ebpf, &all) {
+                        tracing::warn!("serving external traffic: {e:#}");
+                    }
+                    // Which interfaces carry node addresses may have changed.
+                    self.scan_pods(ebpf, &all);
                 }
-            }
+                Err(e) => tracing::warn!("listing the interfaces: {e:#}"),
+            },
         }
     }
 
@@ -667,9 +729,9 @@ fn attach_netlink(
     Ok(())
 }
 
-/// Detaches the programs from every interface matching `pattern` and removes the link pins:
-/// `agent --cleanup`, for going back to kube-proxy.
-pub fn detach_all(pattern: &str, pin_dir: &Path) -> anyhow::Result<usize> {
+/// Detaches the programs from every interface and removes the link pins: `agent --cleanup`,
+/// for going back to kube-proxy.
+pub fn detach_all(pin_dir: &Path) -> anyhow::Result<usize> {
     let mut detached = 0;
     let links_dir = pin_dir.join("links");
     if links_dir.exists() {
@@ -677,13 +739,9 @@ pub fn detach_all(pattern: &str, pin_dir: &Path) -> anyhow::Result<usize> {
     }
     if !tcx_supported() {
         for (name, _) in interfaces()? {
-            // The external programs may be on any interface (the node's addresses may have
-            // moved since); the pod programs on those matching the pattern.
-            let pod = glob_match(pattern, &name);
-            for (prog, attach_type, _) in EXTERNAL_DIRECTIONS
-                .iter()
-                .chain(DIRECTIONS.iter().filter(|_| pod))
-            {
+            // Any interface may have them (pods and the node's addresses may have moved since);
+            // only the programs of these names are detached.
+            for (prog, attach_type, _) in EXTERNAL_DIRECTIONS.iter().chain(&DIRECTIONS) {
                 if tc::qdisc_detach_program(&name, *attach_type, prog).is_ok() {
                     detached += 1;
                 }
@@ -750,36 +808,4 @@ fn interfaces() -> anyhow::Result<Vec<(String, u32)>> {
         libc::if_freenameindex(list);
     }
     Ok(out)
-}
-
-/// Shell-style matching with `*` (any run of characters); several patterns separated by commas.
-pub fn glob_match(patterns: &str, name: &str) -> bool {
-    patterns
-        .split(',')
-        .map(str::trim)
-        .any(|p| match_one(p.as_bytes(), name.as_bytes()))
-}
-
-fn match_one(p: &[u8], s: &[u8]) -> bool {
-    match p.split_first() {
-        None => s.is_empty(),
-        Some((b'*', rest)) => (0..=s.len()).any(|i| match_one(rest, &s[i..])),
-        Some((c, rest)) => s.first() == Some(c) && match_one(rest, &s[1..]),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::glob_match;
-
-    #[test]
-    fn globs() {
-        assert!(glob_match("veth-*", "veth-be1"));
-        assert!(!glob_match("veth-*", "eth0"));
-        assert!(glob_match("cali*,veth*", "cali12ab"));
-        assert!(glob_match("*", "x"));
-        assert!(glob_match("lxc*c", "lxcabc"));
-        assert!(!glob_match("lxc*c", "lxcab"));
-        assert!(glob_match("eth0", "eth0"));
-    }
 }

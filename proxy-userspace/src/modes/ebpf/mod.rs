@@ -9,6 +9,7 @@ pub mod inspect;
 mod link_events;
 pub mod maglev;
 pub mod plan;
+pub mod pod_interfaces;
 pub mod writer;
 
 use std::{
@@ -35,7 +36,10 @@ use attach::detach_all;
 pub use attach::{Attacher, ExternalConfig};
 pub use writer::{MapWriter, WriterConfig};
 
-use self::external::{SnatPorts, XdpMode};
+use self::{
+    external::{SnatPorts, XdpMode},
+    pod_interfaces::PodInterfaces,
+};
 use crate::{
     dataplane::{Dataplane, Scope},
     model::DesiredState,
@@ -343,10 +347,10 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
     }
 }
 
-/// `agent --cleanup`: detaches the programs from the interfaces matching `pod_interfaces` and
-/// from the cgroup, and removes everything the agent pinned under `pin_dir`.
-pub fn cleanup(pin_dir: &Path, pod_interfaces: &str) -> anyhow::Result<()> {
-    let detached = detach_all(pod_interfaces, pin_dir)? + cgroup::detach_all(pin_dir)?;
+/// `agent --cleanup`: detaches the programs from the interfaces and from the cgroup, and
+/// removes everything the agent pinned under `pin_dir`.
+pub fn cleanup(pin_dir: &Path) -> anyhow::Result<()> {
+    let detached = detach_all(pin_dir)? + cgroup::detach_all(pin_dir)?;
     let mut removed = 0;
     // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
     for name in LAYOUTS.map(|l| l.name) {
@@ -373,8 +377,7 @@ pub struct StartConfig {
     pub pin_dir: PathBuf,
     pub sizes: MapSizes,
     pub writer: WriterConfig,
-    pub pod_interfaces: String,
-    pub node_port_addresses: NodePortAddresses,
+    pub pod_interfaces: PodInterfaces,
     pub xdp_mode: XdpMode,
     pub snat_ports: SnatPorts,
     /// `--bpf-cgroup-path`; empty: host-network clients are not served.
@@ -382,13 +385,19 @@ pub struct StartConfig {
     pub preload: Preload,
 }
 
-/// Starts the mode: the programs loaded (ahead or now), the maps taken over, the programs
-/// attached. `node_ips`: the Node object's addresses. A failed start detaches whatever it
-/// attached: another mode may follow.
-pub fn start(node_ips: Vec<IpAddr>, config: &mut StartConfig) -> anyhow::Result<EbpfDataplane> {
+/// Starts the mode: the pin directory locked (held as long as the dataplane lives), the
+/// programs loaded (ahead or now), the maps taken over, the programs attached. `node_ips`: the
+/// Node object's addresses, for `node_port_addresses` (`--nodeport-addresses`). A failed start removes whatever it pinned or attached: another
+/// mode may follow. Pins another agent holds are left alone.
+pub fn start(
+    node_ips: Vec<IpAddr>,
+    node_port_addresses: NodePortAddresses,
+    config: &mut StartConfig,
+) -> anyhow::Result<EbpfDataplane> {
+    let lock = config.preload.lock(&config.pin_dir)?;
     let started = config
         .preload
-        .take(&config.pin_dir, config.sizes)
+        .load(&config.pin_dir, config.sizes)
         .and_then(|loaded| {
             EbpfDataplane::new(
                 loaded,
@@ -396,7 +405,7 @@ pub fn start(node_ips: Vec<IpAddr>, config: &mut StartConfig) -> anyhow::Result<
                 config.writer,
                 &config.pod_interfaces,
                 ExternalConfig {
-                    addresses: config.node_port_addresses.clone(),
+                    addresses: node_port_addresses,
                     primary: node_ips,
                     mode: config.xdp_mode,
                     snat_ports: config.snat_ports,
@@ -405,12 +414,13 @@ pub fn start(node_ips: Vec<IpAddr>, config: &mut StartConfig) -> anyhow::Result<
             )
         });
     match started {
-        Ok(dp) => {
+        Ok(mut dp) => {
             tracing::info!(pin_dir = %config.pin_dir.display(), "ebpf dataplane loaded");
+            dp.pin_dir_lock = Some(lock);
             Ok(dp)
         }
         Err(e) => {
-            if let Err(cleanup) = cleanup(&config.pin_dir, &config.pod_interfaces) {
+            if let Err(cleanup) = cleanup(&config.pin_dir) {
                 tracing::warn!("removing the partly started ebpf mode: {cleanup:#}");
             }
             Err(e)
@@ -418,8 +428,7 @@ pub fn start(node_ips: Vec<IpAddr>, config: &mut StartConfig) -> anyhow::Result<
     }
 }
 
-/// The programs loaded ahead of the mode's start, with the pin directory's lock (held until the
-/// agent exits: a second agent on the same pins fails).
+/// The programs loaded ahead of the mode's start, and the pin directory's lock taken for it.
 #[derive(Default)]
 pub struct Preload {
     lock: Option<bpffs::PinDirLock>,
@@ -441,11 +450,13 @@ impl Preload {
         self.loaded = Some(std::thread::spawn(move || load(&pin_dir, sizes)));
     }
 
+    /// The pin directory's lock: the one taken ahead, else taken now.
+    fn lock(&mut self, pin_dir: &Path) -> anyhow::Result<bpffs::PinDirLock> {
+        self.lock.take().map_or_else(|| lock_pin_dir(pin_dir), Ok)
+    }
+
     /// The loaded programs: those loaded ahead, else loaded now.
-    pub fn take(&mut self, pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
-        if self.lock.is_none() {
-            self.lock = Some(lock_pin_dir(pin_dir)?);
-        }
+    fn load(&mut self, pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         let Some(thread) = self.loaded.take() else {
             return load(pin_dir, sizes);
         };
@@ -471,20 +482,22 @@ pub fn installed(pin_dir: &Path) -> bool {
 pub struct EbpfDataplane {
     maps: MapWriter,
     attacher: attach::AttachThread,
+    /// Held while the dataplane lives: a second agent on the same pins is refused.
+    pin_dir_lock: Option<bpffs::PinDirLock>,
 }
 
 impl EbpfDataplane {
     /// Takes the programs [`load`] loaded from `pin_dir`, starts forwarding their logs and
     /// exporting their drop counters, attaches the socket programs to the cgroup `cgroup` (for
     /// the clients of this process's network namespace), the tc programs to every interface
-    /// whose name matches `pod_interfaces`, now and as such interfaces appear, and the external
+    /// `pod_interfaces` selects, now and as such interfaces appear, and the external
     /// programs to the interfaces carrying the node addresses `external` selects. `writer` says
     /// how the maps are programmed (drain period, load-balancing algorithm).
     pub fn new(
         mut ebpf: Ebpf,
         pin_dir: &Path,
         writer: WriterConfig,
-        pod_interfaces: &str,
+        pod_interfaces: &PodInterfaces,
         external: ExternalConfig,
         cgroup: &Path,
     ) -> anyhow::Result<Self> {
@@ -500,7 +513,11 @@ impl EbpfDataplane {
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
         let attacher = attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir)?;
-        Ok(Self { maps, attacher })
+        Ok(Self {
+            maps,
+            attacher,
+            pin_dir_lock: None,
+        })
     }
 }
 

@@ -1,7 +1,7 @@
 //! What the maps should hold for a desired state: each Service port's frontends, with slot 0
 //! (flags, affinity) and the backends in slot order, and a load balancer's source ranges. A
 //! pure function of the state, as the other modes' `rules.rs`, golden-tested so that every
-//! change of what is programmed shows in review. The writer ([`super::maps`]) gives the
+//! change of what is programmed shows in review. The writer ([`super::writer`]) gives the
 //! backends their ids and applies a plan in a safe order.
 use std::{
     fmt::Write as _,
@@ -385,8 +385,7 @@ mod tests {
     }
 
     /// The plan of the Services every mode's golden files are rendered from, as node1 sees
-    /// them (an affinity Service using Maglev by its annotation, Local policies, source ranges,
-    /// endpoints elsewhere).
+    /// them (session affinity, Local policies, source ranges, endpoints elsewhere, none).
     #[test]
     fn plan_matches_the_golden_file() {
         let state = crate::testing::fixture(crate::testing::SERVICES);

@@ -899,6 +899,13 @@ impl MapWriter {
         self.services
             .insert(fe, head, 0)
             .with_context(|| format!("writing {}", describe(fe)))?;
+        // Recorded once its ranges and Maglev table are gone: a failure there is retried.
+        let ranges = self.ranges.get(fe).cloned().unwrap_or_default();
+        self.remove_ranges(fe, &ranges)?;
+        self.ranges.remove(fe);
+        if old_head.flags & SERVICE_MAGLEV != 0 {
+            self.remove_maglev(fe)?;
+        }
         // Packets no longer see the slots; what follows is cleanup (slots left by a failure
         // here are invisible, and the next agent start deletes them).
         let programmed = self.frontends.get_mut(fe).expect("read above");
@@ -910,11 +917,6 @@ impl MapWriter {
             .get_or_insert(now + self.drain_period);
         earliest(&mut self.frontend_expiry, until);
         self.used_slots -= slots;
-        let ranges = self.ranges.remove(fe).unwrap_or_default();
-        self.remove_ranges(fe, &ranges)?;
-        if old_head.flags & SERVICE_MAGLEV != 0 {
-            self.remove_maglev(fe)?;
-        }
         for slot in 1..=slots {
             self.remove_slot(&ServiceKey {
                 slot: slot as u16,

@@ -25,7 +25,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use proxy_tests::{
-    BACKEND_PORT, HOST_IF_PATTERN, NODE1_IP, Sandbox,
+    BACKEND_PORT, NODE1_IP, Sandbox,
     agent::{TestCgroup, agent_bin},
     apiserver::{self, ApiServer},
     programs::PrivateBpffs,
@@ -273,7 +273,6 @@ fn measure(
         .arg(bpffs.path())
         .arg("--bpf-cgroup-path")
         .arg(cgroup.path())
-        .args(["--pod-interfaces", HOST_IF_PATTERN])
         .args(["--healthz-bind-address", "", "--metrics-bind-address", ""])
         .args(mode_args)
         .env("RUST_LOG", "info")
