@@ -35,7 +35,7 @@ pub use client::{
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{
     BACKEND_BIN_ENV, BACKEND_PORT, EXT_IP, NODE_CIDR, NODE_IF, NODE1_IP, NODE2_IP, NS_PREFIX,
-    POD_CIDR, Pod, SERVICE_CIDR, Sandbox, backend_bin, cleanup_stale, find_bin, netns_list,
+    POD_CIDR, Pod, SERVICE_CIDR, Sandbox, Shape, backend_bin, cleanup_stale, find_bin, netns_list,
 };
 
 /// Multiplies the tests' waiting times (a kernel under software emulation is slow):

@@ -43,7 +43,48 @@ const PODS: &[(&str, u8, u8)] = &[
     ("be4", 2, 11),
 ];
 
-/// A pod: its own namespace, wired to its node by a veth pair (routed, Calico-like).
+/// How pods are wired to their node: the shapes real CNIs build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// Routed veths named `veth-<pod>`, each holding the pod's gateway (Calico-like).
+    Routed,
+    /// Veths named `veth<hash>` as ports of a `cni0` bridge that holds the pods' gateway
+    /// (flannel's default, k3s, the `bridge` plugin).
+    Bridge,
+    /// Routed veths named `eni<hash>` (the AWS VPC CNI's), which no name pattern of another
+    /// CNI matches.
+    Eni,
+}
+
+impl Shape {
+    pub const ALL: [Shape; 3] = [Shape::Routed, Shape::Bridge, Shape::Eni];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Routed => "routed",
+            Shape::Bridge => "bridge",
+            Shape::Eni => "eni",
+        }
+    }
+
+    /// The node-side interface of pod `pod`, named as this shape's CNI names it.
+    fn host_if(self, pod: &str) -> String {
+        // FNV-1a: a stable stand-in for the CNIs' hashes of the container id.
+        let hash = pod.bytes().fold(0x811c_9dc5u32, |h, b| {
+            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+        });
+        match self {
+            Shape::Routed => format!("veth-{pod}"),
+            Shape::Bridge => format!("veth{hash:08x}"),
+            Shape::Eni => format!("eni{hash:08x}"),
+        }
+    }
+}
+
+/// The bridge of [`Shape::Bridge`] in each node.
+pub const BRIDGE: &str = "cni0";
+
+/// A pod: its own namespace, wired to its node by a veth pair (see [`Shape`]).
 #[derive(Debug)]
 pub struct Pod {
     pub name: String,
@@ -51,10 +92,11 @@ pub struct Pod {
     pub ip: Ipv4Addr,
     /// "node1" or "node2".
     pub node: String,
-    /// The node-side veth (in the node's namespace), `veth-<pod>`: where tc programs go.
+    /// The node-side veth (in the node's namespace): where tc programs go.
     pub host_if: String,
-    /// The pod's default gateway, 10.244.N.1 (the address of `host_if`).
+    /// The pod's default gateway, 10.244.N.1 (the address of `host_if`, or of the bridge).
     pub gateway: Ipv4Addr,
+    pub shape: Shape,
 }
 
 impl Pod {
@@ -65,22 +107,37 @@ impl Pod {
     /// `ip` lines for the node side, run in the node once `host_if` is there.
     fn host_side(&self) -> Vec<String> {
         let hif = &self.host_if;
-        vec![
-            format!("link set {hif} up"),
-            format!("addr add {}/32 dev {hif}", self.gateway),
-            format!("route add {}/32 dev {hif} scope link", self.ip),
-        ]
+        match self.shape {
+            // Hairpin on, as the bridge plugin's `hairpinMode` and flannel set it: a pod
+            // reaching itself through a Service gets its frame back through its own port.
+            Shape::Bridge => vec![
+                format!("link set {hif} master {BRIDGE} up"),
+                format!("link set {hif} type bridge_slave hairpin on"),
+            ],
+            Shape::Routed | Shape::Eni => vec![
+                format!("link set {hif} up"),
+                format!("addr add {}/32 dev {hif}", self.gateway),
+                format!("route add {}/32 dev {hif} scope link", self.ip),
+            ],
+        }
     }
 
     /// `ip` lines for the pod side, run in the pod once its `eth0` is there.
     fn pod_side(&self) -> Vec<String> {
-        vec![
-            "link set lo up".to_string(),
-            format!("addr add {}/32 dev eth0", self.ip),
-            "link set eth0 up".to_string(),
-            format!("route add {} dev eth0 scope link", self.gateway),
-            format!("route add default via {} dev eth0", self.gateway),
-        ]
+        let mut lines = vec!["link set lo up".to_string()];
+        match self.shape {
+            Shape::Bridge => lines.extend([
+                format!("addr add {}/24 dev eth0", self.ip),
+                "link set eth0 up".to_string(),
+            ]),
+            Shape::Routed | Shape::Eni => lines.extend([
+                format!("addr add {}/32 dev eth0", self.ip),
+                "link set eth0 up".to_string(),
+                format!("route add {} dev eth0 scope link", self.gateway),
+            ]),
+        }
+        lines.push(format!("route add default via {} dev eth0", self.gateway));
+        lines
     }
 }
 
@@ -112,6 +169,7 @@ pub struct Sandbox {
     pub node1: Netns,
     pub node2: Netns,
     pub pods: Vec<Pod>,
+    pub shape: Shape,
     procs: Vec<Proc>,
     backend_bin: Option<PathBuf>,
 }
@@ -119,8 +177,14 @@ pub struct Sandbox {
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 impl Sandbox {
-    /// Builds the whole topology (about 9 namespaces); takes some tens of milliseconds.
+    /// Builds the whole topology (about 9 namespaces), pods routed; takes some tens of
+    /// milliseconds.
     pub fn build() -> Result<Sandbox> {
+        Self::build_shaped(Shape::Routed)
+    }
+
+    /// [`Sandbox::build`], the pods wired as `shape` says.
+    pub fn build_shaped(shape: Shape) -> Result<Sandbox> {
         static CLEANUP: Once = Once::new();
         CLEANUP.call_once(cleanup_stale);
 
@@ -143,10 +207,12 @@ impl Sandbox {
                     ns: Netns::adopt(&name(pod)),
                     ip: Ipv4Addr::new(10, 244, node, octet),
                     node: format!("node{node}"),
-                    host_if: format!("veth-{pod}"),
+                    host_if: shape.host_if(pod),
                     gateway: Ipv4Addr::new(10, 244, node, 1),
+                    shape,
                 })
                 .collect(),
+            shape,
             prefix,
             procs: Vec::new(),
             backend_bin: None,
@@ -178,6 +244,12 @@ impl Sandbox {
                 cmd.args(["-q", "-w"]).args(COMMON_SYSCTLS);
                 if ns.name == self.node1.name || ns.name == self.node2.name {
                     cmd.arg("net.ipv4.ip_forward=1");
+                    if self.shape == Shape::Bridge {
+                        // What kube-proxy needs of a bridge node (kubeadm checks it): bridged
+                        // frames meet netfilter, so a reply from a pod on the same bridge is
+                        // translated back.
+                        cmd.arg("net.bridge.bridge-nf-call-iptables=1");
+                    }
                 }
                 cmd
             })
@@ -200,6 +272,15 @@ impl Sandbox {
             fabric.push(format!("link set fab-{role} master br0 up"));
         }
         let mut node_links = [Vec::new(), Vec::new()];
+        if self.shape == Shape::Bridge {
+            for (n, lines) in node_links.iter_mut().enumerate() {
+                lines.extend([
+                    format!("link add {BRIDGE} type bridge"),
+                    format!("addr add 10.244.{}.1/24 dev {BRIDGE}", n + 1),
+                    format!("link set {BRIDGE} up"),
+                ]);
+            }
+        }
         for pod in &self.pods {
             let lines = &mut node_links[if pod.node == "node1" { 0 } else { 1 }];
             let (hif, pns) = (&pod.host_if, &pod.ns.name);
@@ -259,7 +340,8 @@ impl Sandbox {
 
     /// Adds a pod to the running sandbox the way CNI plugins wire one the kubelet starts: the
     /// veth pair is made in the pod's namespace, its node side moved to the node under a
-    /// temporary name and renamed `veth-<name>` there, then both sides get their addresses and
+    /// temporary name and renamed as the sandbox's shape names it there (`veth-<name>` when
+    /// routed), then both sides get their addresses and
     /// routes. Returns as soon as the pod can send. `name` has at most 10 characters (interface
     /// names have 15); the pod is 10.244.N.`octet` on node N.
     pub fn add_pod(&mut self, name: &str, node: &str, octet: u8) -> Result<&Pod> {
@@ -275,8 +357,9 @@ impl Sandbox {
             ns,
             ip: Ipv4Addr::new(10, 244, n, octet),
             node: node.to_string(),
-            host_if: format!("veth-{name}"),
+            host_if: self.shape.host_if(name),
             gateway: Ipv4Addr::new(10, 244, n, 1),
+            shape: self.shape,
         });
         let pod = self.pods.last().expect("just added");
         let node_ns = self.node(node);
@@ -338,7 +421,7 @@ impl Sandbox {
         }
     }
 
-    /// The node-side pod interfaces of a node (`veth-<pod>`).
+    /// The node-side pod interfaces of a node.
     pub fn host_ifs(&self, node: &str) -> Vec<&str> {
         self.pods
             .iter()

@@ -1,19 +1,19 @@
-//! The scenario suite (`proxy_tests::scenarios`) in every mode that runs here, one test each;
-//! every test rewrites `docs/parity.md` from the results of all modes.
+//! The scenario suite (`proxy_tests::scenarios`) in every mode that runs here on every node
+//! shape, one test each; every test rewrites `docs/parity.md` from the results of all.
 use std::sync::Mutex;
 
 use proxy_tests::{
-    BACKEND_PORT, Sandbox,
+    BACKEND_PORT, Sandbox, Shape,
     agent::{AgentRun, AgentSource},
     example::{MANIFEST, WEB},
     privileged, scenarios, tcp_request,
 };
 
-/// Runs the suite in `mode`, then writes the parity table (even when scenarios failed: the table
-/// shows which).
-fn suite(test: &str, mode: &str) {
+/// Runs the suite in `mode` with pods wired as `shape`, then writes the parity tables (even when
+/// scenarios failed: the tables show which).
+fn suite(test: &str, mode: &str, shape: Shape) {
     static TABLE: Mutex<()> = Mutex::new(());
-    let result = std::panic::catch_unwind(|| scenarios::run(test, mode));
+    let result = std::panic::catch_unwind(|| scenarios::run(test, mode, shape));
     {
         let _one_writer = TABLE.lock().unwrap_or_else(|e| e.into_inner());
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/parity.md");
@@ -24,30 +24,35 @@ fn suite(test: &str, mode: &str) {
     }
 }
 
-#[test]
-fn ebpf() {
-    suite("scenarios::ebpf", "ebpf");
+/// One test a mode and shape: routed pods (`<mode>`), bridged (`<mode>_bridge`), and named as
+/// the AWS VPC CNI names them (`<mode>_eni`). The IPVS ones are skipped (loudly) where the
+/// kernel has no IPVS: `cargo xtask vm-test` runs them.
+macro_rules! suites {
+    ($($routed:ident $bridge:ident $eni:ident: $mode:literal;)*) => {$(
+        #[test]
+        fn $routed() {
+            suite(concat!("scenarios::", stringify!($routed)), $mode, Shape::Routed);
+        }
+
+        #[test]
+        fn $bridge() {
+            suite(concat!("scenarios::", stringify!($bridge)), $mode, Shape::Bridge);
+        }
+
+        #[test]
+        fn $eni() {
+            suite(concat!("scenarios::", stringify!($eni)), $mode, Shape::Eni);
+        }
+    )*};
 }
 
-#[test]
-fn iptables_legacy() {
-    suite("scenarios::iptables_legacy", "iptables-legacy");
-}
-
-#[test]
-fn iptables_nft() {
-    suite("scenarios::iptables_nft", "iptables-nft");
-}
-
-#[test]
-fn nftables() {
-    suite("scenarios::nftables", "nftables");
-}
-
-/// Skipped (loudly) where the kernel has no IPVS: `cargo xtask vm-test` runs it.
-#[test]
-fn ipvs() {
-    suite("scenarios::ipvs", "ipvs");
+suites! {
+    ebpf ebpf_bridge ebpf_eni: "ebpf";
+    iptables_legacy iptables_legacy_bridge iptables_legacy_eni: "iptables-legacy";
+    iptables_nft iptables_nft_bridge iptables_nft_eni: "iptables-nft";
+    nftables nftables_bridge nftables_eni: "nftables";
+    ipvs ipvs_bridge ipvs_eni: "ipvs";
+    userspace userspace_bridge userspace_eni: "userspace";
 }
 
 /// `--proxy-mode auto` where the BPF programs cannot load (a services map of 0 entries makes
@@ -90,11 +95,6 @@ fn auto_mode_falls_back_to_nftables_where_ebpf_cannot_load() {
         pins.is_empty(),
         "pins left by the failed ebpf start: {pins:?}"
     );
-}
-
-#[test]
-fn userspace() {
-    suite("scenarios::userspace", "userspace");
 }
 
 /// Switching a node from one mode to another leaves nothing of the previous one: each agent
