@@ -113,7 +113,10 @@ pub const DROP_SOURCE_RANGE: u32 = 4;
 pub const DROP_SNAT_PORTS_EXHAUSTED: u32 = 5;
 /// A translated external packet had no route to its new destination.
 pub const DROP_NO_ROUTE: u32 = 6;
-pub const DROP_REASONS: u32 = 7;
+/// A translated external packet (not a GRO or GSO one: those are segmented on the way out) is
+/// bigger than its egress interface's MTU.
+pub const DROP_FRAG_NEEDED: u32 = 7;
+pub const DROP_REASONS: u32 = 8;
 /// The last [`MAP_DROPS`] entry: when this CPU last logged a drop (logs are rate limited).
 pub const DROPS_LAST_LOG: u32 = DROP_REASONS;
 pub const DROPS_ENTRIES: u32 = DROP_REASONS + 1;
@@ -126,6 +129,7 @@ pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] = [
     "source_range",
     "snat_ports_exhausted",
     "no_route",
+    "frag_needed",
 ];
 
 /// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);

@@ -13,17 +13,18 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_UNSPEC, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        TC_ACT_UNSPEC, bpf_fib_lookup,
     },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh},
     maps::lpm_trie::Key,
     programs::TcContext,
 };
 use proxy_common::{
-    BACKEND_LOCAL, Backend, Be16, Be32, CONFIG_SNAT_ADDR, CtKey, DROP_NO_LOCAL_ENDPOINTS,
-    DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE, SERVICE_DRAINING,
-    SERVICE_LOCAL_ONLY, SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS,
-    ServiceKey, SourceRangeKey,
+    BACKEND_LOCAL, Backend, Be16, Be32, CONFIG_SNAT_ADDR, CtKey, DROP_FRAG_NEEDED,
+    DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE,
+    SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, SourceRangeKey,
 };
 
 use crate::{
@@ -132,7 +133,9 @@ fn source_allowed(svc_key: &ServiceKey, source: Be32) -> bool {
 }
 
 /// A route lookup for a translated packet `key` (of `tot_len` bytes) that came in on
-/// `ifindex`: the return code, and the egress interface and MAC addresses on success.
+/// `ifindex`: the return code, and the egress interface and MAC addresses on success. A
+/// `tot_len` of 0 has the kernel check the MTU as its own forwarding does, GSO-aware (a GRO
+/// packet's length is that of all its segments).
 #[inline(always)]
 pub fn route<C: EbpfContext>(
     ctx: &C,
@@ -188,8 +191,11 @@ pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
 fn forward_tc(ctx: &TcContext, flow: &Flow) -> Result<i32, Drop> {
     // SAFETY: reading the context's ifindex.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let (rc, params) = route(ctx, &flow.key, flow.tot_len, ifindex);
+    let (rc, params) = route(ctx, &flow.key, 0, ifindex);
     let rc = rc as u32;
+    if rc == BPF_FIB_LKUP_RET_FRAG_NEEDED {
+        return Err(Drop(DROP_FRAG_NEEDED));
+    }
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return Err(Drop(DROP_NO_ROUTE));
     }

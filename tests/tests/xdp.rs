@@ -16,8 +16,8 @@ use std::{
 
 use proxy_common::{
     Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey,
-    CtValue, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE,
-    IFACE_XDP_FORWARD,
+    CtValue, DROP_FRAG_NEEDED, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED,
+    DROP_SOURCE_RANGE, IFACE_XDP_FORWARD,
 };
 use proxy_tests::{
     NS_PREFIX, Netns,
@@ -958,6 +958,24 @@ fn forwarding_follows_the_route_and_what_xdp_may_do() {
     untouched_xdp(&lab, &frame, "TTL 1");
     assert_eq!(lab.tc("tc_external_ingress", &frame).0, TC_ACT_SHOT);
     assert_eq!(lab.p.drops(DROP_NO_ROUTE), 2);
+
+    // Bigger than the egress interface's MTU (and not a GRO packet, which the kernel would
+    // segment): XDP leaves it to tc, which drops it, counted as such (not as a missing route).
+    lab.ns
+        .ip_batch(&["link set ext1 mtu 1280".to_string()])
+        .unwrap();
+    let big = Spec {
+        payload: vec![7; 1300],
+        ..Spec::tcp(CLIENT, 44006, NODE, 30081)
+    };
+    let frame = from_client(&big);
+    untouched_xdp(&lab, &frame, "bigger than the egress MTU");
+    assert_eq!(lab.tc("tc_external_ingress", &frame).0, TC_ACT_SHOT);
+    assert_eq!(lab.p.drops(DROP_FRAG_NEEDED), 1);
+    assert_eq!(lab.p.drops(DROP_NO_ROUTE), 2);
+    // What fits is sent as before.
+    let fits = from_client(&Spec::tcp(CLIENT, 44007, NODE, 30081));
+    assert_eq!(lab.tc("tc_external_ingress", &fits).0, TC_ACT_REDIRECT);
 }
 
 /// XDP handles only headers without options; tc translates those.
