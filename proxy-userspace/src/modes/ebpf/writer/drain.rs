@@ -1,0 +1,204 @@
+//! Draining: removed frontends and leaving endpoints keep their established TCP connections
+//! for the drain period, then go.
+use super::*;
+
+/// How long a backend id flagged draining stays.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Drain {
+    /// While its endpoint is still listed (not ready, or terminating).
+    WhileListed,
+    /// Until then (its endpoint is gone).
+    Until(Instant),
+}
+
+/// Makes `first` the earlier of itself and `t`.
+pub(super) fn earliest(first: &mut Option<Instant>, t: Instant) {
+    *first = Some(first.map_or(t, |f| f.min(t)));
+}
+
+impl MapWriter {
+    /// Turns `fe` into a draining head: no new flows, established TCP connections through it
+    /// keep their (draining) backends until the drain period ends.
+    pub(super) fn drain_frontend(&mut self, fe: &Frontend, now: Instant) -> anyhow::Result<()> {
+        let Some(programmed) = self.frontends.get(fe) else {
+            return Ok(());
+        };
+        let (slots, old_head) = (programmed.slots.len(), programmed.head);
+        // Established flows from outside still find it (the programs for outside traffic look
+        // only at external frontends).
+        let external = old_head.flags & (SERVICE_EXTERNAL | SERVICE_LOAD_BALANCER);
+        let head = ServiceValue::head(0, SERVICE_DRAINING | external, 0);
+        self.services
+            .insert(fe, head, 0)
+            .with_context(|| format!("writing {}", describe(fe)))?;
+        // Recorded once its ranges and Maglev table are gone: a failure there is retried.
+        let ranges = self.ranges.get(fe).cloned().unwrap_or_default();
+        self.remove_ranges(fe, &ranges)?;
+        self.ranges.remove(fe);
+        if old_head.flags & SERVICE_MAGLEV != 0 {
+            self.remove_maglev(fe)?;
+        }
+        // Packets no longer see the slots; what follows is cleanup (slots left by a failure
+        // here are invisible, and the next agent start deletes them).
+        let programmed = self.frontends.get_mut(fe).expect("read above");
+        programmed.slots.clear();
+        programmed.head = head;
+        programmed.claim = None;
+        let until = *programmed
+            .draining_until
+            .get_or_insert(now + self.drain_period);
+        earliest(&mut self.frontend_expiry, until);
+        self.used_slots -= slots;
+        for slot in 1..=slots {
+            self.remove_slot(&ServiceKey {
+                slot: slot as u16,
+                ..*fe
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Flags the ids of `spn` that no slot of its frontends uses as draining: until the
+    /// endpoint has been gone from the state for the drain period.
+    pub(super) fn drain_backends(
+        &mut self,
+        state: &DesiredState,
+        spn: &ServicePortName,
+        now: Instant,
+    ) -> anyhow::Result<()> {
+        let Some(ids) = self.ids.get(spn) else {
+            return Ok(());
+        };
+        let in_slots: HashSet<u32> = self
+            .owners
+            .get(spn)
+            .into_iter()
+            .flatten()
+            .filter_map(|fe| self.frontends.get(fe))
+            .flat_map(|p| &p.slots)
+            .copied()
+            .collect();
+        let listed: HashSet<Backend> = listed_backends(state, spn).into_iter().collect();
+        let leaving: Vec<(Backend, u32)> = ids
+            .iter()
+            .filter(|(_, id)| !in_slots.contains(id))
+            .collect();
+        for (b, id) in leaving {
+            let previous = self.by_id[&id].drain;
+            let drain = match previous {
+                _ if listed.contains(&b) => Drain::WhileListed,
+                Some(Drain::Until(until)) => Drain::Until(until),
+                _ => Drain::Until(now + self.drain_period),
+            };
+            if previous.is_none() {
+                self.flag_draining(id, b)?;
+            }
+            if let Drain::Until(until) = drain {
+                earliest(&mut self.backend_expiry, until);
+            }
+            self.by_id.get_mut(&id).expect("ids and by_id agree").drain = Some(drain);
+        }
+        Ok(())
+    }
+
+    /// After the first full sync since a restart: what the pinned maps held that no port
+    /// claimed drains for a period from now (a Service deleted while no agent ran).
+    pub(super) fn drain_unclaimed(&mut self, now: Instant) -> anyhow::Result<()> {
+        let claimed: HashSet<Frontend> = self.owners.values().flatten().copied().collect();
+        let stale: Vec<Frontend> = self
+            .frontends
+            .iter()
+            .filter(|(fe, p)| !claimed.contains(fe) && p.draining_until.is_none())
+            .map(|(fe, _)| *fe)
+            .collect();
+        for fe in stale {
+            self.drain_frontend(&fe, now)?;
+        }
+        let unclaimed: Vec<(u32, Backend)> = self
+            .by_id
+            .iter()
+            .filter(|(_, s)| s.owner.is_none() && s.drain.is_none())
+            .map(|(id, s)| (*id, s.backend))
+            .collect();
+        for (id, b) in unclaimed {
+            self.flag_draining(id, b)?;
+            let until = now + self.drain_period;
+            earliest(&mut self.backend_expiry, until);
+            self.by_id.get_mut(&id).expect("listed above").drain = Some(Drain::Until(until));
+        }
+        Ok(())
+    }
+
+    /// Marks backend `id` (endpoint `b`) draining in the map: no new flows, established TCP
+    /// connections stay.
+    pub(super) fn flag_draining(&mut self, id: u32, b: Backend) -> anyhow::Result<()> {
+        let flagged = Backend {
+            flags: b.flags | BACKEND_DRAINING,
+            ..b
+        };
+        self.backends
+            .insert(id, flagged, 0)
+            .with_context(|| format!("flagging backend {id} draining"))
+    }
+
+    /// Deletes the draining frontends and backends whose drain period is over.
+    pub(crate) fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
+        if self.unknown {
+            return Ok(()); // the next sync reads the maps back first
+        }
+        // The frontends are walked only when one may be due (every second otherwise).
+        if self.frontend_expiry.is_some_and(|first| first <= now) {
+            let mut done = Vec::new();
+            self.frontend_expiry = None;
+            for (fe, p) in &self.frontends {
+                match p.draining_until {
+                    Some(until) if until <= now => done.push(*fe),
+                    Some(until) => earliest(&mut self.frontend_expiry, until),
+                    None => {}
+                }
+            }
+            for fe in done {
+                if let Err(e) = self.remove_slot(&fe) {
+                    self.frontend_expiry = Some(now);
+                    return Err(e);
+                }
+                self.frontends.remove(&fe);
+                self.used_slots -= 1;
+            }
+        }
+        if self.backend_expiry.is_none_or(|first| first > now) {
+            return Ok(());
+        }
+        let mut done = Vec::new();
+        self.backend_expiry = None;
+        for (id, s) in &self.by_id {
+            match s.drain {
+                Some(Drain::Until(until)) if until <= now => done.push(*id),
+                Some(Drain::Until(until)) => earliest(&mut self.backend_expiry, until),
+                _ => {}
+            }
+        }
+        for id in done {
+            match self.backends.remove(&id) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(e) => {
+                    self.backend_expiry = Some(now);
+                    return Err(e).with_context(|| format!("deleting backend {id}"));
+                }
+            }
+            if let Some(IdState {
+                backend,
+                owner: Some(owner),
+                ..
+            }) = self.by_id.remove(&id)
+                && let Some(ids) = self.ids.get_mut(&owner)
+            {
+                ids.remove(&backend);
+                if ids.is_empty() {
+                    self.ids.remove(&owner);
+                }
+            }
+        }
+        Ok(())
+    }
+}

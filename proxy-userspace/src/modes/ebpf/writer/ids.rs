@@ -1,0 +1,110 @@
+//! Backend ids: one per endpoint of each service port, from a counter reserved in blocks in
+//! `agent_state`, kept while the endpoint is listed or draining.
+use super::*;
+
+/// The backend ids of one service port, by endpoint, sorted: a port has a few endpoints, where a
+/// hash map's table would take several times their size (megabytes at 30k Services).
+#[derive(Default)]
+pub(super) struct PortIds(Vec<(Backend, u32)>);
+
+impl PortIds {
+    pub(super) fn find(&self, b: &Backend) -> Result<usize, usize> {
+        self.0.binary_search_by(|(x, _)| x.cmp(b))
+    }
+
+    pub(super) fn get(&self, b: &Backend) -> Option<u32> {
+        self.find(b).ok().map(|i| self.0[i].1)
+    }
+
+    pub(super) fn insert(&mut self, b: Backend, id: u32) {
+        match self.find(&b) {
+            Ok(i) => self.0[i].1 = id,
+            Err(i) => self.0.insert(i, (b, id)),
+        }
+    }
+
+    pub(super) fn remove(&mut self, b: &Backend) {
+        if let Ok(i) = self.find(b) {
+            self.0.remove(i);
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = (Backend, u32)> + '_ {
+        self.0.iter().copied()
+    }
+}
+
+pub(super) struct IdState {
+    pub(super) backend: Backend,
+    /// None: recovered from the pinned maps and not yet claimed by a port.
+    pub(super) owner: Option<ServicePortName>,
+    /// Flagged draining in the map: no new flows, established TCP connections stay.
+    pub(super) drain: Option<Drain>,
+}
+
+/// Ids reserved in `agent_state` at a time: one map write per this many new backends.
+pub(super) const ID_BLOCK: u32 = 1024;
+
+impl MapWriter {
+    /// The id `b` already has in `spn`: its own, or, right after a restart, the id that the
+    /// slots `old` of a recovered frontend give that endpoint.
+    pub(super) fn id_of(&self, spn: &ServicePortName, old: &[u32], b: &Backend) -> Option<u32> {
+        if let Some(id) = self.ids.get(spn).and_then(|ids| ids.get(b)) {
+            return Some(id);
+        }
+        old.iter().copied().find(|id| {
+            self.by_id.get(id).is_some_and(|s| {
+                s.owner.is_none() && s.backend.flags & BACKEND_DRAINING == 0 && s.backend == *b
+            })
+        })
+    }
+
+    /// The id of endpoint `b` in `spn`: kept (and taken out of draining) when it has one, new
+    /// (and written to the backends map) otherwise.
+    pub(super) fn acquire(
+        &mut self,
+        spn: &ServicePortName,
+        old: &[u32],
+        b: &Backend,
+    ) -> anyhow::Result<u32> {
+        if let Some(id) = self.id_of(spn, old, b) {
+            if self.by_id[&id].drain.is_some() {
+                self.write_backend(id, b)?;
+            }
+            let state = self.by_id.get_mut(&id).expect("ids and by_id agree");
+            state.drain = None;
+            if state.owner.is_none() {
+                state.owner = Some(spn.clone());
+                self.ids.entry(spn.clone()).or_default().insert(*b, id);
+            }
+            return Ok(id);
+        }
+        let mut id = self.next_id;
+        while id == LOST || self.by_id.contains_key(&id) {
+            id = id.wrapping_add(1);
+        }
+        if id >= self.reserved_until {
+            let until = id.saturating_add(ID_BLOCK);
+            self.agent_state
+                .set(AGENT_STATE_NEXT_BACKEND_ID, u64::from(until), 0)
+                .context("reserving backend ids")?;
+            self.reserved_until = until;
+        }
+        self.write_backend(id, b)?;
+        self.next_id = id.wrapping_add(1);
+        self.ids.entry(spn.clone()).or_default().insert(*b, id);
+        self.by_id.insert(
+            id,
+            IdState {
+                backend: *b,
+                owner: Some(spn.clone()),
+                drain: None,
+            },
+        );
+        Ok(id)
+    }
+}

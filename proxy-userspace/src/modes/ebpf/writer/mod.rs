@@ -1,0 +1,544 @@
+//! Writing the desired state into the services and backends maps.
+//!
+//! Write order keeps every intermediate state valid for packets in flight (after Cilium): new
+//! backends, then a frontend's backend slots, then its slot 0 with the new count, then surplus
+//! slots are deleted, and only then are the endpoints that left marked draining.
+//!
+//! A sync runs in two phases, so that its result does not depend on the order of the service
+//! ports: first every wanted frontend is programmed, then the frontends nobody wants any more
+//! are removed (an address handed from one Service to another stays with the new one). The
+//! first phase's writes go in batches that keep the write order (see [`MapWriter::flush`]).
+//!
+//! Nothing is cut at once: a backend that leaves its service port is kept, flagged draining
+//! (established TCP connections stay on it, new connections and UDP go elsewhere), and a removed
+//! frontend is kept as a draining head without slots (count 0), so the TCP connections through
+//! a deleted Service keep working too. Both go once the endpoint (or frontend) has been gone
+//! from the desired state for the drain period; an endpoint still listed but not usable (not
+//! ready, terminating) drains for as long as it is listed. An endpoint that comes back within
+//! its drain gets its old id back, so its flows are untouched.
+mod drain;
+mod ids;
+mod recover;
+mod tables;
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, anyhow};
+use aya::{
+    Ebpf,
+    maps::{
+        Array, HashMap as BpfHashMap, IterableMap, MapData, MapError,
+        lpm_trie::{Key as LpmKey, LpmTrie},
+    },
+};
+use proxy_common::{
+    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be32, CONFIG_MAGLEV_TABLE_SIZE,
+    MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV, MAP_SERVICES,
+    MAP_SOURCE_RANGES, MaglevChunk, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
+    SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
+};
+
+use foldhash::{HashMap, HashSet};
+
+use self::{
+    drain::{Drain, earliest},
+    ids::{IdState, PortIds},
+};
+use super::{
+    batch, maglev,
+    plan::{self, Frontend, FrontendPlan, describe, listed_backends},
+};
+use crate::{
+    dataplane::{NotProgrammable, Scope},
+    model::{DesiredState, LbAlgorithm, ServicePortName},
+};
+
+/// How long a removed endpoint or Service keeps serving the TCP connections established
+/// through it, by default (`--bpf-drain-period`).
+pub const DEFAULT_DRAIN_PERIOD: Duration = Duration::from_secs(3600);
+
+/// How the map writer programs: what a change keeps, and how new flows pick backends.
+#[derive(Clone, Copy, Debug)]
+pub struct WriterConfig {
+    /// How long removed endpoints and Services keep their established TCP connections.
+    pub drain_period: Duration,
+    /// The algorithm of Services without the annotation (`--lb-algorithm`).
+    pub lb_algorithm: LbAlgorithm,
+    /// Maglev's table size, a prime (`--lb-maglev-table-size`).
+    pub maglev_table_size: u32,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        Self {
+            drain_period: DEFAULT_DRAIN_PERIOD,
+            lb_algorithm: LbAlgorithm::Random,
+            maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
+        }
+    }
+}
+
+pub struct MapWriter {
+    services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
+    backends: BpfHashMap<MapData, u32, Backend>,
+    services_max: usize,
+    backends_max: usize,
+    drain_period: Duration,
+    lb_algorithm: LbAlgorithm,
+    maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
+    maglev_table_size: u32,
+    /// The pinned tables were made for another table size: rewrite each at its next sync.
+    maglev_stale: bool,
+    /// What the services map holds, by frontend.
+    frontends: HashMap<Frontend, Programmed>,
+    /// When the first draining frontend's period ends (None: none drains).
+    frontend_expiry: Option<Instant>,
+    /// Which frontends each service port put there.
+    owners: HashMap<ServicePortName, Vec<Frontend>>,
+    /// Entries of the services map, counted (heads, draining ones included, and slots).
+    used_slots: usize,
+    /// Backend ids of each service port, by endpoint. Ids come from a counter, are not reused
+    /// soon, and belong to one port, so the draining flag of an id says whether that endpoint
+    /// is still in that port, and a conntrack entry never finds a different backend.
+    ids: HashMap<ServicePortName, PortIds>,
+    by_id: HashMap<u32, IdState>,
+    /// When the first draining backend's period ends (None: none drains for a period).
+    backend_expiry: Option<Instant>,
+    next_id: u32,
+    /// Ids below this may have been handed out (so a restarted agent starts above it). Kept in
+    /// `agent_state` and raised a block at a time before an id past it is used, so even an agent
+    /// that dies mid-sync never lets its successor reuse one.
+    reserved_until: u32,
+    agent_state: Array<MapData, u64>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    /// The source ranges written for each frontend.
+    ranges: HashMap<Frontend, Vec<(Ipv4Addr, u8)>>,
+    /// During a sync's first phase: the writes to the services and backends maps, held back to
+    /// be made a batch at a time (see [`Self::flush`]).
+    batch: Option<Batch>,
+    /// A batch failed and reading the maps back failed too: what is recorded above may not be
+    /// what the maps hold, so nothing is written or expired until they are read back.
+    unknown: bool,
+}
+
+/// What the services map holds for one frontend.
+struct Programmed {
+    /// Its backend ids, in slot order (none for a draining frontend; [`LOST`] for a slot a
+    /// damaged map lost).
+    slots: Vec<u32>,
+    /// What slot 0 holds.
+    head: ServiceValue,
+    /// Removed: a draining head without slots until then.
+    draining_until: Option<Instant>,
+    /// The port that last programmed it: when a Service's address passes to another (a rename
+    /// keeping the cluster IP), the old one's removal must not take it away. None: recovered
+    /// from the pins and not claimed yet, or draining.
+    claim: Option<ServicePortName>,
+}
+
+/// Writes held back, in the order they were asked for.
+#[derive(Default)]
+struct Batch {
+    backend_ids: Vec<u32>,
+    backends: Vec<Backend>,
+    service_keys: Vec<ServiceKey>,
+    services: Vec<ServiceValue>,
+}
+
+impl Batch {
+    /// Writes a batch holds before it is made: enough that system calls cost little, few enough
+    /// that the batch costs no memory to speak of.
+    const SIZE: usize = 8192;
+
+    fn is_full(&self) -> bool {
+        self.backends.len() + self.services.len() >= Self::SIZE
+    }
+
+    fn clear(&mut self) {
+        self.backend_ids.clear();
+        self.backends.clear();
+        self.service_keys.clear();
+        self.services.clear();
+    }
+}
+
+/// A slot whose id a damaged map lost: never an id (ids start at 1), so it is rewritten.
+const LOST: u32 = 0;
+
+impl MapWriter {
+    pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
+        let ports: Vec<ServicePortName> = match scope {
+            Scope::All => {
+                // Sorted, so that a given state always gets the same ids.
+                let mut all: BTreeSet<&ServicePortName> = state.port_names().collect();
+                all.extend(self.owners.keys());
+                all.extend(self.ids.keys());
+                all.into_iter().cloned().collect()
+            }
+            Scope::Changed(changed) => changed.iter().cloned().collect(),
+        };
+        if self.unknown {
+            self.read_back()
+                .context("reading the maps back after a failed batch of writes")?;
+        }
+        let now = Instant::now();
+        let mut errors = Errors::default();
+        // Phase 1: every wanted frontend, its writes made in batches.
+        self.batch = Some(Batch::default());
+        let mut previous = Vec::with_capacity(ports.len());
+        for spn in &ports {
+            let old = self.owners.remove(spn).unwrap_or_default();
+            let mut owned = Vec::new();
+            for wanted in plan::frontends(state, spn, self.lb_algorithm) {
+                let fe = wanted.fe;
+                // Some frontends need their writes made at once: after what is held back.
+                let direct = self.writes_directly(&wanted);
+                if direct || self.batch.as_ref().is_some_and(Batch::is_full) {
+                    self.flush()?;
+                }
+                let held = if direct { self.batch.take() } else { None };
+                let programmed = self.program(spn, &wanted);
+                if direct {
+                    self.batch = held;
+                }
+                match programmed {
+                    Ok(()) => {
+                        owned.push(fe);
+                        if let Some(p) = self.frontends.get_mut(&fe) {
+                            p.claim = Some(spn.clone());
+                        }
+                    }
+                    Err(e) => {
+                        // It keeps serving what it had (also one recovered after a restart,
+                        // which no port claimed yet): still ours.
+                        let ours = self
+                            .frontends
+                            .get(&fe)
+                            .is_some_and(|p| p.claim.as_ref().is_none_or(|owner| owner == spn));
+                        if ours {
+                            owned.push(fe);
+                        }
+                        errors.add(spn, e);
+                    }
+                }
+            }
+            previous.push(old);
+            if !owned.is_empty() {
+                self.owners.insert(spn.clone(), owned);
+            }
+        }
+        self.flush()?;
+        self.batch = None;
+        // Phase 2: the frontends their ports no longer want, unless another port has them now.
+        for (spn, old) in ports.iter().zip(previous) {
+            for fe in old {
+                let claimed_by = self.frontends.get(&fe).and_then(|p| p.claim.as_ref());
+                if claimed_by == Some(spn) && self.owned_by(spn, &fe) {
+                    continue; // still wanted
+                }
+                if claimed_by.is_some_and(|owner| owner != spn) {
+                    continue; // another port serves this address now
+                }
+                if let Err(e) = self.drain_frontend(&fe, now) {
+                    // It keeps serving what it had: still ours.
+                    self.owners.entry(spn.clone()).or_default().push(fe);
+                    errors.add(spn, e);
+                }
+            }
+            if let Err(e) = self.drain_backends(state, spn, now) {
+                errors.add(spn, e);
+            }
+        }
+        if matches!(scope, Scope::All) {
+            if let Err(e) = self.drain_unclaimed(now) {
+                errors.failures.push(format!("recovered entries: {e:#}"));
+            }
+            if let Err(e) = self.expire(now) {
+                errors
+                    .failures
+                    .push(format!("expiring drained entries: {e:#}"));
+            }
+            if errors.failures.is_empty() {
+                // Every table was written for the current size (or failed and stays stale).
+                self.maglev_stale = false;
+            }
+        }
+        errors.into_result(ports.len())
+    }
+
+    /// Whether `wanted` needs writes that must follow its slot 0 at once, or more than the
+    /// services and backends maps around it: slots to delete (it shrinks; held back, their
+    /// deletion could overtake a later write of the same frontend, and would free room only
+    /// after the batch), a Maglev table, or source ranges (now, or to remove).
+    fn writes_directly(&self, wanted: &FrontendPlan) -> bool {
+        let maglev = |head: &ServiceValue| head.flags & SERVICE_MAGLEV != 0;
+        let programmed = self.frontends.get(&wanted.fe);
+        wanted.backends.len() < programmed.map_or(0, |p| p.slots.len())
+            || maglev(&wanted.head)
+            || programmed.is_some_and(|p| maglev(&p.head))
+            || !wanted.source_ranges.is_empty()
+            || self.ranges.contains_key(&wanted.fe)
+    }
+
+    /// Makes the writes held back, each kind a system call: the new backends, then the slots
+    /// and heads in the order they were asked for. That is the order each frontend needs, so a
+    /// failure leaves every frontend serving, with its old backends or its new ones. The writer
+    /// then forgets what it had recorded and reads the maps back, and fails the sync: the next
+    /// one, a full one, writes what is missing.
+    fn flush(&mut self) -> anyhow::Result<()> {
+        let Some(mut batch) = self.batch.take() else {
+            return Ok(());
+        };
+        let written = batch::update(&self.backends, &batch.backend_ids, &batch.backends)
+            .map_err(|(n, e)| (n, batch.backends.len(), "backends", e))
+            .and_then(|()| {
+                batch::update(&self.services, &batch.service_keys, &batch.services)
+                    .map_err(|(n, e)| (n, batch.services.len(), "service slots", e))
+            });
+        if let Err((n, of, what, e)) = written {
+            let written = n.map_or("some or none".to_owned(), |n| n.to_string());
+            let failed = anyhow!("writing {what} ({written} of {of} written): {e}");
+            self.unknown = true;
+            return Err(match self.read_back() {
+                Ok(()) => failed.context("the maps were read back; the next sync rewrites them"),
+                Err(again) => {
+                    failed.context(format!("reading the maps back failed too: {again:#}"))
+                }
+            });
+        }
+        batch.clear();
+        self.batch = Some(batch);
+        Ok(())
+    }
+
+    /// Writes backend `id`, or holds the write back for [`Self::flush`].
+    fn write_backend(&mut self, id: u32, b: &Backend) -> anyhow::Result<()> {
+        match &mut self.batch {
+            Some(batch) => {
+                batch.backend_ids.push(id);
+                batch.backends.push(*b);
+                Ok(())
+            }
+            None => self
+                .backends
+                .insert(id, b, 0)
+                .with_context(|| format!("writing backend {id}")),
+        }
+    }
+
+    /// Writes `value` at `key` in the services map, or holds the write back.
+    fn write_service(&mut self, key: ServiceKey, value: ServiceValue) -> anyhow::Result<()> {
+        match &mut self.batch {
+            Some(batch) => {
+                batch.service_keys.push(key);
+                batch.services.push(value);
+                Ok(())
+            }
+            None => self
+                .services
+                .insert(key, value, 0)
+                .with_context(|| match key.slot {
+                    0 => format!("writing {}", describe(&key)),
+                    slot => format!("writing slot {slot} of {}", describe(&key)),
+                }),
+        }
+    }
+
+    fn owned_by(&self, spn: &ServicePortName, fe: &Frontend) -> bool {
+        self.owners.get(spn).is_some_and(|o| o.contains(fe))
+    }
+
+    /// Makes `wanted.fe` send to `wanted.backends` (the endpoints of `spn`), in that slot order,
+    /// with `wanted.head` (its flags) in slot 0, admitting only its source ranges if it has
+    /// some. On failure, the maps keep serving what the frontend had before.
+    fn program(&mut self, spn: &ServicePortName, wanted: &FrontendPlan) -> anyhow::Result<()> {
+        let (fe, head, backends) = (&wanted.fe, wanted.head, wanted.backends.as_slice());
+        if backends.len() > usize::from(u16::MAX) {
+            return Err(NotProgrammable(format!(
+                "{} endpoints; a service port can have at most {} in the datapath",
+                backends.len(),
+                u16::MAX
+            ))
+            .into());
+        }
+        let programmed = self.frontends.get(fe);
+        let old: Vec<u32> = programmed.map(|p| p.slots.clone()).unwrap_or_default();
+        let had_head = programmed.map(|p| p.head);
+        let existed = programmed.is_some();
+        // Refuse before writing anything if the maps cannot hold the result.
+        let new_slots =
+            (backends.len() + 1).saturating_sub(if existed { old.len() + 1 } else { 0 });
+        if self.used_slots + new_slots > self.services_max {
+            return Err(NotProgrammable(format!(
+                "services map full ({} of {} entries used, {} more needed): raise \
+                 --bpf-services-max (a map already pinned keeps its size until its pin is removed)",
+                self.used_slots, self.services_max, new_slots
+            ))
+            .into());
+        }
+        let new_backends = backends
+            .iter()
+            .filter(|b| self.id_of(spn, &old, b).is_none())
+            .count();
+        if self.by_id.len() + new_backends > self.backends_max {
+            return Err(NotProgrammable(format!(
+                "backends map full ({} of {} entries used, {} more needed): raise \
+                 --bpf-backends-max (a map already pinned keeps its size until its pin is removed)",
+                self.by_id.len(),
+                self.backends_max,
+                new_backends
+            ))
+            .into());
+        }
+        let mut ids = Vec::with_capacity(backends.len());
+        for b in backends {
+            // A new id that is not written yet is simply never used: no undo needed.
+            ids.push(self.acquire(spn, &old, b)?);
+        }
+        let head = ServiceValue {
+            count: ids.len() as u16,
+            ..head
+        };
+        let had_maglev = had_head.is_some_and(|h| h.flags & SERVICE_MAGLEV != 0);
+        let maglev = head.flags & SERVICE_MAGLEV != 0;
+        if maglev && (!had_maglev || old != ids || self.maglev_stale) {
+            // Before slot 0 points new flows at it; ids no longer in it only lose new flows.
+            self.write_maglev(fe, backends, &ids)?;
+        }
+        // Before slot 0 turns the check on; ranges no longer wanted go after it.
+        let stale_ranges = self.write_ranges(fe, &wanted.source_ranges)?;
+        if let Err(e) = self.write_slots(fe, &old, &ids, had_head, head) {
+            self.restore_slots(fe, &old, &ids);
+            return Err(e);
+        }
+        // The new slots are live from here on.
+        self.used_slots = self.used_slots + ids.len() + 1 - if existed { old.len() + 1 } else { 0 };
+        let programmed = self.frontends.entry(*fe).or_insert_with(|| Programmed {
+            slots: Vec::new(),
+            head,
+            draining_until: None,
+            claim: None,
+        });
+        programmed.slots.clone_from(&ids);
+        programmed.head = head;
+        programmed.draining_until = None;
+        self.remove_ranges(fe, &stale_ranges)?;
+        self.ranges_written(fe, &wanted.source_ranges);
+        if had_maglev && !maglev {
+            self.remove_maglev(fe)?;
+        }
+        for slot in ids.len() + 1..=old.len() {
+            let key = ServiceKey {
+                slot: slot as u16,
+                ..*fe
+            };
+            // An orphan slot beyond the count is unseen by packets: the failure is only noted.
+            self.remove_slot(&key)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the backend slots that differ from `old`, then slot 0 if it changed from
+    /// `old_head`.
+    fn write_slots(
+        &mut self,
+        fe: &Frontend,
+        old: &[u32],
+        ids: &[u32],
+        old_head: Option<ServiceValue>,
+        head: ServiceValue,
+    ) -> anyhow::Result<()> {
+        for (i, id) in ids.iter().enumerate() {
+            if old.get(i) != Some(id) {
+                let key = ServiceKey {
+                    slot: i as u16 + 1,
+                    ..*fe
+                };
+                self.write_service(key, slot_value(*id))?;
+            }
+        }
+        if old_head != Some(head) {
+            self.write_service(*fe, head)?;
+        }
+        Ok(())
+    }
+
+    /// After a failed [`Self::write_slots`]: puts `old` back into the slots the head counts and
+    /// deletes the ones beyond it (best effort: the maps are failing already).
+    fn restore_slots(&mut self, fe: &Frontend, old: &[u32], ids: &[u32]) {
+        for (i, id) in ids.iter().enumerate() {
+            let key = ServiceKey {
+                slot: i as u16 + 1,
+                ..*fe
+            };
+            let restored = match old.get(i) {
+                Some(old_id) if old_id != id => self
+                    .services
+                    .insert(key, slot_value(*old_id), 0)
+                    .map_err(anyhow::Error::from),
+                Some(_) => Ok(()),
+                None => self.remove_slot(&key),
+            };
+            if let Err(e) = restored {
+                tracing::warn!("restoring slot {} of {}: {e:#}", i + 1, describe(fe));
+            }
+        }
+    }
+
+    fn remove_slot(&mut self, key: &ServiceKey) -> anyhow::Result<()> {
+        match self.services.remove(key) {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => {
+                Err(e).with_context(|| format!("deleting slot {} of {}", key.slot, describe(key)))
+            }
+        }
+    }
+}
+
+fn slot_value(backend_id: u32) -> ServiceValue {
+    ServiceValue {
+        backend_id,
+        count: 0,
+        flags: 0,
+    }
+}
+
+/// What went wrong in one sync, by kind.
+#[derive(Default)]
+struct Errors {
+    failures: Vec<String>,
+    unprogrammable: Vec<String>,
+}
+
+impl Errors {
+    fn add(&mut self, spn: &ServicePortName, e: anyhow::Error) {
+        match e.downcast_ref::<NotProgrammable>() {
+            Some(_) => self.unprogrammable.push(format!("{spn}: {e:#}")),
+            None => self.failures.push(format!("{spn}: {e:#}")),
+        }
+    }
+
+    fn into_result(mut self, ports: usize) -> anyhow::Result<()> {
+        if !self.failures.is_empty() {
+            let n = self.failures.len();
+            self.failures.extend(self.unprogrammable);
+            Err(anyhow!(
+                "{n} of {ports} service ports not programmed: {}",
+                self.failures.join("; ")
+            ))
+        } else if !self.unprogrammable.is_empty() {
+            Err(NotProgrammable(format!(
+                "{} of {ports} service ports cannot be programmed as configured: {}",
+                self.unprogrammable.len(),
+                self.unprogrammable.join("; ")
+            ))
+            .into())
+        } else {
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Taking the maps over, and reading back what they hold: at start (an earlier agent's
+//! entries, so that ids stay stable and flows keep their backend) and after a failed batch.
+use super::*;
+
+/// The source ranges the pinned trie holds, by frontend (scope 0: only those have ranges).
+pub(super) fn recover_ranges(
+    trie: &LpmTrie<MapData, SourceRangeKey, u8>,
+) -> anyhow::Result<HashMap<Frontend, Vec<(Ipv4Addr, u8)>>> {
+    let mut out: HashMap<Frontend, Vec<(Ipv4Addr, u8)>> = HashMap::default();
+    for key in trie.keys() {
+        let key = key.context("listing the source ranges")?;
+        let data = key.data();
+        let fe = ServiceKey::new(data.addr, data.port, data.proto, 0);
+        let len = key.prefix_len().saturating_sub(SOURCE_RANGE_FRONTEND_BITS) as u8;
+        out.entry(fe)
+            .or_default()
+            .push((Ipv4Addr::from(data.source.octets()), len));
+    }
+    Ok(out)
+}
+
+impl MapWriter {
+    /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
+    /// (ids stay stable across restarts, so established flows keep their backend).
+    pub fn take_from(ebpf: &mut Ebpf, config: WriterConfig) -> anyhow::Result<Self> {
+        maglev::validate_size(config.maglev_table_size)
+            .context("--lb-maglev-table-size must be a prime up to 131071 (e.g. 16381)")?;
+        let mut take = |name: &str| {
+            ebpf.take_map(name)
+                .with_context(|| format!("map {name} missing"))
+        };
+        let services: BpfHashMap<_, ServiceKey, ServiceValue> = take(MAP_SERVICES)?.try_into()?;
+        let backends: BpfHashMap<_, u32, Backend> = take(MAP_BACKENDS)?.try_into()?;
+        let agent_state: Array<_, u64> = take(MAP_AGENT_STATE)?.try_into()?;
+        let maglev: BpfHashMap<_, ServiceKey, MaglevChunk> = take(MAP_MAGLEV)?.try_into()?;
+        let source_ranges: LpmTrie<_, SourceRangeKey, u8> = take(MAP_SOURCE_RANGES)?.try_into()?;
+        let mut settings: Array<_, u32> = take(MAP_CONFIG)?.try_into()?;
+        let pinned_size = settings.get(&CONFIG_MAGLEV_TABLE_SIZE, 0)?;
+        settings.set(CONFIG_MAGLEV_TABLE_SIZE, config.maglev_table_size, 0)?;
+        let mut maps = Self::recover(
+            services,
+            backends,
+            agent_state,
+            maglev,
+            source_ranges,
+            config,
+        )?;
+        maps.maglev_stale = pinned_size != 0 && pinned_size != config.maglev_table_size;
+        Ok(maps)
+    }
+
+    pub(super) fn recover(
+        services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
+        backends: BpfHashMap<MapData, u32, Backend>,
+        agent_state: Array<MapData, u64>,
+        maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
+        source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+        config: WriterConfig,
+    ) -> anyhow::Result<Self> {
+        let mut maps = Self {
+            services_max: services.map().info()?.max_entries() as usize,
+            backends_max: backends.map().info()?.max_entries() as usize,
+            services,
+            backends,
+            drain_period: config.drain_period,
+            lb_algorithm: config.lb_algorithm,
+            maglev,
+            maglev_table_size: config.maglev_table_size,
+            maglev_stale: false,
+            frontends: HashMap::default(),
+            frontend_expiry: None,
+            owners: HashMap::default(),
+            used_slots: 0,
+            ids: HashMap::default(),
+            by_id: HashMap::default(),
+            backend_expiry: None,
+            next_id: 1,
+            reserved_until: 1,
+            agent_state,
+            ranges: HashMap::default(),
+            source_ranges,
+            batch: None,
+            unknown: false,
+        };
+        maps.read_back()?;
+        Ok(maps)
+    }
+
+    /// Makes the writer's record of the maps what they hold, as after a restart: no port claims
+    /// anything until the next full sync, which adopts what it still wants and drains the rest.
+    pub(super) fn read_back(&mut self) -> anyhow::Result<()> {
+        let now = Instant::now();
+        let mut by_id = HashMap::default();
+        let mut backend_expiry = None;
+        for entry in self.backends.iter() {
+            let (id, backend) = entry?;
+            // Whose it was is not recorded: a draining one drains for a full period from now.
+            let drain = (backend.flags & BACKEND_DRAINING != 0).then(|| {
+                earliest(&mut backend_expiry, now + self.drain_period);
+                Drain::Until(now + self.drain_period)
+            });
+            by_id.insert(
+                id,
+                IdState {
+                    backend,
+                    owner: None,
+                    drain,
+                },
+            );
+        }
+        let keys: Vec<ServiceKey> = self.services.keys().collect::<Result<_, _>>()?;
+        let mut frontends: HashMap<Frontend, Programmed> = HashMap::default();
+        let mut used_slots = 0;
+        let mut damaged = 0;
+        for key in keys.iter().filter(|k| k.slot == 0) {
+            let Ok(head) = self.services.get(key, 0) else {
+                continue; // deleted since it was listed
+            };
+            let draining_until =
+                (head.flags & SERVICE_DRAINING != 0).then(|| now + self.drain_period);
+            // A lost slot does not stop the recovery: the first sync rewrites it.
+            let slots: Vec<u32> = (1..=head.count)
+                .map(|slot| {
+                    self.services
+                        .get(&ServiceKey { slot, ..*key }, 0)
+                        .map_or(LOST, |v| v.backend_id)
+                })
+                .collect();
+            if slots.contains(&LOST) {
+                damaged += 1;
+            }
+            used_slots += slots.len() + 1;
+            frontends.insert(
+                *key,
+                Programmed {
+                    slots,
+                    head,
+                    draining_until,
+                    claim: None,
+                },
+            );
+        }
+        if damaged > 0 {
+            tracing::warn!(
+                damaged,
+                "pinned services lost backend slots; the first sync rewrites them"
+            );
+        }
+        // Slots no head counts: left by an agent stopped halfway through a removal.
+        for key in keys.iter().filter(|k| k.slot != 0) {
+            let head = ServiceKey { slot: 0, ..*key };
+            if frontends
+                .get(&head)
+                .is_none_or(|p| usize::from(key.slot) > p.slots.len())
+            {
+                match self.services.remove(key) {
+                    Ok(()) | Err(MapError::KeyNotFound) => {}
+                    Err(e) => return Err(e).context("deleting an orphaned slot"),
+                }
+            }
+        }
+        // Never below an id still in the maps, nor below one handed out before (conntrack may
+        // name it although its backend is gone).
+        let saved = self.agent_state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0)? as u32;
+        let after_max = by_id.keys().max().map_or(1, |m| m.wrapping_add(1));
+        let next_id = saved.max(after_max).max(self.next_id).max(1);
+        if !frontends.is_empty() {
+            tracing::info!(
+                frontends = frontends.len(),
+                backends = by_id.len(),
+                next_id,
+                "recovered services from the pinned maps"
+            );
+        }
+        self.ranges = recover_ranges(&self.source_ranges)?;
+        self.frontend_expiry = frontends.values().filter_map(|p| p.draining_until).min();
+        self.frontends = frontends;
+        self.owners.clear();
+        self.used_slots = used_slots;
+        self.ids.clear();
+        self.by_id = by_id;
+        self.backend_expiry = backend_expiry;
+        self.next_id = next_id;
+        self.reserved_until = next_id;
+        self.batch = None;
+        self.unknown = false;
+        Ok(())
+    }
+}
