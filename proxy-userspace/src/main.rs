@@ -121,8 +121,9 @@ struct AgentArgs {
     /// A cgroup v2 directory for the socket programs that let host-network clients (this
     /// network namespace's) reach services; they see the sockets of every process below it.
     /// cgroup2 is mounted there if the directory is empty or missing (Cilium's cgroup-root, which
-    /// works on unified and hybrid hosts alike). Empty: host-network clients are not served.
-    #[arg(long, default_value = "/run/kube-proxy-ebpf/cgroupv2")]
+    /// works on unified and hybrid hosts alike). Empty: host-network clients are not served
+    /// (and the socket programs are not loaded).
+    #[arg(long, default_value = "/run/kube-proxy-ebpf/cgroupv2", value_parser = path_or_empty)]
     bpf_cgroup_path: PathBuf,
     /// Interfaces facing pods: `auto`, every veth or netkit device of the node that carries no
     /// node address (bridge ports included, whatever the CNI names them), and/or name patterns
@@ -401,6 +402,11 @@ fn start_config(args: &AgentArgs) -> StartConfig {
     }
 }
 
+/// A path, or nothing (clap's own path parser refuses an empty value).
+fn path_or_empty(s: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(s))
+}
+
 /// A duration above zero (kube-proxy's validation of `--udp-timeout`).
 fn parse_udp_timeout(s: &str) -> Result<Duration, String> {
     let timeout = parse_duration(s)?;
@@ -469,6 +475,19 @@ mod tests {
         };
         init_logging(LoggingFormat::from_str(&format, false).unwrap());
         tracing::warn!(service = "default/web", "test line");
+    }
+
+    #[test]
+    fn an_empty_cgroup_path_serves_no_host_clients() {
+        for args in [
+            ["proxy-userspace", "agent", "--bpf-cgroup-path", ""].as_slice(),
+            ["proxy-userspace", "agent", "--bpf-cgroup-path="].as_slice(),
+        ] {
+            let Command::Agent(agent) = Cli::try_parse_from(args).unwrap().command else {
+                panic!("not the agent command");
+            };
+            assert_eq!(agent.bpf_cgroup_path, PathBuf::new(), "{args:?}");
+        }
     }
 
     #[test]
