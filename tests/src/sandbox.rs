@@ -236,7 +236,14 @@ impl Sandbox {
             .collect();
         ip_batches(&[(None, adds)])?;
 
-        // 2. Sysctls, before any interface exists (new interfaces copy `default`).
+        // 2. Sysctls, before any interface exists (new interfaces copy `default`). A bridge
+        // node needs br_netfilter for its bridge-nf-call sysctl (built in here; a module on
+        // Debian's kernels, which kubeadm has the admin load): loaded if it can be.
+        if self.shape == Shape::Bridge {
+            let _ = std::process::Command::new("modprobe")
+                .args(["-q", "br_netfilter"])
+                .status();
+        }
         let sysctls = self
             .all_ns()
             .map(|ns| {
