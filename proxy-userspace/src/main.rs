@@ -283,7 +283,7 @@ fn init_logging(format: LoggingFormat) {
 
 fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
     if args.cleanup {
-        return modes::cleanup_all(&installation(&args));
+        return modes::cleanup_all(&Installation::at(&args.bpf_pin_dir));
     }
     // One malloc arena for every thread: glibc gives each thread its own, and what a thread
     // frees there (the BPF object's parse, a list's JSON) stays resident beside the others'
@@ -357,10 +357,6 @@ fn start_first(start: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
         "no proxy mode can run on this node:\n{}",
         unavailable.join("\n")
     )
-}
-
-fn installation(args: &AgentArgs) -> Installation {
-    Installation::at(&args.bpf_pin_dir)
 }
 
 /// The flags the modes start with (the Node object's addresses come later, from the source).

@@ -99,3 +99,20 @@ pub(crate) fn golden(mode: &str, name: &str, text: &str) {
 pub(crate) fn rule_backends(row: &ServiceRow) -> Vec<&str> {
     row.backends.iter().map(|b| b.address.as_str()).collect()
 }
+
+/// `rules` (an `iptables-restore` input) written into a network namespace of its own and saved
+/// back, in each backend whose tools run here (`test` names the test in the skip notice).
+pub(crate) fn saved_in_each_backend(test: &str, rules: fn() -> String) -> Vec<String> {
+    let mut saved = Vec::new();
+    for b in crate::netfilter::iptables::Backend::ALL {
+        let save = b.tool("iptables-save");
+        if !privileged(&format!("{test} ({save})"), &save) {
+            continue;
+        }
+        saved.push(in_new_netns(move || {
+            crate::command::pipe(&b.tool("iptables-restore"), &["-w"], &rules())?;
+            crate::netfilter::iptables::save(b)
+        }));
+    }
+    saved
+}

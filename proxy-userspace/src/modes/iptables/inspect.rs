@@ -355,18 +355,8 @@ pub(crate) mod tests {
 
     #[test]
     fn services_read_back_from_the_kernel() {
-        for b in crate::modes::iptables::Backend::ALL {
-            let save = b.tool("iptables-save");
-            let test = format!(
-                "modes::iptables::inspect::tests::services_read_back_from_the_kernel ({save})"
-            );
-            if !crate::testing::privileged(&test, &save) {
-                continue;
-            }
-            let saved = crate::testing::in_new_netns(move || {
-                crate::command::pipe(&b.tool("iptables-restore"), &["-w"], &rendered())?;
-                crate::netfilter::iptables::save(b)
-            });
+        let test = "modes::iptables::inspect::tests::services_read_back_from_the_kernel";
+        for saved in crate::testing::saved_in_each_backend(test, rendered) {
             assert_eq!(services(&saved), expected(), "{saved}");
         }
     }
