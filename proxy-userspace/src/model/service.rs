@@ -1,5 +1,10 @@
 //! A Service port and its endpoints, as the desired state holds them.
-use std::{fmt, net::IpAddr, str::FromStr, sync::Arc};
+use std::{
+    fmt,
+    net::{IpAddr, Ipv4Addr},
+    str::FromStr,
+    sync::Arc,
+};
 
 use super::{Cidr, Protocol};
 
@@ -101,4 +106,14 @@ pub struct Endpoint {
     /// Shared with the tracker's copy of the slice (and with every port the endpoint serves).
     pub node_name: Option<Arc<str>>,
     pub zone: Option<Arc<str>>,
+}
+
+impl Endpoint {
+    /// Its address if IPv4 (the datapaths serve IPv4 for now).
+    pub fn ipv4(&self) -> Option<Ipv4Addr> {
+        match self.ip {
+            IpAddr::V4(ip) => Some(ip),
+            IpAddr::V6(_) => None,
+        }
+    }
 }

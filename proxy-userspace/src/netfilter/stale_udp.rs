@@ -5,7 +5,7 @@
 //! `conntrack.CleanStaleEntries`).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::Ipv4Addr,
     process::{Command, Stdio},
 };
 
@@ -45,10 +45,7 @@ impl StaleUdp {
             let endpoints = state
                 .usable_endpoints(spn, false)
                 .iter()
-                .filter_map(|ep| match ep.ip {
-                    IpAddr::V4(ip) => Some(ip),
-                    IpAddr::V6(_) => None,
-                })
+                .filter_map(|ep| ep.ipv4())
                 .collect();
             now.insert(
                 spn.clone(),

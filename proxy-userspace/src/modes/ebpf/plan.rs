@@ -29,14 +29,14 @@ pub(super) fn as_backends<'a>(
 ) -> Vec<Backend> {
     endpoints
         .into_iter()
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some(Backend {
+        .filter_map(|ep| {
+            let ip = ep.ipv4()?;
+            Some(Backend {
                 addr: Be32::from_octets(ip.octets()),
                 port: Be16::new(ep.port),
                 proto: protocol.number(),
                 flags: if state.is_local(ep) { BACKEND_LOCAL } else { 0 },
-            }),
-            IpAddr::V6(_) => None,
+            })
         })
         .collect()
 }

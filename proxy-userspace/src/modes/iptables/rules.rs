@@ -16,11 +16,7 @@
 //! `KUBE-EXTERNAL-SERVICES`; dropped where a Local policy has no local endpoint), load balancer
 //! traffic from outside the source ranges is dropped (`KUBE-PROXY-FIREWALL`), health check node
 //! ports are accepted, and `KUBE-FORWARD` lets marked and established traffic through.
-use std::{
-    collections::BTreeSet,
-    fmt::Write as _,
-    net::{IpAddr, Ipv4Addr},
-};
+use std::{collections::BTreeSet, fmt::Write as _, net::Ipv4Addr};
 
 use crate::{
     model::{DesiredState, Endpoint, ServicePort, ServicePortName, ipv4},
@@ -454,13 +450,13 @@ struct Target {
 fn targets(name: &str, proto: &str, endpoints: &[&Endpoint]) -> Vec<Target> {
     endpoints
         .iter()
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some(Target {
+        .filter_map(|ep| {
+            let ip = ep.ipv4()?;
+            Some(Target {
                 ip,
                 port: ep.port,
                 chain: endpoint_chain(name, proto, &format!("{ip}:{}", ep.port)),
-            }),
-            IpAddr::V6(_) => None,
+            })
         })
         .collect()
 }

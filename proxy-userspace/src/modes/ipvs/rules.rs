@@ -130,9 +130,9 @@ impl Plan {
 fn dests(endpoints: &[&Endpoint]) -> BTreeSet<(Ipv4Addr, u16)> {
     endpoints
         .iter()
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some((ip, ep.port)),
-            IpAddr::V6(_) => None,
+        .filter_map(|ep| {
+            let ip = ep.ipv4()?;
+            Some((ip, ep.port))
         })
         .collect()
 }

@@ -38,7 +38,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr},
+    net::Ipv4Addr,
 };
 
 use crate::{
@@ -477,17 +477,15 @@ struct Target {
 fn targets(base: &str, endpoints: &[&Endpoint]) -> Vec<Target> {
     endpoints
         .iter()
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => {
-                let name = format!("{base}__{ip}/{}", ep.port);
-                Some(Target {
-                    ip,
-                    port: ep.port,
-                    chain: named("endpoint-", &name),
-                    affinity: named("affinity-", &name),
-                })
-            }
-            IpAddr::V6(_) => None,
+        .filter_map(|ep| {
+            let ip = ep.ipv4()?;
+            let name = format!("{base}__{ip}/{}", ep.port);
+            Some(Target {
+                ip,
+                port: ep.port,
+                chain: named("endpoint-", &name),
+                affinity: named("affinity-", &name),
+            })
         })
         .collect()
 }
@@ -688,7 +686,7 @@ fn endpoint_jumps(targets: &[Target], affinity: bool) -> Vec<String> {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use std::{io::Write as _, process::Command};
+    use std::{io::Write as _, net::IpAddr, process::Command};
 
     use super::*;
     use crate::{

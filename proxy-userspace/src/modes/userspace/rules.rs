@@ -22,7 +22,7 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddrV4},
 };
 
 use crate::model::{Cidr, DesiredState, Protocol, ServicePort, ServicePortName, ipv4};
@@ -126,9 +126,9 @@ pub fn endpoints(
     state
         .usable_endpoints(spn, local_only)
         .iter()
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some(SocketAddrV4::new(ip, ep.port)),
-            IpAddr::V6(_) => None,
+        .filter_map(|ep| {
+            let ip = ep.ipv4()?;
+            Some(SocketAddrV4::new(ip, ep.port))
         })
         .collect()
 }
