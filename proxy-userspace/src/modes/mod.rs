@@ -341,3 +341,63 @@ impl Installation {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::ProxyMode;
+
+    /// The text of every `.rs` file under `dir`.
+    fn sources(dir: &Path) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                out.extend(sources(&path));
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                out.push((path.display().to_string(), text));
+            }
+        }
+        out
+    }
+
+    /// The layering the tree promises (ARCHITECTURE.md): no mode imports another, dataplane code
+    /// does not import the inspect command, and the model knows neither clap nor the API types.
+    #[test]
+    fn modes_import_no_other_mode_and_the_model_no_cli() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        for mode in ProxyMode::ALL.map(ProxyMode::name) {
+            for (path, text) in sources(&src.join("modes").join(mode)) {
+                for other in ProxyMode::ALL
+                    .map(ProxyMode::name)
+                    .into_iter()
+                    .filter(|o| *o != mode)
+                {
+                    assert!(
+                        !text.contains(&format!("modes::{other}")),
+                        "{path} imports {other}"
+                    );
+                }
+                assert!(
+                    !text.contains("crate::inspect"),
+                    "{path} imports the inspect command"
+                );
+            }
+        }
+        for dir in ["model", "node", "netfilter"] {
+            for (path, text) in sources(&src.join(dir)) {
+                assert!(!text.contains("crate::modes"), "{path} imports a mode");
+            }
+        }
+        for (path, text) in sources(&src.join("model")) {
+            if path.ends_with("tests.rs") {
+                continue; // the tracker's tests feed it API objects
+            }
+            for word in ["clap", "k8s_openapi"] {
+                assert!(!text.contains(word), "{path} uses {word}");
+            }
+        }
+    }
+}
