@@ -34,11 +34,16 @@ pub fn established(flow: &Flow, now: u64) -> Option<Backend> {
     established_flow(flow, now).map(|live| live.backend)
 }
 
+/// [`Live::snat`] of a flow that keeps its client's address.
+pub const NO_SNAT: (Be32, Be16) = (Be32::new(0), Be16::new(0));
+
 /// A flow found in conntrack: its backend, and for an external flow sent from a node
-/// address, that address and port.
+/// address, that address and port (else 0.0.0.0:0, never a node address). Not an `Option`:
+/// the compiler would keep its payload on the stack only when set, and 5.10's verifier refuses
+/// the read of it on the other path, which it cannot tell apart.
 pub struct Live {
     pub backend: Backend,
-    pub snat: Option<(Be32, Be16)>,
+    pub snat: (Be32, Be16),
 }
 
 /// [`established`], with the flow's source translation.
@@ -63,8 +68,12 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     if backend.flags & BACKEND_DRAINING != 0 && (key.proto != IPPROTO_TCP || flow.syn_only()) {
         return None;
     }
-    let snat = (entry.flags & CT_SNAT != 0).then_some((entry.nat_addr, entry.nat_port));
-    if snat.is_none() && !reply_due(flow, entry, now) {
+    let snat = match entry.flags & CT_SNAT != 0 {
+        true => (entry.nat_addr, entry.nat_port),
+        false => NO_SNAT,
+    };
+    let snatted = snat != NO_SNAT;
+    if !snatted && !reply_due(flow, entry, now) {
         entry.packets += 1;
         entry.last_seen_ns = now;
         return Some(Live { backend, snat });
@@ -76,13 +85,13 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
         .filter(|r| {
             r.direction == CT_REPLY
                 && r.backend_id == entry.backend_id
-                && (snat.is_none() || (r.nat_addr, r.nat_port) == (key.saddr, key.sport))
+                && (!snatted || (r.nat_addr, r.nat_port) == (key.saddr, key.sport))
         });
     match reply {
         Some(reply) => touch(entry, Some(reply), flow, now),
         // A closed flow whose port went to a newer flow is over: a late packet of it is taken
         // as one after its end (a new flow), and never takes the port back.
-        None if snat.is_some() && entry.flags & CT_CLOSING != 0 => return None,
+        None if snatted && entry.flags & CT_CLOSING != 0 => return None,
         None => {
             touch(entry, None, flow, now);
             let mut reply = *entry;

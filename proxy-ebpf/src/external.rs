@@ -90,7 +90,7 @@ pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
     };
     if svc.flags & SERVICE_TWO_SCOPES != 0 || backend.flags & BACKEND_LOCAL != 0 {
         conntrack::record_flow(&key, backend_id, &backend, now, true);
-        return Ok(nat(&key, &backend, None));
+        return Ok(nat(&key, &backend, conntrack::NO_SNAT));
     }
     // Sent from the node address the client used, or for LoadBalancer and external IPs, from
     // the node's primary address.
@@ -104,15 +104,20 @@ pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
     }
     let port = conntrack::record_snat_flow(&key, backend_id, &backend, node, now)
         .ok_or(Drop(DROP_SNAT_PORTS_EXHAUSTED))?;
-    Ok(nat(&key, &backend, Some((node, port))))
+    Ok(nat(&key, &backend, (node, port)))
 }
 
 #[inline(always)]
-fn nat(key: &CtKey, backend: &Backend, snat: Option<(Be32, Be16)>) -> Verdict {
+fn nat(key: &CtKey, backend: &Backend, snat: (Be32, Be16)) -> Verdict {
+    let forward = snat != conntrack::NO_SNAT;
     Verdict::Nat {
-        src: snat.unwrap_or((key.saddr, key.sport)),
+        src: if forward {
+            snat
+        } else {
+            (key.saddr, key.sport)
+        },
         dst: (backend.addr, backend.port),
-        forward: snat.is_some(),
+        forward,
     }
 }
 

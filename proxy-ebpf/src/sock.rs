@@ -30,6 +30,12 @@ const REFUSE: i32 = 0;
 /// What a refused connect() or sendmsg() returns (bpf_set_retval takes it negated).
 const ECONNREFUSED: i32 = 111;
 
+/// Whether this kernel has `bpf_set_retval` (Linux 5.18), set by the agent at load (a constant
+/// of the loaded program: where it is 0 the verifier removes the call as dead code). Without it
+/// a refused connect() or sendmsg() fails with EPERM instead of ECONNREFUSED.
+#[unsafe(no_mangle)]
+static HAS_SET_RETVAL: u8 = 1;
+
 /// The source address of host-network clients for backend selection (their client in the
 /// affinity map): at connect() the source is not chosen yet, and to kube-proxy every such
 /// client is the node itself. No pod sends from 0.0.0.0, so their entries never mix with pods'.
@@ -92,8 +98,10 @@ fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
         }
         // No usable endpoint: refused at once, as kube-proxy's REJECT rules make it (the tc
         // path answers pods with an ICMP port unreachable to the same effect).
-        // SAFETY: a helper with a plain integer argument.
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        // SAFETY: a read of a constant; a helper with a plain integer argument.
+        if unsafe { core::ptr::read_volatile(&HAS_SET_RETVAL) } != 0 {
+            unsafe { bpf_set_retval(-ECONNREFUSED) };
+        }
         return Ok(REFUSE);
     };
     let key = SockRevNatKey {

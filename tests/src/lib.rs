@@ -72,6 +72,22 @@ pub fn privileged(test: &str) -> bool {
     }
 }
 
+/// Whether this kernel has `feature`; otherwise prints a loud `SKIPPED <test>: ...` line and
+/// returns false. A missing optional feature is a degrade the agent reports and the README
+/// documents (the part it serves is off), so the test is skipped even with `SANDBOX_NO_SKIP`.
+pub fn kernel_has(test: &str, feature: &proxy_userspace::modes::ebpf::features::Feature) -> bool {
+    use proxy_userspace::modes::ebpf::features::Features;
+    if Features::of_this_kernel().has(feature) {
+        return true;
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nSKIPPED {test}: {}\n",
+        feature.lacking()
+    );
+    false
+}
+
 fn probe() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {

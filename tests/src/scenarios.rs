@@ -19,7 +19,10 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use proxy_userspace::source::manifest::Object;
+use proxy_userspace::{
+    modes::ebpf::features::{self, Feature, Features},
+    source::manifest::Object,
+};
 
 use crate::{
     BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, UdpConn,
@@ -43,6 +46,9 @@ pub struct Mode {
     pub kernel_has: fn() -> Result<(), String>,
     /// Scenarios that do not apply to the mode, each with the reason.
     pub not_applicable: &'static [(&'static str, &'static str)],
+    /// Scenarios the mode serves only on kernels with a feature (without it the agent reports
+    /// the part off, as the README's kernel table says).
+    pub needs: &'static [(&'static str, &'static Feature)],
 }
 
 const CLUSTER_CIDR: [&str; 2] = ["--cluster-cidr", "10.244.0.0/16"];
@@ -54,6 +60,7 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "ebpf"],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        needs: &[("host-network-client", &features::NETNS_COOKIE)],
     },
     Mode {
         id: "iptables-legacy",
@@ -68,6 +75,7 @@ pub const MODES: &[Mode] = &[
         ],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        needs: &[],
     },
     Mode {
         id: "iptables-nft",
@@ -82,6 +90,7 @@ pub const MODES: &[Mode] = &[
         ],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        needs: &[],
     },
     Mode {
         id: "nftables",
@@ -89,6 +98,7 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "nftables", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        needs: &[],
     },
     Mode {
         id: "ipvs",
@@ -96,6 +106,7 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "ipvs", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
         kernel_has: ipvs_loads,
         not_applicable: &[],
+        needs: &[],
     },
     Mode {
         id: "userspace",
@@ -106,6 +117,7 @@ pub const MODES: &[Mode] = &[
             ("pod-address-kept", PROXIED),
             ("client-address-kept-local", PROXIED),
         ],
+        needs: &[],
     },
 ];
 
@@ -730,7 +742,7 @@ pub const SCENARIOS: &[Scenario] = &[
 pub enum Outcome {
     Pass,
     Fail(String),
-    NotApplicable(&'static str),
+    NotApplicable(String),
 }
 
 /// Runs every scenario in `mode` (an agent on both nodes), records the results for the parity
@@ -780,9 +792,18 @@ pub fn run(test: &str, mode_id: &str, shape: Shape) {
         let not_applicable = mode
             .not_applicable
             .iter()
-            .find(|(name, _)| *name == scenario.name);
+            .find(|(name, _)| *name == scenario.name)
+            .map(|(_, why)| why.to_string())
+            .or_else(|| {
+                let kernel = Features::of_this_kernel();
+                let (_, lacking) = mode
+                    .needs
+                    .iter()
+                    .find(|(name, f)| *name == scenario.name && !kernel.has(f))?;
+                Some(lacking.lacking())
+            });
         let outcome = match not_applicable {
-            Some((_, why)) => Outcome::NotApplicable(why),
+            Some(why) => Outcome::NotApplicable(why),
             None => match (scenario.run)(&mut world) {
                 Ok(()) => Outcome::Pass,
                 Err(e) => Outcome::Fail(format!("{e:#}")),

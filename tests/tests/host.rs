@@ -27,7 +27,7 @@ use proxy_tests::{
 use proxy_userspace::{
     model::{DesiredState, Protocol},
     modes::ebpf::inspect,
-    modes::ebpf::{self, cgroup},
+    modes::ebpf::{self, cgroup, features},
 };
 
 /// Makes this binary a client: the operations to run (see [`clients`]).
@@ -232,7 +232,7 @@ impl Drop for Lab {
 
 impl Lab {
     fn new(test: &str) -> Option<Lab> {
-        if !privileged(test) {
+        if !privileged(test) || !proxy_tests::kernel_has(test, &features::NETNS_COOKIE) {
             return None;
         }
         let name = |role: &str| format!("{NS_PREFIX}{}-{test:.20}-{role}", std::process::id());
@@ -443,7 +443,12 @@ fn cgroup2_is_mounted_on_an_empty_directory_only() {
 
 #[test]
 fn host_network_clients_reach_services() {
-    if !privileged("host_network_clients_reach_services") {
+    if !privileged("host_network_clients_reach_services")
+        || !proxy_tests::kernel_has(
+            "host_network_clients_reach_services",
+            &features::NETNS_COOKIE,
+        )
+    {
         return;
     }
     let mut sandbox = Sandbox::build().expect("building the sandbox");

@@ -35,7 +35,6 @@ use aya::{
         xdp::XdpLink,
     },
     sys::SyscallError,
-    util::KernelVersion,
 };
 use proxy_common::{
     Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, IFACE_XDP_FORWARD,
@@ -643,7 +642,7 @@ impl Attacher {
 }
 
 fn tcx_supported() -> bool {
-    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
+    super::features::Features::of_this_kernel().has(&super::features::TCX)
 }
 
 /// Swaps `prog` into the link pinned at `pin` (atomically, for packets in flight; the pin stays

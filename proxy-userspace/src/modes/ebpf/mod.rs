@@ -5,6 +5,7 @@ mod batch;
 pub mod bpffs;
 pub mod cgroup;
 pub mod external;
+pub mod features;
 pub mod inspect;
 mod link_events;
 pub mod maglev;
@@ -38,6 +39,7 @@ pub use writer::{MapWriter, WriterConfig};
 
 use self::{
     external::{SnatPorts, XdpMode},
+    features::{Features, MEMCG_ACCOUNTING, NETNS_COOKIE, SET_RETVAL},
     pod_interfaces::PodInterfaces,
 };
 use crate::{
@@ -87,19 +89,28 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
     bpffs::ensure(pin_dir)?;
     let next_backend_id = check_pinned_layout(pin_dir)?;
     warn_on_size_changes(pin_dir, sizes);
-    let mut ebpf = EbpfLoader::new()
+    let features = Features::of_this_kernel();
+    features.check()?;
+    let has_set_retval = u8::from(features.has(&SET_RETVAL));
+    let mut loader = EbpfLoader::new();
+    loader
         .default_map_pin_directory(pin_dir)
         .map_max_entries(MAP_SERVICES, sizes.services)
         .map_max_entries(MAP_BACKENDS, sizes.backends)
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
-        .load(BPF_OBJECT)
-        .with_context(|| {
-            format!(
-                "loading the BPF programs (maps pinned in {}); the agent needs CAP_BPF, \
+        .override_global(GLOBAL_HAS_SET_RETVAL, &has_set_retval, true);
+    if !features.has(&MEMCG_ACCOUNTING) {
+        lift_memlock_limit()?;
+        // Such kernels refuse a map whose memory cost reaches 4 GiB (1M chunks of 4 KiB).
+        loader.map_max_entries(MAP_MAGLEV, 1 << 19);
+    }
+    let mut ebpf = loader.load(BPF_OBJECT).with_context(|| {
+        format!(
+            "loading the BPF programs (maps pinned in {}); the agent needs CAP_BPF, \
                  CAP_NET_ADMIN and CAP_PERFMON, or root",
-                pin_dir.display()
-            )
-        })?;
+            pin_dir.display()
+        )
+    })?;
     for name in [PROG_INGRESS, PROG_EGRESS, PROG_EXT_INGRESS, PROG_EXT_EGRESS] {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
@@ -124,6 +135,23 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
     }
     state.set(AGENT_STATE_LAYOUT, LAYOUT_VERSION, 0)?;
     Ok(ebpf)
+}
+
+/// The constant of the socket programs that says whether they may call bpf_set_retval.
+const GLOBAL_HAS_SET_RETVAL: &str = "HAS_SET_RETVAL";
+
+/// Kernels before 5.11 charge map memory to RLIMIT_MEMLOCK (a few MiB by default).
+fn lift_memlock_limit() -> anyhow::Result<()> {
+    let unlimited = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads the one struct passed.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .context("lifting RLIMIT_MEMLOCK for the maps (needs CAP_SYS_RESOURCE or root)");
+    }
+    Ok(())
 }
 
 /// A pinned map as this build lays it out.
@@ -505,13 +533,14 @@ impl EbpfDataplane {
             tracing::warn!(
                 "--bpf-cgroup-path is empty: host-network clients do not reach services"
             );
-        } else {
+        } else if Features::of_this_kernel().has(&NETNS_COOKIE) {
             let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
             cgroup::attach(&mut ebpf, cgroup, pin_dir, netns)?;
         }
         let maps = MapWriter::take_from(&mut ebpf, writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
+        features::export(Features::of_this_kernel());
         let attacher = attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir)?;
         Ok(Self {
             maps,
