@@ -118,6 +118,9 @@ impl Programs {
     pub fn load_draining(sizes: MapSizes, drain_period: Duration) -> anyhow::Result<Self> {
         let bpffs = PrivateBpffs::new()?;
         let mut ebpf = ebpf::load(bpffs.path(), sizes)?;
+        // The agent loads them only to attach them; loaded here so that every kernel's
+        // verifier checks them (5.10's too, which cannot attach them).
+        ebpf::cgroup::load_programs(&mut ebpf)?;
         let writer = WriterConfig {
             drain_period,
             ..WriterConfig::default()

@@ -43,13 +43,18 @@ pub const LINKS_DIR: &str = "cgroup-links";
 
 const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
 
-/// Loads the socket programs into the kernel (the verifier checks them here).
+/// Loads the socket programs into the kernel (the verifier checks them here), those not loaded
+/// yet. Only [`attach`] needs them: with `--bpf-cgroup-path ''` or where the kernel cannot run
+/// them, they are never loaded.
 pub fn load_programs(ebpf: &mut Ebpf) -> anyhow::Result<()> {
     for name in SOCK_PROGRAMS {
         let prog: &mut CgroupSockAddr = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the BPF object"))?
             .try_into()?;
+        if prog.fd().is_ok() {
+            continue;
+        }
         prog.load()
             .with_context(|| format!("the kernel's verifier rejected {name}"))?;
     }
@@ -66,6 +71,7 @@ pub fn attach(
     netns_cookie: u64,
 ) -> anyhow::Result<()> {
     ensure(cgroup)?;
+    load_programs(ebpf)?;
     // Before the programs are attached: with no cookie they translate nothing.
     let mut host: Array<_, u64> = ebpf
         .map_mut(MAP_HOST_NETNS)

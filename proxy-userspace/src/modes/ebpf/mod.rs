@@ -77,7 +77,8 @@ impl Default for MapSizes {
     }
 }
 
-/// Loads the programs, reusing the maps already pinned in `pin_dir` (so flows and services
+/// Loads the tc and XDP programs (the socket programs are loaded when attached:
+/// [`cgroup::attach`]), reusing the maps already pinned in `pin_dir` (so flows and services
 /// survive an agent restart) or creating and pinning them there.
 pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
     if BPF_OBJECT.is_empty() {
@@ -125,7 +126,6 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         .try_into()?;
     xdp.load()
         .with_context(|| format!("the kernel's verifier rejected {PROG_XDP}"))?;
-    cgroup::load_programs(&mut ebpf)?;
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
         .context("map AGENT_STATE missing")?
