@@ -177,7 +177,7 @@ impl AgentRun {
         Ok(run)
     }
 
-    /// Waits until the agent's log holds `needle` (10 s at most), checking the agent lives.
+    /// Waits until the agent's log holds `needle` (20 s at most), checking the agent lives.
     pub fn wait_for_log(&self, sandbox: &mut Sandbox, needle: &str) -> Result<()> {
         self.wait_for_log_that(sandbox, &format!("{needle:?} in the log"), |log| {
             log.contains(needle)
@@ -189,7 +189,7 @@ impl AgentRun {
         self.log_text().matches("sync done").count()
     }
 
-    /// Waits until the agent has logged more syncs than `before` (10 s at most). A change
+    /// Waits until the agent has logged more syncs than `before` (20 s at most). A change
     /// written after [`AgentRun::syncs`] returned `before` is programmed then, unless a sync
     /// already under way at the write ended first (with the tests' `--min-sync-period 0s`, a
     /// sync runs on each change, or every 30 s).
@@ -199,14 +199,16 @@ impl AgentRun {
         })
     }
 
-    /// Waits until `ok` holds for the agent's log (10 s at most), checking the agent lives.
+    /// Waits until `ok` holds for the agent's log (20 s at most: a start in `auto` mode under
+    /// emulation loads and verifies the BPF programs, then writes a netfilter mode's rules),
+    /// checking the agent lives.
     fn wait_for_log_that(
         &self,
         sandbox: &mut Sandbox,
         what: &str,
         ok: impl Fn(&str) -> bool,
     ) -> Result<()> {
-        let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(20));
         while !ok(&self.log_text()) {
             if let Some(child) = sandbox.child(self.pid)
                 && let Some(status) = child.try_wait()?
