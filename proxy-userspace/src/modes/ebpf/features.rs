@@ -87,7 +87,7 @@ pub static TCX: Feature = Feature {
     probe: tcx_supported,
 };
 
-/// Every feature, in the order `inspect features` and the README list them.
+/// Every feature, in the order the README's kernel table and the metric list them.
 pub static ALL: [&Feature; 5] = [
     &REDIRECT_NEIGH,
     &MEMCG_ACCOUNTING,
@@ -127,10 +127,8 @@ impl Features {
     pub fn check(&self) -> anyhow::Result<()> {
         match ALL.iter().find(|f| f.without.is_none() && !self.has(f)) {
             Some(feature) => bail!(
-                "this kernel lacks {} (Linux {} or later): the ebpf mode cannot run here; pick \
-                 --proxy-mode nftables or iptables (auto does)",
-                feature.name,
-                feature.kernel
+                "{}: pick --proxy-mode nftables or iptables (auto does)",
+                feature.lacking()
             ),
             None => Ok(()),
         }

@@ -529,18 +529,19 @@ impl EbpfDataplane {
         external: ExternalConfig,
         cgroup: &Path,
     ) -> anyhow::Result<Self> {
+        let kernel = Features::of_this_kernel();
         if cgroup.as_os_str().is_empty() {
             tracing::warn!(
                 "--bpf-cgroup-path is empty: host-network clients do not reach services"
             );
-        } else if Features::of_this_kernel().has(&NETNS_COOKIE) {
+        } else if kernel.has(&NETNS_COOKIE) {
             let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
             cgroup::attach(&mut ebpf, cgroup, pin_dir, netns)?;
         }
         let maps = MapWriter::take_from(&mut ebpf, writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
-        features::export(Features::of_this_kernel());
+        features::export(kernel);
         let attacher = attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir)?;
         Ok(Self {
             maps,
