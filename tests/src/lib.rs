@@ -65,8 +65,7 @@ pub fn privileged(test: &str) -> bool {
             if std::env::var(NO_SKIP_ENV).is_ok_and(|v| v == "1") {
                 panic!("{test} cannot run: {reason} ({NO_SKIP_ENV}=1)");
             }
-            // Straight to fd 2: `eprintln!` would be captured by the test harness.
-            let _ = writeln!(std::io::stderr(), "\nSKIPPED {test}: {reason}\n");
+            say_skipped(test, reason);
             false
         }
     }
@@ -80,12 +79,14 @@ pub fn kernel_has(test: &str, feature: &proxy_userspace::modes::ebpf::features::
     if Features::of_this_kernel().has(feature) {
         return true;
     }
-    let _ = writeln!(
-        std::io::stderr(),
-        "\nSKIPPED {test}: {}\n",
-        feature.lacking()
-    );
+    say_skipped(test, &feature.lacking());
     false
+}
+
+/// Prints the loud `SKIPPED <test>: <reason>` line.
+pub fn say_skipped(test: &str, reason: &str) {
+    // Straight to fd 2: `eprintln!` would be captured by the test harness.
+    let _ = writeln!(std::io::stderr(), "\nSKIPPED {test}: {reason}\n");
 }
 
 fn probe() -> Result<(), String> {

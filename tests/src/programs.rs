@@ -202,6 +202,17 @@ impl Programs {
         (verdict, out)
     }
 
+    /// Whether this kernel's BPF_PROG_TEST_RUN of XDP takes an `xdp_md` context (Linux 5.15):
+    /// without it a run cannot say which interface the frame arrived on. Probed with a frame
+    /// that is no IPv4 (the program passes it) arriving on loopback.
+    pub fn xdp_runs_take_a_context(&self) -> bool {
+        let frame = [0u8; 64];
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&1u32.to_ne_bytes());
+        self.test_run(ebpf::PROG_XDP, &frame, Some(&ctx), 1).is_ok()
+    }
+
     /// Writes what the agent's attach thread writes for the external programs: the node
     /// addresses NodePorts answer on (NODE_ADDRS, replacing what was there) and the address
     /// LoadBalancer and external IP flows to other nodes' endpoints leave from (CONFIG).
