@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::rows::{
-    AffinityRow, BackendRow, ClientAffinityRow, ConntrackRow, FlowRow, Rows, ServiceRow,
+    AffinityRow, BackendRow, ClientAffinityRow, ConntrackRow, FeatureRow, FlowRow, Rows, ServiceRow,
 };
 
 pub fn affinity_table(rows: &[AffinityRow]) -> String {
@@ -155,7 +155,26 @@ pub fn show(rows: &Rows, json: bool) -> anyhow::Result<String> {
         Rows::Conntrack(rows) => out(rows, json, |r| kernel_flows_table(r)),
         Rows::Affinity(rows) => out(rows, json, |r| affinity_table(r)),
         Rows::ClientAffinity(rows) => out(rows, json, |r| client_affinity_table(r)),
+        Rows::Features(rows) => out(rows, json, |r| features_table(r)),
     }
+}
+
+fn features_table(rows: &[FeatureRow]) -> String {
+    let mut out = format!(
+        "{:<18} {:<6} {:<7} WITHOUT IT\n",
+        "FEATURE", "SINCE", "PRESENT"
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "{:<18} {:<6} {:<7} {}",
+            r.feature,
+            r.since,
+            if r.present { "yes" } else { "no" },
+            r.without
+        );
+    }
+    out
 }
 
 /// The kernel's conntrack entries of Service flows (the netfilter modes').

@@ -13,6 +13,7 @@ use proxy_userspace::{
         ebpf::{
             self, DEFAULT_PIN_DIR, MapSizes, WriterConfig,
             external::{SnatPorts, XdpMode},
+            features::{self, Features},
             maglev,
             pod_interfaces::PodInterfaces,
         },
@@ -20,7 +21,7 @@ use proxy_userspace::{
     },
     netfilter::iptables::Backend,
     node::NodePortAddresses,
-    rows::What,
+    rows::{Rows, What},
 };
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
@@ -241,7 +242,7 @@ impl IptablesBackend {
 #[derive(clap::Args)]
 struct InspectArgs {
     #[arg(value_enum)]
-    what: What,
+    what: Inspected,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -251,6 +252,33 @@ struct InspectArgs {
     proxy_mode: Option<ProxyMode>,
     #[arg(long, default_value = DEFAULT_PIN_DIR)]
     bpf_pin_dir: PathBuf,
+}
+
+/// What `inspect` prints: a mode's state, or this node's kernel as the ebpf mode sees it.
+#[derive(Clone, Copy)]
+enum Inspected {
+    State(What),
+    Features,
+}
+
+impl ValueEnum for Inspected {
+    fn value_variants<'a>() -> &'a [Self] {
+        static ALL: std::sync::OnceLock<Vec<Inspected>> = std::sync::OnceLock::new();
+        ALL.get_or_init(|| {
+            let states = What::value_variants().iter().copied().map(Inspected::State);
+            states.chain([Inspected::Features]).collect()
+        })
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        match self {
+            Inspected::State(what) => what.to_possible_value(),
+            Inspected::Features => Some(clap::builder::PossibleValue::new("features").help(
+                "The kernel features the ebpf mode uses, whether this node's kernel has each (probed: \
+                 needs CAP_BPF) and what the mode does without it",
+            )),
+        }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -323,16 +351,21 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
     let proxy_mode = args.proxy_mode;
     let make_dataplane = move |node_ips: &[IpAddr]| -> anyhow::Result<Box<dyn Dataplane>> {
         start.node_ips = node_ips.to_vec();
-        let ModeFlag::Only(mode) = proxy_mode else {
-            return start_first(&mut start);
+        let (dataplane, mode) = match proxy_mode {
+            ModeFlag::Only(mode) => (mode.start(&mut start)?, mode),
+            ModeFlag::Auto => start_first(&mut start)?,
         };
-        mode.start(&mut start)
+        mode.export(match proxy_mode {
+            ModeFlag::Auto => "auto",
+            ModeFlag::Only(mode) => mode.name(),
+        });
+        Ok(dataplane)
     };
     runtime.block_on(agent::run(config, make_dataplane))
 }
 
 /// `--proxy-mode auto`: the first of [`ProxyMode::AUTO`] that starts.
-fn start_first(start: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
+fn start_first(start: &mut StartConfig) -> anyhow::Result<(Box<dyn Dataplane>, ProxyMode)> {
     let mut unavailable = Vec::new();
     for mode in ProxyMode::AUTO {
         match mode.start(start) {
@@ -342,7 +375,7 @@ fn start_first(start: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
                     unavailable = ?unavailable,
                     "--proxy-mode auto: using the first mode that works here"
                 );
-                return Ok(dataplane);
+                return Ok((dataplane, mode));
             }
             Err(e) => {
                 tracing::warn!(
@@ -447,12 +480,18 @@ fn node_name(hostname_override: Option<String>) -> anyhow::Result<String> {
 }
 
 fn run_inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let at = Installation::at(&args.bpf_pin_dir);
-    let mode = match args.proxy_mode {
-        Some(mode) => mode,
-        None => modes::detect(&at)?,
+    let rows = match args.what {
+        Inspected::Features => Rows::Features(features::rows(Features::of_this_kernel()?)),
+        Inspected::State(what) => {
+            let at = Installation::at(&args.bpf_pin_dir);
+            let mode = match args.proxy_mode {
+                Some(mode) => mode,
+                None => modes::detect(&at)?,
+            };
+            mode.inspect(what, &at)?
+        }
     };
-    let out = inspect::show(&mode.inspect(args.what, &at)?, args.json)?;
+    let out = inspect::show(&rows, args.json)?;
     println!("{}", out.trim_end());
     Ok(())
 }
@@ -483,6 +522,25 @@ mod tests {
                 panic!("not the agent command");
             };
             assert_eq!(agent.bpf_cgroup_path, PathBuf::new(), "{args:?}");
+        }
+    }
+
+    #[test]
+    fn inspect_takes_each_state_and_features() {
+        for (arg, want) in [
+            ("services", Some(What::Services)),
+            ("affinity", Some(What::Affinity)),
+            ("features", None),
+        ] {
+            let cli = Cli::try_parse_from(["proxy-userspace", "inspect", arg]).unwrap();
+            let Command::Inspect(args) = cli.command else {
+                panic!("not the inspect command");
+            };
+            let got = match args.what {
+                Inspected::State(what) => Some(what),
+                Inspected::Features => None,
+            };
+            assert_eq!(got, want, "{arg}");
         }
     }
 

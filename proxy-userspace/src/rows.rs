@@ -34,6 +34,8 @@ pub enum Rows {
     Affinity(Vec<AffinityRow>),
     /// The affinity the kernel remembers.
     ClientAffinity(Vec<ClientAffinityRow>),
+    /// The kernel features the ebpf mode uses, as this node's kernel has them.
+    Features(Vec<FeatureRow>),
 }
 
 /// One service address with its backends, in slot order.
@@ -135,6 +137,18 @@ pub struct ClientAffinityRow {
     pub endpoint: String,
     /// The seconds until it is forgotten; None where the kernel does not say (iptables).
     pub expires_seconds: Option<u64>,
+}
+
+/// A kernel feature the ebpf mode uses.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct FeatureRow {
+    pub feature: &'static str,
+    /// The mainline release that brought it.
+    pub since: &'static str,
+    /// This node's kernel has it.
+    pub present: bool,
+    /// What the ebpf mode does without it (`required`: it does not load).
+    pub without: &'static str,
 }
 
 /// A row without endpoints or policies yet.

@@ -76,7 +76,8 @@ pub fn privileged(test: &str) -> bool {
 /// documents (the part it serves is off), so the test is skipped even with `SANDBOX_NO_SKIP`.
 pub fn kernel_has(test: &str, feature: &proxy_userspace::modes::ebpf::features::Feature) -> bool {
     use proxy_userspace::modes::ebpf::features::Features;
-    if Features::of_this_kernel().has(feature) {
+    let kernel = Features::of_this_kernel().expect("probing the kernel's features");
+    if kernel.has(feature) {
         return true;
     }
     say_skipped(test, &feature.lacking());

@@ -795,7 +795,7 @@ pub fn run(test: &str, mode_id: &str, shape: Shape) {
             .find(|(name, _)| *name == scenario.name)
             .map(|(_, why)| why.to_string())
             .or_else(|| {
-                let kernel = Features::of_this_kernel();
+                let kernel = Features::of_this_kernel().expect("probing the kernel's features");
                 let (_, lacking) = mode
                     .needs
                     .iter()

@@ -521,3 +521,56 @@ fn host_network_clients_reach_services() {
         "translated after cleanup"
     );
 }
+
+/// The BPF program types among a process's open file descriptors (fdinfo's `prog_type`).
+fn program_types(pid: u32) -> Vec<u32> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap();
+    fds.flatten()
+        .filter_map(|fd| std::fs::read_to_string(fd.path()).ok())
+        .filter_map(|info| {
+            let line = info.lines().find(|l| l.starts_with("prog_type:"))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .collect()
+}
+
+/// `--bpf-cgroup-path ''`: the agent loads no socket program (it could not be attached anyway)
+/// and pods are served all the same; with a path it holds all of them.
+#[test]
+fn an_empty_cgroup_path_loads_no_socket_program() {
+    const BPF_PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
+    let test = "an_empty_cgroup_path_loads_no_socket_program";
+    if !privileged(test) || !proxy_tests::kernel_has(test, &features::NETNS_COOKIE) {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let sock_programs = |agent: &AgentRun| {
+        program_types(agent.pid)
+            .into_iter()
+            .filter(|t| *t == BPF_PROG_TYPE_CGROUP_SOCK_ADDR)
+            .count()
+    };
+    let with_path = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("the agent");
+    assert_eq!(sock_programs(&with_path), cgroup::SOCK_PROGRAMS.len());
+    with_path.stop(&mut sandbox).unwrap();
+    with_path.cleanup(&sandbox).unwrap();
+
+    let agent = AgentRun::start_with_args(
+        &mut sandbox,
+        "node1",
+        proxy_tests::agent::AgentSource::Manifest(EXAMPLE),
+        3,
+        &["--bpf-cgroup-path", ""],
+    )
+    .expect("the agent without a cgroup path");
+    assert_eq!(sock_programs(&agent), 0, "{}", agent.log_text());
+    assert!(
+        agent
+            .log_text()
+            .contains("host-network clients do not reach services")
+    );
+    let pod = &sandbox.pod("client").ns;
+    let answer = proxy_tests::tcp_request(pod, WEB, "hi").unwrap();
+    assert!(["be1", "be2", "be3"].contains(&answer.as_str()), "{answer}");
+}

@@ -82,6 +82,11 @@ fn auto_mode_falls_back_to_nftables_where_ebpf_cannot_load() {
     );
     let answer = tcp_request(&sandbox.pod("client").ns, WEB, "hi").unwrap();
     assert!(["be1", "be2", "be3"].contains(&answer.as_str()), "{answer}");
+    let metrics = agent.metrics(&sandbox).unwrap();
+    assert!(
+        metrics.contains("kubeproxy_proxy_mode{mode=\"nftables\",requested=\"auto\"} 1"),
+        "{metrics}"
+    );
     let pins: Vec<_> = std::fs::read_dir(agent.bpffs.path())
         .map(|d| {
             d.flatten()

@@ -89,6 +89,21 @@ impl ProxyMode {
         (self.mode().inspect)(what, at)
     }
 
+    /// On `/metrics`: `kubeproxy_proxy_mode{mode, requested}` 1, this mode running where
+    /// `--proxy-mode` asked for `requested` (`auto` falls back where the ebpf mode cannot load).
+    pub fn export(self, requested: &'static str) {
+        crate::serve::metrics::METRICS.add_collector(Box::new(move |out| {
+            use std::fmt::Write as _;
+            let name = "kubeproxy_proxy_mode";
+            let _ = writeln!(
+                out,
+                "# HELP {name} The proxy mode this agent runs (mode) and the --proxy-mode it was \
+                 given (requested)\n# TYPE {name} gauge\n{name}{{mode=\"{}\",requested=\"{requested}\"}} 1",
+                self.name()
+            );
+        }));
+    }
+
     /// Starts the mode after removing what the others left (it would serve stale state beside
     /// this one's).
     pub fn start(self, config: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {

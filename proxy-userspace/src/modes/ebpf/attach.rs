@@ -642,7 +642,8 @@ impl Attacher {
 }
 
 fn tcx_supported() -> bool {
-    super::features::Features::of_this_kernel().has(&super::features::TCX)
+    // Probed at load, before anything is attached.
+    super::features::Features::of_this_kernel().is_ok_and(|f| f.has(&super::features::TCX))
 }
 
 /// Swaps `prog` into the link pinned at `pin` (atomically, for packets in flight; the pin stays

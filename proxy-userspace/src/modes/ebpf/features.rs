@@ -5,6 +5,7 @@
 //! that `--proxy-mode auto` moves on to a netfilter mode.
 use std::sync::OnceLock;
 
+use crate::rows::FeatureRow;
 use anyhow::bail;
 use aya::{
     programs::ProgramType,
@@ -18,7 +19,8 @@ pub struct Feature {
     pub kernel: &'static str,
     /// What happens on a kernel without it (None: required).
     pub without: Option<&'static str>,
-    probe: fn() -> bool,
+    /// Ok(false): the kernel lacks it; Err: the probe could not tell (no CAP_BPF).
+    probe: fn() -> anyhow::Result<bool>,
 }
 
 impl Feature {
@@ -69,7 +71,7 @@ pub static NETNS_COOKIE: Feature = Feature {
          attached, and host-network clients (kubelet probes, host-network pods) do not reach \
          Services",
     ),
-    probe: || super::cgroup::own_netns_cookie().is_ok(),
+    probe: || Ok(super::cgroup::own_netns_cookie().is_ok()),
 };
 pub static SET_RETVAL: Feature = Feature {
     name: "bpf_set_retval",
@@ -99,22 +101,27 @@ pub static ALL: [&Feature; 5] = [
 /// What the probes found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Features {
-    present: [bool; 5],
+    present: [bool; ALL.len()],
 }
 
 impl Features {
     /// This kernel's features, probed on first use (which logs each missing optional one).
-    pub fn of_this_kernel() -> Features {
-        static PROBED: OnceLock<Features> = OnceLock::new();
-        *PROBED.get_or_init(|| {
-            let found = Features {
-                present: ALL.map(|feature| (feature.probe)()),
+    pub fn of_this_kernel() -> anyhow::Result<Features> {
+        static PROBED: OnceLock<Result<Features, String>> = OnceLock::new();
+        let probed = PROBED.get_or_init(|| {
+            let mut found = Features {
+                present: [false; ALL.len()],
             };
+            for (present, feature) in found.present.iter_mut().zip(ALL) {
+                *present =
+                    (feature.probe)().map_err(|e| format!("probing {}: {e:#}", feature.name))?;
+            }
             for feature in ALL.iter().filter(|f| !found.has(f) && f.without.is_some()) {
                 tracing::warn!("{}", feature.lacking());
             }
-            found
-        })
+            Ok(found)
+        });
+        probed.clone().map_err(anyhow::Error::msg)
     }
 
     pub fn has(&self, feature: &Feature) -> bool {
@@ -133,6 +140,20 @@ impl Features {
             None => Ok(()),
         }
     }
+}
+
+/// `inspect features`: every feature, whether `found` has it and what its absence costs.
+pub fn rows(found: Features) -> Vec<FeatureRow> {
+    ALL.iter()
+        .map(|feature| FeatureRow {
+            feature: feature.name,
+            since: feature.kernel,
+            present: found.has(feature),
+            without: feature
+                .without
+                .unwrap_or("required: the ebpf mode does not load"),
+        })
+        .collect()
 }
 
 /// On `/metrics`: `kubeproxy_bpf_kernel_feature{feature, since}`, 1 where this kernel has it.
@@ -157,13 +178,16 @@ pub fn export(found: Features) {
     }));
 }
 
-fn helper(program: ProgramType, helper: BpfHelper) -> bool {
-    is_helper_supported(program, helper).unwrap_or(false)
+fn helper(program: ProgramType, helper: BpfHelper) -> anyhow::Result<bool> {
+    is_helper_supported(program, helper).map_err(|e| {
+        anyhow::Error::new(e)
+            .context("loading a BPF program (needs root, or CAP_BPF and CAP_NET_ADMIN)")
+    })
 }
 
 /// Whether the kernel knows tcx attach points: a query of the loopback interface's tcx ingress
 /// (read only) succeeds from 6.6 on, and is refused as an unknown attach type before.
-fn tcx_supported() -> bool {
+fn tcx_supported() -> anyhow::Result<bool> {
     /// The `query` member of `union bpf_attr`, up to `prog_cnt` (older kernels refuse a longer
     /// attribute whose tail they do not know unless it is zero).
     #[repr(C)]
@@ -194,7 +218,15 @@ fn tcx_supported() -> bool {
             size_of::<QueryAttr>() as u32,
         )
     };
-    rc == 0
+    match rc {
+        0 => Ok(true),
+        _ => match std::io::Error::last_os_error() {
+            e if e.raw_os_error() == Some(libc::EPERM) => {
+                Err(anyhow::anyhow!("BPF_PROG_QUERY: {e} (needs CAP_NET_ADMIN)"))
+            }
+            _ => Ok(false),
+        },
+    }
 }
 
 #[cfg(test)]
@@ -208,7 +240,7 @@ mod tests {
         if !crate::testing::privileged("this_kernel_has_every_feature", "bpftool") {
             return;
         }
-        let found = Features::of_this_kernel();
+        let found = Features::of_this_kernel().unwrap();
         for feature in ALL {
             assert!(found.has(feature), "{} missing", feature.name);
         }

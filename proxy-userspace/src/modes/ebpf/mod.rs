@@ -90,7 +90,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
     bpffs::ensure(pin_dir)?;
     let next_backend_id = check_pinned_layout(pin_dir)?;
     warn_on_size_changes(pin_dir, sizes);
-    let features = Features::of_this_kernel();
+    let features = Features::of_this_kernel()?;
     features.check()?;
     let has_set_retval = u8::from(features.has(&SET_RETVAL));
     let mut loader = EbpfLoader::new();
@@ -529,7 +529,7 @@ impl EbpfDataplane {
         external: ExternalConfig,
         cgroup: &Path,
     ) -> anyhow::Result<Self> {
-        let kernel = Features::of_this_kernel();
+        let kernel = Features::of_this_kernel()?;
         if cgroup.as_os_str().is_empty() {
             tracing::warn!(
                 "--bpf-cgroup-path is empty: host-network clients do not reach services"
