@@ -375,9 +375,59 @@ fn live_reply(
     Some((vip, vport))
 }
 
+/// The reply entry with the 5-tuple `reply_key`, if its flow is live: found from an ICMP error
+/// about a packet sent towards a translated flow's client (the quoted packet, reversed). Looked
+/// up, never touched: an error is no sign of life. `flags`: the flow's kind (`CT_EXTERNAL`,
+/// `CT_SNAT`, both or none), exactly.
+#[inline(always)]
+pub fn related_to_reply(reply_key: &CtKey, flags: u8, now: u64) -> Option<CtValue> {
+    let reply = unsafe { CONNTRACK.get(reply_key) }.copied()?;
+    if reply.direction != CT_REPLY || reply.flags & (CT_EXTERNAL | CT_SNAT) != flags {
+        return None;
+    }
+    // The forward entry is keyed from the client: the reply entry's NAT fields name it where
+    // they are set (external flows), else this 5-tuple's destination does.
+    let (client, client_port) = match flags & CT_EXTERNAL != 0 {
+        true => (reply.nat_addr, reply.nat_port),
+        false => (reply_key.daddr, reply_key.dport),
+    };
+    let forward_key = CtKey {
+        saddr: client,
+        daddr: reply.vip,
+        sport: client_port,
+        dport: reply.vport,
+        proto: reply_key.proto,
+        pad: [0; 3],
+    };
+    let forward = unsafe { CONNTRACK.get(forward_key) }.copied()?;
+    if forward.direction != CT_FORWARD
+        || forward.backend_id != reply.backend_id
+        || forward.expired(reply_key.proto, now)
+    {
+        return None;
+    }
+    Some(reply)
+}
+
+/// The external flow whose forward direction has the 5-tuple `forward_key` (client -> service
+/// address), if it is live: found from an ICMP error about a packet sent to its client from the
+/// service address. Its forward entry and backend; never touched.
+#[inline(always)]
+pub fn related_to_forward(forward_key: &CtKey, now: u64) -> Option<(CtValue, Backend)> {
+    let forward = unsafe { CONNTRACK.get(forward_key) }.copied()?;
+    if forward.direction != CT_FORWARD
+        || forward.flags & CT_EXTERNAL == 0
+        || forward.expired(forward_key.proto, now)
+    {
+        return None;
+    }
+    let backend = unsafe { BACKENDS.get(forward.backend_id) }.copied()?;
+    Some((forward, backend))
+}
+
 /// The 5-tuple of the other direction of `key`.
 #[inline(always)]
-fn reversed(key: &CtKey) -> CtKey {
+pub fn reversed(key: &CtKey) -> CtKey {
     CtKey {
         saddr: key.daddr,
         daddr: key.saddr,

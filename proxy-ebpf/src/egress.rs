@@ -1,15 +1,17 @@
 //! Packets going to a pod: a reply from a backend gets the service address back as its source
-//! (reverse NAT), so the client sees the address it connected to.
+//! (reverse NAT), so the client sees the address it connected to; so does an ICMP error about
+//! a packet the pod sent to a service (icmp.rs).
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, programs::TcContext};
 
 use crate::{
-    conntrack,
+    conntrack, icmp,
     packet::{self, Drop, End},
 };
 
 #[inline(always)]
 pub fn try_egress(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = packet::parse(ctx) else {
+        icmp::to_client(ctx, 0)?;
         return Ok(TC_ACT_UNSPEC);
     };
     let client = flow.key.daddr;

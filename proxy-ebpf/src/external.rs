@@ -21,14 +21,14 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    BACKEND_LOCAL, Backend, Be16, Be32, CONFIG_SNAT_ADDR, CtKey, DROP_FRAG_NEEDED,
+    BACKEND_LOCAL, Backend, Be16, Be32, CONFIG_SNAT_ADDR, CT_EXTERNAL, CtKey, DROP_FRAG_NEEDED,
     DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE,
     SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES,
     SOURCE_RANGE_FRONTEND_BITS, ServiceKey, SourceRangeKey,
 };
 
 use crate::{
-    conntrack, frontend, lb,
+    conntrack, frontend, icmp, lb,
     maps::{CONFIG, SOURCE_RANGES},
     packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_TTL_OFF},
     reject,
@@ -174,7 +174,7 @@ pub fn route<C: EbpfContext>(
 #[inline(always)]
 pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = packet::parse(ctx) else {
-        return Ok(TC_ACT_UNSPEC);
+        return icmp::from_outside(ctx);
     };
     match decide(&flow)? {
         Verdict::Pass => Ok(TC_ACT_UNSPEC),
@@ -183,7 +183,7 @@ pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
             flow.rewrite(ctx, End::Destination, dst.0, dst.1)?;
             flow.rewrite(ctx, End::Source, src.0, src.1)?;
             if forward {
-                forward_tc(ctx, &flow)
+                forward_tc(ctx, &flow.key)
             } else {
                 Ok(TC_ACT_UNSPEC)
             }
@@ -191,12 +191,13 @@ pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     }
 }
 
-/// Sends a translated packet out by a route lookup, resolving the next hop if need be.
+/// Sends a translated packet (now `key`) out by a route lookup, resolving the next hop if need
+/// be.
 #[inline(always)]
-fn forward_tc(ctx: &TcContext, flow: &Flow) -> Result<i32, Drop> {
+pub fn forward_tc(ctx: &TcContext, key: &CtKey) -> Result<i32, Drop> {
     // SAFETY: reading the context's ifindex.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let (rc, params) = route(ctx, &flow.key, 0, ifindex);
+    let (rc, params) = route(ctx, key, 0, ifindex);
     let rc = rc as u32;
     if rc == BPF_FIB_LKUP_RET_FRAG_NEEDED {
         return Err(Drop(DROP_FRAG_NEEDED));
@@ -236,6 +237,7 @@ fn decrement_ttl(ctx: &TcContext) -> Result<(), Drop> {
 #[inline(always)]
 pub fn try_external_egress(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = packet::parse(ctx) else {
+        icmp::to_client(ctx, CT_EXTERNAL)?;
         return Ok(TC_ACT_UNSPEC);
     };
     let client = flow.key.daddr;

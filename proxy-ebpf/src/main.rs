@@ -10,6 +10,7 @@ mod conntrack;
 mod egress;
 mod external;
 mod frontend;
+mod icmp;
 mod ingress;
 mod lb;
 mod maps;

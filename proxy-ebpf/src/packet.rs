@@ -13,13 +13,15 @@ pub struct Drop(pub u32);
 pub const FAILED: Drop = Drop(DROP_REWRITE_FAILED);
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IP: u16 = 0x0800;
 pub const IP_TTL_OFF: usize = ETH_HLEN + 8;
 pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IP_DADDR_OFF: usize = ETH_HLEN + 16;
 /// More-fragments flag and fragment offset.
-const IP_FRAG_MASK: u16 = 0x3fff;
+pub const IP_FRAG_MASK: u16 = 0x3fff;
+/// The fragment offset alone: non-zero on every fragment but the first.
+pub const IP_FRAG_OFFSET: u16 = 0x1fff;
 
 /// An IPv4 TCP or UDP packet's flow, and where its L4 header starts.
 pub struct Flow {

@@ -221,3 +221,82 @@ pub fn assert_checksums(frame: &[u8], udp_zero: bool) {
         assert_eq!(seen.l4_csum, l4_checksum(frame), "L4 checksum wrong");
     }
 }
+
+pub const ICMP: u8 = 1;
+pub const ICMP_DEST_UNREACH: u8 = 3;
+pub const ICMP_FRAG_NEEDED: u8 = 4;
+pub const ICMP_PORT_UNREACH: u8 = 3;
+pub const ICMP_TIME_EXCEEDED: u8 = 11;
+
+/// An ICMP error of `kind` and `code` from `from` to the source of `quoted` (a frame as
+/// [`Spec::build`] makes it), quoting its IP header and `quote_len` bytes after it (8, the least
+/// a router sends; Linux quotes as much as fits), as a router or host sends it: correct IP and
+/// ICMP checksums, the quoted packet left as it was (its checksums cover all of it). For
+/// fragmentation needed, the next hop's MTU is 1400.
+pub fn icmp_error(from: Ipv4Addr, kind: u8, code: u8, quoted: &[u8], quote_len: usize) -> Vec<u8> {
+    let inner = &quoted[ETH_HLEN..];
+    let quote = &inner[..(ihl(quoted) + quote_len).min(inner.len())];
+    let mut f = vec![0u8; ETH_HLEN + 20 + 8 + quote.len()];
+    f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
+    f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let total = (f.len() - ETH_HLEN) as u16;
+    let ip = &mut f[ETH_HLEN..];
+    ip[0] = 0x45;
+    ip[1] = 0xc0; // internetwork control, as Linux sends its errors
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip[4..6].copy_from_slice(&0x4321u16.to_be_bytes());
+    ip[8] = 64;
+    ip[9] = ICMP;
+    ip[12..16].copy_from_slice(&from.octets());
+    ip[16..20].copy_from_slice(&inner[12..16]);
+    let icmp = &mut ip[20..];
+    icmp[0] = kind;
+    icmp[1] = code;
+    if (kind, code) == (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED) {
+        icmp[6..8].copy_from_slice(&1400u16.to_be_bytes());
+    }
+    icmp[8..].copy_from_slice(quote);
+    let csum = fold(sum16(icmp, 0));
+    icmp[2..4].copy_from_slice(&csum.to_be_bytes());
+    let csum = ip_checksum(&f);
+    f[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
+    f
+}
+
+/// Panics unless `frame` is `want` (an ICMP error as [`icmp_error`] builds it) in every byte
+/// after the Ethernet header, naming the first field that differs. Both frames' checksums are
+/// recomputed first, so a wrong checksum is named as such.
+pub fn assert_icmp_error(frame: &[u8], want: &[u8]) {
+    assert_eq!(frame.len(), want.len(), "length");
+    assert_eq!(
+        ip_checksum(frame).to_be_bytes(),
+        frame[ETH_HLEN + 10..ETH_HLEN + 12],
+        "outer IP checksum"
+    );
+    let icmp = &frame[ETH_HLEN + 20..];
+    assert_eq!(fold(sum16(icmp, 0)), 0, "ICMP checksum");
+    let fields = [
+        ("outer source", ETH_HLEN + 12..ETH_HLEN + 16),
+        ("outer destination", ETH_HLEN + 16..ETH_HLEN + 20),
+        ("quoted IP checksum", ETH_HLEN + 38..ETH_HLEN + 40),
+        ("quoted source", ETH_HLEN + 40..ETH_HLEN + 44),
+        ("quoted destination", ETH_HLEN + 44..ETH_HLEN + 48),
+        ("quoted ports", ETH_HLEN + 48..ETH_HLEN + 52),
+        (
+            "quoted L4 header",
+            ETH_HLEN + 52..frame.len().min(ETH_HLEN + 68),
+        ),
+        ("the whole packet", ETH_HLEN..frame.len()),
+    ];
+    for (what, range) in fields {
+        assert_eq!(frame[range.clone()], want[range], "{what}");
+    }
+}
+
+/// What forwarding does to a frame's IP header: one hop off its TTL, the checksum updated.
+pub fn hop(frame: &mut [u8]) {
+    frame[ETH_HLEN + 8] -= 1;
+    let csum = ip_checksum(frame);
+    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
+}

@@ -22,7 +22,11 @@
 //!   the reply entry on its reverse 5-tuple if that entry's flow is over (the pod now talks to
 //!   that address directly).
 //! - `tc_egress` (a frame to a pod): a reply of a live flow gets the service address back as
-//!   its source; a reply entry whose flow is over is forgotten; everything else passes.
+//!   its source; a reply entry whose flow is over is forgotten. An ICMP error (destination
+//!   unreachable, time exceeded, parameter problem; both IP headers without options) quoting a
+//!   live flow's packet as it was sent on to the backend quotes it as the pod sent it, to the
+//!   service address (checksums adjusted), and comes from there if the backend sent it; it
+//!   refreshes nothing. Everything else passes.
 //!
 //! Conntrack is keyed as the real one is, two entries a flow, each by the 5-tuple that its
 //! direction's packets carry: which packets meet which entry (and which flows share one) is part
@@ -271,6 +275,39 @@ fn rewrite(frame: &[u8], h: &Headers, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)
     out
 }
 
+/// Where an ICMP error's quoted IP header starts, and what it quotes after it (both headers
+/// without options: the only errors the programs translate).
+const QUOTED_IP: usize = ETH_HLEN + IP_MIN + 8;
+const QUOTED_L4: usize = QUOTED_IP + IP_MIN;
+
+/// The 5-tuple an ICMP error quotes, if `frame` is one the programs translate: Ethernet, IPv4
+/// without options and unfragmented, ICMP destination unreachable (3), time exceeded (11) or
+/// parameter problem (12), quoting an IPv4 header without options of a TCP or UDP packet that
+/// is whole or a first fragment, and at least 8 bytes after it, within the IP total length
+/// (what follows is padding). Also where the message ends.
+pub fn parse_icmp_error(frame: &[u8]) -> Option<(Tuple, usize)> {
+    if frame.len() < QUOTED_L4 + 8 || be16(&frame[12..]) != ETH_P_IP {
+        return None;
+    }
+    let (ip, quoted) = (&frame[ETH_HLEN..], &frame[QUOTED_IP..]);
+    let end = ETH_HLEN + usize::from(be16(&ip[2..]));
+    let error = ip[0] == 0x45
+        && (QUOTED_L4 + 8..=frame.len()).contains(&end)
+        && be16(&ip[6..]) & 0x3fff == 0
+        && ip[9] == 1
+        && matches!(ip[IP_MIN], 3 | 11 | 12);
+    let about_tcp_udp =
+        quoted[0] == 0x45 && be16(&quoted[6..]) & 0x1fff == 0 && matches!(quoted[9], TCP | UDP);
+    let tuple = Tuple {
+        src: addr(&quoted[12..]),
+        dst: addr(&quoted[16..]),
+        sport: be16(&quoted[IP_MIN..]),
+        dport: be16(&quoted[IP_MIN + 2..]),
+        proto: quoted[9],
+    };
+    (error && about_tcp_udp).then_some((tuple, end))
+}
+
 /// The Internet checksum (RFC 1071) of `data` (an even length).
 fn internet_checksum(data: &[u8]) -> u16 {
     let mut sum: u32 = data.chunks(2).map(|w| u32::from(be16(w))).sum();
@@ -507,6 +544,10 @@ pub enum Event {
     NoReply,
     /// Egress: a reply, from the service address again.
     ReverseNat,
+    /// Egress: an ICMP error about a live flow's packet, quoting it as sent to the service.
+    IcmpTranslated,
+    /// Egress: an ICMP error about no live flow, passed unchanged.
+    IcmpUnrelated,
     /// Ingress: a pod's reply to itself through a service, turned around and redirected.
     HairpinReply,
     /// Ingress: to the hairpin address without a live flow behind it: dropped.
@@ -878,6 +919,9 @@ impl Model {
     pub fn egress(&mut self, frame: &[u8]) -> Outcome {
         let h = match parse(frame) {
             Ok(h) => h,
+            Err(Skip::NotTcpUdp) if let Some((quoted, end)) = parse_icmp_error(frame) => {
+                return self.icmp_error(frame, quoted, end);
+            }
             Err(why) => return Outcome::pass(frame, Event::Skipped(why), vec![]),
         };
         let t = h.tuple;
@@ -891,6 +935,76 @@ impl Model {
                 notes,
             },
             None => Outcome::pass(frame, Event::NoReply, notes),
+        }
+    }
+
+    /// `tc_egress` on an ICMP error quoting `quoted` (a pod's packet as the node sent it on),
+    /// the message ending at `end`.
+    fn icmp_error(&self, frame: &[u8], quoted: Tuple, end: usize) -> Outcome {
+        let reply = quoted.reversed();
+        let service = self.conntrack.get(&reply).and_then(|r| {
+            let forward = Tuple {
+                src: reply.dst,
+                dst: r.vip,
+                sport: reply.dport,
+                dport: r.vport,
+                proto: reply.proto,
+            };
+            let f = self.conntrack.get(&forward)?;
+            let live = r.direction == Direction::Reply
+                && f.direction == Direction::Forward
+                && f.backend_id == r.backend_id
+                && self.live(f, reply.proto);
+            live.then_some((r.vip, r.vport))
+        });
+        let Some((vip, vport)) = service else {
+            return Outcome::pass(frame, Event::IcmpUnrelated, vec![]);
+        };
+        let mut out = frame.to_vec();
+        let put = |out: &mut Vec<u8>, at: usize, word: u16| {
+            out[at..at + 2].copy_from_slice(&word.to_be_bytes());
+        };
+        let (old_addr, old_port) = (quoted.dst, quoted.dport);
+        // The ICMP checksum covers every quoted word changed, checksums included.
+        let mut removed = [words(old_addr).as_slice(), &[old_port]].concat();
+        let mut added = [words(vip).as_slice(), &[vport]].concat();
+        let ip_csum = QUOTED_IP + 10;
+        let old = be16(&out[ip_csum..]);
+        let new = adjust_checksum(old, &words(old_addr), &words(vip));
+        put(&mut out, ip_csum, new);
+        (removed, added) = ([removed, vec![old]].concat(), [added, vec![new]].concat());
+        let l4_csum = match quoted.proto {
+            UDP => Some(QUOTED_L4 + 6),
+            _ if end >= QUOTED_L4 + 18 => Some(QUOTED_L4 + 16),
+            _ => None,
+        };
+        let old = l4_csum.map(|at| be16(&out[at..]));
+        if let (Some(at), Some(old)) = (l4_csum, old)
+            && !(quoted.proto == UDP && old == 0)
+        {
+            let mut new = adjust_checksum(old, &removed[..3], &added[..3]);
+            if quoted.proto == UDP && new == 0 {
+                new = 0xffff;
+            }
+            put(&mut out, at, new);
+            (removed, added) = ([removed, vec![old]].concat(), [added, vec![new]].concat());
+        }
+        out[QUOTED_IP + 16..QUOTED_IP + 20].copy_from_slice(&vip.octets());
+        put(&mut out, QUOTED_L4 + 2, vport);
+        let icmp_csum = ETH_HLEN + IP_MIN + 2;
+        let c = adjust_checksum(be16(&out[icmp_csum..]), &removed, &added);
+        put(&mut out, icmp_csum, c);
+        if addr(&frame[ETH_HLEN + 12..]) == old_addr {
+            let c = adjust_checksum(be16(&out[ETH_HLEN + 10..]), &words(old_addr), &words(vip));
+            put(&mut out, ETH_HLEN + 10, c);
+            out[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&vip.octets());
+        }
+        Outcome {
+            verdict: TC_ACT_UNSPEC,
+            frame: out,
+            event: Event::IcmpTranslated,
+            hairpin: false,
+            notes: vec![],
         }
     }
 

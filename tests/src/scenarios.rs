@@ -25,7 +25,7 @@ use proxy_userspace::{
 };
 
 use crate::{
-    BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, UdpConn,
+    BACKEND_PORT, EXT_IP, NODE_IF, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, UdpConn,
     agent::{AgentRun, AgentSource, add_endpoint, edit_manifest, remove_endpoint},
     example::{
         DNS, FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
@@ -116,6 +116,7 @@ pub const MODES: &[Mode] = &[
         not_applicable: &[
             ("pod-address-kept", PROXIED),
             ("client-address-kept-local", PROXIED),
+            ("udp-port-unreachable", PROXIED_UDP),
         ],
         needs: &[],
     },
@@ -135,6 +136,10 @@ fn ipvs_loads() -> Result<(), String> {
 /// Why the userspace mode cannot keep client addresses.
 const PROXIED: &str = "the userspace proxy opens its own connection to the endpoint, which sees \
                        the node's address (as with kube-proxy's userspace mode)";
+
+const PROXIED_UDP: &str = "the endpoint's ICMP error goes to the userspace proxy, whose own \
+                           socket sent the datagram; the client waits for an answer (as with \
+                           kube-proxy's userspace mode)";
 
 /// The mode called `id` (a command-line value parser).
 pub fn parse_mode(id: &str) -> Result<&'static Mode, String> {
@@ -247,6 +252,19 @@ ports: [{name: http, port: 8080, protocol: TCP}]
 endpoints:
 - {addresses: [10.244.1.11], nodeName: node1}
 - {addresses: [10.244.2.11], nodeName: node2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: deaf, namespace: demo}
+spec: {type: ClusterIP, clusterIP: 10.96.0.100,
+  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 9}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: deaf-1, namespace: demo, labels: {kubernetes.io/service-name: deaf}}
+addressType: IPv4
+ports: [{name: dns, port: 9, protocol: UDP}]
+endpoints: [{addresses: [10.244.2.11], nodeName: node2}]
 ";
 
 /// The example manifest and [`EXTRA`].
@@ -304,6 +322,26 @@ fn expect_spread(got: BTreeSet<String>, want: &[&str], what: &str) -> Result<()>
         "{what}: answered by {got:?}, not {want:?}"
     );
     Ok(())
+}
+
+/// Sends `bytes` through a TCP connection to `addr` as one line: the answer (the endpoint's
+/// name). A connection that stalls fails after 20 s (scaled).
+fn upload(from: &Netns, addr: SocketAddr, bytes: usize) -> Result<String> {
+    use std::io::{BufRead, Write};
+    from.run(|| {
+        let patience = crate::patience(Duration::from_secs(20));
+        let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+        stream.set_write_timeout(Some(patience))?;
+        stream.set_read_timeout(Some(patience))?;
+        let mut line = vec![b'x'; bytes];
+        line.push(b'\n');
+        stream.write_all(&line).context("uploading")?;
+        let mut answer = String::new();
+        std::io::BufReader::new(&stream)
+            .read_line(&mut answer)
+            .context("reading the answer")?;
+        Ok(answer.trim().to_owned())
+    })
 }
 
 /// A TCP connection that must not be served: the error it got (a refusal or a timeout).
@@ -614,6 +652,40 @@ pub const SCENARIOS: &[Scenario] = &[
                 "UDP: {udp:?}"
             );
             ensure!(took < Duration::from_secs(1), "refused after {took:?}");
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "udp-port-unreachable",
+        checks: "a UDP endpoint on the other node with nothing listening: the pod's socket is \
+                 refused (the endpoint's ICMP error reaches it as from the Service)",
+        run: |w| {
+            let got = w.pod("client").run(|| {
+                let socket = std::net::UdpSocket::bind("0.0.0.0:0")?;
+                socket.connect(vip(100, 53))?;
+                socket.set_read_timeout(Some(crate::patience(Duration::from_secs(3))))?;
+                socket.send(b"hi")?;
+                socket.recv(&mut [0u8; 64])
+            });
+            let refused = std::io::ErrorKind::ConnectionRefused;
+            ensure!(
+                got.as_ref().map_err(|e| e.kind()) == Err(refused),
+                "{got:?}"
+            );
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "path-mtu",
+        checks: "a 4 MB TCP upload through a ClusterIP to the other node completes where the \
+                 path's MTU (1400) is below the pod's (ICMP fragmentation needed, translated back)",
+        run: |w| {
+            let node1 = w.sandbox.node("node1");
+            node1.ip(&["link", "set", "dev", NODE_IF, "mtu", "1400"])?;
+            let answer = upload(w.pod("client"), REMOTE, 4 << 20);
+            node1.ip(&["link", "set", "dev", NODE_IF, "mtu", "1500"])?;
+            let answer = answer?;
+            ensure!(answer == "be4", "answered by {answer:?}");
             Ok(())
         },
     },

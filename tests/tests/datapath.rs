@@ -746,3 +746,67 @@ fn an_address_handed_to_another_service_stays_served() {
         .unwrap();
     assert_eq!(dnat(&p, &Spec::udp(CLIENT, 50001, VIP, 53)).dst, BE3);
 }
+
+/// ICMP errors about a pod's packets to a service reach it as about the service: the quoted
+/// packet's destination (and its checksums, and the ICMP checksum) back to the service address,
+/// and an error from the endpoint itself from there too; a router's stays a router's. Over TCP
+/// and UDP, quoting 8 bytes (a router's least) or the whole TCP header. Errors about no flow,
+/// or about a connection straight to a pod, pass untouched, and none counts as traffic.
+#[test]
+fn icmp_errors_about_a_service_flow_reach_the_pod_as_about_the_service() {
+    let Some((p, _)) = setup(
+        "icmp_errors_about_a_service_flow_reach_the_pod_as_about_the_service",
+        &[(BE1, 8080)],
+    ) else {
+        return;
+    };
+    let router = Ipv4Addr::new(10, 244, 9, 1);
+    let unreachable = (packet::ICMP_DEST_UNREACH, packet::ICMP_PORT_UNREACH);
+    let too_big = (packet::ICMP_DEST_UNREACH, packet::ICMP_FRAG_NEEDED);
+    let expired = (packet::ICMP_TIME_EXCEEDED, 0);
+    let error = |from, (kind, code): (u8, u8), quoted: &Spec, quote| {
+        packet::icmp_error(from, kind, code, &quoted.build(), quote)
+    };
+    let cases = [(TCP, 8), (TCP, 20), (UDP, 8)];
+    for (i, (proto, quote)) in cases.into_iter().enumerate() {
+        let sport = 40200 + i as u16;
+        let spec = match proto {
+            TCP => Spec::tcp(CLIENT, sport, VIP, 80),
+            _ => Spec::udp(CLIENT, sport, VIP, 80),
+        };
+        dnat(&p, &spec);
+        let sent = Spec {
+            dst: BE1,
+            dport: 8080,
+            ..spec.clone()
+        };
+        let last_seen = |p: &Programs| -> Vec<u64> {
+            let mut seen: Vec<_> = p
+                .conntrack()
+                .iter()
+                .map(|e| e.unwrap().1.last_seen_ns)
+                .collect();
+            seen.sort();
+            seen
+        };
+        let before = last_seen(&p);
+        for (from, kind, want_from) in [
+            (router, too_big, router),
+            (router, expired, router),
+            (BE1, unreachable, VIP),
+        ] {
+            let (verdict, out) = p.run("tc_egress", &error(from, kind, &sent, quote));
+            assert_eq!(verdict, TC_ACT_UNSPEC);
+            packet::assert_icmp_error(&out, &error(want_from, kind, &spec, quote));
+        }
+        assert_eq!(last_seen(&p), before, "an ICMP error refreshed a flow");
+    }
+    let straight = Spec::tcp(CLIENT, 40300, BE1, 8080);
+    untouched(&p, "tc_ingress", &straight.build());
+    untouched(&p, "tc_egress", &error(BE1, unreachable, &straight, 8));
+    untouched(
+        &p,
+        "tc_egress",
+        &error(router, too_big, &Spec::udp(CLIENT, 40301, BE1, 8080), 8),
+    );
+}

@@ -506,6 +506,9 @@ enum Kind {
     Direct,
     /// A pod to the hairpin address, out of the blue.
     Stray,
+    /// An ICMP error (or another ICMP message) to a pod about a packet of a recent flow as the
+    /// node sent it on.
+    IcmpError,
     /// One of the above, mutated (truncated, bad lengths, IHL, version, fragments, protocol,
     /// ethertype, checksums, flipped bytes, trailing bytes).
     Mutant,
@@ -569,7 +572,7 @@ impl Generator {
                 let flags = self.tcp_flags();
                 self.step(model, Step::Client(t, flags), Kind::Again)
             }
-            430..620 => {
+            430..600 => {
                 let t = self.recent_tuple();
                 let flags = self.tcp_flags();
                 let mut f = self.step(model, Step::Backend(t, flags), Kind::Reply);
@@ -578,6 +581,7 @@ impl Generator {
                 }
                 f
             }
+            600..620 => self.icmp_error(model),
             620..680 => {
                 let script = self.script();
                 self.scripts.push(script);
@@ -600,7 +604,8 @@ impl Generator {
                 self.frame(Prog::Ingress, t, flags, Kind::Stray)
             }
             760..960 => {
-                let mut f = match self.rng.below(3) {
+                let mut f = match self.rng.below(4) {
+                    3 => self.icmp_error(model),
                     0 => {
                         let t = self.new_client_tuple();
                         let flags = self.tcp_flags();
@@ -736,6 +741,39 @@ impl Generator {
                 };
                 self.frame(prog, reply, flags, kind)
             }
+        }
+    }
+
+    /// An ICMP message to a pod about a recent flow's packet as the node sent it on (to the
+    /// backend it went to, or might have): an error from that backend or from a router, or
+    /// now and then a message that is no error; quoting the least a router sends or more. Now
+    /// and then to the other program.
+    fn icmp_error(&mut self, model: &Model) -> Frame {
+        let t = self.recent_tuple();
+        let flags = self.tcp_flags();
+        let (addr, port) = self.backend_of(model, &t);
+        let sent = Tuple {
+            dst: addr,
+            dport: port,
+            ..t
+        };
+        let quoted = self.frame(Prog::Egress, sent, flags, Kind::IcmpError).bytes;
+        let from = self.rng.pick(&[addr, Ipv4Addr::new(10, 244, 9, 1)]);
+        // Port unreachable, fragmentation needed, time exceeded, parameter problem; echo
+        // reply and redirect are no errors.
+        let (kind, code) = self
+            .rng
+            .pick(&[(3, 3), (3, 4), (11, 0), (12, 0), (0, 0), (5, 1)]);
+        let quote = self.rng.pick(&[8, 12, 20, 28, 100]);
+        let prog = if self.rng.chance(1, 10) {
+            Prog::Ingress
+        } else {
+            Prog::Egress
+        };
+        Frame {
+            prog,
+            bytes: packet::icmp_error(from, kind, code, &quoted, quote),
+            kind: Kind::IcmpError,
         }
     }
 
@@ -1255,8 +1293,13 @@ fn class(o: &Outcome) -> &'static str {
         Event::NewFlow => "dnat",
         Event::Established => "established",
         Event::ReverseNat => "reverse-nat",
+        Event::IcmpTranslated => "icmp-error",
         Event::Rejected => "reject",
-        Event::Skipped(_) | Event::NotService | Event::NoBackend | Event::NoReply => "pass",
+        Event::Skipped(_)
+        | Event::NotService
+        | Event::NoBackend
+        | Event::NoReply
+        | Event::IcmpUnrelated => "pass",
     }
 }
 
@@ -1564,6 +1607,9 @@ fn the_programs_agree_with_the_reference_model() {
             reference::parse(&frame.bytes).is_ok_and(|h| checksums_valid(&frame.bytes, &h));
         let checked = match expected.event {
             Event::Rejected => Some(icmp_checksums_valid(&out)),
+            Event::IcmpTranslated if icmp_checksums_valid(&frame.bytes) => {
+                Some(icmp_checksums_valid(&out))
+            }
             _ if valid_in && expected.frame != frame.bytes => {
                 Some(reference::parse(&out).is_ok_and(|h| checksums_valid(&out, &h)))
             }
@@ -1649,6 +1695,7 @@ fn the_programs_agree_with_the_reference_model() {
         "dnat",
         "established",
         "reverse-nat",
+        "icmp-error",
         "hairpin",
         "drop",
         "reject",
@@ -1690,6 +1737,9 @@ fn the_programs_agree_with_the_reference_model() {
 fn icmp_checksums_valid(frame: &[u8]) -> bool {
     let ip = &frame[ETH_HLEN..];
     let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    if !(28..=ip.len()).contains(&total) {
+        return false; // a mutant's length
+    }
     let carried = u16::from_be_bytes([ip[10], ip[11]]);
     let mut icmp = ip[20..total].to_vec();
     let icmp_carried = u16::from_be_bytes([icmp[2], icmp[3]]);

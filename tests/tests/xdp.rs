@@ -1482,3 +1482,120 @@ fn a_frontend_without_endpoints_is_refused_by_tc() {
     }
     assert_eq!(lab.ct_len(), 0, "no flow recorded");
 }
+
+/// `frame` as it arrives on ext0 from `from`.
+fn arriving(mut frame: Vec<u8>, from: [u8; 6]) -> Vec<u8> {
+    frame[0..6].copy_from_slice(&EXT0_MAC);
+    frame[6..12].copy_from_slice(&from);
+    frame
+}
+
+/// ICMP errors about external flows are translated as netfilter translates its RELATED
+/// packets, for local and remote endpoints, over TCP and UDP, quoting 8 bytes of the packet
+/// (a router's least) or its whole TCP header: the endpoint's error about what it was sent
+/// leaves from the NodePort, quoting what the client sent; a router's error about what the node
+/// sent the client reaches the endpoint, quoting what the endpoint sent; and the same for a
+/// remote endpoint's flow, whose errors are forwarded at once.
+#[test]
+fn icmp_errors_about_external_flows_are_translated_back() {
+    const LOCAL: [(Ipv4Addr, u16, &str); 1] = [(LOCAL_BE, TARGET, "node1")];
+    const REMOTE: [(Ipv4Addr, u16, &str); 1] = [(REMOTE_BE, TARGET, "node2")];
+    let udp = |svc: ExternalSvc<'static>| ExternalSvc {
+        protocol: Protocol::Udp,
+        ..svc
+    };
+    let services = [
+        node_port("web", NODE_PORT, &LOCAL),
+        udp(node_port("dns", NODE_PORT, &LOCAL)),
+        node_port("web-remote", NODE_PORT + 1, &REMOTE),
+        udp(node_port("dns-remote", NODE_PORT + 1, &REMOTE)),
+    ];
+    let Some(lab) = lab(
+        "icmp_errors_about_external_flows_are_translated_back",
+        &services,
+    ) else {
+        return;
+    };
+    let router = Ipv4Addr::new(192, 168, 0, 1);
+    let unreachable = (packet::ICMP_DEST_UNREACH, packet::ICMP_PORT_UNREACH);
+    let too_big = (packet::ICMP_DEST_UNREACH, packet::ICMP_FRAG_NEEDED);
+    let error = |from, (kind, code): (u8, u8), quoted: &Spec, quote| {
+        packet::icmp_error(from, kind, code, &quoted.build(), quote)
+    };
+    let cases = [(TCP, 8), (TCP, 20), (UDP, 8)];
+    for (i, (proto, quote)) in cases.into_iter().enumerate() {
+        let what = format!("proto {proto}, quoting {quote} bytes");
+        let sport = 42000 + i as u16;
+        let spec = match proto {
+            TCP => Spec::tcp(CLIENT, sport, NODE, NODE_PORT),
+            _ => Spec::udp(CLIENT, sport, NODE, NODE_PORT),
+        };
+        let client = (CLIENT, sport);
+        assert_eq!(lab.xdp(&from_client(&spec)).0, XDP_PASS, "{what}");
+        // The local endpoint's error about the packet it got leaves from the NodePort.
+        let got = Spec {
+            dst: LOCAL_BE,
+            dport: TARGET,
+            ..spec.clone()
+        };
+        let (verdict, out) = lab.tc(
+            "tc_external_egress",
+            &error(LOCAL_BE, unreachable, &got, quote),
+        );
+        assert_eq!(verdict, TC_ACT_UNSPEC, "{what}");
+        packet::assert_icmp_error(&out, &error(NODE, unreachable, &spec, quote));
+        // A router's error about the reply sent to the client: to the endpoint, through the
+        // stack.
+        let reply = answer(&spec, (NODE, NODE_PORT), client);
+        let frame = arriving(error(router, too_big, &reply, quote), ROUTER_MAC);
+        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_UNSPEC, "{what}");
+        let by_endpoint = answer(&spec, (LOCAL_BE, TARGET), client);
+        packet::assert_icmp_error(&out, &error(router, too_big, &by_endpoint, quote));
+
+        // A remote endpoint's flow.
+        let spec = Spec {
+            dport: NODE_PORT + 1,
+            ..spec
+        };
+        let (verdict, out) = lab.xdp(&from_client(&spec));
+        assert_eq!(verdict, XDP_TX, "{what}");
+        let sent = (NODE, snat_port(&out));
+        // Its error about what the node sent it goes back to the client, from the NodePort.
+        let got = Spec {
+            src: sent.0,
+            sport: sent.1,
+            dst: REMOTE_BE,
+            dport: TARGET,
+            ..spec.clone()
+        };
+        let frame = arriving(error(REMOTE_BE, unreachable, &got, quote), NODE2_MAC);
+        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{what}");
+        assert_eq!((&out[0..6], &out[6..12]), (&ROUTER_MAC[..], &EXT0_MAC[..]));
+        let mut want = error(NODE, unreachable, &spec, quote);
+        packet::hop(&mut want);
+        packet::assert_icmp_error(&out, &want);
+        // A router's error about the reply sent to the client goes on to the endpoint, from
+        // the node address and port it knows the flow by.
+        let reply = answer(&spec, (NODE, NODE_PORT + 1), client);
+        let frame = arriving(error(router, too_big, &reply, quote), ROUTER_MAC);
+        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{what}");
+        assert_eq!((&out[0..6], &out[6..12]), (&NODE2_MAC[..], &EXT0_MAC[..]));
+        let by_endpoint = answer(&spec, (REMOTE_BE, TARGET), sent);
+        let mut want = error(NODE, too_big, &by_endpoint, quote);
+        packet::hop(&mut want);
+        packet::assert_icmp_error(&out, &want);
+    }
+    // Errors about packets of no flow pass untouched, through XDP too.
+    let stray = Spec::tcp(NODE, NODE_PORT, CLIENT, 9);
+    let frame = arriving(error(router, too_big, &stray, 8), ROUTER_MAC);
+    untouched_xdp(&lab, &frame, "an error about no flow");
+    untouched_tc(
+        &lab,
+        "tc_external_ingress",
+        &frame,
+        "an error about no flow",
+    );
+}
