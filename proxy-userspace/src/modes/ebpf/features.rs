@@ -5,12 +5,13 @@
 //! that `--proxy-mode auto` moves on to a netfilter mode.
 use std::sync::OnceLock;
 
-use crate::rows::FeatureRow;
 use anyhow::bail;
 use aya::{
     programs::ProgramType,
     sys::{BpfHelper, is_helper_supported},
 };
+
+use crate::rows::FeatureRow;
 
 /// One kernel feature the ebpf mode uses.
 pub struct Feature {
