@@ -71,6 +71,7 @@ pub const MAP_HOST_NETNS: &str = "HOST_NETNS";
 pub const MAP_NODE_ADDRS: &str = "NODE_ADDRS";
 pub const MAP_EXTERNAL_IFACES: &str = "EXTERNAL_IFACES";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
+pub const MAP_FRAGMENTS: &str = "FRAGMENTS";
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'
@@ -317,6 +318,30 @@ pub struct AffinityValue {
     pub pad: u32,
     pub last_used_ns: u64,
 }
+
+/// Key of [`MAP_FRAGMENTS`]: an IPv4 datagram sent in fragments, as each of its fragments'
+/// headers names it (RFC 791: source, destination, protocol and identification).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct FragKey {
+    pub saddr: Be32,
+    pub daddr: Be32,
+    pub id: Be16,
+    pub proto: u8,
+    pub pad: u8,
+}
+
+/// Value of [`MAP_FRAGMENTS`]: the ports the datagram's first fragment carried, which the
+/// fragments after it lack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct FragValue {
+    pub sport: Be16,
+    pub dport: Be16,
+}
+
+/// Datagrams in fragments remembered at once ([`MAP_FRAGMENTS`], LRU; Cilium's default size).
+pub const FRAGMENTS_MAX: u32 = 8192;
 
 /// Key of [`MAP_SOCK_REVNAT`]: a host-network socket (its cookie, unique for the boot) and the
 /// backend the socket programs sent it to.

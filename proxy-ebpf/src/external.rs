@@ -79,6 +79,9 @@ pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
     if let Some(live) = conntrack::established_flow(flow, now) {
         return Ok(nat(&key, &live.backend, live.snat));
     }
+    if flow.later_fragment() {
+        return Ok(Verdict::Pass); // its first fragment started no flow
+    }
     let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)? else {
         if svc.flags & SERVICE_LOCAL_ONLY != 0 {
             return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));

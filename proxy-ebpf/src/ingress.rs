@@ -34,6 +34,8 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     let now = unsafe { bpf_ktime_get_ns() };
     let backend = match conntrack::established(&flow, now) {
         Some(backend) => backend,
+        // A datagram's later fragment whose first one started no flow: left as it is.
+        None if flow.later_fragment() => return Ok(TC_ACT_UNSPEC),
         None => {
             let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)?
             else {

@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CtKey, CtValue,
-    DROPS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
-    SourceRangeKey,
+    DROPS_ENTRIES, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -74,3 +74,9 @@ pub static EXTERNAL_IFACES: HashMap<u32, u32> = HashMap::pinned(256, 0);
 /// loadBalancerSourceRanges: frontend and allowed source prefix -> 1 (never preallocated).
 #[map(name = "SOURCE_RANGES")]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::pinned(1 << 16, 0);
+
+/// The ports of datagrams sent in fragments, from their first fragment, for the fragments after
+/// it (which carry none): they follow the first one's translation. LRU: a datagram whose
+/// fragments are long done makes room.
+#[map(name = "FRAGMENTS")]
+pub static FRAGMENTS: LruHashMap<FragKey, FragValue> = LruHashMap::pinned(FRAGMENTS_MAX, 0);

@@ -4,7 +4,11 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::{Be16, Be32, CtKey, DROP_REWRITE_FAILED, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{
+    Be16, Be32, CtKey, DROP_REWRITE_FAILED, FragKey, FragValue, IPPROTO_TCP, IPPROTO_UDP,
+};
+
+use crate::maps::FRAGMENTS;
 
 /// The packet must be dropped, for this reason (`proxy_common::DROP_*`).
 pub struct Drop(pub u32);
@@ -26,11 +30,26 @@ pub const IP_FRAG_OFFSET: u16 = 0x1fff;
 /// An IPv4 TCP or UDP packet's flow, and where its L4 header starts.
 pub struct Flow {
     pub key: CtKey,
-    /// TCP flags (zero for UDP).
+    /// TCP flags (zero for UDP, and for a fragment after the first).
     tcp_flags: u8,
     pub l4_off: usize,
     /// The IP header's total length (host order).
     pub tot_len: u16,
+    pub fragment: Fragment,
+    /// The IP header's identification (what ties a datagram's fragments together).
+    ip_id: Be16,
+}
+
+/// Where a packet stands in its datagram.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fragment {
+    /// A datagram of its own.
+    Whole,
+    /// The first fragment: it carries the L4 header.
+    First,
+    /// A fragment after the first: no L4 header; the key's ports are its first fragment's
+    /// (from FRAGMENTS), and only the IP header is rewritten.
+    Later,
 }
 
 pub const TCP_FIN: u8 = 0x01;
@@ -49,7 +68,9 @@ unsafe fn read<T: Copy>(p: usize) -> T {
     unsafe { (p as *const T).read_unaligned() }
 }
 
-/// Reads the 5-tuple of an unfragmented IPv4 TCP/UDP packet. `None` for anything else, including
+/// Reads the 5-tuple of an IPv4 TCP/UDP packet. A fragment after the first gets its first
+/// fragment's ports, which that one left in FRAGMENTS; without them (it came first, or the
+/// first is long gone) it is `None`, as is anything else not TCP/UDP over IPv4, including
 /// malformed or truncated headers: such packets are not ours to rewrite and pass untouched.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Flow> {
@@ -58,7 +79,29 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
     if ctx.data() + wanted > ctx.data_end() {
         ctx.pull_data(wanted as u32).ok()?;
     }
-    parse_headers(ctx.data(), ctx.data_end(), ctx.len() as usize)
+    let mut flow = parse_headers(ctx.data(), ctx.data_end(), ctx.len() as usize)?;
+    if flow.fragment == Fragment::Whole {
+        return Some(flow);
+    }
+    let key = FragKey {
+        saddr: flow.key.saddr,
+        daddr: flow.key.daddr,
+        id: flow.ip_id,
+        proto: flow.key.proto,
+        pad: 0,
+    };
+    if flow.fragment == Fragment::First {
+        let ports = FragValue {
+            sport: flow.key.sport,
+            dport: flow.key.dport,
+        };
+        // A failed insert (memory pressure) leaves the later fragments untranslated.
+        let _ = FRAGMENTS.insert(key, ports, 0);
+        return Some(flow);
+    }
+    let ports = unsafe { FRAGMENTS.get(key) }?;
+    (flow.key.sport, flow.key.dport) = (ports.sport, ports.dport);
+    Some(flow)
 }
 
 /// [`parse`] on the linear data `data..end` of a packet of `len` bytes.
@@ -83,10 +126,7 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
     }
     let tot_len = Be16::from_raw(unsafe { read::<u16>(ip + 2) }).get() as usize;
     let frag = Be16::from_raw(unsafe { read::<u16>(ip + 6) }).get();
-    // A later fragment has no ports; a first fragment's later pieces would miss the rewrite.
-    if frag & IP_FRAG_MASK != 0 {
-        return None;
-    }
+    let ip_id = Be16::from_raw(unsafe { read::<u16>(ip + 4) });
     let l4_proto: u8 = unsafe { read(ip + 9) };
     let saddr = Be32::from_raw(unsafe { read::<u32>(ip + 12) });
     let daddr = Be32::from_raw(unsafe { read::<u32>(ip + 16) });
@@ -95,6 +135,28 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
         IPPROTO_UDP => 8,
         _ => return None,
     };
+    if frag & IP_FRAG_OFFSET != 0 {
+        // A later fragment: its IP header only (the ports are filled in by `parse`).
+        if tot_len < ihl || len < ETH_HLEN + tot_len {
+            return None;
+        }
+        let key = CtKey {
+            saddr,
+            daddr,
+            sport: Be16::new(0),
+            dport: Be16::new(0),
+            proto: l4_proto,
+            pad: [0; 3],
+        };
+        return Some(Flow {
+            key,
+            tcp_flags: 0,
+            l4_off: ETH_HLEN + ihl,
+            tot_len: tot_len as u16,
+            fragment: Fragment::Later,
+            ip_id,
+        });
+    }
     // The IP header must claim at least the L4 header, and the packet must hold what it claims.
     if tot_len < ihl + l4_hdr_len || len < ETH_HLEN + tot_len {
         return None;
@@ -122,11 +184,17 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
     } else {
         0
     };
+    let fragment = match frag & IP_FRAG_MASK != 0 {
+        true => Fragment::First,
+        false => Fragment::Whole,
+    };
     Some(Flow {
         key,
         tcp_flags,
         l4_off: ETH_HLEN + ihl,
         tot_len: tot_len as u16,
+        fragment,
+        ip_id,
     })
 }
 
@@ -189,6 +257,10 @@ impl Flow {
         addr: Be32,
         port: Be16,
     ) -> Result<(), Drop> {
+        if self.fragment == Fragment::Later {
+            // No L4 header here: its checksum and ports are the first fragment's.
+            return self.rewrite_ip_only(ctx, at, addr, port);
+        }
         let (old_addr, old_port, addr_off, port_off) = match at {
             End::Source => (self.key.saddr, self.key.sport, IP_SADDR_OFF, self.l4_off),
             End::Destination => (
@@ -250,6 +322,34 @@ impl Flow {
         // Keep the tuple current, so a second rewrite computes its checksum deltas right.
         self.set(at, addr, port);
         Ok(())
+    }
+
+    /// [`Flow::rewrite`] of a fragment after the first: the address and the IP checksum (the
+    /// tuple's port changes only in the flow's key, as the first fragment's did).
+    #[inline(always)]
+    fn rewrite_ip_only(
+        &mut self,
+        ctx: &TcContext,
+        at: End,
+        addr: Be32,
+        port: Be16,
+    ) -> Result<(), Drop> {
+        let (old_addr, addr_off) = match at {
+            End::Source => (self.key.saddr, IP_SADDR_OFF),
+            End::Destination => (self.key.daddr, IP_DADDR_OFF),
+        };
+        if old_addr != addr {
+            ctx.l3_csum_replace(IP_CSUM_OFF, old_addr.raw() as u64, addr.raw() as u64, 4)
+                .map_err(|_| FAILED)?;
+            ctx.store(addr_off, &addr.raw(), 0).map_err(|_| FAILED)?;
+        }
+        self.set(at, addr, port);
+        Ok(())
+    }
+
+    /// A fragment after the first: it follows its datagram's flow but never starts one.
+    pub fn later_fragment(&self) -> bool {
+        self.fragment == Fragment::Later
     }
 }
 

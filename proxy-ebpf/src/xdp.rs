@@ -17,7 +17,7 @@ use proxy_common::{Be16, Be32, IFACE_XDP_FORWARD, IPPROTO_TCP};
 use crate::{
     external::{self, Verdict},
     maps::EXTERNAL_IFACES,
-    packet::{self, Drop, ETH_HLEN, FAILED, Flow, Sum, read16, write16, write32},
+    packet::{self, Drop, ETH_HLEN, FAILED, Flow, Fragment, Sum, read16, write16, write32},
 };
 
 const IP: usize = ETH_HLEN;
@@ -35,7 +35,8 @@ pub fn try_xdp(ctx: &XdpContext) -> Result<u32, Drop> {
     let Some(flow) = packet::parse_headers(data, end, len) else {
         return Ok(xdp_action::XDP_PASS);
     };
-    if flow.has_ip_options() {
+    // Fragments go to tc, which tracks them (FRAGMENTS) and rewrites what each one holds.
+    if flow.has_ip_options() || flow.fragment != Fragment::Whole {
         return Ok(xdp_action::XDP_PASS);
     }
     let (src, dst, forward) = match external::decide(&flow)? {

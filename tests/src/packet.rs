@@ -300,3 +300,39 @@ pub fn hop(frame: &mut [u8]) {
     let csum = ip_checksum(frame);
     frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
 }
+
+/// `frame` (an IPv4 packet as [`Spec::build`] makes it) in two fragments, as a router cuts
+/// it: the first with `cut` bytes of what follows its IP header (a multiple of 8) and
+/// more-fragments set, the later one with the rest at that offset; both with `frame`'s IP
+/// header otherwise (don't-fragment cleared) and their own lengths and IP checksums.
+pub fn fragments(frame: &[u8], cut: usize) -> (Vec<u8>, Vec<u8>) {
+    assert!(cut.is_multiple_of(8));
+    let header_len = ihl(frame);
+    let total = u16::from_be_bytes([frame[ETH_HLEN + 2], frame[ETH_HLEN + 3]]) as usize;
+    assert!(
+        header_len + cut < total,
+        "nothing left for a second fragment"
+    );
+    let piece = |data: std::ops::Range<usize>, flags: u16| {
+        let data = ETH_HLEN + header_len + data.start..ETH_HLEN + header_len + data.end;
+        let mut f = frame[..ETH_HLEN + header_len].to_vec();
+        f.extend_from_slice(&frame[data.clone()]);
+        let len = (header_len + data.len()) as u16;
+        f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&len.to_be_bytes());
+        f[ETH_HLEN + 6..ETH_HLEN + 8].copy_from_slice(&flags.to_be_bytes());
+        let c = ip_checksum(&f);
+        f[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&c.to_be_bytes());
+        f
+    };
+    (
+        piece(0..cut, 0x2000),
+        piece(cut..total - header_len, (cut / 8) as u16),
+    )
+}
+
+/// Sets the IP identification of `frame` (the checksum follows).
+pub fn set_ip_id(frame: &mut [u8], id: u16) {
+    frame[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&id.to_be_bytes());
+    let c = ip_checksum(frame);
+    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&c.to_be_bytes());
+}

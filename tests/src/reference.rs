@@ -5,12 +5,16 @@
 //! ("Datapath"), `proxy-common` and the programs' documentation state, so that `tests/fuzz.rs`
 //! can send the same frames through both and compare verdicts and bytes.
 //!
-//! - `tc_ingress` (a frame leaving a pod): anything but an unfragmented, well-formed IPv4 TCP or
-//!   UDP packet passes unchanged. One to the hairpin address is a pod answering its own
+//! - Both programs read a well-formed IPv4 TCP or UDP packet, or a fragment of one: a first
+//!   fragment as a whole packet (its datagram's ports remembered), a later one with its first
+//!   fragment's ports (without them it passes unchanged), rewritten in its IP header only.
+//!   Anything else passes unchanged.
+//! - `tc_ingress` (a frame leaving a pod): one to the hairpin address is a pod answering its own
 //!   connection through a service: it is turned around (from the service address, to the pod,
 //!   Ethernet addresses swapped, redirected) when its flow is live, and dropped otherwise. One to
 //!   a service address follows its flow while the flow is live and its backend may keep it;
-//!   otherwise it starts a new flow on a backend picked at random from the service's slots
+//!   otherwise it starts a new flow (a later fragment starts none: it passes) on a backend
+//!   picked at random from the service's slots
 //!   (with session affinity: on the backend of the client's last new flow to that address while
 //!   that was within the timeout and the backend takes new flows). The destination becomes the
 //!   backend; a pod reaching itself also gets the hairpin address as its source and is
@@ -115,8 +119,8 @@ pub enum Skip {
     NotIpv4,
     /// IP version other than 4, or a header length below 20 bytes.
     BadIpHeader,
-    /// A piece of a fragmented datagram: only the first has ports, and the rest would miss the
-    /// rewrite.
+    /// A later fragment of a datagram whose first fragment (which has the ports) was not seen;
+    /// from [`parse`], any fragment (it reads whole packets only).
     Fragment,
     NotTcpUdp,
     /// The total length cannot hold the headers, or the frame does not hold the total length.
@@ -129,8 +133,19 @@ pub struct Headers {
     pub tuple: Tuple,
     /// The TCP flags byte (zero for UDP).
     pub tcp_flags: u8,
-    /// Where the TCP/UDP header starts in the frame.
+    /// Where the TCP/UDP header starts in the frame (for a later fragment: its data).
     pub l4: usize,
+    /// A fragment after the first: no L4 header; the tuple's ports are its first fragment's,
+    /// and only the IP header is rewritten.
+    pub later: bool,
+}
+
+/// Where a packet stands in its datagram, and the datagram's identification.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Piece {
+    Whole,
+    First(u16),
+    Later(u16),
 }
 
 impl Headers {
@@ -166,6 +181,15 @@ fn addr(b: &[u8]) -> Ipv4Addr {
 /// Contents the datapath does not depend on are not judged: checksums, IP options, the TCP data
 /// offset, the UDP length, bytes after the IP total length (Ethernet padding).
 pub fn parse(frame: &[u8]) -> Result<Headers, Skip> {
+    match parse_piece(frame)? {
+        (h, Piece::Whole) => Ok(h),
+        _ => Err(Skip::Fragment),
+    }
+}
+
+/// [`parse`] of any piece of a datagram: a first fragment is read as a whole packet is; a
+/// later one for its IP header only (its ports are zero: its first fragment has them).
+pub fn parse_piece(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
     if frame.len() < ETH_HLEN + IP_MIN {
         return Err(Skip::Short);
     }
@@ -177,10 +201,6 @@ pub fn parse(frame: &[u8]) -> Result<Headers, Skip> {
     if ip[0] >> 4 != 4 || header_len < IP_MIN {
         return Err(Skip::BadIpHeader);
     }
-    // More-fragments, or a non-zero offset; don't-fragment and the reserved bit do not matter.
-    if be16(&ip[6..]) & 0x3fff != 0 {
-        return Err(Skip::Fragment);
-    }
     let proto = ip[9];
     let l4_len = match proto {
         TCP => 20,
@@ -188,11 +208,35 @@ pub fn parse(frame: &[u8]) -> Result<Headers, Skip> {
         _ => return Err(Skip::NotTcpUdp),
     };
     let total = usize::from(be16(&ip[2..]));
+    // More-fragments, or a non-zero offset; don't-fragment and the reserved bit do not matter.
+    let (flags, id) = (be16(&ip[6..]), be16(&ip[4..]));
+    if flags & 0x1fff != 0 {
+        if total < header_len || frame.len() < ETH_HLEN + total {
+            return Err(Skip::BadLength);
+        }
+        let headers = Headers {
+            tuple: Tuple {
+                src: addr(&ip[12..]),
+                dst: addr(&ip[16..]),
+                sport: 0,
+                dport: 0,
+                proto,
+            },
+            tcp_flags: 0,
+            l4: ETH_HLEN + header_len,
+            later: true,
+        };
+        return Ok((headers, Piece::Later(id)));
+    }
+    let piece = match flags & 0x2000 != 0 {
+        true => Piece::First(id),
+        false => Piece::Whole,
+    };
     if total < header_len + l4_len || frame.len() < ETH_HLEN + total {
         return Err(Skip::BadLength);
     }
     let l4 = ETH_HLEN + header_len;
-    Ok(Headers {
+    let headers = Headers {
         tuple: Tuple {
             src: addr(&ip[12..]),
             dst: addr(&ip[16..]),
@@ -202,7 +246,9 @@ pub fn parse(frame: &[u8]) -> Result<Headers, Skip> {
         },
         tcp_flags: if proto == TCP { frame[l4 + 13] } else { 0 },
         l4,
-    })
+        later: false,
+    };
+    Ok((headers, piece))
 }
 
 /// A checksum after some of the 16-bit words it covers changed: RFC 1624, eqn. 3,
@@ -255,6 +301,11 @@ fn rewrite(frame: &[u8], h: &Headers, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)
         let c = adjust_checksum(be16(&out[ip_csum..]), &addr_old, &addr_new);
         out[ip_csum..ip_csum + 2].copy_from_slice(&c.to_be_bytes());
     }
+    out[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&src.0.octets());
+    out[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&dst.0.octets());
+    if h.later {
+        return out; // the first fragment carried the ports and the L4 checksum
+    }
     let l4_csum = h.l4_checksum_at();
     let old = be16(&out[l4_csum..]);
     let unchanged = addr_old.is_empty() && port_old.is_empty();
@@ -268,8 +319,6 @@ fn rewrite(frame: &[u8], h: &Headers, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)
         }
         out[l4_csum..l4_csum + 2].copy_from_slice(&c.to_be_bytes());
     }
-    out[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&src.0.octets());
-    out[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&dst.0.octets());
     out[h.l4..h.l4 + 2].copy_from_slice(&src.1.to_be_bytes());
     out[h.l4 + 2..h.l4 + 4].copy_from_slice(&dst.1.to_be_bytes());
     out
@@ -548,6 +597,9 @@ pub enum Event {
     IcmpTranslated,
     /// Egress: an ICMP error about no live flow, passed unchanged.
     IcmpUnrelated,
+    /// Ingress: a datagram's later fragment to a service whose flow is not live: passed
+    /// unchanged (it never starts one).
+    FragmentWithoutFlow,
     /// Ingress: a pod's reply to itself through a service, turned around and redirected.
     HairpinReply,
     /// Ingress: to the hairpin address without a live flow behind it: dropped.
@@ -585,6 +637,8 @@ pub enum Note {
     AffinityLapsed,
     /// A new flow was picked a backend at random and its client now sticks to it.
     AffinityNew,
+    /// A datagram's later fragment, with its first fragment's ports.
+    LaterFragment,
 }
 
 #[derive(Clone, Debug)]
@@ -669,6 +723,9 @@ pub struct Model {
     tables: Tables,
     conntrack: BTreeMap<Tuple, Entry>,
     affinity: BTreeMap<Client, Affinity>,
+    /// Datagrams sent in fragments (source, destination, protocol, identification): the ports
+    /// of their first fragment.
+    fragments: BTreeMap<(Ipv4Addr, Ipv4Addr, u8, u16), (u16, u16)>,
     now: u64,
 }
 
@@ -757,6 +814,25 @@ impl Model {
         })
     }
 
+    /// [`parse_piece`] as the programs read a frame: a first fragment's ports are remembered for
+    /// its datagram, and a later fragment gets them (without them it is skipped).
+    fn read(&mut self, frame: &[u8]) -> Result<Headers, Skip> {
+        let (mut h, piece) = parse_piece(frame)?;
+        let t = h.tuple;
+        match piece {
+            Piece::Whole => {}
+            Piece::First(id) => {
+                self.fragments
+                    .insert((t.src, t.dst, t.proto, id), (t.sport, t.dport));
+            }
+            Piece::Later(id) => {
+                let ports = self.fragments.get(&(t.src, t.dst, t.proto, id));
+                (h.tuple.sport, h.tuple.dport) = *ports.ok_or(Skip::Fragment)?;
+            }
+        }
+        Ok(h)
+    }
+
     /// `tc_ingress` on `frame`. For a new flow, `pick` is given the candidates (the backends in
     /// the service's slots) and says which one the program took; `Err` with the candidates when
     /// it says none of them.
@@ -765,12 +841,15 @@ impl Model {
         frame: &[u8],
         pick: impl FnOnce(&Headers, &[Candidate]) -> Option<usize>,
     ) -> Result<Outcome, Vec<Candidate>> {
-        let h = match parse(frame) {
+        let h = match self.read(frame) {
             Ok(h) => h,
             Err(why) => return Ok(Outcome::pass(frame, Event::Skipped(why), vec![])),
         };
         let t = h.tuple;
         let mut notes = Vec::new();
+        if h.later {
+            notes.push(Note::LaterFragment);
+        }
         if t.dst == HAIRPIN {
             // The pod is both ends: its reply goes back to itself, from the service address.
             let pod = t.src;
@@ -811,6 +890,7 @@ impl Model {
         };
         let (backend, event) = match self.follow_flow(&h, &mut notes) {
             Some(backend) => (backend, Event::Established),
+            None if h.later => return Ok(Outcome::pass(frame, Event::FragmentWithoutFlow, notes)),
             None => {
                 let chosen = match fe.affinity_secs {
                     Some(timeout) => self.sticky_backend(&h, &fe, timeout, pick, &mut notes)?,
@@ -917,7 +997,7 @@ impl Model {
 
     /// `tc_egress` on `frame`.
     pub fn egress(&mut self, frame: &[u8]) -> Outcome {
-        let h = match parse(frame) {
+        let h = match self.read(frame) {
             Ok(h) => h,
             Err(Skip::NotTcpUdp) if let Some((quoted, end)) = parse_icmp_error(frame) => {
                 return self.icmp_error(frame, quoted, end);
@@ -926,6 +1006,9 @@ impl Model {
         };
         let t = h.tuple;
         let mut notes = Vec::new();
+        if h.later {
+            notes.push(Note::LaterFragment);
+        }
         match self.reply_of_live_flow(&h, t.dst, &mut notes) {
             Some(vip) => Outcome {
                 verdict: TC_ACT_UNSPEC,

@@ -676,6 +676,30 @@ pub const SCENARIOS: &[Scenario] = &[
         },
     },
     Scenario {
+        name: "udp-fragments",
+        checks: "4 KB UDP datagrams, fragmented both ways, through a ClusterIP (to endpoints on \
+                 both nodes) and a NodePort from outside",
+        run: |w| {
+            let request = format!("echo {}", "x".repeat(4000));
+            let tries = [
+                (w.pod("client"), DNS),
+                (&w.sandbox.ext, at(NODE1_IP, FRONT_UDP_NODE_PORT)),
+            ];
+            for (from, addr) in tries {
+                for _ in 0..4 {
+                    let answer = udp_request(from, addr, &request)?;
+                    ensure!(
+                        answer.ends_with(&request) && answer.len() == request.len() + 4,
+                        "{addr}: answered {} bytes: {:?}...",
+                        answer.len(),
+                        &answer[..answer.len().min(40)]
+                    );
+                }
+            }
+            Ok(())
+        },
+    },
+    Scenario {
         name: "path-mtu",
         checks: "a 4 MB TCP upload through a ClusterIP to the other node completes where the \
                  path's MTU (1400) is below the pod's (ICMP fragmentation needed, translated back)",

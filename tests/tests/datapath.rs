@@ -251,10 +251,9 @@ fn malformed_and_truncated_frames_pass_untouched() {
             mutate(&|f| f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&1500u16.to_be_bytes())),
         ),
         (
-            "first fragment (more fragments)",
-            mutate(&|f| f[ETH_HLEN + 6] = 0x20),
+            "a later fragment whose first one was never seen",
+            mutate(&|f| f[ETH_HLEN + 7] = 0x10),
         ),
-        ("later fragment", mutate(&|f| f[ETH_HLEN + 7] = 0x10)),
         ("ICMP to the VIP", mutate(&|f| f[ETH_HLEN + 9] = 1)),
     ];
     for (what, frame) in cases {
@@ -808,5 +807,72 @@ fn icmp_errors_about_a_service_flow_reach_the_pod_as_about_the_service() {
         &p,
         "tc_egress",
         &error(router, too_big, &Spec::udp(CLIENT, 40301, BE1, 8080), 8),
+    );
+}
+
+/// A datagram in fragments follows its first fragment, both ways, over TCP and UDP: the first is
+/// translated as a whole packet is (its L4 checksum covers the whole datagram), the later one
+/// gets the same addresses in its IP header and nothing else changes: each piece is what
+/// fragmenting the translated datagram gives. A later fragment whose first one was never seen
+/// passes untouched and starts no flow.
+#[test]
+fn fragments_follow_their_first_fragment() {
+    let Some((p, _)) = setup("fragments_follow_their_first_fragment", &[(BE1, 8080)]) else {
+        return;
+    };
+    for spec in [
+        Spec::udp(CLIENT, 40400, VIP, 80),
+        Spec {
+            tcp_flags: 0x10,
+            ..Spec::tcp(CLIENT, 40400, VIP, 80)
+        },
+    ] {
+        let spec = Spec {
+            payload: vec![7; 40],
+            ..spec
+        };
+        let (first, later) = packet::fragments(&spec.build(), 24);
+        let sent = Spec {
+            dst: BE1,
+            dport: 8080,
+            ..spec.clone()
+        };
+        let (want_first, want_later) = packet::fragments(&sent.build(), 24);
+        for (piece, want) in [(&first, &want_first), (&later, &want_later)] {
+            let (verdict, out) = p.run("tc_ingress", piece);
+            assert_eq!((verdict, &out), (TC_ACT_UNSPEC, want), "{spec:?}");
+        }
+        let reply = Spec {
+            src: BE1,
+            sport: 8080,
+            dst: CLIENT,
+            dport: 40400,
+            ..spec.clone()
+        };
+        let (first, later) = packet::fragments(&reply.build(), 24);
+        let back = Spec {
+            src: VIP,
+            sport: 80,
+            ..reply
+        };
+        let (want_first, want_later) = packet::fragments(&back.build(), 24);
+        for (piece, want) in [(&first, &want_first), (&later, &want_later)] {
+            let (verdict, out) = p.run("tc_egress", piece);
+            assert_eq!((verdict, &out), (TC_ACT_UNSPEC, want), "reply {spec:?}");
+        }
+    }
+    let flows = p.conntrack().keys().count();
+    let mut orphan = Spec {
+        payload: vec![7; 40],
+        ..Spec::udp(CLIENT, 40401, VIP, 80)
+    }
+    .build();
+    packet::set_ip_id(&mut orphan, 0x4242);
+    let (_, later) = packet::fragments(&orphan, 16);
+    untouched(&p, "tc_ingress", &later);
+    assert_eq!(
+        p.conntrack().keys().count(),
+        flows,
+        "a later fragment started a flow"
     );
 }

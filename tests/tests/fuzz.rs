@@ -509,6 +509,9 @@ enum Kind {
     /// An ICMP error (or another ICMP message) to a pod about a packet of a recent flow as the
     /// node sent it on.
     IcmpError,
+    /// A datagram of a recent flow (either way) in two fragments: the first now, the later one
+    /// soon after (now and then before the first, or never).
+    Fragments,
     /// One of the above, mutated (truncated, bad lengths, IHL, version, fragments, protocol,
     /// ethertype, checksums, flipped bytes, trailing bytes).
     Mutant,
@@ -536,6 +539,8 @@ struct Generator {
     recent: Vec<Tuple>,
     /// Scripted exchanges under way, their next steps.
     scripts: Vec<VecDeque<Step>>,
+    /// Later fragments of datagrams whose first fragment went already.
+    fragments: Vec<Frame>,
 }
 
 impl Generator {
@@ -544,10 +549,15 @@ impl Generator {
             rng: Rng(seed),
             recent: Vec::new(),
             scripts: Vec::new(),
+            fragments: Vec::new(),
         }
     }
 
     fn next(&mut self, model: &Model) -> Frame {
+        if !self.fragments.is_empty() && self.rng.chance(1, 3) {
+            let i = self.rng.below(self.fragments.len());
+            return self.fragments.swap_remove(i);
+        }
         if !self.scripts.is_empty() && self.rng.chance(1, 3) {
             let i = self.rng.below(self.scripts.len());
             let step = self.scripts[i].pop_front().expect("scripts are not empty");
@@ -581,7 +591,8 @@ impl Generator {
                 }
                 f
             }
-            600..620 => self.icmp_error(model),
+            600..610 => self.icmp_error(model),
+            610..620 => self.fragments(model),
             620..680 => {
                 let script = self.script();
                 self.scripts.push(script);
@@ -774,6 +785,49 @@ impl Generator {
             prog,
             bytes: packet::icmp_error(from, kind, code, &quoted, quote),
             kind: Kind::IcmpError,
+        }
+    }
+
+    /// A packet of a recent flow, from its client or its backend, cut in two fragments at a
+    /// multiple of 8 bytes past the whole L4 header (the first also lacks don't-fragment). The
+    /// first is returned, the later one kept for soon; now and then the other way round, or
+    /// the later one lost.
+    fn fragments(&mut self, model: &Model) -> Frame {
+        let t = self.recent_tuple();
+        let flags = self.tcp_flags();
+        let step = match self.rng.chance(1, 2) {
+            true => Step::Client(t, flags),
+            false => Step::Backend(t, flags),
+        };
+        let whole = self.step(model, step, Kind::Fragments);
+        let bytes = &whole.bytes;
+        let header_len = usize::from(bytes[ETH_HLEN] & 0x0f) * 4;
+        let total = usize::from(u16::from_be_bytes([
+            bytes[ETH_HLEN + 2],
+            bytes[ETH_HLEN + 3],
+        ]));
+        let l4_len: usize = if bytes[ETH_HLEN + 9] == TCP { 20 } else { 8 };
+        let cut = l4_len.next_multiple_of(8) + 8 * self.rng.below(2);
+        if header_len + cut >= total {
+            return whole; // too short to cut: sent whole
+        }
+        let (first, later) = packet::fragments(bytes, cut);
+        let piece = |bytes| Frame {
+            prog: whole.prog,
+            bytes,
+            kind: Kind::Fragments,
+        };
+        let (first, later) = (piece(first), piece(later));
+        match self.rng.below(10) {
+            0 => {
+                self.fragments.push(first);
+                later
+            }
+            1 => first,
+            _ => {
+                self.fragments.push(later);
+                first
+            }
         }
     }
 
@@ -1299,7 +1353,8 @@ fn class(o: &Outcome) -> &'static str {
         | Event::NotService
         | Event::NoBackend
         | Event::NoReply
-        | Event::IcmpUnrelated => "pass",
+        | Event::IcmpUnrelated
+        | Event::FragmentWithoutFlow => "pass",
     }
 }
 
@@ -1721,6 +1776,7 @@ fn the_programs_agree_with_the_reference_model() {
             Note::AffinityKept,
             Note::AffinityLapsed,
             Note::AffinityNew,
+            Note::LaterFragment,
         ] {
             if note == Note::Expired && run.clock.cap < 14 {
                 continue; // nothing can be idle long enough

@@ -1284,10 +1284,10 @@ fn non_service_and_malformed_frames_pass_untouched() {
         ("total length beyond the frame", &|f| {
             f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&1500u16.to_be_bytes())
         }),
-        ("first fragment (more fragments)", &|f| {
-            f[ETH_HLEN + 6] = 0x20
+        // A first fragment is translated by tc (fragments_of_node_port_flows_are_translated_by_tc).
+        ("a later fragment whose first one was never seen", &|f| {
+            f[ETH_HLEN + 7] = 0x10
         }),
-        ("later fragment", &|f| f[ETH_HLEN + 7] = 0x10),
         ("ICMP to the NodePort", &|f| f[ETH_HLEN + 9] = 1),
     ] {
         cases.push((what.into(), mutate(f)));
@@ -1483,6 +1483,18 @@ fn a_frontend_without_endpoints_is_refused_by_tc() {
     assert_eq!(lab.ct_len(), 0, "no flow recorded");
 }
 
+/// A local and a remote endpoint, for NodePorts `NODE_PORT` and `NODE_PORT + 1`.
+const LOCAL: [(Ipv4Addr, u16, &str); 1] = [(LOCAL_BE, TARGET, "node1")];
+const REMOTE: [(Ipv4Addr, u16, &str); 1] = [(REMOTE_BE, TARGET, "node2")];
+
+/// `svc` over UDP.
+fn udp(svc: ExternalSvc<'static>) -> ExternalSvc<'static> {
+    ExternalSvc {
+        protocol: Protocol::Udp,
+        ..svc
+    }
+}
+
 /// `frame` as it arrives on ext0 from `from`.
 fn arriving(mut frame: Vec<u8>, from: [u8; 6]) -> Vec<u8> {
     frame[0..6].copy_from_slice(&EXT0_MAC);
@@ -1498,12 +1510,6 @@ fn arriving(mut frame: Vec<u8>, from: [u8; 6]) -> Vec<u8> {
 /// remote endpoint's flow, whose errors are forwarded at once.
 #[test]
 fn icmp_errors_about_external_flows_are_translated_back() {
-    const LOCAL: [(Ipv4Addr, u16, &str); 1] = [(LOCAL_BE, TARGET, "node1")];
-    const REMOTE: [(Ipv4Addr, u16, &str); 1] = [(REMOTE_BE, TARGET, "node2")];
-    let udp = |svc: ExternalSvc<'static>| ExternalSvc {
-        protocol: Protocol::Udp,
-        ..svc
-    };
     let services = [
         node_port("web", NODE_PORT, &LOCAL),
         udp(node_port("dns", NODE_PORT, &LOCAL)),
@@ -1598,4 +1604,83 @@ fn icmp_errors_about_external_flows_are_translated_back() {
         &frame,
         "an error about no flow",
     );
+}
+
+/// `spec`'s frame forwarded out of ext0 towards `next_hop`, in two fragments cut at `cut`.
+fn forwarded_fragments(spec: &Spec, next_hop: [u8; 6], cut: usize) -> [Vec<u8>; 2] {
+    let mut frame = spec.build();
+    frame[0..6].copy_from_slice(&next_hop);
+    frame[6..12].copy_from_slice(&EXT0_MAC);
+    let (mut first, mut later) = packet::fragments(&frame, cut);
+    packet::hop(&mut first);
+    packet::hop(&mut later);
+    [first, later]
+}
+
+/// NodePort datagrams in fragments: XDP leaves every fragment to tc, which translates the first
+/// as a whole packet and the later one by its IP header alone, to a local endpoint (handed to
+/// the stack) and to a remote one (from the node address, forwarded); the remote endpoint's
+/// reply in fragments goes back to the client.
+#[test]
+fn fragments_of_node_port_flows_are_translated_by_tc() {
+    let services = [
+        udp(node_port("dns", NODE_PORT, &LOCAL)),
+        udp(node_port("dns-remote", NODE_PORT + 1, &REMOTE)),
+    ];
+    let Some(lab) = lab(
+        "fragments_of_node_port_flows_are_translated_by_tc",
+        &services,
+    ) else {
+        return;
+    };
+    let datagram = |sport, dport| Spec {
+        payload: vec![7; 40],
+        ..Spec::udp(CLIENT, sport, NODE, dport)
+    };
+    // A local endpoint.
+    let spec = datagram(44000, NODE_PORT);
+    let pieces = packet::fragments(&from_client(&spec), 16);
+    let delivered = Spec {
+        dst: LOCAL_BE,
+        dport: TARGET,
+        ..spec.clone()
+    };
+    let want = packet::fragments(&from_client(&delivered), 16);
+    for (piece, want) in [(&pieces.0, &want.0), (&pieces.1, &want.1)] {
+        untouched_xdp(&lab, piece, "a fragment");
+        assert_eq!(
+            lab.tc("tc_external_ingress", piece),
+            (TC_ACT_UNSPEC, want.clone())
+        );
+    }
+    // A remote endpoint, and its reply.
+    let spec = datagram(44001, NODE_PORT + 1);
+    let (first, later) = packet::fragments(&from_client(&spec), 16);
+    let (verdict, out) = lab.tc("tc_external_ingress", &first);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let sent = (NODE, snat_port(&out));
+    let to_endpoint = Spec {
+        src: sent.0,
+        sport: sent.1,
+        dst: REMOTE_BE,
+        dport: TARGET,
+        ..spec.clone()
+    };
+    let want = forwarded_fragments(&to_endpoint, NODE2_MAC, 16);
+    assert_eq!(out, want[0]);
+    assert_eq!(
+        lab.tc("tc_external_ingress", &later),
+        (TC_ACT_REDIRECT, want[1].clone())
+    );
+    let reply = answer(&spec, (REMOTE_BE, TARGET), sent);
+    let (first, later) = packet::fragments(&on_wire(&reply, NODE2_MAC), 16);
+    let back = answer(&spec, (NODE, NODE_PORT + 1), (CLIENT, spec.sport));
+    let want = forwarded_fragments(&back, ROUTER_MAC, 16);
+    for (piece, want) in [(&first, &want[0]), (&later, &want[1])] {
+        untouched_xdp(&lab, piece, "a fragment of the reply");
+        assert_eq!(
+            lab.tc("tc_external_ingress", piece),
+            (TC_ACT_REDIRECT, want.clone())
+        );
+    }
 }

@@ -7,6 +7,8 @@
 //!   EOF (so nc works and one connection can ask many times).
 //! - A request `whoami` (UDP datagram, TCP line or HTTP path `/whoami`) gets
 //!   `<name> <client ip>:<client port>` instead: the source address the backend sees.
+//! - A UDP datagram or TCP line starting with `echo ` gets `<name> ` and itself back: a big
+//!   request gets as big an answer (fragmented both ways over UDP).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -53,6 +55,11 @@ fn main() -> Result<()> {
 fn answer(name: &str, request: &[u8], peer: SocketAddr) -> String {
     if request.trim_ascii() == b"whoami" {
         format!("{name} {}\n", canonical(peer))
+    } else if request.starts_with(b"echo ") {
+        format!(
+            "{name} {}\n",
+            String::from_utf8_lossy(request.trim_ascii_end())
+        )
     } else {
         format!("{name}\n")
     }

@@ -27,10 +27,10 @@ use aya::{
 use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
     AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES,
-    LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK,
-    MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES,
-    MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey,
+    FRAGMENTS_MAX, FragKey, FragValue, LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS,
+    MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_FRAGMENTS, MAP_HOST_NETNS,
+    MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MaglevChunk,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -164,7 +164,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 13] = [
+const LAYOUTS: [Layout; 14] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -256,6 +256,13 @@ const LAYOUTS: [Layout; 13] = [
         key_size: size_of::<u32>() + size_of::<SourceRangeKey>(),
         value_size: size_of::<u8>(),
         entries: None,
+    },
+    Layout {
+        name: MAP_FRAGMENTS,
+        map_type: MapType::LruHash,
+        key_size: size_of::<FragKey>(),
+        value_size: size_of::<FragValue>(),
+        entries: Some(FRAGMENTS_MAX),
     },
 ];
 
