@@ -63,9 +63,8 @@ fn object_key(kind: &'static str, meta: &ObjectMeta) -> Result<NamespacedName, I
 }
 
 fn parse_ip(field: &str, value: &str) -> Result<IpAddr, String> {
-    value
-        .parse()
-        .map_err(|_| format!("{field}: {value:?} is not an IP address"))
+    crate::model::parse_ip_leniently(value)
+        .ok_or_else(|| format!("{field}: {value:?} is not an IP address"))
 }
 
 fn parse_ips<'a>(

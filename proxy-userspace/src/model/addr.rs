@@ -62,9 +62,8 @@ impl FromStr for Cidr {
         let (addr, len) = s
             .split_once('/')
             .ok_or_else(|| format!("{s:?} is not a CIDR (like 192.0.2.0/24)"))?;
-        let addr: IpAddr = addr
-            .parse()
-            .map_err(|_| format!("{s:?}: {addr:?} is not an IP address"))?;
+        let addr = parse_ip_leniently(addr)
+            .ok_or_else(|| format!("{s:?}: {addr:?} is not an IP address"))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let len: u8 = len
             .parse()
@@ -73,6 +72,34 @@ impl FromStr for Cidr {
             .ok_or_else(|| format!("{s:?}: {len:?} is not a prefix length (0-{max})"))?;
         Ok(Self { addr, len })
     }
+}
+
+/// `s` as an IP address, also an IPv4 address with leading zeros (`172.30.0.041`), read as
+/// kube-proxy reads it (`netutils.ParseIPSloppy`: decimal, 172.30.0.41), with a warning:
+/// objects written before the API server refused such addresses still hold them.
+pub fn parse_ip_leniently(s: &str) -> Option<IpAddr> {
+    if let Ok(ip) = s.parse() {
+        return Some(ip);
+    }
+    let mut octets = [0u8; 4];
+    let mut parts = s.split('.');
+    for octet in &mut octets {
+        let part = parts.next()?;
+        // Digits only (integer parsing would also take a sign), decimal whatever the zeros.
+        if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        *octet = part.parse().ok()?;
+    }
+    if parts.next().is_some() {
+        return None;
+    }
+    let ip = Ipv4Addr::from(octets);
+    tracing::warn!(
+        "{s:?} has leading zeros: read as {ip}, as kube-proxy reads it (the API server refuses \
+         such addresses now: rewrite it)"
+    );
+    Some(ip.into())
 }
 
 /// The IPv4 addresses of `ips`, in order.
@@ -88,6 +115,28 @@ pub fn ipv4(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leading_zeros_are_read_as_decimal() {
+        for (s, want) in [
+            ("172.30.0.041", Some("172.30.0.41")),
+            ("010.000.001.255", Some("10.0.1.255")),
+            ("10.0.0.1", Some("10.0.0.1")),
+            ("10.0.0.0256", None),
+            ("10.0.0", None),
+            ("10.0.0.1.1", None),
+            ("10..0.1", None),
+            ("10.0.0.0x1", None),
+        ] {
+            assert_eq!(
+                parse_ip_leniently(s),
+                want.map(|w| w.parse().unwrap()),
+                "{s}"
+            );
+        }
+        let net: Cidr = "010.244.0.0/16".parse().unwrap();
+        assert_eq!(net.to_string(), "10.244.0.0/16");
+    }
 
     #[test]
     fn parses_shows_and_contains() {

@@ -956,3 +956,21 @@ fn a_fresh_state_is_built_as_incrementally() {
     assert_eq!(changed.len(), 100);
     assert_eq!((fresh, changed), build(true));
 }
+
+/// Objects created before the API server tightened validation may hold `172.30.0.041`;
+/// kube-proxy reads it as 172.30.0.41, and so the Service and its endpoints are served here
+/// instead of refused (CIDRs likewise: `addr.rs`).
+#[test]
+fn addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() {
+    let mut tracker = ChangeTracker::new();
+    let mut state = DesiredState::default();
+    let web = WEB.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.000.010");
+    tracker.update_service(&service(&web)).unwrap();
+    tracker
+        .update_slice(&web_slice("web-1", &["10.244.01.011"]))
+        .unwrap();
+    tracker.apply(&mut state);
+    let http = spn("web", "http", Protocol::Tcp);
+    assert_eq!(state.services[&http].cluster_ips, [ip("10.96.0.10")]);
+    assert_eq!(endpoint_ips(&state, &http), ["10.244.1.11:8080"]);
+}
