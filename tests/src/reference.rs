@@ -737,6 +737,11 @@ impl Model {
         }
     }
 
+    /// Datagrams whose first fragment's ports are remembered.
+    pub fn fragments_remembered(&self) -> usize {
+        self.fragments.len()
+    }
+
     /// The maps changed (the agent synced).
     pub fn set_tables(&mut self, tables: Tables) {
         self.tables = tables;

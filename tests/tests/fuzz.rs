@@ -1735,7 +1735,15 @@ fn the_programs_agree_with_the_reference_model() {
         "  lapsed affinities with others to pick: {}, of which to the old backend again: {}",
         s.lapsed.0, s.lapsed.1
     );
+    let fragments = run.model.fragments_remembered();
+    let _ = writeln!(report, "  datagrams in fragments remembered: {fragments}");
     eprint!("{report}");
+    // The model forgets no datagram: the kernel's LRU must never have to.
+    assert!(
+        fragments < proxy_common::FRAGMENTS_MAX as usize / 2,
+        "seed {seed}: {fragments} datagrams in fragments: near FRAGMENTS' size, its LRU may have \
+         evicted what the model kept; make the generator's datagrams fewer"
+    );
     // Drawn at random among two or more, the old backend comes again half the time at most:
     // 90% of 40 or more is next to impossible (p < 1e-7) unless the programs kept it.
     assert!(
