@@ -192,11 +192,7 @@ impl Programs {
     /// thread's network namespace (its route lookups are made there); `None`: on that
     /// namespace's loopback, as a test run without a context does.
     pub fn run_xdp(&self, frame: &[u8], ingress_ifindex: Option<u32>) -> (u32, Vec<u8>) {
-        // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
-        // egress_ifindex (the kernel wants data_end = the frame's length, no metadata).
-        let mut ctx = [0u8; 24];
-        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
-        ctx[12..16].copy_from_slice(&ingress_ifindex.unwrap_or(0).to_ne_bytes());
+        let ctx = xdp_md(frame, ingress_ifindex.unwrap_or(0));
         let ctx = ingress_ifindex.map(|_| &ctx[..]);
         let (verdict, out, _) = self.test_run(ebpf::PROG_XDP, frame, ctx, 1).unwrap();
         (verdict, out)
@@ -207,9 +203,7 @@ impl Programs {
     /// that is no IPv4 (the program passes it) arriving on loopback.
     pub fn xdp_runs_take_a_context(&self) -> bool {
         let frame = [0u8; 64];
-        let mut ctx = [0u8; 24];
-        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
-        ctx[12..16].copy_from_slice(&1u32.to_ne_bytes());
+        let ctx = xdp_md(&frame, 1);
         self.test_run(ebpf::PROG_XDP, &frame, Some(&ctx), 1).is_ok()
     }
 
@@ -291,6 +285,16 @@ pub struct Svc<'a> {
     pub port: u16,
     pub protocol: Protocol,
     pub endpoints: &'a [(Ipv4Addr, u16)],
+}
+
+/// The `struct xdp_md` test-run context of `frame` received on `ingress_ifindex`: data,
+/// data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex (the kernel wants
+/// data_end = the frame's length, no metadata).
+fn xdp_md(frame: &[u8], ingress_ifindex: u32) -> [u8; 24] {
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+    ctx
 }
 
 pub fn spn(name: &str, protocol: Protocol) -> ServicePortName {

@@ -574,3 +574,40 @@ fn an_empty_cgroup_path_loads_no_socket_program() {
     let answer = proxy_tests::tcp_request(pod, WEB, "hi").unwrap();
     assert!(["be1", "be2", "be3"].contains(&answer.as_str()), "{answer}");
 }
+
+/// What the agent says of its kernel: `/metrics` has `kubeproxy_bpf_kernel_feature` for every
+/// feature, 1 where this kernel has it, and `inspect features` lists the same, as the probes
+/// found them (on a kernel lacking some, as in the VM, the zeros show).
+#[test]
+fn the_agent_reports_its_kernel_features() {
+    if !privileged("the_agent_reports_its_kernel_features") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("the agent");
+    let kernel = features::Features::of_this_kernel().unwrap();
+    let metrics = agent.metrics(&sandbox).unwrap();
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&agent.inspect_cli("features", &["--json"]).unwrap()).unwrap();
+    assert_eq!(rows.len(), features::ALL.len(), "{rows:?}");
+    for (feature, row) in features::ALL.iter().zip(&rows) {
+        let has = kernel.has(feature);
+        let line = format!(
+            "kubeproxy_bpf_kernel_feature{{feature=\"{}\",since=\"{}\"}} {}",
+            feature.name,
+            feature.kernel,
+            u8::from(has)
+        );
+        assert!(metrics.contains(&line), "{line} not in\n{metrics}");
+        assert_eq!(
+            (
+                row["feature"].as_str(),
+                row["since"].as_str(),
+                row["present"].as_bool()
+            ),
+            (Some(feature.name), Some(feature.kernel), Some(has)),
+            "{row}"
+        );
+    }
+}

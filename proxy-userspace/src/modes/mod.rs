@@ -95,10 +95,12 @@ impl ProxyMode {
         crate::serve::metrics::METRICS.add_collector(Box::new(move |out| {
             use std::fmt::Write as _;
             let name = "kubeproxy_proxy_mode";
+            let help = "The proxy mode this agent runs (mode) and the --proxy-mode it was given \
+                        (requested)";
+            crate::serve::metrics::header(out, name, help, "gauge");
             let _ = writeln!(
                 out,
-                "# HELP {name} The proxy mode this agent runs (mode) and the --proxy-mode it was \
-                 given (requested)\n# TYPE {name} gauge\n{name}{{mode=\"{}\",requested=\"{requested}\"}} 1",
+                "{name}{{mode=\"{}\",requested=\"{requested}\"}} 1",
                 self.name()
             );
         }));

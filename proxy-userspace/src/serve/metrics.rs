@@ -93,13 +93,18 @@ impl Histogram {
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        header(out, name, help, "histogram");
         for (count, le) in self.counts.iter().zip(self.buckets) {
             let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {count}");
         }
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
         let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
     }
+}
+
+/// A metric family's `# HELP` and `# TYPE` lines (`kind`: counter, gauge, histogram).
+pub fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 fn unix_seconds(t: Option<SystemTime>) -> f64 {
@@ -188,21 +193,19 @@ impl Metrics {
             ),
         ];
         for (name, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-            );
+            header(&mut out, name, help, "gauge");
+            let _ = writeln!(out, "{name} {value}");
         }
         let name = "kubeproxy_sync_proxy_rules_errors_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Syncs of the dataplane that failed (they are retried)\n# TYPE {name} counter\n{name} {}",
-            m.sync_errors
-        );
+        let help = "Syncs of the dataplane that failed (they are retried)";
+        header(&mut out, name, help, "counter");
+        let _ = writeln!(out, "{name} {}", m.sync_errors);
         let name = "kubeproxy_proxy_healthz_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Cumulative proxy healthz HTTP status\n# TYPE {name} counter"
+        header(
+            &mut out,
+            name,
+            "Cumulative proxy healthz HTTP status",
+            "counter",
         );
         let _ = writeln!(
             out,

@@ -162,11 +162,9 @@ pub fn export(found: Features) {
     crate::serve::metrics::METRICS.add_collector(Box::new(move |out| {
         use std::fmt::Write as _;
         let name = "kubeproxy_bpf_kernel_feature";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Kernel features the ebpf mode uses: 1 where this node's kernel has \
-             it (see the README's kernel table for what each brings)\n# TYPE {name} gauge"
-        );
+        let help = "Kernel features the ebpf mode uses: 1 where this node's kernel has it (see \
+                    the README's kernel table for what each brings)";
+        crate::serve::metrics::header(out, name, help, "gauge");
         for feature in ALL {
             let _ = writeln!(
                 out,

@@ -343,10 +343,8 @@ fn export_drop_counters(ebpf: &mut Ebpf) -> anyhow::Result<()> {
     crate::serve::metrics::METRICS.add_collector(Box::new(move |out| {
         use std::fmt::Write as _;
         let name = "kubeproxy_bpf_dropped_packets_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Packets the BPF programs dropped, by reason\n# TYPE {name} counter"
-        );
+        let help = "Packets the BPF programs dropped, by reason";
+        crate::serve::metrics::header(out, name, help, "counter");
         let drops = drops.lock().unwrap();
         for (index, reason) in DROP_REASON_NAMES.iter().enumerate() {
             let total: u64 = drops
