@@ -351,28 +351,39 @@ fn live_reply(
 ) -> Option<(Be32, Be16)> {
     let now = unsafe { bpf_ktime_get_ns() };
     let (vip, vport) = (entry.vip, entry.vport);
-    let forward_key = CtKey {
-        saddr: client,
-        daddr: vip,
-        sport: client_port,
-        dport: vport,
-        proto: flow.key.proto,
-        pad: [0; 3],
-    };
+    let forward_key = forward_key_of(entry, client, client_port, flow.key.proto);
     let forward = CONNTRACK
         .get_ptr_mut(forward_key)
         .map(|f| unsafe { &mut *f })
-        .filter(|f| {
-            f.direction == CT_FORWARD
-                && f.backend_id == entry.backend_id
-                && !f.expired(flow.key.proto, now)
-        });
+        .filter(|f| forward_is_live(f, entry, flow.key.proto, now));
     let Some(forward) = forward else {
         let _ = CONNTRACK.remove(flow.key);
         return None;
     };
     touch(entry, Some(forward), flow, now);
     Some((vip, vport))
+}
+
+/// The forward entry's key of the flow whose reply entry is `reply`: from its client
+/// (`client`:`client_port`) to the service address the reply entry names.
+#[inline(always)]
+fn forward_key_of(reply: &CtValue, client: Be32, client_port: Be16, proto: u8) -> CtKey {
+    CtKey {
+        saddr: client,
+        daddr: reply.vip,
+        sport: client_port,
+        dport: reply.vport,
+        proto,
+        pad: [0; 3],
+    }
+}
+
+/// Whether `forward` is the live forward entry of the flow whose reply entry is `reply`.
+#[inline(always)]
+fn forward_is_live(forward: &CtValue, reply: &CtValue, proto: u8, now: u64) -> bool {
+    forward.direction == CT_FORWARD
+        && forward.backend_id == reply.backend_id
+        && !forward.expired(proto, now)
 }
 
 /// The reply entry with the 5-tuple `reply_key`, if its flow is live: found from an ICMP error
@@ -391,22 +402,9 @@ pub fn related_to_reply(reply_key: &CtKey, flags: u8, now: u64) -> Option<CtValu
         true => (reply.nat_addr, reply.nat_port),
         false => (reply_key.daddr, reply_key.dport),
     };
-    let forward_key = CtKey {
-        saddr: client,
-        daddr: reply.vip,
-        sport: client_port,
-        dport: reply.vport,
-        proto: reply_key.proto,
-        pad: [0; 3],
-    };
-    let forward = unsafe { CONNTRACK.get(forward_key) }.copied()?;
-    if forward.direction != CT_FORWARD
-        || forward.backend_id != reply.backend_id
-        || forward.expired(reply_key.proto, now)
-    {
-        return None;
-    }
-    Some(reply)
+    let forward_key = forward_key_of(&reply, client, client_port, reply_key.proto);
+    let forward = unsafe { CONNTRACK.get(forward_key) }?;
+    forward_is_live(forward, &reply, reply_key.proto, now).then_some(reply)
 }
 
 /// The external flow whose forward direction has the 5-tuple `forward_key` (client -> service
@@ -461,20 +459,9 @@ pub fn forget_finished_reply(key: &CtKey, now: u64, external_only: bool) {
     } else {
         (key.saddr, key.sport)
     };
-    let forward_key = CtKey {
-        saddr,
-        daddr: reply.vip,
-        sport,
-        dport: reply.vport,
-        proto: key.proto,
-        pad: [0; 3],
-    };
-    let open = unsafe { CONNTRACK.get(forward_key) }.is_some_and(|f| {
-        f.direction == CT_FORWARD
-            && f.backend_id == reply.backend_id
-            && f.flags & CT_CLOSING == 0
-            && !f.expired(key.proto, now)
-    });
+    let forward_key = forward_key_of(&reply, saddr, sport, key.proto);
+    let open = unsafe { CONNTRACK.get(forward_key) }
+        .is_some_and(|f| forward_is_live(f, &reply, key.proto, now) && f.flags & CT_CLOSING == 0);
     if !open {
         let _ = CONNTRACK.remove(reverse);
     }
