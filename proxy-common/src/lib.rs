@@ -114,8 +114,9 @@ pub const DROP_SOURCE_RANGE: u32 = 4;
 pub const DROP_SNAT_PORTS_EXHAUSTED: u32 = 5;
 /// A translated external packet had no route to its new destination.
 pub const DROP_NO_ROUTE: u32 = 6;
-/// A translated external packet (not a GRO or GSO one: those are segmented on the way out) is
-/// bigger than its egress interface's MTU.
+/// An external packet to be forwarded (not a GRO or GSO one: those are segmented on the way
+/// out) is bigger than its egress interface's MTU and may not be fragmented: answered with an
+/// ICMP fragmentation needed instead.
 pub const DROP_FRAG_NEEDED: u32 = 7;
 pub const DROP_REASONS: u32 = 8;
 /// The last [`MAP_DROPS`] entry: when this CPU last logged a drop (logs are rate limited).
@@ -229,10 +230,28 @@ pub struct SourceRangeKey {
 /// Bits of a [`SourceRangeKey`] before its source address.
 pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 64;
 
-/// [`MAP_EXTERNAL_IFACES`] value flag: XDP may transmit out of this interface (XDP_TX,
-/// redirect). Not set where that could lose packets (see the agent's `xdp.rs`): the XDP
-/// program then leaves such packets to the tc program.
+/// [`ExternalIface::flags`]: XDP may transmit out of this interface (XDP_TX, redirect). Not
+/// set where that could lose packets (see the agent's `xdp.rs`): the XDP program then leaves
+/// such packets to the tc program.
 pub const IFACE_XDP_FORWARD: u32 = 1;
+
+/// Value of [`MAP_EXTERNAL_IFACES`] (keyed by ifindex): an interface with the external tc
+/// programs (and XDP, where it carries NodePort addresses).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ExternalIface {
+    pub flags: u32,
+    /// The address flows sent on to another node's endpoint leave from when the route to the
+    /// endpoint goes out of this interface (its own, as netfilter's MASQUERADE picks), so that
+    /// the replies come back to it; 0: none (the flow leaves from the NodePort's address, or
+    /// CONFIG_SNAT_ADDR).
+    pub snat_addr: Be32,
+}
+
+/// [`MAP_NODE_ADDRS`] value flag: an address of the node NodePorts do not answer on, held only
+/// as the [`ExternalIface::snat_addr`] of its interface (its packets may be replies to such
+/// flows). Without it (0), NodePorts answer there.
+pub const NODE_ADDR_SNAT_ONLY: u32 = 1;
 
 /// The default source ports external flows to other nodes' endpoints are translated to: below
 /// the NodePort range and Linux's ephemeral range (32768-60999), so that a translated flow
@@ -466,6 +485,7 @@ mod user {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for ExternalIface {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for MaglevChunk {}

@@ -29,8 +29,8 @@ use proxy_common::{
 
 use crate::{
     conntrack, frontend, icmp, lb,
-    maps::{CONFIG, SOURCE_RANGES},
-    packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_TTL_OFF},
+    maps::{CONFIG, EXTERNAL_IFACES, SOURCE_RANGES},
+    packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_DF, IP_FRAG_FLAGS_OFF, IP_TTL_OFF},
     reject,
 };
 
@@ -50,13 +50,13 @@ pub enum Verdict {
     Reject,
 }
 
-/// The decision for `flow`, a packet that arrived on an external interface. Records new flows
-/// in conntrack.
+/// The decision for `flow`, a packet that arrived on the external interface `ingress`. Records
+/// new flows in conntrack.
 #[inline(always)]
-pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
+pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verdict, Drop> {
     let key = flow.key;
-    let to_node = frontend::is_node_addr(key.daddr);
-    if to_node && let Some((service, client)) = conntrack::snat_reply(flow) {
+    let (node_addr, to_node) = frontend::node_addr(key.daddr);
+    if node_addr && let Some((service, client)) = conntrack::snat_reply(flow) {
         return Ok(Verdict::Nat {
             src: service,
             dst: client,
@@ -95,13 +95,7 @@ pub fn decide(flow: &Flow) -> Result<Verdict, Drop> {
         conntrack::record_flow(&key, backend_id, &backend, now, true);
         return Ok(nat(&key, &backend, conntrack::NO_SNAT));
     }
-    // Sent from the node address the client used, or for LoadBalancer and external IPs, from
-    // the node's primary address.
-    let node = if to_node {
-        key.daddr
-    } else {
-        Be32::from_raw(CONFIG.get(CONFIG_SNAT_ADDR).copied().unwrap_or(0))
-    };
+    let node = snat_source(ctx, &key, &backend, ingress, to_node);
     if node.raw() == 0 {
         return Err(Drop(DROP_NO_ROUTE));
     }
@@ -121,6 +115,43 @@ fn nat(key: &CtKey, backend: &Backend, snat: (Be32, Be16)) -> Verdict {
         },
         dst: (backend.addr, backend.port),
         forward,
+    }
+}
+
+/// The address a flow (now `key`) sent on to another node's `backend` leaves from: that of the
+/// interface the route to the backend goes out of, as netfilter's MASQUERADE picks, where the
+/// external programs are there to take the replies; else the node address the client used, or
+/// for LoadBalancer and external IPs the node's primary address.
+#[inline(always)]
+fn snat_source<C: EbpfContext>(
+    ctx: &C,
+    key: &CtKey,
+    backend: &Backend,
+    ingress: u32,
+    to_node: bool,
+) -> Be32 {
+    let towards = CtKey {
+        daddr: backend.addr,
+        dport: backend.port,
+        ..*key
+    };
+    let (rc, route) = self::route(ctx, &towards, 0, ingress);
+    // The lookup names the egress interface whether or not the next hop is resolved or the
+    // packet fits (forwarding checks those again).
+    let rc = rc as u32;
+    if rc == BPF_FIB_LKUP_RET_SUCCESS
+        || rc == BPF_FIB_LKUP_RET_NO_NEIGH
+        || rc == BPF_FIB_LKUP_RET_FRAG_NEEDED
+    {
+        let addr = unsafe { EXTERNAL_IFACES.get(route.ifindex) }.map_or(0, |i| i.snat_addr.raw());
+        if addr != 0 {
+            return Be32::from_raw(addr);
+        }
+    }
+    if to_node {
+        key.daddr
+    } else {
+        Be32::from_raw(CONFIG.get(CONFIG_SNAT_ADDR).copied().unwrap_or(0))
     }
 }
 
@@ -179,19 +210,48 @@ pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = packet::parse(ctx) else {
         return icmp::from_outside(ctx);
     };
-    match decide(&flow)? {
-        Verdict::Pass => Ok(TC_ACT_UNSPEC),
-        Verdict::Reject => reject::reject(ctx, &flow),
-        Verdict::Nat { src, dst, forward } => {
+    // SAFETY: reading the context's ifindex.
+    let ingress = unsafe { (*ctx.skb.skb).ifindex };
+    let (src, dst) = match decide(ctx, &flow, ingress)? {
+        Verdict::Pass => return Ok(TC_ACT_UNSPEC),
+        Verdict::Reject => return reject::reject(ctx, &flow),
+        Verdict::Nat {
+            src,
+            dst,
+            forward: false,
+        } => {
             flow.rewrite(ctx, End::Destination, dst.0, dst.1)?;
             flow.rewrite(ctx, End::Source, src.0, src.1)?;
-            if forward {
-                forward_tc(ctx, &flow.key)
-            } else {
-                Ok(TC_ACT_UNSPEC)
-            }
+            return Ok(TC_ACT_UNSPEC);
         }
+        Verdict::Nat { src, dst, .. } => (src, dst),
+    };
+    let translated = CtKey {
+        saddr: src.0,
+        sport: src.1,
+        daddr: dst.0,
+        dport: dst.1,
+        ..flow.key
+    };
+    let (rc, route) = self::route(ctx, &translated, 0, ingress);
+    if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED && dont_fragment(ctx)? {
+        // As the kernel's forwarding answers: the client learns the path's MTU. The MTU comes
+        // with the lookup from Linux 5.12; before, 0 has the client take its minimum (552).
+        // SAFETY: the lookup's output member of the union.
+        let mtu = unsafe { route.__bindgen_anon_1.mtu_result };
+        crate::count_drop(ctx, DROP_FRAG_NEEDED);
+        return reject::frag_needed(ctx, &flow, mtu);
     }
+    flow.rewrite(ctx, End::Destination, dst.0, dst.1)?;
+    flow.rewrite(ctx, End::Source, src.0, src.1)?;
+    send(ctx, rc, &route)
+}
+
+/// Whether the packet's IP header forbids fragmenting it (DF).
+#[inline(always)]
+fn dont_fragment(ctx: &TcContext) -> Result<bool, Drop> {
+    let flags: u8 = ctx.load(IP_FRAG_FLAGS_OFF).map_err(|_| FAILED)?;
+    Ok(flags & IP_DF != 0)
 }
 
 /// Sends a translated packet (now `key`) out by a route lookup, resolving the next hop if need
@@ -200,25 +260,32 @@ pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
 pub fn forward_tc(ctx: &TcContext, key: &CtKey) -> Result<i32, Drop> {
     // SAFETY: reading the context's ifindex.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let (rc, params) = route(ctx, key, 0, ifindex);
+    let (rc, route) = self::route(ctx, key, 0, ifindex);
+    send(ctx, rc, &route)
+}
+
+/// Sends a translated packet out as the route lookup `route` (its return code `rc`) says.
+/// One too big for the egress interface that may be fragmented goes as it is: a tunnel
+/// fragments the packet it is carried in (flannel's and Calico's VXLAN; the kernel's own
+/// forwarding would have fragmented it), a plain interface of a smaller MTU drops it.
+#[inline(always)]
+fn send(ctx: &TcContext, rc: i64, route: &bpf_fib_lookup) -> Result<i32, Drop> {
     let rc = rc as u32;
-    if rc == BPF_FIB_LKUP_RET_FRAG_NEEDED {
-        return Err(Drop(DROP_FRAG_NEEDED));
-    }
-    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+    let resolved = rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_FRAG_NEEDED;
+    if !resolved && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return Err(Drop(DROP_NO_ROUTE));
     }
     decrement_ttl(ctx)?;
-    if rc == BPF_FIB_LKUP_RET_SUCCESS {
+    if resolved {
         let mut macs = [0u8; 12];
-        macs[..6].copy_from_slice(&params.dmac);
-        macs[6..].copy_from_slice(&params.smac);
+        macs[..6].copy_from_slice(&route.dmac);
+        macs[6..].copy_from_slice(&route.smac);
         ctx.store(0, &macs, 0).map_err(|_| FAILED)?;
         // SAFETY: a helper with plain integer arguments.
-        return Ok(unsafe { bpf_redirect(params.ifindex, 0) } as i32);
+        return Ok(unsafe { bpf_redirect(route.ifindex, 0) } as i32);
     }
     // SAFETY: no neighbour parameters (the kernel takes the next hop from its own lookup).
-    Ok(unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+    Ok(unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
 }
 
 /// A forwarded packet loses a hop; one that has none left goes no further.

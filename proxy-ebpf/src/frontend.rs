@@ -3,8 +3,8 @@
 //! the node's. Clients inside the cluster and clients outside it may see different endpoints
 //! (externalTrafficPolicy Local): the scope says which.
 use proxy_common::{
-    Be16, Be32, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_EXTERNAL, SERVICE_TWO_SCOPES, ServiceKey,
-    ServiceValue,
+    Be16, Be32, NODE_ADDR_SNAT_ONLY, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_EXTERNAL,
+    SERVICE_TWO_SCOPES, ServiceKey, ServiceValue,
 };
 
 use crate::maps::{NODE_ADDRS, SERVICES};
@@ -12,7 +12,17 @@ use crate::maps::{NODE_ADDRS, SERVICES};
 /// Whether `addr` is one the node's NodePorts answer on.
 #[inline(always)]
 pub fn is_node_addr(addr: Be32) -> bool {
-    unsafe { NODE_ADDRS.get(addr) }.is_some()
+    node_addr(addr).1
+}
+
+/// Whether `addr` is the node's: one it sends flows to other nodes' endpoints from (their
+/// replies come to it), and one its NodePorts answer on (most are both).
+#[inline(always)]
+pub fn node_addr(addr: Be32) -> (bool, bool) {
+    match unsafe { NODE_ADDRS.get(addr) } {
+        Some(flags) => (true, flags & NODE_ADDR_SNAT_ONLY == 0),
+        None => (false, false),
+    }
 }
 
 /// The frontend at `addr`:`port` as a client inside the cluster (a pod, a host-network process)

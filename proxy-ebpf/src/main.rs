@@ -115,7 +115,7 @@ fn verdict(ctx: &TcContext, r: Result<i32, packet::Drop>) -> i32 {
 
 /// Counts a dropped packet, and logs it unless this CPU logged one lately.
 #[inline(always)]
-fn count_drop<C: EbpfContext>(ctx: &C, reason: u32) {
+pub fn count_drop<C: EbpfContext>(ctx: &C, reason: u32) {
     if let Some(count) = DROPS.get_ptr_mut(reason) {
         // SAFETY: a per-CPU value: no other program touches it while this one runs here.
         unsafe { *count += 1 };

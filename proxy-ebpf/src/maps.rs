@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CtKey, CtValue,
-    DROPS_ENTRIES, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk, ServiceKey,
+    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -62,14 +62,16 @@ pub static MAGLEV: HashMap<ServiceKey, MaglevChunk> = HashMap::pinned(1 << 20, B
 #[map(name = "CONFIG")]
 pub static CONFIG: Array<u32> = Array::pinned(CONFIG_ENTRIES, 0);
 
-/// The node's addresses that NodePorts answer on (`--nodeport-addresses`), written by the agent.
+/// The node's addresses that NodePorts answer on (`--nodeport-addresses`), and those flows to
+/// other nodes' endpoints leave from (`proxy_common::NODE_ADDR_SNAT_ONLY`), written by the
+/// agent.
 #[map(name = "NODE_ADDRS")]
 pub static NODE_ADDRS: HashMap<Be32, u32> = HashMap::pinned(256, 0);
 
-/// The external interfaces (by ifindex) and what XDP may do on them
-/// (`proxy_common::IFACE_XDP_FORWARD`).
+/// The interfaces with the external programs (by ifindex): what XDP may do there, and the
+/// address flows leaving by them are sent from.
 #[map(name = "EXTERNAL_IFACES")]
-pub static EXTERNAL_IFACES: HashMap<u32, u32> = HashMap::pinned(256, 0);
+pub static EXTERNAL_IFACES: HashMap<u32, ExternalIface> = HashMap::pinned(256, 0);
 
 /// loadBalancerSourceRanges: frontend and allowed source prefix -> 1 (never preallocated).
 #[map(name = "SOURCE_RANGES")]

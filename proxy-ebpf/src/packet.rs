@@ -19,6 +19,9 @@ pub const FAILED: Drop = Drop(DROP_REWRITE_FAILED);
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 pub const IP_TTL_OFF: usize = ETH_HLEN + 8;
+/// The byte of the IP header that holds its flags (DF: [`IP_DF`]).
+pub const IP_FRAG_FLAGS_OFF: usize = ETH_HLEN + 6;
+pub const IP_DF: u8 = 0x40;
 pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IP_DADDR_OFF: usize = ETH_HLEN + 16;

@@ -1,6 +1,10 @@
-//! Rejecting a packet to a service port without endpoints, as kube-proxy does: the pod gets an
-//! ICMP port unreachable from the service address at once, so its connect() (or its next UDP
-//! receive) fails in milliseconds instead of after a timeout.
+//! Answering a packet with an ICMP destination unreachable from where it was sent to, as the
+//! kernel would: a packet to a service port without endpoints gets a port unreachable from the
+//! service address at once, as kube-proxy does, so the pod's connect() (or its next UDP
+//! receive) fails in milliseconds instead of after a timeout; a packet from outside too big for
+//! the interface it would be forwarded out of, and not to be fragmented, gets a fragmentation
+//! needed with that interface's MTU, so the client's path MTU discovery works through a
+//! NodePort.
 //!
 //! The packet itself becomes the answer: cut to the size of the reply, rewritten, and sent
 //! back out of the interface it came in on (no routing, so no reverse-path check on the
@@ -11,6 +15,7 @@ use crate::packet::{self, Drop, ETH_HLEN, FAILED, Flow};
 
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
 const IPV4_HLEN: usize = 20;
 const ICMP_HLEN: usize = 8;
 /// What an ICMP error quotes of the offending packet besides its IP header (RFC 792).
@@ -21,10 +26,22 @@ const QUOTE_OFF: usize = ICMP_OFF + ICMP_HLEN;
 const REPLY_LEN: usize = QUOTE_OFF + IPV4_HLEN + QUOTED_L4;
 
 /// Turns `flow`'s packet into an ICMP port unreachable from its destination (the service
-/// address) to its source, and sends it back to the pod. A packet with IP options passes
-/// untouched (its quote would not fit this fixed layout; such packets are rare).
+/// address) to its source, and sends it back. A packet with IP options passes untouched (its
+/// quote would not fit this fixed layout; such packets are rare).
 #[inline(always)]
 pub fn reject(ctx: &TcContext, flow: &Flow) -> Result<i32, Drop> {
+    unreachable(ctx, flow, ICMP_PORT_UNREACH, 0)
+}
+
+/// Turns `flow`'s packet into an ICMP fragmentation needed (RFC 1191) with the next hop's
+/// `mtu`, from its destination to its source, and sends it back. With IP options: passes.
+#[inline(always)]
+pub fn frag_needed(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, Drop> {
+    unreachable(ctx, flow, ICMP_FRAG_NEEDED, mtu)
+}
+
+#[inline(always)]
+fn unreachable(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, Drop> {
     if flow.has_ip_options() {
         return Ok(TC_ACT_UNSPEC);
     }
@@ -50,7 +67,8 @@ pub fn reject(ctx: &TcContext, flow: &Flow) -> Result<i32, Drop> {
     ip[10..12].copy_from_slice(&csum.to_be_bytes());
     let mut icmp = [0u8; ICMP_HLEN];
     icmp[0] = ICMP_DEST_UNREACH;
-    icmp[1] = ICMP_PORT_UNREACH;
+    icmp[1] = code;
+    icmp[6..8].copy_from_slice(&mtu.to_be_bytes());
     let csum = checksum(sum_words(&icmp) + sum_words(&offending) + sum_words(&l4));
     icmp[2..4].copy_from_slice(&csum.to_be_bytes());
     ctx.store(0, &eth, 0).map_err(|_| FAILED)?;

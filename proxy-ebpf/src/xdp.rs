@@ -39,7 +39,9 @@ pub fn try_xdp(ctx: &XdpContext) -> Result<u32, Drop> {
     if flow.has_ip_options() || flow.fragment != Fragment::Whole {
         return Ok(xdp_action::XDP_PASS);
     }
-    let (src, dst, forward) = match external::decide(&flow)? {
+    // SAFETY: reading the context's ingress interface.
+    let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
+    let (src, dst, forward) = match external::decide(ctx, &flow, ingress)? {
         Verdict::Pass | Verdict::Reject => return Ok(xdp_action::XDP_PASS),
         Verdict::Nat { src, dst, forward } => (src, dst, forward),
     };
@@ -47,8 +49,6 @@ pub fn try_xdp(ctx: &XdpContext) -> Result<u32, Drop> {
         rewrite(ctx, &flow, src, dst, false)?;
         return Ok(xdp_action::XDP_PASS);
     }
-    // SAFETY: reading the context's ingress interface.
-    let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     let mut key = flow.key;
     (key.saddr, key.sport, key.daddr, key.dport) = (src.0, src.1, dst.0, dst.1);
     let (rc, route) = external::route(ctx, &key, flow.tot_len, ingress);
@@ -78,7 +78,7 @@ pub fn try_xdp(ctx: &XdpContext) -> Result<u32, Drop> {
 
 #[inline(always)]
 fn may_transmit(ifindex: u32) -> bool {
-    unsafe { EXTERNAL_IFACES.get(ifindex) }.is_some_and(|flags| flags & IFACE_XDP_FORWARD != 0)
+    unsafe { EXTERNAL_IFACES.get(ifindex) }.is_some_and(|i| i.flags & IFACE_XDP_FORWARD != 0)
 }
 
 /// Rewrites the addresses and ports of `flow`'s packet to `src` and `dst` (and takes a hop off

@@ -113,6 +113,12 @@ fn ihl(frame: &[u8]) -> usize {
 /// build it when they reject: from the offending packet's destination to its source, both
 /// checksums right, quoting its IP header and the first 8 bytes after it; MACs swapped.
 pub fn assert_port_unreachable(frame: &[u8], offending: &[u8]) {
+    assert_unreachable(frame, offending, ICMP_PORT_UNREACH, 0);
+}
+
+/// [`assert_port_unreachable`] for any destination unreachable `code`, with `mtu` in the
+/// header's second half (fragmentation needed's next-hop MTU; zero for other codes).
+pub fn assert_unreachable(frame: &[u8], offending: &[u8], code: u8, mtu: u16) {
     let ihl = ihl(offending);
     assert_eq!(frame.len(), ETH_HLEN + 20 + 8 + ihl + 8, "reply length");
     assert_eq!(
@@ -138,9 +144,10 @@ pub fn assert_port_unreachable(frame: &[u8], offending: &[u8]) {
     let icmp = &ip[20..];
     assert_eq!(
         (icmp[0], icmp[1]),
-        (3, 3),
-        "destination unreachable, port unreachable"
+        (ICMP_DEST_UNREACH, code),
+        "destination unreachable, its code"
     );
+    assert_eq!(u16::from_be_bytes([icmp[6], icmp[7]]), mtu, "next-hop MTU");
     assert_eq!(fold(sum16(icmp, 0)), 0, "ICMP checksum");
     assert_eq!(&icmp[8..], &off[..ihl + 8], "the quote");
 }

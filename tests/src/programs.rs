@@ -17,8 +17,9 @@ use aya::{
     programs::{Program, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue, MAP_CONFIG,
-    MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
+    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue,
+    ExternalIface, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
+    NODE_ADDR_SNAT_ONLY,
 };
 use proxy_userspace::{
     dataplane::Scope,
@@ -241,11 +242,35 @@ impl Programs {
     }
 
     /// Marks `ifindex` as an external interface with `flags` (`IFACE_XDP_FORWARD`: XDP may
-    /// transmit there), as the attach thread does.
+    /// transmit there), as the attach thread does; no SNAT address of its own.
     pub fn set_external_iface(&self, ifindex: u32, flags: u32) {
+        self.set_uplink(ifindex, flags, Ipv4Addr::UNSPECIFIED);
+    }
+
+    /// [`Self::set_external_iface`], with flows leaving by it sent from `snat` (an address
+    /// NodePorts may not answer on: then add it as the attach thread does, with
+    /// [`Self::add_snat_only_addr`]).
+    pub fn set_uplink(&self, ifindex: u32, flags: u32, snat: Ipv4Addr) {
         let data = MapData::from_pin(self.bpffs.path().join(MAP_EXTERNAL_IFACES)).expect("ifaces");
+        let mut map: BpfHashMap<_, u32, ExternalIface> = Map::HashMap(data).try_into().unwrap();
+        let value = ExternalIface {
+            flags,
+            snat_addr: Be32::from_octets(snat.octets()),
+        };
+        map.insert(ifindex, value, 0).unwrap();
+    }
+
+    /// Adds `addr` to NODE_ADDRS as an address NodePorts do not answer on, only replies to the
+    /// flows sent from it.
+    pub fn add_snat_only_addr(&self, addr: Ipv4Addr) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_NODE_ADDRS)).expect("node addrs");
         let mut map: BpfHashMap<_, u32, u32> = Map::HashMap(data).try_into().unwrap();
-        map.insert(ifindex, flags, 0).unwrap();
+        map.insert(
+            Be32::from_octets(addr.octets()).raw(),
+            NODE_ADDR_SNAT_ONLY,
+            0,
+        )
+        .unwrap();
     }
 
     /// How many packets were dropped for `reason` (`proxy_common::DROP_*`), on all CPUs.

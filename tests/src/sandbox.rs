@@ -43,7 +43,8 @@ const PODS: &[(&str, u8, u8)] = &[
     ("be4", 2, 11),
 ];
 
-/// How pods are wired to their node: the shapes real CNIs build.
+/// How pods are wired to their node, and the nodes to each other: the shapes real CNIs and
+/// data centres build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Shape {
     /// Routed veths named `veth-<pod>`, each holding the pod's gateway (Calico-like).
@@ -54,17 +55,49 @@ pub enum Shape {
     /// Routed veths named `eni<hash>` (the AWS VPC CNI's), which no name pattern of another
     /// CNI matches.
     Eni,
+    /// Bridged pods as [`Shape::Bridge`], the nodes' pod ranges reached through a VXLAN tunnel
+    /// (`flannel.1`, MTU 1450) while the pods keep 1500: flannel's vxlan backend, Calico's
+    /// VXLAN mode.
+    Overlay,
+    /// Routed veths named after the pod (`<pod>-<hash>`, as Antrea and OVN-Kubernetes name
+    /// them) on nodes with two uplinks: the node network (`eth0`: the node's address as a /32,
+    /// NodePorts, the clients outside) and a management network (`eth1`) with the default
+    /// route and the routes to the other node (its address and pods), so replies to outside
+    /// clients and flows to the other node leave by another interface than the one traffic
+    /// came in on.
+    MultiHomed,
 }
 
+/// The VXLAN device of [`Shape::Overlay`] and its MTU (flannel's names and sizes).
+pub const TUNNEL: &str = "flannel.1";
+const TUNNEL_MTU: u16 = 1450;
+/// The second uplink of [`Shape::MultiHomed`], and the management network it is on: node N is
+/// 198.18.0.1N there, ext (its router) 198.18.0.1.
+pub const MGMT_IF: &str = "eth1";
+const MGMT_ROUTER: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+
 impl Shape {
-    pub const ALL: [Shape; 3] = [Shape::Routed, Shape::Bridge, Shape::Eni];
+    pub const ALL: [Shape; 5] = [
+        Shape::Routed,
+        Shape::Bridge,
+        Shape::Eni,
+        Shape::Overlay,
+        Shape::MultiHomed,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Shape::Routed => "routed",
             Shape::Bridge => "bridge",
             Shape::Eni => "eni",
+            Shape::Overlay => "overlay",
+            Shape::MultiHomed => "multihomed",
         }
+    }
+
+    /// Pods are ports of the node's [`BRIDGE`].
+    fn bridged(self) -> bool {
+        matches!(self, Shape::Bridge | Shape::Overlay)
     }
 
     /// The node-side interface of pod `pod`, named as this shape's CNI names it.
@@ -75,8 +108,28 @@ impl Shape {
         });
         match self {
             Shape::Routed => format!("veth-{pod}"),
-            Shape::Bridge => format!("veth{hash:08x}"),
+            Shape::Bridge | Shape::Overlay => format!("veth{hash:08x}"),
             Shape::Eni => format!("eni{hash:08x}"),
+            Shape::MultiHomed => format!("{pod}-{:04x}", hash & 0xffff),
+        }
+    }
+
+    /// The node interface that carries traffic between the nodes' pods.
+    pub fn inter_node_link(self) -> &'static str {
+        match self {
+            Shape::Routed | Shape::Bridge | Shape::Eni => NODE_IF,
+            Shape::Overlay => TUNNEL,
+            Shape::MultiHomed => MGMT_IF,
+        }
+    }
+
+    /// What an operator gives every mode's agent on such a node: on a multi-homed one, the
+    /// network NodePorts answer on (`primary`, with the manifest source, would be the default
+    /// route's interface: the management network).
+    pub fn agent_args(self) -> &'static [&'static str] {
+        match self {
+            Shape::MultiHomed => &["--nodeport-addresses", NODE_CIDR],
+            _ => &[],
         }
     }
 }
@@ -107,34 +160,36 @@ impl Pod {
     /// `ip` lines for the node side, run in the node once `host_if` is there.
     fn host_side(&self) -> Vec<String> {
         let hif = &self.host_if;
-        match self.shape {
+        if self.shape.bridged() {
             // Hairpin on, as the bridge plugin's `hairpinMode` and flannel set it: a pod
             // reaching itself through a Service gets its frame back through its own port.
-            Shape::Bridge => vec![
+            vec![
                 format!("link set {hif} master {BRIDGE} up"),
                 format!("link set {hif} type bridge_slave hairpin on"),
-            ],
-            Shape::Routed | Shape::Eni => vec![
+            ]
+        } else {
+            vec![
                 format!("link set {hif} up"),
                 format!("addr add {}/32 dev {hif}", self.gateway),
                 format!("route add {}/32 dev {hif} scope link", self.ip),
-            ],
+            ]
         }
     }
 
     /// `ip` lines for the pod side, run in the pod once its `eth0` is there.
     fn pod_side(&self) -> Vec<String> {
         let mut lines = vec!["link set lo up".to_string()];
-        match self.shape {
-            Shape::Bridge => lines.extend([
+        if self.shape.bridged() {
+            lines.extend([
                 format!("addr add {}/24 dev eth0", self.ip),
                 "link set eth0 up".to_string(),
-            ]),
-            Shape::Routed | Shape::Eni => lines.extend([
+            ]);
+        } else {
+            lines.extend([
                 format!("addr add {}/32 dev eth0", self.ip),
                 "link set eth0 up".to_string(),
                 format!("route add {} dev eth0 scope link", self.gateway),
-            ]),
+            ]);
         }
         lines.push(format!("route add default via {} dev eth0", self.gateway));
         lines
@@ -239,7 +294,7 @@ impl Sandbox {
         // 2. Sysctls, before any interface exists (new interfaces copy `default`). A bridge
         // node needs br_netfilter for its bridge-nf-call sysctl (built in here; a module on
         // Debian's kernels, which kubeadm has the admin load): loaded if it can be.
-        if self.shape == Shape::Bridge {
+        if self.shape.bridged() {
             let _ = std::process::Command::new("modprobe")
                 .args(["-q", "br_netfilter"])
                 .status();
@@ -251,7 +306,7 @@ impl Sandbox {
                 cmd.args(["-q", "-w"]).args(COMMON_SYSCTLS);
                 if ns.name == self.node1.name || ns.name == self.node2.name {
                     cmd.arg("net.ipv4.ip_forward=1");
-                    if self.shape == Shape::Bridge {
+                    if self.shape.bridged() {
                         // What kube-proxy needs of a bridge node (kubeadm checks it): bridged
                         // frames meet netfilter, so a reply from a pod on the same bridge is
                         // translated back.
@@ -278,8 +333,22 @@ impl Sandbox {
             ));
             fabric.push(format!("link set fab-{role} master br0 up"));
         }
+        if self.shape == Shape::MultiHomed {
+            fabric.extend([
+                "link add br1 type bridge".to_string(),
+                "link set br1 up".to_string(),
+            ]);
+            for ns in [&self.node1, &self.node2, &self.ext] {
+                let role = &ns.name[self.prefix.len() + 1..];
+                fabric.push(format!(
+                    "link add mgt-{role} type veth peer name {MGMT_IF} netns {}",
+                    ns.name
+                ));
+                fabric.push(format!("link set mgt-{role} master br1 up"));
+            }
+        }
         let mut node_links = [Vec::new(), Vec::new()];
-        if self.shape == Shape::Bridge {
+        if self.shape.bridged() {
             for (n, lines) in node_links.iter_mut().enumerate() {
                 lines.extend([
                     format!("link add {BRIDGE} type bridge"),
@@ -304,45 +373,90 @@ impl Sandbox {
         ])?;
 
         // 4. Addresses and routes on the far ends.
-        let node = |ip: Ipv4Addr, other_pods: &str, other_ip: Ipv4Addr| {
-            vec![
-                "link set lo up".to_string(),
-                format!("addr add {ip}/24 dev {NODE_IF}"),
-                format!("link set {NODE_IF} up"),
-                format!("route add {other_pods} via {other_ip}"),
-                // The node network's router (ext) has the default route: the interface
-                // that holds it carries the node's primary address (--nodeport-addresses).
-                format!("route add default via {EXT_IP}"),
-            ]
-        };
         let mut batches = vec![
-            (
-                Some(self.node1.name.as_str()),
-                node(NODE1_IP, "10.244.2.0/24", NODE2_IP),
-            ),
-            (
-                Some(self.node2.name.as_str()),
-                node(NODE2_IP, "10.244.1.0/24", NODE1_IP),
-            ),
-            (
-                Some(self.ext.name.as_str()),
-                vec![
-                    "link set lo up".to_string(),
-                    format!("addr add {EXT_IP}/24 dev {NODE_IF}"),
-                    format!("link set {NODE_IF} up"),
-                    format!("route add {SERVICE_CIDR} via {NODE1_IP}"),
-                    format!("route add {POD_CIDR} via {NODE1_IP}"),
-                    // Load balancer and external IPs are routed to a node, as a cloud load
-                    // balancer or the network's router would.
-                    format!("route add {LB_CIDR} via {NODE1_IP}"),
-                    format!("route add {EXTERNAL_IP_CIDR} via {NODE1_IP}"),
-                ],
-            ),
+            (Some(self.node1.name.as_str()), self.node_side(1)),
+            (Some(self.node2.name.as_str()), self.node_side(2)),
+            (Some(self.ext.name.as_str()), self.ext_side()),
         ];
         for pod in &self.pods {
             batches.push((Some(pod.ns.name.as_str()), pod.pod_side()));
         }
         ip_batches(&batches)
+    }
+
+    /// `ip` lines of node `n` (1 or 2) once its uplinks are there: its addresses, the route to
+    /// the other node's pods, and the default route, as the shape has them.
+    fn node_side(&self, n: u8) -> Vec<String> {
+        let other = 3 - n;
+        let ip = Sandbox::node_ip(&format!("node{n}"));
+        let other_ip = Sandbox::node_ip(&format!("node{other}"));
+        let other_pods = format!("10.244.{other}.0/24");
+        let mut lines = vec!["link set lo up".to_string()];
+        if self.shape == Shape::MultiHomed {
+            // The node address alone (no connected route): replies to clients on the node
+            // network go by the default route, through the management network.
+            lines.extend([
+                format!("addr add {ip}/32 dev {NODE_IF}"),
+                format!("link set {NODE_IF} up"),
+                format!("addr add 198.18.0.1{n}/24 dev {MGMT_IF}"),
+                format!("link set {MGMT_IF} up"),
+                // The nodes reach each other's addresses and pods over the management
+                // network.
+                format!("route add {other_ip}/32 via 198.18.0.1{other} dev {MGMT_IF}"),
+                format!("route add {other_pods} via 198.18.0.1{other} dev {MGMT_IF}"),
+                format!("route add default via {MGMT_ROUTER} dev {MGMT_IF}"),
+            ]);
+            return lines;
+        }
+        lines.extend([
+            format!("addr add {ip}/24 dev {NODE_IF}"),
+            format!("link set {NODE_IF} up"),
+        ]);
+        if self.shape == Shape::Overlay {
+            // flannel's vxlan backend: the tunnel holds the node's pod range's .0, and the
+            // other node's is reached through it, its VTEP's MAC known statically.
+            let (mac, other_mac) = (vtep_mac(n), vtep_mac(other));
+            lines.extend([
+                // Two nodes: the other's VTEP is the tunnel's one remote end (flannel writes
+                // an FDB entry per node instead).
+                format!(
+                    "link add {TUNNEL} type vxlan id 1 local {ip} remote {other_ip} dev {NODE_IF} \
+                     dstport 8472 nolearning"
+                ),
+                format!("link set {TUNNEL} address {mac} mtu {TUNNEL_MTU} up"),
+                format!("addr add 10.244.{n}.0/32 dev {TUNNEL}"),
+                format!("route add {other_pods} via 10.244.{other}.0 dev {TUNNEL} onlink"),
+                format!("neigh add 10.244.{other}.0 lladdr {other_mac} dev {TUNNEL} nud permanent"),
+            ]);
+        } else {
+            lines.push(format!("route add {other_pods} via {other_ip}"));
+        }
+        // The node network's router (ext) has the default route: the interface that holds it
+        // carries the node's primary address (--nodeport-addresses).
+        lines.push(format!("route add default via {EXT_IP}"));
+        lines
+    }
+
+    /// `ip` lines of ext, the clients outside and the node network's router.
+    fn ext_side(&self) -> Vec<String> {
+        let mut lines = vec![
+            "link set lo up".to_string(),
+            format!("addr add {EXT_IP}/24 dev {NODE_IF}"),
+            format!("link set {NODE_IF} up"),
+            format!("route add {SERVICE_CIDR} via {NODE1_IP}"),
+            format!("route add {POD_CIDR} via {NODE1_IP}"),
+            // Load balancer and external IPs are routed to a node, as a cloud load balancer
+            // or the network's router would.
+            format!("route add {LB_CIDR} via {NODE1_IP}"),
+            format!("route add {EXTERNAL_IP_CIDR} via {NODE1_IP}"),
+        ];
+        if self.shape == Shape::MultiHomed {
+            lines.extend([
+                format!("addr add {MGMT_ROUTER}/24 dev {MGMT_IF}"),
+                format!("link set {MGMT_IF} up"),
+            ]);
+        }
+        lines
     }
 
     /// Adds a pod to the running sandbox the way CNI plugins wire one the kubelet starts: the
@@ -626,6 +740,11 @@ impl Drop for Sandbox {
             }
         }
     }
+}
+
+/// The MAC address of node `n`'s VXLAN device.
+fn vtep_mac(n: u8) -> String {
+    format!("0a:58:0a:f4:{n:02x}:00")
 }
 
 /// Deletes namespaces left behind by sandboxes of processes that no longer exist

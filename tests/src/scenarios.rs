@@ -25,7 +25,7 @@ use proxy_userspace::{
 };
 
 use crate::{
-    BACKEND_PORT, EXT_IP, NODE_IF, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, UdpConn,
+    BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, UdpConn,
     agent::{AgentRun, AgentSource, add_endpoint, edit_manifest, remove_endpoint},
     example::{
         DNS, FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
@@ -351,6 +351,17 @@ fn not_served(from: &Netns, addr: SocketAddr, what: &str) -> Result<std::io::Err
         Ok(_) => bail!("{what}: {addr} accepted a connection"),
         Err(e) => Ok(e.kind()),
     }
+}
+
+/// The MTU of `link` in `ns`.
+fn link_mtu(ns: &Netns, link: &str) -> Result<u32> {
+    let out = ns.ip(&["-o", "link", "show", "dev", link])?;
+    let mtu = out
+        .split_whitespace()
+        .skip_while(|w| *w != "mtu")
+        .nth(1)
+        .with_context(|| format!("no mtu in {out:?}"))?;
+    Ok(mtu.parse()?)
 }
 
 /// Polls `check` until it holds (10 s, scaled), for changes the agent applies asynchronously.
@@ -702,12 +713,15 @@ pub const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "path-mtu",
         checks: "a 4 MB TCP upload through a ClusterIP to the other node completes where the \
-                 path's MTU (1400) is below the pod's (ICMP fragmentation needed, translated back)",
+                 path's MTU (the link's between the nodes, 100 bytes less) is below the pod's \
+                 (ICMP fragmentation needed, translated back)",
         run: |w| {
             let node1 = w.sandbox.node("node1");
-            node1.ip(&["link", "set", "dev", NODE_IF, "mtu", "1400"])?;
+            let link = w.sandbox.shape.inter_node_link();
+            let mtu = link_mtu(node1, link)?;
+            node1.ip(&["link", "set", "dev", link, "mtu", &(mtu - 100).to_string()])?;
             let answer = upload(w.pod("client"), REMOTE, 4 << 20);
-            node1.ip(&["link", "set", "dev", NODE_IF, "mtu", "1500"])?;
+            node1.ip(&["link", "set", "dev", link, "mtu", &mtu.to_string()])?;
             let answer = answer?;
             ensure!(answer == "be4", "answered by {answer:?}");
             Ok(())
@@ -868,6 +882,12 @@ pub fn run(test: &str, mode_id: &str, shape: Shape) {
         .start_backends(BACKEND_PORT)
         .expect("starting the backends");
     let manifest = manifest();
+    let args: Vec<&str> = mode
+        .args
+        .iter()
+        .chain(shape.agent_args())
+        .copied()
+        .collect();
     let agents = ["node1", "node2"]
         .iter()
         .map(|node| {
@@ -876,7 +896,7 @@ pub fn run(test: &str, mode_id: &str, shape: Shape) {
                 node,
                 AgentSource::Manifest(&manifest),
                 5,
-                mode.args,
+                &args,
             )
             .unwrap_or_else(|e| panic!("starting the agent in {} mode on {node}: {e:#}", mode.id))
         })
@@ -1060,6 +1080,14 @@ fn shape_title(shape: Shape) -> &'static str {
              k3s, the bridge plugin)"
         }
         Shape::Eni => "Routed pods named as the AWS VPC CNI names them (`eni<hash>`)",
+        Shape::Overlay => {
+            "Bridged pods, nodes joined by a VXLAN overlay (`flannel.1`, MTU 1450, pods at \
+             1500: flannel's vxlan backend, Calico VXLAN)"
+        }
+        Shape::MultiHomed => {
+            "Pod-named interfaces (`<pod>-<hash>`: Antrea, OVN-Kubernetes) on multi-homed nodes \
+             (NodePorts on `eth0`, the default route and the other node's pods on `eth1`)"
+        }
     }
 }
 

@@ -24,35 +24,33 @@ fn suite(test: &str, mode: &str, shape: Shape) {
     }
 }
 
-/// One test a mode and shape: routed pods (`<mode>`), bridged (`<mode>_bridge`), and named as
-/// the AWS VPC CNI names them (`<mode>_eni`). The IPVS ones are skipped (loudly) where the
-/// kernel has no IPVS: `cargo xtask vm-test` runs them.
+/// One test a mode and shape: routed pods (`<mode>`), bridged (`<mode>_bridge`), named as the
+/// AWS VPC CNI names them (`<mode>_eni`), bridged behind a VXLAN overlay (`<mode>_overlay`),
+/// and named after the pod on multi-homed nodes (`<mode>_multihomed`). The IPVS ones are
+/// skipped (loudly) where the kernel has no IPVS: `cargo xtask vm-test` runs them.
 macro_rules! suites {
-    ($($routed:ident $bridge:ident $eni:ident: $mode:literal;)*) => {$(
+    ($($mode:literal: $($test:ident $shape:ident),*;)*) => {$($(
         #[test]
-        fn $routed() {
-            suite(concat!("scenarios::", stringify!($routed)), $mode, Shape::Routed);
+        fn $test() {
+            suite(concat!("scenarios::", stringify!($test)), $mode, Shape::$shape);
         }
-
-        #[test]
-        fn $bridge() {
-            suite(concat!("scenarios::", stringify!($bridge)), $mode, Shape::Bridge);
-        }
-
-        #[test]
-        fn $eni() {
-            suite(concat!("scenarios::", stringify!($eni)), $mode, Shape::Eni);
-        }
-    )*};
+    )*)*};
 }
 
 suites! {
-    ebpf ebpf_bridge ebpf_eni: "ebpf";
-    iptables_legacy iptables_legacy_bridge iptables_legacy_eni: "iptables-legacy";
-    iptables_nft iptables_nft_bridge iptables_nft_eni: "iptables-nft";
-    nftables nftables_bridge nftables_eni: "nftables";
-    ipvs ipvs_bridge ipvs_eni: "ipvs";
-    userspace userspace_bridge userspace_eni: "userspace";
+    "ebpf": ebpf Routed, ebpf_bridge Bridge, ebpf_eni Eni, ebpf_overlay Overlay,
+        ebpf_multihomed MultiHomed;
+    "iptables-legacy": iptables_legacy Routed, iptables_legacy_bridge Bridge,
+        iptables_legacy_eni Eni, iptables_legacy_overlay Overlay,
+        iptables_legacy_multihomed MultiHomed;
+    "iptables-nft": iptables_nft Routed, iptables_nft_bridge Bridge, iptables_nft_eni Eni,
+        iptables_nft_overlay Overlay, iptables_nft_multihomed MultiHomed;
+    "nftables": nftables Routed, nftables_bridge Bridge, nftables_eni Eni,
+        nftables_overlay Overlay, nftables_multihomed MultiHomed;
+    "ipvs": ipvs Routed, ipvs_bridge Bridge, ipvs_eni Eni, ipvs_overlay Overlay,
+        ipvs_multihomed MultiHomed;
+    "userspace": userspace Routed, userspace_bridge Bridge, userspace_eni Eni,
+        userspace_overlay Overlay, userspace_multihomed MultiHomed;
 }
 
 /// `--proxy-mode auto` where the BPF programs cannot load (a services map of 0 entries makes

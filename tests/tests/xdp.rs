@@ -627,6 +627,61 @@ fn load_balancer_and_external_ips_to_another_node_leave_from_the_snat_address() 
     assert_eq!(lab.p.drops(DROP_NO_ROUTE), 2);
 }
 
+/// A flow sent on to another node's endpoint leaves from the address of the interface the
+/// route to the endpoint goes out of (as netfilter's MASQUERADE picks), whichever node address
+/// or service address the client used, so that the endpoint's replies come back to that
+/// interface (on a multi-homed node, the other one may not be reachable from the endpoint);
+/// they are translated back there. Such an address serves no NodePort by being one.
+#[test]
+fn flows_to_other_nodes_leave_from_the_address_of_the_interface_they_leave_by() {
+    let via_ext1 = [(EXT1_BE, TARGET, "node3")];
+    let Some(lab) = lab(
+        "flows_to_other_nodes_leave_from_the_address_of_the_interface_they_leave_by",
+        &[ExternalSvc {
+            load_balancer_ips: &[LB],
+            ..node_port("via-ext1", NODE_PORT, &via_ext1)
+        }],
+    ) else {
+        return;
+    };
+    let ext1_addr = Ipv4Addr::new(192, 168, 1, 10);
+    lab.p.set_uplink(lab.ext0, IFACE_XDP_FORWARD, NODE);
+    lab.p.set_uplink(lab.ext1, IFACE_XDP_FORWARD, ext1_addr);
+    lab.p.add_snat_only_addr(ext1_addr);
+    for (i, (vip, vport)) in [(NODE_B, NODE_PORT), (LB, PORT)].into_iter().enumerate() {
+        for xdp in [true, false] {
+            let sport = 47000 + 2 * i as u16 + u16::from(xdp);
+            let spec = Spec::tcp(CLIENT, sport, vip, vport);
+            let frame = from_client(&spec);
+            let (verdict, out) = match xdp {
+                true => lab.xdp(&frame),
+                false => lab.tc("tc_external_ingress", &frame),
+            };
+            let redirected = if xdp { XDP_REDIRECT } else { TC_ACT_REDIRECT };
+            assert_eq!(verdict, redirected, "{vip}:{vport}, xdp {xdp}");
+            let sent = (ext1_addr, snat_port(&out));
+            let want = forwarded(sent, (EXT1_BE, TARGET), NODE3_MAC, EXT1_MAC);
+            assert_translated(&frame, &out, &want);
+            // The reply comes back to ext1's address, on ext1.
+            let reply = on_wire(&answer(&spec, (EXT1_BE, TARGET), sent), NODE3_MAC);
+            let (verdict, back) = match xdp {
+                true => lab.xdp_on(&reply, lab.ext1),
+                false => lab.tc_on("tc_external_ingress", &reply, lab.ext1),
+            };
+            assert_eq!(verdict, redirected, "the reply, xdp {xdp}");
+            let to_client = forwarded((vip, vport), (CLIENT, sport), ROUTER_MAC, EXT0_MAC);
+            assert_translated(&reply, &back, &to_client);
+        }
+    }
+    let frame = from_client(&Spec::tcp(CLIENT, 47010, ext1_addr, NODE_PORT));
+    untouched_xdp(
+        &lab,
+        &frame,
+        "a NodePort on an address only flows leave from",
+    );
+    untouched_tc(&lab, "tc_external_ingress", &frame, "the same on tc");
+}
+
 /// Two clients with the same source port reach the same endpoint: each gets its own port, and
 /// each reply finds its own client. Many flows: never a port twice.
 #[test]
@@ -972,7 +1027,9 @@ fn forwarding_follows_the_route_and_what_xdp_may_do() {
     assert_eq!(lab.p.drops(DROP_NO_ROUTE), 2);
 
     // Bigger than the egress interface's MTU (and not a GRO packet, which the kernel would
-    // segment): XDP leaves it to tc, which drops it, counted as such (not as a missing route).
+    // segment), not to be fragmented: XDP leaves it to tc, which answers as the kernel's
+    // forwarding would, with a fragmentation needed quoting it untranslated and naming the
+    // MTU, counted as such (not as a missing route).
     lab.ns
         .ip_batch(&["link set ext1 mtu 1280".to_string()])
         .unwrap();
@@ -982,9 +1039,31 @@ fn forwarding_follows_the_route_and_what_xdp_may_do() {
     };
     let frame = from_client(&big);
     untouched_xdp(&lab, &frame, "bigger than the egress MTU");
-    assert_eq!(lab.tc("tc_external_ingress", &frame).0, TC_ACT_SHOT);
+    let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of ext0");
+    // The lookup names the MTU from Linux 5.12; before, 0 (the client takes its minimum).
+    let mtu = u16::from_be_bytes([out[ETH_HLEN + 26], out[ETH_HLEN + 27]]);
+    assert!(mtu == 1280 || mtu == 0, "next-hop MTU {mtu}");
+    packet::assert_unreachable(&out, &frame, packet::ICMP_FRAG_NEEDED, mtu);
     assert_eq!(lab.p.drops(DROP_FRAG_NEEDED), 1);
     assert_eq!(lab.p.drops(DROP_NO_ROUTE), 2);
+    // One that may be fragmented is sent as it is (a tunnel fragments what carries it).
+    let mut frame = from_client(&Spec {
+        sport: 44008,
+        ..big
+    });
+    frame[ETH_HLEN + 6] = 0;
+    let csum = packet::ip_checksum(&frame);
+    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
+    let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let want = forwarded(
+        (NODE, snat_port(&out)),
+        (EXT1_BE, TARGET),
+        NODE3_MAC,
+        EXT1_MAC,
+    );
+    assert_translated(&frame, &out, &want);
     // What fits is sent as before.
     let fits = from_client(&Spec::tcp(CLIENT, 44007, NODE, 30081));
     assert_eq!(lab.tc("tc_external_ingress", &fits).0, TC_ACT_REDIRECT);

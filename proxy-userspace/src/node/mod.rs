@@ -176,6 +176,32 @@ pub fn primary_ipv4(
         .or_else(|| candidates.iter().find(not_lo).map(|a| a.addr))
 }
 
+/// Whether the interface's frames carry Ethernet headers (ARPHRD_ETHER, or the loopback
+/// device's zeroed ones), as the ebpf mode's programs parse them; WireGuard, IPIP and other L3
+/// devices do not. Asked of the kernel (SIOCGIFHWADDR), for the same reason as [`driver`].
+pub fn has_ethernet_headers(interface: &str) -> bool {
+    // SAFETY: ifreq is plain data; all zeroes is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let name = interface.as_bytes();
+    if name.len() >= req.ifr_name.len() {
+        return false;
+    }
+    for (dst, src) in req.ifr_name.iter_mut().zip(name) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: a datagram socket for the ioctl, closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: SIOCGIFHWADDR fills the ifreq it is given.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut req) };
+    unsafe { libc::close(fd) };
+    // SAFETY: the kernel filled the hardware address member.
+    let family = unsafe { req.ifr_ifru.ifru_hwaddr.sa_family };
+    rc == 0 && (family == libc::ARPHRD_ETHER || family == libc::ARPHRD_LOOPBACK)
+}
+
 /// The interface's driver, as ethtool reports it (ETHTOOL_GDRVINFO). Not from sysfs: /sys shows
 /// the interfaces of the namespace it was mounted in, which need not be the agent's.
 pub fn driver(interface: &str) -> Option<String> {

@@ -1,6 +1,6 @@
 //! Attaching the tc programs to pod-facing interfaces, including those of pods that start
-//! later, and the external programs (XDP and tc) to the interfaces that carry the node's
-//! addresses (see external.rs), so that they stay attached when the agent exits: a restarting agent (a rollout, a
+//! later, and the external programs (XDP and tc) to the node's uplinks (see
+//! [`Attacher::uplinks`] and external.rs), so that they stay attached when the agent exits: a restarting agent (a rollout, a
 //! crash) must not leave pods without service translation. A new agent swaps its programs in
 //! atomically where the old ones were.
 //!
@@ -15,6 +15,7 @@ use std::{
     collections::HashMap,
     ffi::{CStr, CString},
     io,
+    net::Ipv4Addr,
     os::{
         fd::{AsFd, AsRawFd},
         unix::net::UnixStream,
@@ -37,15 +38,15 @@ use aya::{
     sys::SyscallError,
 };
 use proxy_common::{
-    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, IFACE_XDP_FORWARD,
-    MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
+    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, ExternalIface,
+    IFACE_XDP_FORWARD, MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, NODE_ADDR_SNAT_ONLY,
 };
 
 use super::{
     PROG_EGRESS, PROG_EXT_EGRESS, PROG_EXT_INGRESS, PROG_INGRESS, PROG_XDP,
     external::{self, SnatPorts, XdpMode},
     link_events::{LinkEvent, LinkEvents},
-    pod_interfaces::{Link, PodInterfaces},
+    pod_interfaces::{BRIDGE_DRIVER, Link, PodInterfaces},
 };
 use crate::node::{self, InterfaceAddr, NodePortAddresses};
 
@@ -79,6 +80,18 @@ pub struct ExternalConfig {
     pub mode: XdpMode,
     /// `--bpf-snat-port-range`.
     pub snat_ports: SnatPorts,
+}
+
+/// An interface of the node that gets the external programs (see [`Attacher::uplinks`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Uplink {
+    name: String,
+    index: u32,
+    /// It carries addresses NodePorts answer on: XDP as `--xdp-mode` says (else the tc
+    /// programs only, for the replies of flows sent out of it).
+    node_ports: bool,
+    /// The address flows sent out of it to other nodes' endpoints leave from.
+    snat_addr: Ipv4Addr,
 }
 
 /// The BPF object (its programs) and the [`Attacher`], on a thread of their own: a matching
@@ -205,9 +218,11 @@ pub struct Attacher {
     attached: HashMap<String, u32>,
     /// None: pod interfaces only (tests of the pod path).
     external: Option<ExternalConfig>,
-    external_attached: HashMap<String, u32>,
+    external_attached: HashMap<String, Uplink>,
     /// The node addresses last written to NODE_ADDRS (None: not yet written).
     node_addrs: Option<Vec<InterfaceAddr>>,
+    /// The uplinks whose addresses were last written to NODE_ADDRS.
+    uplinks_written: Vec<Uplink>,
 }
 
 impl Attacher {
@@ -224,6 +239,7 @@ impl Attacher {
             external: None,
             external_attached: HashMap::new(),
             node_addrs: None,
+            uplinks_written: Vec::new(),
         })
     }
 
@@ -301,60 +317,142 @@ impl Attacher {
         );
     }
 
-    /// Finds the node addresses (see external.rs), writes them for the programs, and attaches
-    /// the external programs to the interfaces carrying them (detaching them from interfaces
-    /// that no longer do).
+    /// Finds the node addresses (see external.rs) and the node's uplinks ([`Uplink`]), writes
+    /// them for the programs, and attaches the external programs to the uplinks (detaching them
+    /// from interfaces that are uplinks no more).
     fn scan_external(&mut self, ebpf: &mut Ebpf, all: &[(String, u32)]) -> anyhow::Result<()> {
         let Some(config) = self.external.clone() else {
             return Ok(());
         };
         let default_route = node::default_route_interface();
+        let addresses = node::interface_addresses()?;
         let selected = node::node_addresses(
             &config.addresses,
             &config.primary,
             default_route.as_deref(),
-            &node::interface_addresses()?,
+            &addresses,
         );
-        if self.node_addrs.as_ref() != Some(&selected) {
-            self.write_node_addrs(ebpf, &selected, default_route.as_deref())?;
+        let uplinks = self.uplinks(
+            all,
+            &addresses,
+            &selected,
+            &config.primary,
+            default_route.as_deref(),
+        );
+        if self.node_addrs.as_ref() != Some(&selected) || self.uplinks_written != uplinks {
+            self.write_node_addrs(ebpf, &selected, &uplinks, default_route.as_deref())?;
         }
-        let wanted: HashMap<String, u32> = all
-            .iter()
-            .filter(|(name, _)| selected.iter().any(|a| a.interface == *name))
-            .cloned()
-            .collect();
         let gone: Vec<(String, u32)> = self
             .external_attached
             .iter()
-            .filter(|(name, index)| wanted.get(*name) != Some(index))
-            .map(|(n, i)| (n.clone(), *i))
+            .filter(|(name, was)| {
+                !uplinks
+                    .iter()
+                    .any(|u| u.name == **name && u.index == was.index)
+            })
+            .map(|(n, was)| (n.clone(), was.index))
             .collect();
         for (name, index) in gone {
             self.external_attached.remove(&name);
             self.detach_external(ebpf, &name, index);
         }
-        for (name, index) in wanted {
-            if self.external_attached.contains_key(&name) {
+        for uplink in uplinks {
+            if self.external_attached.get(&uplink.name) == Some(&uplink) {
                 continue;
             }
-            match self.attach_external(ebpf, &name, index, config.mode) {
+            // Without NodePort addresses, the tc programs alone: for the replies of flows
+            // sent out of it.
+            let mode = if uplink.node_ports {
+                config.mode
+            } else {
+                XdpMode::Tc
+            };
+            match self.attach_external(ebpf, &uplink, mode) {
                 Ok(mode) => {
                     let mode = mode.name();
-                    tracing::info!(interface = %name, mode, "attached external programs");
-                    self.external_attached.insert(name, index);
+                    let role = if uplink.node_ports {
+                        "NodePorts"
+                    } else {
+                        "replies to flows sent out of it"
+                    };
+                    tracing::info!(interface = %uplink.name, mode, role, snat_address = %uplink.snat_addr, "attached external programs");
+                    self.external_attached.insert(uplink.name.clone(), uplink);
                 }
                 Err(e) => {
-                    tracing::warn!(interface = %name, "cannot attach external programs: {e:#}")
+                    tracing::warn!(interface = %uplink.name, "cannot attach external programs: {e:#}")
                 }
             }
         }
         Ok(())
     }
 
+    /// The interfaces that get the external programs: those carrying the addresses NodePorts
+    /// answer on (`selected`), and every other one flows sent on to other nodes' endpoints may
+    /// leave by: an Ethernet interface with an IPv4 address that is neither a pod interface nor
+    /// a pods' bridge (a bridge is an uplink only with a NodePort address or the default route,
+    /// as a node's `br0`), the loopback interface aside. Devices without Ethernet headers
+    /// (WireGuard, IPIP) are left out: the programs parse Ethernet frames.
+    fn uplinks(
+        &self,
+        all: &[(String, u32)],
+        addresses: &[InterfaceAddr],
+        selected: &[InterfaceAddr],
+        node_ips: &[std::net::IpAddr],
+        default_route: Option<&str>,
+    ) -> Vec<Uplink> {
+        let mut out = Vec::new();
+        for (name, index) in all {
+            let node_port_addrs: Vec<InterfaceAddr> = selected
+                .iter()
+                .filter(|a| a.interface == *name)
+                .cloned()
+                .collect();
+            let node_ports = !node_port_addrs.is_empty();
+            let own: Vec<InterfaceAddr> = addresses
+                .iter()
+                .filter(|a| a.interface == *name && !a.addr.is_loopback())
+                .cloned()
+                .collect();
+            if !node_ports
+                && (own.is_empty()
+                    || name == "lo"
+                    || self.is_pod_interface(name, default_route)
+                    || (node::driver(name).as_deref() == Some(BRIDGE_DRIVER)
+                        && default_route != Some(name.as_str())))
+            {
+                continue;
+            }
+            if !node::has_ethernet_headers(name) {
+                if node_ports {
+                    tracing::warn!(
+                        interface = %name,
+                        "NodePort addresses on an interface without Ethernet headers are not \
+                         served by the ebpf mode"
+                    );
+                }
+                continue;
+            }
+            let candidates = if node_ports { &node_port_addrs } else { &own };
+            let Some(snat_addr) = node::primary_ipv4(node_ips, default_route, candidates)
+                .or(candidates.first().map(|a| a.addr))
+            else {
+                continue;
+            };
+            out.push(Uplink {
+                name: name.clone(),
+                index: *index,
+                node_ports,
+                snat_addr,
+            });
+        }
+        out
+    }
+
     fn write_node_addrs(
         &mut self,
         ebpf: &mut Ebpf,
         selected: &[InterfaceAddr],
+        uplinks: &[Uplink],
         default_route: Option<&str>,
     ) -> anyhow::Result<()> {
         // Keyed by the raw address (network byte order), as the programs read it.
@@ -362,20 +460,27 @@ impl Attacher {
             .map_mut(MAP_NODE_ADDRS)
             .context("map NODE_ADDRS missing")?
             .try_into()?;
-        let raw = |a: &InterfaceAddr| Be32::from_octets(a.addr.octets()).raw();
-        for a in selected {
-            map.insert(raw(a), 0, 0).context("writing NODE_ADDRS")?;
+        let raw = |a: Ipv4Addr| Be32::from_octets(a.octets()).raw();
+        let mut wanted: Vec<(u32, u32)> = selected.iter().map(|a| (raw(a.addr), 0)).collect();
+        for u in uplinks {
+            if !wanted.iter().any(|(k, _)| *k == raw(u.snat_addr)) {
+                wanted.push((raw(u.snat_addr), NODE_ADDR_SNAT_ONLY));
+            }
+        }
+        for (k, flags) in &wanted {
+            map.insert(k, flags, 0).context("writing NODE_ADDRS")?;
         }
         let stale: Vec<u32> = map
             .keys()
             .filter_map(Result::ok)
-            .filter(|k| !selected.iter().any(|a| raw(a) == *k))
+            .filter(|k| !wanted.iter().any(|(w, _)| w == k))
             .collect();
         for k in stale {
             let _ = map.remove(&k);
         }
         // Flows to other nodes' endpoints through a LoadBalancer or external IP leave from the
-        // node's primary address among the selected ones (one on the loopback interface only
+        // node's primary address among the selected ones where the route to the endpoint goes
+        // out of an interface without the external programs (one on the loopback interface only
         // when nothing else is selected).
         let node_ips = self
             .external
@@ -383,7 +488,7 @@ impl Attacher {
             .map_or(&[][..], |e| e.primary.as_slice());
         let primary = node::primary_ipv4(node_ips, default_route, selected)
             .or(selected.first().map(|a| a.addr))
-            .map_or(0, |ip| Be32::from_octets(ip.octets()).raw());
+            .map_or(0, raw);
         let mut config: Array<_, u32> =
             aya::maps::Map::Array(MapData::from_pin(self.pin_dir.join(MAP_CONFIG))?).try_into()?;
         config
@@ -411,6 +516,7 @@ impl Attacher {
             tracing::info!(addresses = %shown.join(", "), "NodePorts answer on these addresses");
         }
         self.node_addrs = Some(selected.to_vec());
+        self.uplinks_written = uplinks.to_vec();
         Ok(())
     }
 
@@ -419,10 +525,10 @@ impl Attacher {
     fn attach_external(
         &self,
         ebpf: &mut Ebpf,
-        interface: &str,
-        index: u32,
+        uplink: &Uplink,
         mode: XdpMode,
     ) -> anyhow::Result<XdpMode> {
+        let (interface, index) = (uplink.name.as_str(), uplink.index);
         self.attach_tc(ebpf, interface, index, &EXTERNAL_DIRECTIONS)?;
         let running = match mode {
             XdpMode::Tc => {
@@ -445,13 +551,16 @@ impl Attacher {
             }
         };
         let may_transmit = external::xdp_may_transmit(running, interface);
-        let mut ifaces: BpfHashMap<_, u32, u32> = ebpf
+        let mut ifaces: BpfHashMap<_, u32, ExternalIface> = ebpf
             .map_mut(MAP_EXTERNAL_IFACES)
             .context("map EXTERNAL_IFACES missing")?
             .try_into()?;
-        let flags = if may_transmit { IFACE_XDP_FORWARD } else { 0 };
+        let value = ExternalIface {
+            flags: if may_transmit { IFACE_XDP_FORWARD } else { 0 },
+            snat_addr: Be32::from_octets(uplink.snat_addr.octets()),
+        };
         ifaces
-            .insert(index, flags, 0)
+            .insert(index, value, 0)
             .context("writing EXTERNAL_IFACES")?;
         if running == XdpMode::Native && !may_transmit {
             tracing::info!(
@@ -518,14 +627,11 @@ impl Attacher {
         if let Ok(mut ifaces) = ebpf
             .map_mut(MAP_EXTERNAL_IFACES)
             .context("map EXTERNAL_IFACES missing")
-            .and_then(|m| BpfHashMap::<_, u32, u32>::try_from(m).map_err(Into::into))
+            .and_then(|m| BpfHashMap::<_, u32, ExternalIface>::try_from(m).map_err(Into::into))
         {
             let _ = ifaces.remove(&index);
         }
-        tracing::info!(
-            interface,
-            "detached external programs (no node address left)"
-        );
+        tracing::info!(interface, "detached external programs (no uplink any more)");
     }
 
     /// Follows a link notification: attaches to an interface that appeared, or got a
@@ -547,7 +653,7 @@ impl Attacher {
             }
             LinkEvent::Removed { index } => {
                 self.attached.retain(|_, i| *i != index);
-                self.external_attached.retain(|_, i| *i != index);
+                self.external_attached.retain(|_, u| u.index != index);
                 // Its links died with it; their pins go too.
                 for (_, _, direction) in DIRECTIONS.iter().chain(&EXTERNAL_DIRECTIONS) {
                     let _ = std::fs::remove_file(self.pin(index, direction));

@@ -27,10 +27,11 @@ use aya::{
 use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
     AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES,
-    FRAGMENTS_MAX, FragKey, FragValue, LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS,
-    MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_FRAGMENTS, MAP_HOST_NETNS,
-    MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MaglevChunk,
-    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, LAYOUT_VERSION, MAP_AFFINITY,
+    MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES,
+    MAP_FRAGMENTS, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES, MAP_SOCK_REVNAT,
+    MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -246,7 +247,7 @@ const LAYOUTS: [Layout; 14] = [
         name: MAP_EXTERNAL_IFACES,
         map_type: MapType::Hash,
         key_size: size_of::<u32>(),
-        value_size: size_of::<u32>(),
+        value_size: size_of::<ExternalIface>(),
         entries: None,
     },
     Layout {
