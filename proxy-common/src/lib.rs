@@ -201,8 +201,9 @@ pub const SERVICE_AFFINITY: u16 = 4;
 /// of the 5-tuple (the same backend on every node) from the frontend's table in [`MAP_MAGLEV`],
 /// instead of at random.
 pub const SERVICE_MAGLEV: u16 = 8;
-/// [`ServiceValue::flags`] of slot 0: a NodePort, LoadBalancer or external IP frontend, served
-/// to clients outside the node (the XDP and external tc programs serve only these).
+/// [`ServiceValue::flags`] of slot 0: a NodePort, LoadBalancer or external IP frontend (what
+/// `inspect` shows; the external programs serve cluster IPs from outside too, as kube-proxy
+/// does).
 pub const SERVICE_EXTERNAL: u16 = 16;
 /// [`ServiceValue::flags`] of slot 0: externalTrafficPolicy Local. This scope holds only the
 /// node's endpoints (and drops without them, with [`SERVICE_LOCAL_ONLY`]); clients inside the

@@ -3,8 +3,8 @@
 //! the node's. Clients inside the cluster and clients outside it may see different endpoints
 //! (externalTrafficPolicy Local): the scope says which.
 use proxy_common::{
-    Be16, Be32, NODE_ADDR_SNAT_ONLY, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_EXTERNAL,
-    SERVICE_TWO_SCOPES, ServiceKey, ServiceValue,
+    Be16, Be32, NODE_ADDR_SNAT_ONLY, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_TWO_SCOPES,
+    ServiceKey, ServiceValue,
 };
 
 use crate::maps::{NODE_ADDRS, SERVICES};
@@ -40,8 +40,9 @@ pub fn internal(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, Servic
     Some((key, svc))
 }
 
-/// The frontend at `addr`:`port` as a client outside the node reaches it: NodePort,
-/// LoadBalancer and external IP frontends only (a ClusterIP is not served from outside).
+/// The frontend at `addr`:`port` as a client outside the node reaches it: a NodePort, a
+/// LoadBalancer or external IP, and as with kube-proxy a ClusterIP (where the network routes
+/// the service range to the nodes: BGP-advertised, or a static route).
 /// `to_node`: whether `addr` is a node address (the caller has looked it up already).
 #[inline(always)]
 pub fn external(
@@ -50,7 +51,7 @@ pub fn external(
     proto: u8,
     to_node: bool,
 ) -> Option<(ServiceKey, ServiceValue)> {
-    lookup(addr, port, proto, || to_node).filter(|(_, svc)| svc.flags & SERVICE_EXTERNAL != 0)
+    lookup(addr, port, proto, || to_node)
 }
 
 /// The frontend at `addr` exactly, else the NodePort `port` if `is_node_addr()` (asked only

@@ -542,6 +542,21 @@ impl Sandbox {
         }
     }
 
+    /// Every address of node "node1" or "node2" (on the node network, and on the management
+    /// network of a multi-homed one).
+    pub fn node_addrs(&self, name: &str) -> Vec<Ipv4Addr> {
+        let mut addrs = vec![Sandbox::node_ip(name)];
+        if self.shape == Shape::MultiHomed {
+            addrs.push(Ipv4Addr::new(
+                198,
+                18,
+                0,
+                10 + Sandbox::node_ip(name).octets()[3] % 10,
+            ));
+        }
+        addrs
+    }
+
     /// The node-side pod interfaces of a node.
     pub fn host_ifs(&self, node: &str) -> Vec<&str> {
         self.pods

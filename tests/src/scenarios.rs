@@ -46,6 +46,8 @@ pub struct Mode {
     pub kernel_has: fn() -> Result<(), String>,
     /// Scenarios that do not apply to the mode, each with the reason.
     pub not_applicable: &'static [(&'static str, &'static str)],
+    /// Scenarios that do not apply to the mode on one shape, each with the reason.
+    pub not_applicable_on: &'static [(&'static str, Shape, &'static str)],
     /// Scenarios the mode serves only on kernels with a feature (without it the agent reports
     /// the part off, as the README's kernel table says).
     pub needs: &'static [(&'static str, &'static Feature)],
@@ -60,6 +62,7 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "ebpf"],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        not_applicable_on: &[],
         needs: &[("host-network-client", &features::NETNS_COOKIE)],
     },
     Mode {
@@ -75,6 +78,7 @@ pub const MODES: &[Mode] = &[
         ],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -90,6 +94,7 @@ pub const MODES: &[Mode] = &[
         ],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -98,6 +103,7 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "nftables", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
         kernel_has: || Ok(()),
         not_applicable: &[],
+        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -106,6 +112,7 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "ipvs", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
         kernel_has: ipvs_loads,
         not_applicable: &[],
+        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -117,6 +124,10 @@ pub const MODES: &[Mode] = &[
             ("pod-address-kept", PROXIED),
             ("client-address-kept-local", PROXIED),
             ("udp-port-unreachable", PROXIED_UDP),
+        ],
+        not_applicable_on: &[
+            ("node-port-udp", Shape::MultiHomed, WILDCARD_UDP),
+            ("udp-fragments", Shape::MultiHomed, WILDCARD_UDP),
         ],
         needs: &[],
     },
@@ -140,6 +151,12 @@ const PROXIED: &str = "the userspace proxy opens its own connection to the endpo
 const PROXIED_UDP: &str = "the endpoint's ICMP error goes to the userspace proxy, whose own \
                            socket sent the datagram; the client waits for an answer (as with \
                            kube-proxy's userspace mode)";
+
+const WILDCARD_UDP: &str = "the userspace proxy's UDP socket is bound to 0.0.0.0, so its reply \
+                            to a client outside leaves from the address of the interface the \
+                            route to the client goes out of (here the management network's), \
+                            not the NodePort address the client sent to, and the client drops \
+                            it (as with kube-proxy's userspace mode)";
 
 /// The mode called `id` (a command-line value parser).
 pub fn parse_mode(id: &str) -> Result<&'static Mode, String> {
@@ -584,6 +601,17 @@ pub const SCENARIOS: &[Scenario] = &[
         },
     },
     Scenario {
+        name: "cluster-ip-from-outside",
+        checks: "a client outside the cluster whose network routes the service range to a node \
+                 (BGP-advertised, or a static route) reaches ClusterIPs: local and remote \
+                 endpoints",
+        run: |w| {
+            let ext = &w.sandbox.ext;
+            expect_spread(tcp_spread(ext, WEB, 16)?, &["be1", "be2", "be3"], "web")?;
+            expect_spread(tcp_spread(ext, REMOTE, 3)?, &["be4"], "remote")
+        },
+    },
+    Scenario {
         name: "source-ranges",
         checks: "loadBalancerSourceRanges: a client inside them is served, outside not",
         run: |w| {
@@ -755,8 +783,13 @@ pub const SCENARIOS: &[Scenario] = &[
                     let list = backends(r);
                     ensure!(
                         list.len() == 1
-                            && list.iter().all(|b| b.starts_with(&format!("{NODE1_IP}:"))
-                                && b.ends_with(" (proxy)")),
+                            && list.iter().all(|b| {
+                                w.sandbox
+                                    .node_addrs("node1")
+                                    .iter()
+                                    .any(|ip| b.starts_with(&format!("{ip}:")))
+                                    && b.ends_with(" (proxy)")
+                            }),
                         "{}: not one proxy backend on node1: {list:?}",
                         r["address"]
                     );
@@ -910,6 +943,13 @@ pub fn run(test: &str, mode_id: &str, shape: Shape) {
             .iter()
             .find(|(name, _)| *name == scenario.name)
             .map(|(_, why)| why.to_string())
+            .or_else(|| {
+                let (.., why) = mode
+                    .not_applicable_on
+                    .iter()
+                    .find(|(name, on, _)| *name == scenario.name && *on == shape)?;
+                Some(why.to_string())
+            })
             .or_else(|| {
                 let kernel = Features::of_this_kernel().expect("probing the kernel's features");
                 let (_, lacking) = mode

@@ -575,8 +575,9 @@ fn a_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_reply_bac
     }
 }
 
-/// LoadBalancer and external IPs leave from the node's primary address (CONFIG_SNAT_ADDR),
-/// whichever node address that is; without one they cannot be sent at all.
+/// LoadBalancer and external IPs (and cluster IPs reached from outside) leave from the node's
+/// primary address (CONFIG_SNAT_ADDR), whichever node address that is; without one they cannot
+/// be sent at all.
 #[test]
 fn load_balancer_and_external_ips_to_another_node_leave_from_the_snat_address() {
     let eps = [(REMOTE_BE, TARGET, "node2")];
@@ -608,10 +609,26 @@ fn load_balancer_and_external_ips_to_another_node_leave_from_the_snat_address() 
         let to_client = forwarded((vip, PORT), (CLIENT, spec.sport), ROUTER_MAC, EXT0_MAC);
         assert_translated(&reply, &back, &to_client);
     }
-    // The service's cluster IP is not served from outside; nor is a NodePort on an address
-    // that is not the node's.
+    // The service's cluster IP is served from outside too, as kube-proxy serves it where the
+    // network routes the service range to the nodes.
+    let spec = Spec::tcp(CLIENT, 42005, CLUSTER_IP, PORT);
+    let frame = from_client(&spec);
+    let (verdict, out) = lab.xdp(&frame);
+    assert_eq!(verdict, XDP_TX, "the cluster IP");
+    let sent = (NODE_B, snat_port(&out));
+    let want = forwarded(sent, (REMOTE_BE, TARGET), NODE2_MAC, EXT0_MAC);
+    assert_translated(&frame, &out, &want);
+    let reply = on_wire(&answer(&spec, (REMOTE_BE, TARGET), sent), NODE2_MAC);
+    let (_, back) = lab.xdp(&reply);
+    let to_client = forwarded(
+        (CLUSTER_IP, PORT),
+        (CLIENT, spec.sport),
+        ROUTER_MAC,
+        EXT0_MAC,
+    );
+    assert_translated(&reply, &back, &to_client);
+    // Not a NodePort on an address that is not the node's, nor on a service address.
     for spec in [
-        Spec::tcp(CLIENT, 42010, CLUSTER_IP, PORT),
         Spec::tcp(CLIENT, 42010, Ipv4Addr::new(192, 168, 0, 99), NODE_PORT),
         Spec::tcp(CLIENT, 42010, LB, NODE_PORT),
     ] {
@@ -1314,8 +1331,8 @@ fn non_service_and_malformed_frames_pass_untouched() {
             Spec::udp(CLIENT, 40000, NODE, 30080),
         ),
         (
-            "the cluster IP".into(),
-            Spec::tcp(CLIENT, 40000, CLUSTER_IP, PORT),
+            "the cluster IP, another port".into(),
+            Spec::tcp(CLIENT, 40000, CLUSTER_IP, 443),
         ),
         (
             "the LB IP, another port".into(),
