@@ -124,6 +124,7 @@ pub const MODES: &[Mode] = &[
             ("pod-address-kept", PROXIED),
             ("client-address-kept-local", PROXIED),
             ("udp-port-unreachable", PROXIED_UDP),
+            ("agent-restart", PROXIED_RESTART),
         ],
         not_applicable_on: &[
             ("node-port-udp", Shape::MultiHomed, WILDCARD_UDP),
@@ -151,6 +152,10 @@ const PROXIED: &str = "the userspace proxy opens its own connection to the endpo
 const PROXIED_UDP: &str = "the endpoint's ICMP error goes to the userspace proxy, whose own \
                            socket sent the datagram; the client waits for an answer (as with \
                            kube-proxy's userspace mode)";
+
+const PROXIED_RESTART: &str = "the userspace proxy holds both halves of every connection in its \
+                               own sockets, which end with its process (as with kube-proxy's \
+                               userspace mode)";
 
 const WILDCARD_UDP: &str = "the userspace proxy's UDP socket is bound to 0.0.0.0, so its reply \
                             to a client outside leaves from the address of the interface the \
@@ -359,6 +364,110 @@ fn upload(from: &Netns, addr: SocketAddr, bytes: usize) -> Result<String> {
             .context("reading the answer")?;
         Ok(answer.trim().to_owned())
     })
+}
+
+/// How many bytes a bulk transfer sends each way: 50 MB, less where timeouts are scaled (in
+/// the VM, whose emulated CPU is many times slower).
+fn bulk_bytes() -> u64 {
+    let scale = crate::patience(Duration::from_secs(1)).as_secs().max(1);
+    (50 << 20) / scale
+}
+
+/// A bulk transfer through `addr` answered by `want` (new connections until that endpoint
+/// answers, at most 30): [`bulk_bytes`] sent while the endpoint echoes them, every byte
+/// compared as it comes back.
+fn bulk(from: &Netns, addr: SocketAddr, want: &str) -> Result<()> {
+    use std::io::{BufRead, Read, Write};
+    let n = bulk_bytes();
+    // A pattern the reader regenerates: xorshift, so that a shifted or corrupted stream shows.
+    fn pattern(i: u64) -> u8 {
+        let mut x = (i / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> ((i % 8) * 8)) as u8
+    }
+    from.run(|| {
+        let patience = crate::patience(Duration::from_secs(30));
+        for _ in 0..30 {
+            let stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+            stream.set_read_timeout(Some(patience))?;
+            stream.set_write_timeout(Some(patience))?;
+            let mut reader = std::io::BufReader::new(stream.try_clone()?);
+            (&stream).write_all(format!("bulk {n}\n").as_bytes())?;
+            let mut name = String::new();
+            reader
+                .read_line(&mut name)
+                .context("reading the endpoint's name")?;
+            if name.trim() != want {
+                continue;
+            }
+            let mut writer = stream.try_clone()?;
+            let sender = std::thread::spawn(move || -> std::io::Result<()> {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut i = 0u64;
+                while i < n {
+                    let len = buf.len().min((n - i) as usize);
+                    for (k, b) in buf[..len].iter_mut().enumerate() {
+                        *b = pattern(i + k as u64);
+                    }
+                    writer.write_all(&buf[..len])?;
+                    i += len as u64;
+                }
+                Ok(())
+            });
+            let mut buf = vec![0u8; 1 << 16];
+            let mut i = 0u64;
+            while i < n {
+                let got = reader.read(&mut buf).context("reading the echo")?;
+                ensure!(got > 0, "{addr}: the echo ended after {i} of {n} bytes");
+                if let Some(k) = (0..got).find(|&k| buf[k] != pattern(i + k as u64)) {
+                    bail!("{addr}: byte {} of the echo differs", i + k as u64);
+                }
+                i += got as u64;
+            }
+            sender
+                .join()
+                .map_err(|_| anyhow::anyhow!("the sender panicked"))?
+                .context("sending")?;
+            return Ok(());
+        }
+        bail!("{addr}: {want} never answered")
+    })
+}
+
+/// A TCP connection kept open, answered by a chosen endpoint.
+struct TcpConn {
+    reader: std::io::BufReader<std::net::TcpStream>,
+    stream: std::net::TcpStream,
+}
+
+impl TcpConn {
+    /// A connection from `from` to `addr` that `want` answers (new ones until it does, at
+    /// most 30).
+    fn open(from: &Netns, addr: SocketAddr, want: &str) -> Result<Self> {
+        for _ in 0..30 {
+            let stream =
+                from.run(|| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3)))?;
+            stream.set_read_timeout(Some(crate::patience(Duration::from_secs(5))))?;
+            let reader = std::io::BufReader::new(stream.try_clone()?);
+            let mut conn = Self { reader, stream };
+            if conn.ask()? == want {
+                return Ok(conn);
+            }
+        }
+        bail!("{addr}: {want} never answered")
+    }
+
+    /// One line asked, the answer.
+    fn ask(&mut self) -> Result<String> {
+        use std::io::{BufRead, Write};
+        self.stream.write_all(b"hi\n")?;
+        let mut line = String::new();
+        self.reader.read_line(&mut line)?;
+        ensure!(!line.is_empty(), "the connection was closed");
+        Ok(line.trim().to_owned())
+    }
 }
 
 /// A TCP connection that must not be served: the error it got (a refusal or a timeout).
@@ -756,6 +865,17 @@ pub const SCENARIOS: &[Scenario] = &[
         },
     },
     Scenario {
+        name: "bulk-transfer",
+        checks: "50 MB each way, every byte checked, through a ClusterIP to the other node and \
+                 through a NodePort from outside to a local and to a remote endpoint",
+        run: |w| {
+            bulk(w.pod("client"), REMOTE, "be4").context("ClusterIP, remote")?;
+            let node_port = at(NODE1_IP, FRONT_NODE_PORT);
+            bulk(&w.sandbox.ext, node_port, "be2").context("NodePort, local")?;
+            bulk(&w.sandbox.ext, node_port, "be4").context("NodePort, remote")
+        },
+    },
+    Scenario {
         name: "inspect",
         checks: "`inspect services` reads the mode's own state: web's endpoints, the NodePort",
         run: |w| {
@@ -860,6 +980,38 @@ pub const SCENARIOS: &[Scenario] = &[
             eventually("remote not served", || {
                 not_served(w.pod("client"), REMOTE, "deleted Service").map(drop)
             })
+        },
+    },
+    Scenario {
+        name: "agent-restart",
+        checks: "connections through a ClusterIP (to the other node) and a NodePort (from \
+                 outside, to a remote endpoint) carry on across a restart of both agents",
+        run: |w| {
+            let mut conns = vec![
+                (
+                    "ClusterIP",
+                    // web's endpoint on node2 since endpoint-added (remote is deleted).
+                    TcpConn::open(w.pod("client"), WEB, "be4")?,
+                ),
+                (
+                    "NodePort",
+                    TcpConn::open(&w.sandbox.ext, at(NODE1_IP, FRONT_NODE_PORT), "be4")?,
+                ),
+            ];
+            for agent in &mut w.agents {
+                agent.stop(&mut w.sandbox)?;
+                agent.start_again(&mut w.sandbox)?;
+            }
+            for (what, conn) in &mut conns {
+                let answer = conn
+                    .ask()
+                    .with_context(|| format!("{what} after the restart"))?;
+                ensure!(
+                    answer == "be4",
+                    "{what}: answered {answer:?} after the restart"
+                );
+            }
+            Ok(())
         },
     },
     Scenario {

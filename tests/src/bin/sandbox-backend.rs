@@ -9,6 +9,9 @@
 //!   `<name> <client ip>:<client port>` instead: the source address the backend sees.
 //! - A UDP datagram or TCP line starting with `echo ` gets `<name> ` and itself back: a big
 //!   request gets as big an answer (fragmented both ways over UDP).
+//! - A TCP line `bulk <n>` gets `<name>\n`, then the next `n` bytes the client sends echoed
+//!   back as they come, then the connection closes: a bulk transfer both ways, checked by the
+//!   client.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -104,6 +107,12 @@ fn serve_tcp(mut stream: TcpStream, name: &str) -> std::io::Result<()> {
     }
     if HTTP_METHODS.iter().any(|m| line.starts_with(m)) {
         return serve_http(stream, reader, &line, name, peer);
+    }
+    if let Some(n) = line.strip_prefix(b"bulk ") {
+        let n: u64 = String::from_utf8_lossy(n).trim().parse().unwrap_or(0);
+        stream.write_all(format!("{name}\n").as_bytes())?;
+        std::io::copy(&mut (&mut reader).take(n), &mut stream)?;
+        return stream.shutdown(std::net::Shutdown::Write);
     }
     loop {
         stream.write_all(answer(name, &line, peer).as_bytes())?;
