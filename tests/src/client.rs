@@ -4,11 +4,10 @@ use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 
 use crate::Netns;
 
-/// How long a client waits to connect and for each reply.
 /// How long a client waits for the network (2 s, scaled by [`crate::patience`]).
 pub fn client_timeout() -> Duration {
     crate::patience(Duration::from_secs(2))
@@ -102,6 +101,18 @@ impl TcpConn {
             reader,
             label,
         })
+    }
+
+    /// A connection from `from` to `addr` that the endpoint `want` answers (its name, asked):
+    /// new ones until it does, at most 30.
+    pub fn open_to(from: &Netns, addr: SocketAddr, want: &str) -> Result<Self> {
+        for _ in 0..30 {
+            let mut conn = Self::open(from, addr)?;
+            if conn.ask("hi")? == want {
+                return Ok(conn);
+            }
+        }
+        bail!("{addr}: {want} never answered from {}", from.name)
     }
 
     /// Sends `msg` as a line; the reply line.
@@ -206,4 +217,73 @@ pub fn http_get(from: &Netns, addr: SocketAddr, path: &str) -> Result<(u16, Stri
         .unwrap_or_default()
         .to_owned();
     Ok((code, body))
+}
+
+/// How many bytes a bulk transfer sends each way: 50 MB, less where timeouts are scaled (in
+/// the VM, whose emulated CPU is many times slower).
+fn bulk_bytes() -> u64 {
+    let scale = crate::patience(Duration::from_secs(1)).as_secs().max(1);
+    (50 << 20) / scale
+}
+
+/// A bulk transfer through `addr` answered by the endpoint `want` (new connections until that endpoint
+/// answers, at most 30): [`bulk_bytes`] sent while the endpoint echoes them, every byte
+/// compared as it comes back.
+pub fn bulk_transfer(from: &Netns, addr: SocketAddr, want: &str) -> Result<()> {
+    let n = bulk_bytes();
+    // A pattern the reader regenerates: xorshift, so that a shifted or corrupted stream shows.
+    fn pattern(i: u64) -> u8 {
+        let mut x = (i / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> ((i % 8) * 8)) as u8
+    }
+    from.run(|| {
+        let patience = crate::patience(Duration::from_secs(30));
+        for _ in 0..30 {
+            let stream = TcpStream::connect_timeout(&addr, client_timeout())?;
+            stream.set_read_timeout(Some(patience))?;
+            stream.set_write_timeout(Some(patience))?;
+            let mut reader = BufReader::new(stream.try_clone()?);
+            (&stream).write_all(format!("bulk {n}\n").as_bytes())?;
+            let mut name = String::new();
+            reader
+                .read_line(&mut name)
+                .context("reading the endpoint's name")?;
+            if name.trim() != want {
+                continue;
+            }
+            let mut writer = stream.try_clone()?;
+            let sender = std::thread::spawn(move || -> std::io::Result<()> {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut i = 0u64;
+                while i < n {
+                    let len = buf.len().min((n - i) as usize);
+                    for (k, b) in buf[..len].iter_mut().enumerate() {
+                        *b = pattern(i + k as u64);
+                    }
+                    writer.write_all(&buf[..len])?;
+                    i += len as u64;
+                }
+                Ok(())
+            });
+            let mut buf = vec![0u8; 1 << 16];
+            let mut i = 0u64;
+            while i < n {
+                let got = reader.read(&mut buf).context("reading the echo")?;
+                ensure!(got > 0, "{addr}: the echo ended after {i} of {n} bytes");
+                if let Some(k) = (0..got).find(|&k| buf[k] != pattern(i + k as u64)) {
+                    bail!("{addr}: byte {} of the echo differs", i + k as u64);
+                }
+                i += got as u64;
+            }
+            sender
+                .join()
+                .map_err(|_| anyhow::anyhow!("the sender panicked"))?
+                .context("sending")?;
+            return Ok(());
+        }
+        bail!("{addr}: {want} never answered")
+    })
 }

@@ -25,8 +25,9 @@ use proxy_userspace::{
 };
 
 use crate::{
-    BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, UdpConn,
+    BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, TcpConn, UdpConn,
     agent::{AgentRun, AgentSource, add_endpoint, edit_manifest, remove_endpoint},
+    bulk_transfer,
     example::{
         DNS, FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
         FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, MANIFEST, REMOTE, WEB,
@@ -364,110 +365,6 @@ fn upload(from: &Netns, addr: SocketAddr, bytes: usize) -> Result<String> {
             .context("reading the answer")?;
         Ok(answer.trim().to_owned())
     })
-}
-
-/// How many bytes a bulk transfer sends each way: 50 MB, less where timeouts are scaled (in
-/// the VM, whose emulated CPU is many times slower).
-fn bulk_bytes() -> u64 {
-    let scale = crate::patience(Duration::from_secs(1)).as_secs().max(1);
-    (50 << 20) / scale
-}
-
-/// A bulk transfer through `addr` answered by `want` (new connections until that endpoint
-/// answers, at most 30): [`bulk_bytes`] sent while the endpoint echoes them, every byte
-/// compared as it comes back.
-fn bulk(from: &Netns, addr: SocketAddr, want: &str) -> Result<()> {
-    use std::io::{BufRead, Read, Write};
-    let n = bulk_bytes();
-    // A pattern the reader regenerates: xorshift, so that a shifted or corrupted stream shows.
-    fn pattern(i: u64) -> u8 {
-        let mut x = (i / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x >> ((i % 8) * 8)) as u8
-    }
-    from.run(|| {
-        let patience = crate::patience(Duration::from_secs(30));
-        for _ in 0..30 {
-            let stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
-            stream.set_read_timeout(Some(patience))?;
-            stream.set_write_timeout(Some(patience))?;
-            let mut reader = std::io::BufReader::new(stream.try_clone()?);
-            (&stream).write_all(format!("bulk {n}\n").as_bytes())?;
-            let mut name = String::new();
-            reader
-                .read_line(&mut name)
-                .context("reading the endpoint's name")?;
-            if name.trim() != want {
-                continue;
-            }
-            let mut writer = stream.try_clone()?;
-            let sender = std::thread::spawn(move || -> std::io::Result<()> {
-                let mut buf = vec![0u8; 1 << 16];
-                let mut i = 0u64;
-                while i < n {
-                    let len = buf.len().min((n - i) as usize);
-                    for (k, b) in buf[..len].iter_mut().enumerate() {
-                        *b = pattern(i + k as u64);
-                    }
-                    writer.write_all(&buf[..len])?;
-                    i += len as u64;
-                }
-                Ok(())
-            });
-            let mut buf = vec![0u8; 1 << 16];
-            let mut i = 0u64;
-            while i < n {
-                let got = reader.read(&mut buf).context("reading the echo")?;
-                ensure!(got > 0, "{addr}: the echo ended after {i} of {n} bytes");
-                if let Some(k) = (0..got).find(|&k| buf[k] != pattern(i + k as u64)) {
-                    bail!("{addr}: byte {} of the echo differs", i + k as u64);
-                }
-                i += got as u64;
-            }
-            sender
-                .join()
-                .map_err(|_| anyhow::anyhow!("the sender panicked"))?
-                .context("sending")?;
-            return Ok(());
-        }
-        bail!("{addr}: {want} never answered")
-    })
-}
-
-/// A TCP connection kept open, answered by a chosen endpoint.
-struct TcpConn {
-    reader: std::io::BufReader<std::net::TcpStream>,
-    stream: std::net::TcpStream,
-}
-
-impl TcpConn {
-    /// A connection from `from` to `addr` that `want` answers (new ones until it does, at
-    /// most 30).
-    fn open(from: &Netns, addr: SocketAddr, want: &str) -> Result<Self> {
-        for _ in 0..30 {
-            let stream =
-                from.run(|| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3)))?;
-            stream.set_read_timeout(Some(crate::patience(Duration::from_secs(5))))?;
-            let reader = std::io::BufReader::new(stream.try_clone()?);
-            let mut conn = Self { reader, stream };
-            if conn.ask()? == want {
-                return Ok(conn);
-            }
-        }
-        bail!("{addr}: {want} never answered")
-    }
-
-    /// One line asked, the answer.
-    fn ask(&mut self) -> Result<String> {
-        use std::io::{BufRead, Write};
-        self.stream.write_all(b"hi\n")?;
-        let mut line = String::new();
-        self.reader.read_line(&mut line)?;
-        ensure!(!line.is_empty(), "the connection was closed");
-        Ok(line.trim().to_owned())
-    }
 }
 
 /// A TCP connection that must not be served: the error it got (a refusal or a timeout).
@@ -869,10 +766,10 @@ pub const SCENARIOS: &[Scenario] = &[
         checks: "50 MB each way, every byte checked, through a ClusterIP to the other node and \
                  through a NodePort from outside to a local and to a remote endpoint",
         run: |w| {
-            bulk(w.pod("client"), REMOTE, "be4").context("ClusterIP, remote")?;
+            bulk_transfer(w.pod("client"), REMOTE, "be4").context("ClusterIP, remote")?;
             let node_port = at(NODE1_IP, FRONT_NODE_PORT);
-            bulk(&w.sandbox.ext, node_port, "be2").context("NodePort, local")?;
-            bulk(&w.sandbox.ext, node_port, "be4").context("NodePort, remote")
+            bulk_transfer(&w.sandbox.ext, node_port, "be2").context("NodePort, local")?;
+            bulk_transfer(&w.sandbox.ext, node_port, "be4").context("NodePort, remote")
         },
     },
     Scenario {
@@ -991,11 +888,11 @@ pub const SCENARIOS: &[Scenario] = &[
                 (
                     "ClusterIP",
                     // web's endpoint on node2 since endpoint-added (remote is deleted).
-                    TcpConn::open(w.pod("client"), WEB, "be4")?,
+                    TcpConn::open_to(w.pod("client"), WEB, "be4")?,
                 ),
                 (
                     "NodePort",
-                    TcpConn::open(&w.sandbox.ext, at(NODE1_IP, FRONT_NODE_PORT), "be4")?,
+                    TcpConn::open_to(&w.sandbox.ext, at(NODE1_IP, FRONT_NODE_PORT), "be4")?,
                 ),
             ];
             for agent in &mut w.agents {
@@ -1004,7 +901,7 @@ pub const SCENARIOS: &[Scenario] = &[
             }
             for (what, conn) in &mut conns {
                 let answer = conn
-                    .ask()
+                    .ask("hi")
                     .with_context(|| format!("{what} after the restart"))?;
                 ensure!(
                     answer == "be4",

@@ -17,6 +17,7 @@ use proxy_common::{SNAT_PORT_MAX, SNAT_PORT_MIN};
 use proxy_tests::{
     EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, TcpConn,
     agent::{AgentRun, edit_manifest},
+    bulk_transfer,
     example::{
         FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
         FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, cluster_on,
@@ -223,8 +224,8 @@ fn node_ports_load_balancers_and_external_ips_from_outside_and_from_pods() {
     assert!(tcp_request(node1, at([127, 0, 0, 1].into(), FRONT_NODE_PORT), "x").is_err());
 }
 
-/// Every `--xdp-mode` serves the same: generic XDP transmits from XDP, native XDP on a veth
-/// and tc leave forwarding to the tc program.
+/// Every `--xdp-mode` serves the same, bulk transfers included: generic XDP transmits from XDP,
+/// native XDP on a veth and tc leave forwarding to the tc program.
 #[test]
 fn every_xdp_mode_serves_node_ports() {
     for mode in ["generic", "native", "tc"] {
@@ -243,6 +244,13 @@ fn every_xdp_mode_serves_node_ports() {
             "{log}"
         );
         check_cluster_policy(&sandbox, &[("node1", NODE1_IP)]);
+        // Bulk both ways, every byte checked, to the local and to the other node's endpoint
+        // (big GRO-merged packets, forwarded from XDP or tc).
+        let node_port = at(NODE1_IP, FRONT_NODE_PORT);
+        for endpoint in ["be2", "be4"] {
+            bulk_transfer(&sandbox.ext, node_port, endpoint)
+                .unwrap_or_else(|e| panic!("{mode}, {endpoint}: {e:#}"));
+        }
     }
 }
 
