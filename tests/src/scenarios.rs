@@ -47,8 +47,6 @@ pub struct Mode {
     pub kernel_has: fn() -> Result<(), String>,
     /// Scenarios that do not apply to the mode, each with the reason.
     pub not_applicable: &'static [(&'static str, &'static str)],
-    /// Scenarios that do not apply to the mode on one shape, each with the reason.
-    pub not_applicable_on: &'static [(&'static str, Shape, &'static str)],
     /// Scenarios the mode serves only on kernels with a feature (without it the agent reports
     /// the part off, as the README's kernel table says).
     pub needs: &'static [(&'static str, &'static Feature)],
@@ -63,7 +61,6 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "ebpf"],
         kernel_has: || Ok(()),
         not_applicable: &[],
-        not_applicable_on: &[],
         needs: &[("host-network-client", &features::NETNS_COOKIE)],
     },
     Mode {
@@ -79,7 +76,6 @@ pub const MODES: &[Mode] = &[
         ],
         kernel_has: || Ok(()),
         not_applicable: &[],
-        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -95,7 +91,6 @@ pub const MODES: &[Mode] = &[
         ],
         kernel_has: || Ok(()),
         not_applicable: &[],
-        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -104,7 +99,6 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "nftables", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
         kernel_has: || Ok(()),
         not_applicable: &[],
-        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -113,7 +107,6 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "ipvs", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
         kernel_has: ipvs_loads,
         not_applicable: &[],
-        not_applicable_on: &[],
         needs: &[],
     },
     Mode {
@@ -126,10 +119,6 @@ pub const MODES: &[Mode] = &[
             ("client-address-kept-local", PROXIED),
             ("udp-port-unreachable", PROXIED_UDP),
             ("agent-restart", PROXIED_RESTART),
-        ],
-        not_applicable_on: &[
-            ("node-port-udp", Shape::MultiHomed, WILDCARD_UDP),
-            ("udp-fragments", Shape::MultiHomed, WILDCARD_UDP),
         ],
         needs: &[],
     },
@@ -157,12 +146,6 @@ const PROXIED_UDP: &str = "the endpoint's ICMP error goes to the userspace proxy
 const PROXIED_RESTART: &str = "the userspace proxy holds both halves of every connection in its \
                                own sockets, which end with its process (as with kube-proxy's \
                                userspace mode)";
-
-const WILDCARD_UDP: &str = "the userspace proxy's UDP socket is bound to 0.0.0.0, so its reply \
-                            to a client outside leaves from the address of the interface the \
-                            route to the client goes out of (here the management network's), \
-                            not the NodePort address the client sent to, and the client drops \
-                            it (as with kube-proxy's userspace mode)";
 
 /// The mode called `id` (a command-line value parser).
 pub fn parse_mode(id: &str) -> Result<&'static Mode, String> {
@@ -992,13 +975,6 @@ pub fn run(test: &str, mode_id: &str, shape: Shape) {
             .iter()
             .find(|(name, _)| *name == scenario.name)
             .map(|(_, why)| why.to_string())
-            .or_else(|| {
-                let (.., why) = mode
-                    .not_applicable_on
-                    .iter()
-                    .find(|(name, on, _)| *name == scenario.name && *on == shape)?;
-                Some(why.to_string())
-            })
             .or_else(|| {
                 let kernel = Features::of_this_kernel().expect("probing the kernel's features");
                 let (_, lacking) = mode

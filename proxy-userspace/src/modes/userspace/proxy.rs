@@ -8,7 +8,8 @@
 //! client for which no endpoint answers is reset.
 //!
 //! UDP: a "session" per client address (address and port), each with its own connected socket
-//! to the endpoint picked for it; replies come back through the Service port's socket. A
+//! to the endpoint picked for it; replies come back through the Service port's socket, from the
+//! node address the client sent to ([`UdpProxySocket`]). A
 //! session ends after `udp_timeout` without a datagram in either direction (kube-proxy's
 //! `--udp-timeout`), or when the endpoint refuses (ICMP port unreachable); the client's next
 //! datagram then opens a new session, to the next endpoint in turn.
@@ -19,6 +20,7 @@
 use std::{
     collections::HashMap,
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    os::fd::{AsRawFd, RawFd},
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicU64, Ordering},
@@ -27,6 +29,7 @@ use std::{
 };
 
 use tokio::{
+    io::Interest,
     net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
     runtime::Handle,
     task::{AbortHandle, JoinHandle},
@@ -95,10 +98,8 @@ impl ProxySocket {
                 })
             }
             Protocol::Udp => {
-                let std_socket = std::net::UdpSocket::bind(any)?;
-                std_socket.set_nonblocking(true)?;
-                let socket = Arc::new(UdpSocket::from_std(std_socket)?);
-                let port = socket.local_addr()?.port();
+                let socket = Arc::new(UdpProxySocket::bind(any)?);
+                let port = socket.0.local_addr()?.port();
                 let sessions = Arc::new(Sessions::default());
                 let task = runtime.spawn(serve_udp(
                     socket,
@@ -255,7 +256,7 @@ impl Activity {
 }
 
 async fn serve_udp(
-    socket: Arc<UdpSocket>,
+    socket: Arc<UdpProxySocket>,
     shared: Arc<Shared>,
     sessions: Arc<Sessions>,
     timeout: Duration,
@@ -263,7 +264,7 @@ async fn serve_udp(
     let mut buf = vec![0; DATAGRAM];
     let mut next_id = 0u64;
     loop {
-        let (n, client) = match socket.recv_from(&mut buf).await {
+        let (n, client, local) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(service = %shared.name, "receiving a datagram: {e}");
@@ -278,7 +279,8 @@ async fn serve_udp(
             Some(known) => known,
             None => {
                 next_id += 1;
-                match open_session(&socket, &shared, &sessions, client, next_id, timeout).await {
+                let session = (client, local, next_id);
+                match open_session(&socket, &shared, &sessions, session, timeout).await {
                     Some(opened) => opened,
                     None => continue,
                 }
@@ -291,14 +293,14 @@ async fn serve_udp(
     }
 }
 
-/// A new session for `client`: a socket connected to the endpoint picked for it, and the task
-/// passing the endpoint's replies back. None: no endpoint (the datagram is dropped).
+/// A new session (`id`) for `client`, which sent to the node address `local`: a socket
+/// connected to the endpoint picked for it, and the task passing the endpoint's replies back
+/// from `local`. None: no endpoint (the datagram is dropped).
 async fn open_session(
-    socket: &Arc<UdpSocket>,
+    socket: &Arc<UdpProxySocket>,
     shared: &Arc<Shared>,
     sessions: &Arc<Sessions>,
-    client: SocketAddr,
-    id: u64,
+    (client, local, id): (SocketAddr, Ipv4Addr, u64),
     timeout: Duration,
 ) -> Option<(Arc<UdpSocket>, Arc<Activity>)> {
     let Some(endpoint) = shared.balancer().next(client.ip(), false, Instant::now()) else {
@@ -325,7 +327,7 @@ async fn open_session(
     let task = tokio::spawn(udp_session(
         socket.clone(),
         upstream.clone(),
-        client,
+        (client, local),
         activity.clone(),
         timeout,
         shared.clone(),
@@ -346,12 +348,13 @@ async fn open_session(
     Some((upstream, activity))
 }
 
-/// Passes the endpoint's replies to `client` until the session has been idle for `timeout`.
+/// Passes the endpoint's replies to `client`, from `local`, until the session has been idle for
+/// `timeout`.
 #[allow(clippy::too_many_arguments)]
 async fn udp_session(
-    socket: Arc<UdpSocket>,
+    socket: Arc<UdpProxySocket>,
     upstream: Arc<UdpSocket>,
-    client: SocketAddr,
+    (client, local): (SocketAddr, Ipv4Addr),
     activity: Arc<Activity>,
     timeout: Duration,
     shared: Arc<Shared>,
@@ -370,7 +373,7 @@ async fn udp_session(
             Err(_) => continue,
             Ok(Ok(n)) => {
                 activity.touch();
-                if let Err(e) = socket.send_to(&buf[..n], client).await {
+                if let Err(e) = socket.send_from(&buf[..n], local, client).await {
                     tracing::debug!(service = %shared.name, %client, "replying: {e}");
                     break;
                 }
@@ -386,4 +389,154 @@ async fn udp_session(
     if sessions.get(&client).is_some_and(|s| s.id == id) {
         sessions.remove(&client);
     }
+}
+
+/// A UDP proxy socket (bound to every address) that learns which node address each datagram
+/// was sent to (IP_PKTINFO) and answers from it. Left to the route, the answer would leave from
+/// the address of the interface the route to the client goes out of, which on a multi-homed
+/// node need not be the one the client sent to (nor the one the REDIRECT rule's conntrack
+/// entry expects): the client would drop it.
+#[derive(Debug)]
+struct UdpProxySocket(UdpSocket);
+
+impl UdpProxySocket {
+    fn bind(addr: SocketAddr) -> std::io::Result<Self> {
+        let socket = std::net::UdpSocket::bind(addr)?;
+        socket.set_nonblocking(true)?;
+        let on: libc::c_int = 1;
+        // SAFETY: an int option of the socket's own descriptor.
+        let rc = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::IPPROTO_IP,
+                libc::IP_PKTINFO,
+                (&on as *const libc::c_int).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self(UdpSocket::from_std(socket)?))
+    }
+
+    /// A datagram: its length, its sender, and the node address it was sent to.
+    async fn recv_from(&self, buf: &mut [u8]) -> std::io::Result<(usize, SocketAddr, Ipv4Addr)> {
+        let fd = self.0.as_raw_fd();
+        self.0
+            .async_io(Interest::READABLE, || recv_with_destination(fd, buf))
+            .await
+    }
+
+    /// Sends `buf` to `to` from the node address `from`.
+    async fn send_from(&self, buf: &[u8], from: Ipv4Addr, to: SocketAddr) -> std::io::Result<()> {
+        let SocketAddr::V4(to) = to else {
+            return Err(std::io::Error::other(
+                "an IPv6 client of an IPv4 proxy socket",
+            ));
+        };
+        let fd = self.0.as_raw_fd();
+        self.0
+            .async_io(Interest::WRITABLE, || send_from(fd, buf, from, to))
+            .await
+    }
+}
+
+/// An IPv4 socket address for the C calls.
+fn sockaddr(addr: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*addr.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// Room for one IP_PKTINFO control message, aligned as the kernel writes it.
+#[repr(C, align(8))]
+struct PktInfoSpace([u8; 64]);
+
+fn recv_with_destination(
+    fd: RawFd,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, SocketAddr, Ipv4Addr)> {
+    // SAFETY: plain C structs, all zeroes valid; every pointer below outlives the call.
+    let mut from: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut control = PktInfoSpace([0; 64]);
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_name = (&mut from as *mut libc::sockaddr_in).cast();
+    msg.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    msg.msg_controllen = control.0.len();
+    // SAFETY: msg describes valid buffers.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut local = Ipv4Addr::UNSPECIFIED;
+    // SAFETY: walking the control messages the kernel wrote within msg_controllen.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::IPPROTO_IP && (*cmsg).cmsg_type == libc::IP_PKTINFO {
+                let info = (libc::CMSG_DATA(cmsg) as *const libc::in_pktinfo).read_unaligned();
+                local = Ipv4Addr::from(u32::from_be(info.ipi_addr.s_addr));
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    let client = SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(from.sin_addr.s_addr)),
+        u16::from_be(from.sin_port),
+    );
+    Ok((n as usize, client.into(), local))
+}
+
+fn send_from(fd: RawFd, buf: &[u8], from: Ipv4Addr, to: SocketAddrV4) -> std::io::Result<()> {
+    let mut to = sockaddr(to);
+    let mut control = PktInfoSpace([0; 64]);
+    let mut iov = libc::iovec {
+        iov_base: buf.as_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: plain C struct; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_name = (&mut to as *mut libc::sockaddr_in).cast();
+    msg.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !from.is_unspecified() {
+        // SAFETY: CMSG_SPACE and the header written within the control buffer's size.
+        unsafe {
+            let space = libc::CMSG_SPACE(size_of::<libc::in_pktinfo>() as u32) as usize;
+            msg.msg_control = control.0.as_mut_ptr().cast();
+            msg.msg_controllen = space;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::IPPROTO_IP;
+            (*cmsg).cmsg_type = libc::IP_PKTINFO;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::in_pktinfo>() as u32) as usize;
+            let info = libc::in_pktinfo {
+                ipi_ifindex: 0,
+                ipi_spec_dst: libc::in_addr {
+                    s_addr: u32::from(from).to_be(),
+                },
+                ipi_addr: libc::in_addr { s_addr: 0 },
+            };
+            (libc::CMSG_DATA(cmsg) as *mut libc::in_pktinfo).write_unaligned(info);
+        }
+    }
+    // SAFETY: msg describes valid buffers.
+    let n = unsafe { libc::sendmsg(fd, &msg, 0) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
