@@ -424,6 +424,21 @@ pub const CT_SNAT: u8 = 8;
 /// [`CtValue::flags`]: with [`CT_CLOSING`], the backend sent the first FIN: it now holds the
 /// flow's 5-tuple in TIME_WAIT (see [`SNAT_TIME_WAIT_NS`]).
 pub const CT_TIME_WAIT: u8 = 16;
+/// [`CtValue::flags`], TCP: the connection is being opened: no reply yet, or no packet from
+/// the client after the first reply (netfilter's SYN_SENT and SYN_RECV); it lives
+/// [`CT_LIFETIME_OPENING_NS`], so that unanswered SYNs (a flood, a vanished client) free their
+/// entries and SNAT ports in a minute. Set when the flow is recorded (entries of older releases
+/// lack it: established).
+pub const CT_OPENING: u8 = 32;
+/// [`CtValue::flags`], TCP: a reply has been seen; the client's next packet ends
+/// [`CT_OPENING`].
+pub const CT_ANSWERED: u8 = 64;
+/// [`CtValue::flags`], TCP: one side has sent a FIN and the other not yet (netfilter's
+/// FIN_WAIT and CLOSE_WAIT): the flow lives [`CT_LIFETIME_HALF_CLOSED_NS`].
+pub const CT_HALF_CLOSED: u8 = 128;
+/// What a flow's two entries share of their flags (the rest is each direction's own).
+pub const CT_FLOW_FLAGS: u8 =
+    CT_CLOSING | CT_EXTERNAL | CT_SNAT | CT_TIME_WAIT | CT_OPENING | CT_ANSWERED | CT_HALF_CLOSED;
 /// The source address of hairpin packets (a pod reaching itself through a service), so that
 /// its replies leave the pod and can be translated back; such a flow's reply entry is keyed
 /// pod -> this address. Link-local, never a pod's (Cilium uses the same).
@@ -435,6 +450,12 @@ pub const HAIRPIN_ADDR: Be32 = Be32::from_octets([169, 254, 42, 1]);
 pub const CT_LIFETIME_TCP_NS: u64 = 6 * 3600 * 1_000_000_000;
 pub const CT_LIFETIME_UDP_NS: u64 = 60 * 1_000_000_000;
 pub const CT_LIFETIME_CLOSING_NS: u64 = 10 * 1_000_000_000;
+/// A TCP flow being opened ([`CT_OPENING`]): Cilium's SYN lifetime (netfilter's SYN_SENT is two
+/// minutes).
+pub const CT_LIFETIME_OPENING_NS: u64 = 60 * 1_000_000_000;
+/// A half-closed TCP flow ([`CT_HALF_CLOSED`]): kube-proxy's `--conntrack-tcp-timeout-close-wait`
+/// default, which it gives netfilter's CLOSE_WAIT.
+pub const CT_LIFETIME_HALF_CLOSED_NS: u64 = 3600 * 1_000_000_000;
 
 impl CtValue {
     /// Whether this entry, last used at `last_seen_ns`, is past its lifetime at `now`.
@@ -442,10 +463,14 @@ impl CtValue {
     pub fn expired(&self, proto: u8, now: u64) -> bool {
         let lifetime = if self.flags & CT_CLOSING != 0 {
             CT_LIFETIME_CLOSING_NS
-        } else if proto == IPPROTO_TCP {
-            CT_LIFETIME_TCP_NS
-        } else {
+        } else if proto != IPPROTO_TCP {
             CT_LIFETIME_UDP_NS
+        } else if self.flags & CT_OPENING != 0 {
+            CT_LIFETIME_OPENING_NS
+        } else if self.flags & CT_HALF_CLOSED != 0 {
+            CT_LIFETIME_HALF_CLOSED_NS
+        } else {
+            CT_LIFETIME_TCP_NS
         };
         now.saturating_sub(self.last_seen_ns) > lifetime
     }
@@ -464,7 +489,8 @@ pub struct CtValue {
     pub vport: Be16,
     /// [`CT_FORWARD`] or [`CT_REPLY`].
     pub direction: u8,
-    /// [`CT_CLOSING`], [`CT_FIN`], [`CT_EXTERNAL`], [`CT_SNAT`], [`CT_TIME_WAIT`].
+    /// [`CT_CLOSING`], [`CT_FIN`], [`CT_EXTERNAL`], [`CT_SNAT`], [`CT_TIME_WAIT`],
+    /// [`CT_OPENING`], [`CT_ANSWERED`], [`CT_HALF_CLOSED`].
     pub flags: u8,
     /// External flows: forward, the node address and port the flow is sent from
     /// ([`CT_SNAT`]); reply, the client's address and port. Zero otherwise.

@@ -12,9 +12,10 @@ use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
 };
 use proxy_common::{
-    BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_CLOSING,
-    CT_EXTERNAL, CT_FIN, CT_FORWARD, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR,
-    IPPROTO_TCP, SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS,
+    BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_ANSWERED,
+    CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FLOW_FLAGS, CT_FORWARD, CT_HALF_CLOSED, CT_OPENING,
+    CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
+    SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS,
 };
 
 use crate::{
@@ -96,7 +97,7 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
             touch(entry, None, flow, now);
             let mut reply = *entry;
             reply.direction = CT_REPLY;
-            reply.flags &= CT_CLOSING | CT_EXTERNAL | CT_SNAT | CT_TIME_WAIT;
+            reply.flags &= CT_FLOW_FLAGS;
             reply.packets = 0;
             if entry.flags & CT_EXTERNAL != 0 {
                 (reply.nat_addr, reply.nat_port) = (key.saddr, key.sport);
@@ -121,7 +122,7 @@ const REPLY_CHECK_IDLE_NS: u64 = 1_000_000_000;
 #[inline(always)]
 fn reply_due(flow: &Flow, entry: &CtValue, now: u64) -> bool {
     flow.tcp_flags() & (TCP_FIN | TCP_SYN | TCP_RST) != 0
-        || entry.flags & CT_CLOSING != 0
+        || entry.flags & (CT_CLOSING | CT_OPENING) != 0
         || entry.packets.is_multiple_of(REPLY_CHECK_PACKETS)
         || now.saturating_sub(entry.last_seen_ns) >= REPLY_CHECK_IDLE_NS
 }
@@ -131,6 +132,9 @@ fn reply_due(flow: &Flow, entry: &CtValue, now: u64) -> bool {
 /// side, closes the flow. A closed flow is not refreshed any more: it ends
 /// [`proxy_common::CT_LIFETIME_CLOSING_NS`] after it closed, whatever either side still sends.
 /// Closed by the client's FIN coming last, the backend closed first: [`CT_TIME_WAIT`].
+/// The handshake is followed too: a reply answers the flow ([`CT_ANSWERED`]), and the client's
+/// next packet ends its opening ([`CT_OPENING`]); a FIN half-closes it ([`CT_HALF_CLOSED`]).
+/// Those flags are the flow's: both entries get them.
 #[inline(always)]
 fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64) {
     this.packets += 1;
@@ -138,9 +142,18 @@ fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64)
         return;
     }
     this.last_seen_ns = now;
+    let mut set = 0;
+    let mut cleared = 0;
+    if this.direction == CT_REPLY {
+        set |= CT_ANSWERED;
+    } else if this.flags & CT_ANSWERED != 0 {
+        cleared |= CT_OPENING;
+    }
     if flow.fin() {
         this.flags |= CT_FIN;
+        set |= CT_HALF_CLOSED;
     }
+    this.flags = (this.flags | set) & !cleared;
     let Some(other) = other else {
         if flow.rst() {
             this.flags |= CT_CLOSING;
@@ -148,6 +161,7 @@ fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64)
         return;
     };
     other.last_seen_ns = now;
+    other.flags = (other.flags | set) & !cleared;
     let closed_by_fins = this.flags & other.flags & CT_FIN != 0;
     if flow.rst() || closed_by_fins {
         let time_wait = if !flow.rst() && this.direction == CT_FORWARD {
@@ -181,15 +195,20 @@ fn reply_key(key: &CtKey, forward: &CtValue, backend: &Backend) -> CtKey {
     }
 }
 
-/// A new flow's forward entry, before any NAT field.
+/// A new flow's forward entry, before any NAT field. A TCP flow starts [`CT_OPENING`].
 #[inline(always)]
 fn forward_value(key: &CtKey, backend_id: u32, flags: u8, now: u64) -> CtValue {
+    let opening = if key.proto == IPPROTO_TCP {
+        CT_OPENING
+    } else {
+        0
+    };
     CtValue {
         backend_id,
         vip: key.daddr,
         vport: key.dport,
         direction: CT_FORWARD,
-        flags,
+        flags: flags | opening,
         nat_addr: Be32::new(0),
         last_seen_ns: now,
         nat_port: Be16::new(0),

@@ -120,11 +120,7 @@ pub fn conntrack_table(rows: &[FlowRow]) -> String {
             r.backend_id,
             r.packets,
             r.idle_seconds,
-            match (r.expired, r.closing) {
-                (true, _) => "expired",
-                (false, true) => "closing",
-                (false, false) => "open",
-            },
+            r.state,
             match (&r.translated, r.direction) {
                 (Some(nat), "forward") => format!(" (sent from {nat})"),
                 (Some(nat), _) => format!(" (answers {nat})"),

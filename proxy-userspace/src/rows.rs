@@ -89,6 +89,9 @@ pub struct FlowRow {
     pub idle_seconds: f64,
     /// A FIN or RST was seen: the entry has the short closing lifetime.
     pub closing: bool,
+    /// Where the flow stands: `opening` (TCP, handshake not done), `open`, `half-closed`,
+    /// `closing`, or `expired`; each has its lifetime.
+    pub state: &'static str,
     /// Past its lifetime: the programs ignore it (the LRU evicts it eventually).
     pub expired: bool,
 }

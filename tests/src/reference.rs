@@ -49,9 +49,9 @@ use std::{collections::BTreeMap, net::Ipv4Addr, path::Path};
 use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
-    BACKEND_DRAINING, Backend, CT_LIFETIME_CLOSING_NS, CT_LIFETIME_TCP_NS, CT_LIFETIME_UDP_NS,
-    MAP_BACKENDS, MAP_SERVICES, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
-    ServiceValue,
+    BACKEND_DRAINING, Backend, CT_LIFETIME_CLOSING_NS, CT_LIFETIME_HALF_CLOSED_NS,
+    CT_LIFETIME_OPENING_NS, CT_LIFETIME_TCP_NS, CT_LIFETIME_UDP_NS, MAP_BACKENDS, MAP_SERVICES,
+    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey, ServiceValue,
 };
 
 use crate::programs::{TC_ACT_SHOT, TC_ACT_UNSPEC};
@@ -520,6 +520,13 @@ pub struct Entry {
     /// Closed by the client's FIN coming last: the backend closed first (and holds the 5-tuple
     /// in TIME_WAIT).
     pub time_wait: bool,
+    /// TCP, being opened: no reply yet, or no client packet after the first one (the opening
+    /// lifetime).
+    pub opening: bool,
+    /// TCP: a reply has been seen.
+    pub answered: bool,
+    /// TCP: a FIN has been seen, the flow is not closed (the half-closed lifetime).
+    pub half_closed: bool,
     /// Model time of the last refresh.
     pub last_seen: u64,
     /// Packets that met the entry (as the kernel counts them: they decide when a forward
@@ -667,10 +674,14 @@ impl Outcome {
 fn lifetime(e: &Entry, proto: u8) -> u64 {
     let ns = if e.closing {
         CT_LIFETIME_CLOSING_NS
-    } else if proto == TCP {
-        CT_LIFETIME_TCP_NS
-    } else {
+    } else if proto != TCP {
         CT_LIFETIME_UDP_NS
+    } else if e.opening {
+        CT_LIFETIME_OPENING_NS
+    } else if e.half_closed {
+        CT_LIFETIME_HALF_CLOSED_NS
+    } else {
+        CT_LIFETIME_TCP_NS
     };
     ns / 1_000_000_000
 }
@@ -1131,6 +1142,7 @@ impl Model {
         let e = &self.conntrack[&t];
         let reply_due = h.tcp_flags & (SYN | FIN | RST) != 0
             || e.closing
+            || e.opening
             || e.packets.is_multiple_of(REPLY_CHECK_PACKETS)
             || self.now > e.last_seen;
         if !reply_due {
@@ -1174,6 +1186,9 @@ impl Model {
             fin: false,
             closing: false,
             time_wait: false,
+            opening: t.proto == TCP,
+            answered: false,
+            half_closed: false,
             last_seen: self.now,
             packets: 1,
             refreshed: true,
@@ -1238,12 +1253,23 @@ impl Model {
         e.refreshed = true;
         e.fin |= h.fin();
         let (this_fin, forward) = (e.fin, e.direction == Direction::Forward);
+        // The handshake and half-closes are the flow's: both entries follow them.
+        let answered = !forward;
+        let opened = forward && e.answered;
+        let half_closed = h.fin();
+        let follow = |e: &mut Entry| {
+            e.answered |= answered;
+            e.opening &= !opened;
+            e.half_closed |= half_closed;
+        };
+        follow(e);
         let mut closed = h.rst();
         let mut time_wait = false;
         if let Some(other) = other {
             let o = self.conntrack.get_mut(other).expect("touching an entry");
             o.last_seen = now;
             o.refreshed = true;
+            follow(o);
             closed |= this_fin && o.fin;
             time_wait = closed && !h.rst() && forward;
             o.closing |= closed;

@@ -474,6 +474,77 @@ fn closed_and_idle_flows_expire() {
     assert_eq!(packet::read(&out).src, VIP);
 }
 
+/// A TCP flow lives by where it stands, as netfilter's states do: one being opened (no reply,
+/// or no client packet after the first reply) a minute, so that unanswered SYNs free their
+/// entries soon; an open one hours; a half-closed one (a FIN one way) an hour.
+#[test]
+fn tcp_flows_live_by_their_state() {
+    let Some((p, _)) = setup("tcp_flows_live_by_their_state", &[(BE1, 8080)]) else {
+        return;
+    };
+    let states = |p: &Programs, sport: u16| -> Vec<&'static str> {
+        let port = format!(":{sport}");
+        inspect::conntrack(p.bpffs.path())
+            .unwrap()
+            .into_iter()
+            .filter(|f| f.source.ends_with(&port) || f.destination.ends_with(&port))
+            .map(|f| f.state)
+            .collect()
+    };
+    let syn = |sport| Spec::tcp(CLIENT, sport, VIP, 80);
+    let ack = |sport| Spec {
+        tcp_flags: 0x10,
+        ..syn(sport)
+    };
+    // Unanswered.
+    dnat(&p, &syn(48000));
+    // Answered, never acknowledged (SYN_RECV).
+    dnat(&p, &syn(48001));
+    p.run("tc_egress", &reply_to(&syn(48001), BE1, 8080, 0x12));
+    // The whole handshake.
+    dnat(&p, &syn(48002));
+    p.run("tc_egress", &reply_to(&syn(48002), BE1, 8080, 0x12));
+    dnat(&p, &ack(48002));
+    // Open, then half-closed by the client.
+    dnat(&p, &syn(48003));
+    p.run("tc_egress", &reply_to(&syn(48003), BE1, 8080, 0x12));
+    dnat(&p, &ack(48003));
+    dnat(
+        &p,
+        &Spec {
+            tcp_flags: 0x11,
+            ..syn(48003)
+        },
+    );
+    for (sport, want) in [
+        (48000, "opening"),
+        (48001, "opening"),
+        (48002, "open"),
+        (48003, "half-closed"),
+    ] {
+        assert_eq!(states(&p, sport), vec![want; 2], "port {sport}");
+    }
+    if !age_conntrack(&p, 61) {
+        return;
+    }
+    for (sport, want) in [
+        (48000, "expired"),
+        (48001, "expired"),
+        (48002, "open"),
+        (48003, "half-closed"),
+    ] {
+        assert_eq!(states(&p, sport), vec![want; 2], "port {sport}, 61 s on");
+    }
+    // The retransmitted SYN of an expired opening starts the flow anew.
+    assert_eq!(dnat(&p, &syn(48000)).dst, BE1);
+    assert_eq!(states(&p, 48000), vec!["opening"; 2]);
+    if !age_conntrack(&p, 3600) {
+        return;
+    }
+    assert_eq!(states(&p, 48002), vec!["open"; 2], "an hour on");
+    assert_eq!(states(&p, 48003), vec!["expired"; 2], "an hour on");
+}
+
 #[test]
 fn a_backend_closing_marks_both_directions() {
     let Some((p, _)) = setup("a_backend_closing_marks_both_directions", &[(BE1, 8080)]) else {

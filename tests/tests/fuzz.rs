@@ -36,8 +36,8 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Be16, Be32, CT_CLOSING, CT_FIN, CT_FORWARD, CT_REPLY, CT_TIME_WAIT,
-    CtKey, CtValue, MAP_AFFINITY,
+    AffinityKey, AffinityValue, Be16, Be32, CT_ANSWERED, CT_CLOSING, CT_FIN, CT_FORWARD,
+    CT_HALF_CLOSED, CT_OPENING, CT_REPLY, CT_TIME_WAIT, CtKey, CtValue, MAP_AFFINITY,
 };
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec},
@@ -1116,9 +1116,13 @@ fn model_fields(e: &Entry) -> Fields {
         Direction::Forward => CT_FORWARD,
         Direction::Reply => CT_REPLY,
     };
-    let flags = if e.closing { CT_CLOSING } else { 0 }
-        | if e.fin { CT_FIN } else { 0 }
-        | if e.time_wait { CT_TIME_WAIT } else { 0 };
+    let flag = |set: bool, flag: u8| if set { flag } else { 0 };
+    let flags = flag(e.closing, CT_CLOSING)
+        | flag(e.fin, CT_FIN)
+        | flag(e.time_wait, CT_TIME_WAIT)
+        | flag(e.opening, CT_OPENING)
+        | flag(e.answered, CT_ANSWERED)
+        | flag(e.half_closed, CT_HALF_CLOSED);
     (direction, e.backend_id, e.vip, e.vport, flags)
 }
 

@@ -15,9 +15,9 @@ use std::{
 };
 
 use proxy_common::{
-    Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey,
-    CtValue, DROP_FRAG_NEEDED, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED,
-    DROP_SOURCE_RANGE, IFACE_XDP_FORWARD,
+    Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_OPENING, CT_REPLY, CT_SNAT, CT_TIME_WAIT,
+    CtKey, CtValue, DROP_FRAG_NEEDED, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE,
+    DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE, IFACE_XDP_FORWARD,
 };
 use proxy_tests::{
     NS_PREFIX, Netns,
@@ -313,6 +313,11 @@ fn forwarded(
     }
 }
 
+/// The flag a new flow of `proto` is recorded with besides its kind: TCP starts opening.
+fn opening(proto: u8) -> u8 {
+    if proto == TCP { CT_OPENING } else { 0 }
+}
+
 /// Checks `after` (what a program made of `before`) against `want`: the tuple, the TTL, the
 /// MACs, both checksums (a zero UDP checksum stays zero), and that no other byte changed.
 fn assert_translated(before: &[u8], after: &[u8], want: &Want) {
@@ -436,7 +441,10 @@ fn a_node_port_to_a_local_endpoint_is_dnated_and_handed_to_the_stack() {
                 let fwd = lab
                     .ct(ct_key(client, (node, NODE_PORT), spec.proto))
                     .expect("forward entry");
-                assert_eq!((fwd.direction, fwd.flags), (CT_FORWARD, CT_EXTERNAL));
+                assert_eq!(
+                    (fwd.direction, fwd.flags),
+                    (CT_FORWARD, CT_EXTERNAL | opening(spec.proto))
+                );
                 // On its way into the pod the pod program leaves it alone.
                 untouched_tc(&lab, "tc_egress", &out, "the DNATed packet to the pod");
                 // The endpoint's reply leaves the node from the address the client used.
@@ -539,7 +547,7 @@ fn a_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_reply_bac
                 (fwd.direction, fwd.flags, fwd.nat_addr, fwd.nat_port),
                 (
                     CT_FORWARD,
-                    CT_EXTERNAL | CT_SNAT,
+                    CT_EXTERNAL | CT_SNAT | opening(spec.proto),
                     Be32::from_octets(node.octets()),
                     Be16::new(port)
                 )

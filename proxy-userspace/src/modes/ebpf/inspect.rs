@@ -5,10 +5,11 @@ use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_EXTERNAL,
-    CT_FORWARD, CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY,
-    SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
+    CT_FORWARD, CT_HALF_CLOSED, CT_OPENING, CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
+    MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR,
+    SCOPE_INTERNAL, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
+    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue,
+    SourceRangeKey,
 };
 
 use crate::{
@@ -182,6 +183,7 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
             packets: u64::from(v.packets),
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
             closing: v.flags & CT_CLOSING != 0,
+            state: flow_state(k, &v, now),
             expired: v.expired(k.proto, now),
         });
     }
@@ -189,6 +191,22 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
         (&a.service, &a.source, a.direction).cmp(&(&b.service, &b.source, b.direction))
     });
     Ok(rows)
+}
+
+/// Where the flow of the entry `k`, `v` stands (see [`FlowRow::state`]).
+fn flow_state(k: &CtKey, v: &CtValue, now: u64) -> &'static str {
+    let tcp = k.proto == IPPROTO_TCP;
+    if v.expired(k.proto, now) {
+        "expired"
+    } else if v.flags & CT_CLOSING != 0 {
+        "closing"
+    } else if tcp && v.flags & CT_OPENING != 0 {
+        "opening"
+    } else if tcp && v.flags & CT_HALF_CLOSED != 0 {
+        "half-closed"
+    } else {
+        "open"
+    }
 }
 
 /// The forward entry's key of the flow whose reply entry is `k`, `v`: from the client (for an
