@@ -1,8 +1,8 @@
 //! Attaching the tc programs to pod-facing interfaces, including those of pods that start
 //! later, and the external programs (XDP and tc) to the node's uplinks (see
-//! [`Attacher::uplinks`] and external.rs), so that they stay attached when the agent exits: a restarting agent (a rollout, a
-//! crash) must not leave pods without service translation. A new agent swaps its programs in
-//! atomically where the old ones were.
+//! [`Attacher::uplinks`] and external.rs), so that they stay attached when the agent exits: a
+//! restarting agent (a rollout, a crash) must not leave pods without service translation. A new
+//! agent swaps its programs in atomically where the old ones were.
 //!
 //! Kernels 6.6 and later attach through tcx links, pinned in `<pin dir>/links/` (a link lives
 //! while its pin does). Older kernels attach cls_bpf filters through netlink at a fixed
@@ -12,7 +12,7 @@
 //! the programs are attached as the kernel announces the interface (see [`AttachThread`]), on
 //! a thread of their own that never waits for a sync of the maps.
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     ffi::{CStr, CString},
     io,
     net::Ipv4Addr,
@@ -223,6 +223,8 @@ pub struct Attacher {
     node_addrs: Option<Vec<InterfaceAddr>>,
     /// The uplinks whose addresses were last written to NODE_ADDRS.
     uplinks_written: Vec<Uplink>,
+    /// Interfaces with NodePort addresses that cannot be served, already warned about.
+    warned_not_ethernet: HashSet<String>,
 }
 
 impl Attacher {
@@ -240,6 +242,7 @@ impl Attacher {
             external_attached: HashMap::new(),
             node_addrs: None,
             uplinks_written: Vec::new(),
+            warned_not_ethernet: HashSet::new(),
         })
     }
 
@@ -375,7 +378,13 @@ impl Attacher {
                     } else {
                         "replies to flows sent out of it"
                     };
-                    tracing::info!(interface = %uplink.name, mode, role, snat_address = %uplink.snat_addr, "attached external programs");
+                    tracing::info!(
+                        interface = %uplink.name,
+                        mode,
+                        role,
+                        snat_address = %uplink.snat_addr,
+                        "attached external programs"
+                    );
                     self.external_attached.insert(uplink.name.clone(), uplink);
                 }
                 Err(e) => {
@@ -393,7 +402,7 @@ impl Attacher {
     /// as a node's `br0`), the loopback interface aside. Devices without Ethernet headers
     /// (WireGuard, IPIP) are left out: the programs parse Ethernet frames.
     fn uplinks(
-        &self,
+        &mut self,
         all: &[(String, u32)],
         addresses: &[InterfaceAddr],
         selected: &[InterfaceAddr],
@@ -423,7 +432,7 @@ impl Attacher {
                 continue;
             }
             if !node::has_ethernet_headers(name) {
-                if node_ports {
+                if node_ports && self.warned_not_ethernet.insert(name.clone()) {
                     tracing::warn!(
                         interface = %name,
                         "NodePort addresses on an interface without Ethernet headers are not \
