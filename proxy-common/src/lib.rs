@@ -118,10 +118,23 @@ pub const DROP_NO_ROUTE: u32 = 6;
 /// out) is bigger than its egress interface's MTU and may not be fragmented: answered with an
 /// ICMP fragmentation needed instead.
 pub const DROP_FRAG_NEEDED: u32 = 7;
-pub const DROP_REASONS: u32 = 8;
-/// The last [`MAP_DROPS`] entry: when this CPU last logged a drop (logs are rate limited).
+/// An ICMP error (a reject, a fragmentation needed) this CPU may not send now
+/// ([`ICMP_ERRORS_PER_SEC`]): the packet is dropped without one.
+pub const DROP_ICMP_RATE_LIMITED: u32 = 8;
+pub const DROP_REASONS: u32 = 9;
+/// A [`MAP_DROPS`] entry after the counters: when this CPU last logged a drop (logs are rate
+/// limited).
 pub const DROPS_LAST_LOG: u32 = DROP_REASONS;
-pub const DROPS_ENTRIES: u32 = DROP_REASONS + 1;
+/// A [`MAP_DROPS`] entry after the counters: this CPU's ICMP error pace, the time (ns) its
+/// next error is due at the steady rate.
+pub const DROPS_ICMP_PACE: u32 = DROP_REASONS + 1;
+pub const DROPS_ENTRIES: u32 = DROP_REASONS + 2;
+/// The ICMP errors the programs send, per CPU: at most this many a second after a burst of
+/// [`ICMP_ERRORS_BURST`], as the kernel limits its own (net.ipv4.icmp_msgs_per_sec and
+/// icmp_msgs_burst), so that a flood towards a Service without endpoints is not answered in
+/// kind.
+pub const ICMP_ERRORS_PER_SEC: u64 = 1000;
+pub const ICMP_ERRORS_BURST: u64 = 50;
 /// Label values of the drop reasons, by index.
 pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] = [
     "rewrite_failed",
@@ -132,6 +145,7 @@ pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] = [
     "snat_ports_exhausted",
     "no_route",
     "frag_needed",
+    "icmp_rate_limited",
 ];
 
 /// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);

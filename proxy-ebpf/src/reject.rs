@@ -8,10 +8,21 @@
 //!
 //! The packet itself becomes the answer: cut to the size of the reply, rewritten, and sent
 //! back out of the interface it came in on (no routing, so no reverse-path check on the
-//! service address as a source).
-use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_skb_change_tail, programs::TcContext};
+//! service address as a source). Answers are paced per CPU as the kernel paces its own ICMP
+//! errors ([`ICMP_ERRORS_PER_SEC`]); a packet beyond that is dropped unanswered, counted.
+use aya_ebpf::{
+    bindings::TC_ACT_UNSPEC,
+    helpers::{bpf_ktime_get_ns, bpf_skb_change_tail},
+    programs::TcContext,
+};
+use proxy_common::{
+    DROP_ICMP_RATE_LIMITED, DROPS_ICMP_PACE, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
+};
 
-use crate::packet::{self, Drop, ETH_HLEN, FAILED, Flow};
+use crate::{
+    maps::DROPS,
+    packet::{self, Drop, ETH_HLEN, FAILED, Flow},
+};
 
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
@@ -44,6 +55,9 @@ pub fn frag_needed(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, Drop> 
 fn unreachable(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, Drop> {
     if flow.has_ip_options() {
         return Ok(TC_ACT_UNSPEC);
+    }
+    if !icmp_error_due() {
+        return Err(Drop(DROP_ICMP_RATE_LIMITED));
     }
     let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
     let offending: [u8; IPV4_HLEN] = ctx.load(IP_OFF).map_err(|_| FAILED)?;
@@ -78,6 +92,26 @@ fn unreachable(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, 
     ctx.store(QUOTE_OFF + IPV4_HLEN, &l4, 0)
         .map_err(|_| FAILED)?;
     Ok(packet::send_back(ctx))
+}
+
+/// Whether this CPU may send an ICMP error now: a pace of [`ICMP_ERRORS_PER_SEC`] with
+/// [`ICMP_ERRORS_BURST`] ahead of it allowed (a token bucket kept as the time the next error is
+/// due).
+#[inline(always)]
+fn icmp_error_due() -> bool {
+    let Some(pace) = DROPS.get_ptr_mut(DROPS_ICMP_PACE) else {
+        return true;
+    };
+    const INTERVAL_NS: u64 = 1_000_000_000 / ICMP_ERRORS_PER_SEC;
+    // SAFETY: a per-CPU value: no other program touches it while this one runs here.
+    let pace = unsafe { &mut *pace };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let due = core::cmp::max(*pace, now);
+    if due - now > ICMP_ERRORS_BURST * INTERVAL_NS {
+        return false;
+    }
+    *pace = due + INTERVAL_NS;
+    true
 }
 
 /// The one's-complement sum of `bytes` as big-endian 16-bit words (an even length).

@@ -13,13 +13,13 @@ use std::{
 use anyhow::Context;
 use aya::{
     Ebpf,
-    maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray},
+    maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues},
     programs::{Program, TestRun, TestRunOptions},
 };
 use proxy_common::{
     Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue,
-    ExternalIface, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS,
-    NODE_ADDR_SNAT_ONLY,
+    DROPS_ICMP_PACE, ExternalIface, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES,
+    MAP_NODE_ADDRS, NODE_ADDR_SNAT_ONLY,
 };
 use proxy_userspace::{
     dataplane::Scope,
@@ -278,6 +278,17 @@ impl Programs {
         let data = MapData::from_pin(self.bpffs.path().join(MAP_DROPS)).expect("drops");
         let map: PerCpuArray<_, u64> = Map::PerCpuArray(data).try_into().unwrap();
         map.get(&reason, 0).unwrap().iter().sum()
+    }
+
+    /// Forgets the ICMP errors every CPU sent lately: the next
+    /// [`proxy_common::ICMP_ERRORS_BURST`] are due
+    /// at once (for tests that send more rejects than the pace allows, as a long fuzz does).
+    pub fn reset_icmp_pace(&self) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_DROPS)).expect("drops");
+        let mut map: PerCpuArray<_, u64> = Map::PerCpuArray(data).try_into().unwrap();
+        let cpus = aya::util::nr_cpus().expect("counting the CPUs");
+        let zeros = PerCpuValues::try_from(vec![0u64; cpus]).unwrap();
+        map.set(DROPS_ICMP_PACE, zeros, 0).unwrap();
     }
 
     /// The conntrack map, opened from its pin (to inspect entries, or age them as time would).

@@ -2,7 +2,7 @@
 //! both checksums checked by recomputing them.
 use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
-use proxy_common::CtKey;
+use proxy_common::{CtKey, DROP_ICMP_RATE_LIMITED, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC};
 
 use proxy_tests::{
     fixtures::*,
@@ -325,6 +325,49 @@ fn a_service_without_endpoints_is_refused_at_once() {
         ..Spec::tcp(CLIENT, 40002, VIP, 80)
     };
     untouched(&p, "tc_ingress", &with_options.build());
+}
+
+/// Rejects are paced per CPU as the kernel paces its ICMP errors: a burst, then about one a
+/// millisecond; what comes faster is dropped unanswered, counted.
+#[test]
+fn rejects_are_paced() {
+    let Some((p, _)) = setup("rejects_are_paced", &[]) else {
+        return;
+    };
+    // On one CPU, so that its pace alone decides.
+    // SAFETY: a zeroed cpu_set_t with one CPU set, for this thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
+    let started = std::time::Instant::now();
+    let mut answered = 0u64;
+    for sport in 0..400u16 {
+        let (verdict, _) = p.run(
+            "tc_ingress",
+            &Spec::tcp(CLIENT, 30000 + sport, VIP, 80).build(),
+        );
+        match verdict {
+            TC_ACT_SHOT => {}
+            _ => answered += 1,
+        }
+    }
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    let limited = p.drops(DROP_ICMP_RATE_LIMITED);
+    assert_eq!(answered + limited, 400);
+    let most = ICMP_ERRORS_BURST + 1 + elapsed_ms * ICMP_ERRORS_PER_SEC / 1000 + 1;
+    assert!(
+        answered > ICMP_ERRORS_BURST && answered <= most,
+        "{answered} answered in {elapsed_ms} ms (the burst is {ICMP_ERRORS_BURST})"
+    );
+    // Once the pace has caught up, answered again.
+    std::thread::sleep(Duration::from_millis(100));
+    let (verdict, _) = p.run("tc_ingress", &Spec::tcp(CLIENT, 31000, VIP, 80).build());
+    assert_ne!(verdict, TC_ACT_SHOT);
 }
 
 #[test]
