@@ -304,6 +304,11 @@ pub fn assert_icmp_error(frame: &[u8], want: &[u8]) {
 /// What forwarding does to a frame's IP header: one hop off its TTL, the checksum updated.
 pub fn hop(frame: &mut [u8]) {
     frame[ETH_HLEN + 8] -= 1;
+    set_ip_checksum(frame);
+}
+
+/// Writes the IPv4 header checksum the frame's header should carry (after a test changed it).
+pub fn set_ip_checksum(frame: &mut [u8]) {
     let csum = ip_checksum(frame);
     frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
 }
@@ -340,6 +345,5 @@ pub fn fragments(frame: &[u8], cut: usize) -> (Vec<u8>, Vec<u8>) {
 /// Sets the IP identification of `frame` (the checksum follows).
 pub fn set_ip_id(frame: &mut [u8], id: u16) {
     frame[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&id.to_be_bytes());
-    let c = ip_checksum(frame);
-    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&c.to_be_bytes());
+    set_ip_checksum(frame);
 }

@@ -71,8 +71,8 @@ pub enum Shape {
 /// The VXLAN device of [`Shape::Overlay`] and its MTU (flannel's names and sizes).
 pub const TUNNEL: &str = "flannel.1";
 const TUNNEL_MTU: u16 = 1450;
-/// The second uplink of [`Shape::MultiHomed`], and the management network it is on: node N is
-/// 198.18.0.1N there, ext (its router) 198.18.0.1.
+/// The second uplink of [`Shape::MultiHomed`], and the management network it is on: a node
+/// has its node address's last octet there ([`mgmt_ip`]), ext (its router) 198.18.0.1.
 pub const MGMT_IF: &str = "eth1";
 const MGMT_ROUTER: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
 
@@ -320,32 +320,27 @@ impl Sandbox {
 
         // 3. Links, made from the namespace that keeps the host side, peers created
         // straight into their own namespace.
-        let mut fabric = vec![
-            "link set lo up".to_string(),
-            "link add br0 type bridge".to_string(),
-            "link set br0 up".to_string(),
-        ];
-        for ns in [&self.node1, &self.node2, &self.ext] {
-            let role = &ns.name[self.prefix.len() + 1..];
-            fabric.push(format!(
-                "link add fab-{role} type veth peer name {NODE_IF} netns {}",
-                ns.name
-            ));
-            fabric.push(format!("link set fab-{role} master br0 up"));
-        }
-        if self.shape == Shape::MultiHomed {
-            fabric.extend([
-                "link add br1 type bridge".to_string(),
-                "link set br1 up".to_string(),
-            ]);
+        // A network of the fabric: a bridge, and a veth from it to each node and ext, named
+        // `<prefix>-<role>` here and `interface` there.
+        let network = |bridge: &str, prefix: &str, interface: &str| {
+            let mut lines = vec![
+                format!("link add {bridge} type bridge"),
+                format!("link set {bridge} up"),
+            ];
             for ns in [&self.node1, &self.node2, &self.ext] {
                 let role = &ns.name[self.prefix.len() + 1..];
-                fabric.push(format!(
-                    "link add mgt-{role} type veth peer name {MGMT_IF} netns {}",
+                lines.push(format!(
+                    "link add {prefix}-{role} type veth peer name {interface} netns {}",
                     ns.name
                 ));
-                fabric.push(format!("link set mgt-{role} master br1 up"));
+                lines.push(format!("link set {prefix}-{role} master {bridge} up"));
             }
+            lines
+        };
+        let mut fabric = vec!["link set lo up".to_string()];
+        fabric.extend(network("br0", "fab", NODE_IF));
+        if self.shape == Shape::MultiHomed {
+            fabric.extend(network("br1", "mgt", MGMT_IF));
         }
         let mut node_links = [Vec::new(), Vec::new()];
         if self.shape.bridged() {
@@ -395,15 +390,16 @@ impl Sandbox {
         if self.shape == Shape::MultiHomed {
             // The node address alone (no connected route): replies to clients on the node
             // network go by the default route, through the management network.
+            let (mgmt, other_mgmt) = (mgmt_ip(ip), mgmt_ip(other_ip));
             lines.extend([
                 format!("addr add {ip}/32 dev {NODE_IF}"),
                 format!("link set {NODE_IF} up"),
-                format!("addr add 198.18.0.1{n}/24 dev {MGMT_IF}"),
+                format!("addr add {mgmt}/24 dev {MGMT_IF}"),
                 format!("link set {MGMT_IF} up"),
                 // The nodes reach each other's addresses and pods over the management
                 // network.
-                format!("route add {other_ip}/32 via 198.18.0.1{other} dev {MGMT_IF}"),
-                format!("route add {other_pods} via 198.18.0.1{other} dev {MGMT_IF}"),
+                format!("route add {other_ip}/32 via {other_mgmt} dev {MGMT_IF}"),
+                format!("route add {other_pods} via {other_mgmt} dev {MGMT_IF}"),
                 format!("route add default via {MGMT_ROUTER} dev {MGMT_IF}"),
             ]);
             return lines;
@@ -547,12 +543,7 @@ impl Sandbox {
     pub fn node_addrs(&self, name: &str) -> Vec<Ipv4Addr> {
         let mut addrs = vec![Sandbox::node_ip(name)];
         if self.shape == Shape::MultiHomed {
-            addrs.push(Ipv4Addr::new(
-                198,
-                18,
-                0,
-                10 + Sandbox::node_ip(name).octets()[3] % 10,
-            ));
+            addrs.push(mgmt_ip(Sandbox::node_ip(name)));
         }
         addrs
     }
@@ -755,6 +746,12 @@ impl Drop for Sandbox {
             }
         }
     }
+}
+
+/// The management network address of the node whose node-network address is `node_ip`
+/// ([`Shape::MultiHomed`]): the same last octet.
+fn mgmt_ip(node_ip: Ipv4Addr) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 0, node_ip.octets()[3])
 }
 
 /// The MAC address of node `n`'s VXLAN device.

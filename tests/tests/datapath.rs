@@ -559,25 +559,16 @@ fn tcp_flows_live_by_their_state() {
             ..syn(48003)
         },
     );
-    for (sport, want) in [
-        (48000, "opening"),
-        (48001, "opening"),
-        (48002, "open"),
-        (48003, "half-closed"),
-    ] {
-        assert_eq!(states(&p, sport), vec![want; 2], "port {sport}");
-    }
+    let expect = |when: &str, wants: [&str; 4]| {
+        for (sport, want) in (48000..).zip(wants) {
+            assert_eq!(states(&p, sport), vec![want; 2], "port {sport}, {when}");
+        }
+    };
+    expect("at once", ["opening", "opening", "open", "half-closed"]);
     if !age_conntrack(&p, 61) {
         return;
     }
-    for (sport, want) in [
-        (48000, "expired"),
-        (48001, "expired"),
-        (48002, "open"),
-        (48003, "half-closed"),
-    ] {
-        assert_eq!(states(&p, sport), vec![want; 2], "port {sport}, 61 s on");
-    }
+    expect("61 s on", ["expired", "expired", "open", "half-closed"]);
     // The retransmitted SYN of an expired opening starts the flow anew.
     assert_eq!(dnat(&p, &syn(48000)).dst, BE1);
     assert_eq!(states(&p, 48000), vec!["opening"; 2]);

@@ -947,8 +947,7 @@ impl Generator {
         if self.rng.chance(1, 4) {
             bytes[ETH_HLEN + 4] = self.rng.byte(); // id
             bytes[ETH_HLEN + 8] = self.rng.byte(); // TTL
-            let c = packet::ip_checksum(&bytes);
-            bytes[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&c.to_be_bytes());
+            packet::set_ip_checksum(&mut bytes);
         }
         if self.rng.chance(1, 10) {
             let n = 1 + self.rng.below(20);

@@ -988,16 +988,18 @@ fn forwarding_follows_the_route_and_what_xdp_may_do() {
         return;
     };
     // Out of another interface: redirected, with that interface's MAC.
+    let to_ext1 = |out: &[u8]| {
+        forwarded(
+            (NODE, snat_port(out)),
+            (EXT1_BE, TARGET),
+            NODE3_MAC,
+            EXT1_MAC,
+        )
+    };
     let frame = from_client(&Spec::tcp(CLIENT, 44000, NODE, 30081));
     let (verdict, out) = lab.xdp(&frame);
     assert_eq!(verdict, XDP_REDIRECT);
-    let want = forwarded(
-        (NODE, snat_port(&out)),
-        (EXT1_BE, TARGET),
-        NODE3_MAC,
-        EXT1_MAC,
-    );
-    assert_translated(&frame, &out, &want);
+    assert_translated(&frame, &out, &to_ext1(&out));
     let (verdict, tc_out) = lab.tc("tc_external_ingress", &frame);
     assert_eq!((verdict, &tc_out), (TC_ACT_REDIRECT, &out));
 
@@ -1045,8 +1047,7 @@ fn forwarding_follows_the_route_and_what_xdp_may_do() {
     // No hop left: the same.
     let mut frame = from_client(&Spec::tcp(CLIENT, 44005, NODE, 30080));
     frame[ETH_HLEN + 8] = 1;
-    let csum = packet::ip_checksum(&frame);
-    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
+    packet::set_ip_checksum(&mut frame);
     untouched_xdp(&lab, &frame, "TTL 1");
     assert_eq!(lab.tc("tc_external_ingress", &frame).0, TC_ACT_SHOT);
     assert_eq!(lab.p.drops(DROP_NO_ROUTE), 2);
@@ -1078,17 +1079,10 @@ fn forwarding_follows_the_route_and_what_xdp_may_do() {
         ..big
     });
     frame[ETH_HLEN + 6] = 0;
-    let csum = packet::ip_checksum(&frame);
-    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
+    packet::set_ip_checksum(&mut frame);
     let (verdict, out) = lab.tc("tc_external_ingress", &frame);
     assert_eq!(verdict, TC_ACT_REDIRECT);
-    let want = forwarded(
-        (NODE, snat_port(&out)),
-        (EXT1_BE, TARGET),
-        NODE3_MAC,
-        EXT1_MAC,
-    );
-    assert_translated(&frame, &out, &want);
+    assert_translated(&frame, &out, &to_ext1(&out));
     // What fits is sent as before.
     let fits = from_client(&Spec::tcp(CLIENT, 44007, NODE, 30081));
     assert_eq!(lab.tc("tc_external_ingress", &fits).0, TC_ACT_REDIRECT);

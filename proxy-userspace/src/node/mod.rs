@@ -180,26 +180,12 @@ pub fn primary_ipv4(
 /// device's zeroed ones), as the ebpf mode's programs parse them; WireGuard, IPIP and other L3
 /// devices do not. Asked of the kernel (SIOCGIFHWADDR), for the same reason as [`driver`].
 pub fn has_ethernet_headers(interface: &str) -> bool {
-    // SAFETY: ifreq is plain data; all zeroes is valid.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    let name = interface.as_bytes();
-    if name.len() >= req.ifr_name.len() {
+    let Some(req) = interface_ioctl(interface, libc::SIOCGIFHWADDR, |_| {}) else {
         return false;
-    }
-    for (dst, src) in req.ifr_name.iter_mut().zip(name) {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: a datagram socket for the ioctl, closed below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return false;
-    }
-    // SAFETY: SIOCGIFHWADDR fills the ifreq it is given.
-    let rc = unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut req) };
-    unsafe { libc::close(fd) };
+    };
     // SAFETY: the kernel filled the hardware address member.
     let family = unsafe { req.ifr_ifru.ifru_hwaddr.sa_family };
-    rc == 0 && (family == libc::ARPHRD_ETHER || family == libc::ARPHRD_LOOPBACK)
+    family == libc::ARPHRD_ETHER || family == libc::ARPHRD_LOOPBACK
 }
 
 /// The interface's driver, as ethtool reports it (ETHTOOL_GDRVINFO). Not from sysfs: /sys shows
@@ -217,6 +203,24 @@ pub fn driver(interface: &str) -> Option<String> {
         driver: [0; 32],
         rest: [0; 160],
     };
+    let info_ptr: *mut DrvInfo = &mut info;
+    // SAFETY (the ioctl): SIOCETHTOOL with an ifreq pointing at a buffer of the size the
+    // command writes.
+    interface_ioctl(interface, libc::SIOCETHTOOL, |req| {
+        req.ifr_ifru.ifru_data = info_ptr.cast();
+    })?;
+    let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
+    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+}
+
+/// Runs the interface ioctl `request` on `interface`, its ifreq named and then set up by
+/// `prepare`: the ifreq as the kernel left it, or None if the name is too long or the call
+/// failed.
+fn interface_ioctl(
+    interface: &str,
+    request: libc::Ioctl,
+    prepare: impl FnOnce(&mut libc::ifreq),
+) -> Option<libc::ifreq> {
     // SAFETY: ifreq is plain data; all zeroes is valid.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
     let name = interface.as_bytes();
@@ -226,20 +230,16 @@ pub fn driver(interface: &str) -> Option<String> {
     for (dst, src) in req.ifr_name.iter_mut().zip(name) {
         *dst = *src as libc::c_char;
     }
-    req.ifr_ifru.ifru_data = (&mut info as *mut DrvInfo).cast();
+    prepare(&mut req);
     // SAFETY: a datagram socket for the ioctl, closed below.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
         return None;
     }
-    // SAFETY: SIOCETHTOOL with an ifreq pointing at a buffer of the size the command writes.
-    let r = unsafe { libc::ioctl(fd, libc::SIOCETHTOOL, &mut req) };
+    // SAFETY: the callers' requests take an ifreq, whose pointers (if any) they keep valid.
+    let r = unsafe { libc::ioctl(fd, request, &mut req) };
     unsafe { libc::close(fd) };
-    if r < 0 {
-        return None;
-    }
-    let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
-    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+    (r >= 0).then_some(req)
 }
 
 #[cfg(test)]

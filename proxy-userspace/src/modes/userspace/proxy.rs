@@ -454,6 +454,18 @@ fn sockaddr(addr: SocketAddrV4) -> libc::sockaddr_in {
     }
 }
 
+/// A message header for one buffer (`iov`) from or to `peer`, without control messages; both
+/// must outlive the call it is given to.
+fn message(peer: &mut libc::sockaddr_in, iov: &mut libc::iovec) -> libc::msghdr {
+    // SAFETY: a plain C struct; all zeroes is valid.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_name = (peer as *mut libc::sockaddr_in).cast();
+    msg.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg
+}
+
 /// Room for one IP_PKTINFO control message, aligned as the kernel writes it.
 #[repr(C, align(8))]
 struct PktInfoSpace([u8; 64]);
@@ -462,18 +474,14 @@ fn recv_with_destination(
     fd: RawFd,
     buf: &mut [u8],
 ) -> std::io::Result<(usize, SocketAddr, Ipv4Addr)> {
-    // SAFETY: plain C structs, all zeroes valid; every pointer below outlives the call.
+    // SAFETY: a plain C struct, all zeroes valid; every pointer below outlives the call.
     let mut from: libc::sockaddr_in = unsafe { std::mem::zeroed() };
     let mut control = PktInfoSpace([0; 64]);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_name = (&mut from as *mut libc::sockaddr_in).cast();
-    msg.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
+    let mut msg = message(&mut from, &mut iov);
     msg.msg_control = control.0.as_mut_ptr().cast();
     msg.msg_controllen = control.0.len();
     // SAFETY: msg describes valid buffers.
@@ -507,12 +515,7 @@ fn send_from(fd: RawFd, buf: &[u8], from: Ipv4Addr, to: SocketAddrV4) -> std::io
         iov_base: buf.as_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
-    // SAFETY: plain C struct; the pointers set below outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_name = (&mut to as *mut libc::sockaddr_in).cast();
-    msg.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
+    let mut msg = message(&mut to, &mut iov);
     if !from.is_unspecified() {
         // SAFETY: CMSG_SPACE and the header written within the control buffer's size.
         unsafe {
