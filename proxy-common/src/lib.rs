@@ -72,6 +72,7 @@ pub const MAP_NODE_ADDRS: &str = "NODE_ADDRS";
 pub const MAP_EXTERNAL_IFACES: &str = "EXTERNAL_IFACES";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS";
+pub const MAP_SOURCE_IFACES: &str = "SOURCE_IFACES";
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'
@@ -121,7 +122,10 @@ pub const DROP_FRAG_NEEDED: u32 = 7;
 /// An ICMP error (a reject, a fragmentation needed) this CPU may not send now
 /// ([`ICMP_ERRORS_PER_SEC`]): the packet is dropped without one.
 pub const DROP_ICMP_RATE_LIMITED: u32 = 8;
-pub const DROP_REASONS: u32 = 9;
+/// A pod's packet to a service address from a source that is not routed back through the
+/// interface it came in on (a spoofed source; see [`MAP_SOURCE_IFACES`]).
+pub const DROP_INVALID_SOURCE: u32 = 9;
+pub const DROP_REASONS: u32 = 10;
 /// A [`MAP_DROPS`] entry after the counters: when this CPU last logged a drop (logs are rate
 /// limited).
 pub const DROPS_LAST_LOG: u32 = DROP_REASONS;
@@ -146,6 +150,7 @@ pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] = [
     "no_route",
     "frag_needed",
     "icmp_rate_limited",
+    "invalid_source",
 ];
 
 /// Key of the services map. Slot 0 holds the service itself ([`ServiceValue::count`] backends);
@@ -490,6 +495,30 @@ impl CtValue {
     }
 }
 
+/// [`CtValue::seq_hint`] of a TCP sequence number: its top 16 bits (64 KiB units), never 0
+/// (which means not known).
+#[inline(always)]
+pub const fn seq_hint(seq: u32) -> u16 {
+    let hint = (seq >> 16) as u16;
+    if hint == 0 { 1 } else { hint }
+}
+
+/// How far behind and ahead of a direction's [`CtValue::seq_hint`] its next sequence numbers
+/// may plausibly be, in 64 KiB units: a sender's RST and FIN carry its next sequence number,
+/// at or just past the highest the programs saw (they see all it sends; data lost before an
+/// external interface puts a little ahead). A blind guess is plausible once in about 6500
+/// (netfilter's window tracking is of that order, a window of a few MiB).
+pub const SEQ_BEHIND: i16 = 1;
+pub const SEQ_AHEAD: i16 = 8;
+
+/// Whether a sequence number of hint `hint` is plausible for a direction whose entry holds
+/// `known` (always, while that is 0: not known).
+#[inline(always)]
+pub const fn seq_plausible(known: u16, hint: u16) -> bool {
+    let diff = hint.wrapping_sub(known) as i16;
+    known == 0 || (diff >= -SEQ_BEHIND && diff <= SEQ_AHEAD)
+}
+
 /// A conntrack entry. Each flow has two: the forward entry (keyed by client -> service address)
 /// names the backend; the reply entry (keyed by backend -> client) names the service address the
 /// reply must appear to come from.
@@ -512,7 +541,10 @@ pub struct CtValue {
     /// `bpf_ktime_get_ns()` of the last packet seen in this direction.
     pub last_seen_ns: u64,
     pub nat_port: Be16,
-    pub pad: u16,
+    /// TCP: where this direction's sequence numbers stand, as [`seq_hint`] of the highest
+    /// plausible one seen (0: not known yet). A RST or FIN changes the flow only when its
+    /// sequence number is plausible ([`seq_plausible`]): a blind spoofer must guess it.
+    pub seq_hint: u16,
     /// Packets seen in this direction (not atomic: a statistic, not an accounting record).
     pub packets: u32,
 }

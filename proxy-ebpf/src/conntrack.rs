@@ -15,7 +15,7 @@ use proxy_common::{
     BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_ANSWERED,
     CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FLOW_FLAGS, CT_FORWARD, CT_HALF_CLOSED, CT_OPENING,
     CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
-    SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS,
+    SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS, seq_plausible,
 };
 
 use crate::{
@@ -77,6 +77,7 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     if !snatted && !reply_due(flow, entry, now) {
         entry.packets += 1;
         entry.last_seen_ns = now;
+        follow_seq(entry, flow);
         return Some(Live { backend, snat });
     }
     let reply_key = reply_key(key, entry, &backend);
@@ -99,6 +100,7 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
             reply.direction = CT_REPLY;
             reply.flags &= CT_FLOW_FLAGS;
             reply.packets = 0;
+            reply.seq_hint = 0;
             if entry.flags & CT_EXTERNAL != 0 {
                 (reply.nat_addr, reply.nat_port) = (key.saddr, key.sport);
             }
@@ -135,6 +137,9 @@ fn reply_due(flow: &Flow, entry: &CtValue, now: u64) -> bool {
 /// The handshake is followed too: a reply answers the flow ([`CT_ANSWERED`]), and the client's
 /// next packet ends its opening ([`CT_OPENING`]); a FIN half-closes it ([`CT_HALF_CLOSED`]).
 /// Those flags are the flow's: both entries get them.
+/// A TCP packet whose sequence number is implausible for its direction ([`seq_plausible`]: a
+/// blind spoofer's RST or FIN) refreshes the flow and changes nothing else; nor does the
+/// client's packet end the opening unless it acknowledges what the backend sent.
 #[inline(always)]
 fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64) {
     this.packets += 1;
@@ -142,11 +147,21 @@ fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64)
         return;
     }
     this.last_seen_ns = now;
+    if !follow_seq(this, flow) {
+        if let Some(other) = other {
+            other.last_seen_ns = now;
+        }
+        return;
+    }
     let mut set = 0;
     let mut cleared = 0;
     if this.direction == CT_REPLY {
         set |= CT_ANSWERED;
-    } else if this.flags & CT_ANSWERED != 0 {
+    } else if this.flags & CT_ANSWERED != 0
+        && other
+            .as_ref()
+            .is_none_or(|o| flow.key.proto != IPPROTO_TCP || seq_plausible(o.seq_hint, flow.ack))
+    {
         cleared |= CT_OPENING;
     }
     if flow.fin() {
@@ -174,6 +189,23 @@ fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64)
     }
 }
 
+/// Follows the sequence numbers of `this` entry's direction with the TCP packet `flow`: whether
+/// its sequence number is plausible ([`seq_plausible`]); a plausible one past the entry's
+/// hint moves the hint on (written only when it moved: once per 64 KiB of data). UDP: always.
+#[inline(always)]
+fn follow_seq(this: &mut CtValue, flow: &Flow) -> bool {
+    if flow.key.proto != IPPROTO_TCP {
+        return true;
+    }
+    if !seq_plausible(this.seq_hint, flow.seq) {
+        return false;
+    }
+    if this.seq_hint == 0 || (flow.seq.wrapping_sub(this.seq_hint) as i16) > 0 {
+        this.seq_hint = flow.seq;
+    }
+    true
+}
+
 /// Where the backend's replies to the flow `key` (whose forward entry is `forward`) come from
 /// and go to: the client, or for a hairpin flow [`HAIRPIN_ADDR`] (the source its packets were
 /// given), or for a flow sent from a node address that address and port.
@@ -195,9 +227,11 @@ fn reply_key(key: &CtKey, forward: &CtValue, backend: &Backend) -> CtKey {
     }
 }
 
-/// A new flow's forward entry, before any NAT field. A TCP flow starts [`CT_OPENING`].
+/// A new flow's forward entry (its first packet `flow`), before any NAT field. A TCP flow
+/// starts [`CT_OPENING`], its client's sequence numbers where that packet's are.
 #[inline(always)]
-fn forward_value(key: &CtKey, backend_id: u32, flags: u8, now: u64) -> CtValue {
+fn forward_value(flow: &Flow, backend_id: u32, flags: u8, now: u64) -> CtValue {
+    let key = &flow.key;
     let opening = if key.proto == IPPROTO_TCP {
         CT_OPENING
     } else {
@@ -212,7 +246,7 @@ fn forward_value(key: &CtKey, backend_id: u32, flags: u8, now: u64) -> CtValue {
         nat_addr: Be32::new(0),
         last_seen_ns: now,
         nat_port: Be16::new(0),
-        pad: 0,
+        seq_hint: flow.seq,
         packets: 1,
     }
 }
@@ -222,12 +256,14 @@ fn forward_value(key: &CtKey, backend_id: u32, flags: u8, now: u64) -> CtValue {
 /// (its replies are translated on the way out of the node, and its reply entry names the
 /// client).
 #[inline(always)]
-pub fn record_flow(key: &CtKey, backend_id: u32, backend: &Backend, now: u64, external: bool) {
+pub fn record_flow(flow: &Flow, backend_id: u32, backend: &Backend, now: u64, external: bool) {
+    let key = &flow.key;
     let flags = if external { CT_EXTERNAL } else { 0 };
-    let forward = forward_value(key, backend_id, flags, now);
+    let forward = forward_value(flow, backend_id, flags, now);
     let mut reply = CtValue {
         direction: CT_REPLY,
         packets: 0,
+        seq_hint: 0,
         ..forward
     };
     if external {
@@ -248,17 +284,19 @@ const SNAT_TRIES: u32 = 8;
 /// found: the packet is dropped and the client retries.
 #[inline(always)]
 pub fn record_snat_flow(
-    key: &CtKey,
+    flow: &Flow,
     backend_id: u32,
     backend: &Backend,
     node: Be32,
     now: u64,
 ) -> Option<Be16> {
-    let mut forward = forward_value(key, backend_id, CT_EXTERNAL | CT_SNAT, now);
+    let key = &flow.key;
+    let mut forward = forward_value(flow, backend_id, CT_EXTERNAL | CT_SNAT, now);
     forward.nat_addr = node;
     let reply = CtValue {
         direction: CT_REPLY,
         packets: 0,
+        seq_hint: 0,
         nat_addr: key.saddr,
         nat_port: key.sport,
         ..forward

@@ -1,11 +1,13 @@
 //! Packets going to a pod: a reply from a backend gets the service address back as its source
 //! (reverse NAT), so the client sees the address it connected to; so does an ICMP error about
-//! a packet the pod sent to a service (icmp.rs).
+//! a packet the pod sent to a service (icmp.rs). A SYN, FIN or RST from a spoofed source
+//! (another pod posing as the backend, source.rs) passes untranslated and changes no flow.
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, programs::TcContext};
 
 use crate::{
     conntrack, icmp,
     packet::{self, Drop, End},
+    source,
 };
 
 #[inline(always)]
@@ -14,6 +16,9 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, Drop> {
         icmp::to_client(ctx, 0)?;
         return Ok(TC_ACT_UNSPEC);
     };
+    if source::from_spoofed_source(ctx, &flow) {
+        return Ok(TC_ACT_UNSPEC);
+    }
     let client = flow.key.daddr;
     let Some((vip, vport)) = conntrack::reply(&flow, client, false) else {
         return Ok(TC_ACT_UNSPEC);

@@ -31,7 +31,7 @@ use crate::{
     conntrack, frontend, icmp, lb,
     maps::{CONFIG, EXTERNAL_IFACES, SOURCE_RANGES},
     packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_DF, IP_FRAG_FLAGS_OFF, IP_TTL_OFF},
-    reject,
+    reject, source,
 };
 
 /// What to do with a packet that came from outside.
@@ -92,14 +92,14 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
         return Ok(Verdict::Reject);
     };
     if svc.flags & SERVICE_TWO_SCOPES != 0 || backend.flags & BACKEND_LOCAL != 0 {
-        conntrack::record_flow(&key, backend_id, &backend, now, true);
+        conntrack::record_flow(flow, backend_id, &backend, now, true);
         return Ok(nat(&key, &backend, conntrack::NO_SNAT));
     }
     let node = snat_source(ctx, &key, &backend, ingress, to_node);
     if node.raw() == 0 {
         return Err(Drop(DROP_NO_ROUTE));
     }
-    let port = conntrack::record_snat_flow(&key, backend_id, &backend, node, now)
+    let port = conntrack::record_snat_flow(flow, backend_id, &backend, node, now)
         .ok_or(Drop(DROP_SNAT_PORTS_EXHAUSTED))?;
     Ok(nat(&key, &backend, (node, port)))
 }
@@ -303,13 +303,17 @@ fn decrement_ttl(ctx: &TcContext) -> Result<(), Drop> {
 }
 
 /// A packet leaving the node on an external interface: a local endpoint's reply to an
-/// external client gets the frontend's address back as its source.
+/// external client gets the frontend's address back as its source (a SYN, FIN or RST from a
+/// spoofed source passes untranslated and changes no flow).
 #[inline(always)]
 pub fn try_external_egress(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = packet::parse(ctx) else {
         icmp::to_client(ctx, CT_EXTERNAL)?;
         return Ok(TC_ACT_UNSPEC);
     };
+    if source::from_spoofed_source(ctx, &flow) {
+        return Ok(TC_ACT_UNSPEC);
+    }
     let client = flow.key.daddr;
     if let Some((vip, vport)) = conntrack::reply(&flow, client, true) {
         flow.rewrite(ctx, End::Source, vip, vport)?;

@@ -1,17 +1,18 @@
 //! Packets leaving a pod: a packet to a service address is sent to a backend (DNAT). The first
 //! packet of a flow picks a backend (`lb.rs`: affinity, random or Maglev) and records the choice
 //! in conntrack; later packets follow that record while it is within its lifetime and its
-//! backend may keep it (see [`conntrack::established`]).
+//! backend may keep it (see [`conntrack::established`]). A packet with a spoofed source
+//! (source.rs) starts no flow and changes none: it is dropped.
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
-    DROP_HAIRPIN_WITHOUT_FLOW, DROP_NO_LOCAL_ENDPOINTS, HAIRPIN_ADDR, SERVICE_DRAINING,
-    SERVICE_LOCAL_ONLY,
+    DROP_HAIRPIN_WITHOUT_FLOW, DROP_INVALID_SOURCE, DROP_NO_LOCAL_ENDPOINTS, HAIRPIN_ADDR,
+    SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
 };
 
 use crate::{
     conntrack, frontend, lb,
     packet::{self, Drop, End},
-    reject,
+    reject, source,
 };
 
 #[inline(always)]
@@ -31,11 +32,20 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
         }
         return Ok(TC_ACT_UNSPEC); // not a service: untouched, on to the next tc program
     };
+    // SAFETY: reading the context's ifindex.
+    let pod_iface = unsafe { (*ctx.skb.skb).ifindex };
+    let checked = source::changes_flow(&flow);
+    if checked && source::spoofed(ctx, &flow, pod_iface) {
+        return Err(Drop(DROP_INVALID_SOURCE));
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let backend = match conntrack::established(&flow, now) {
         Some(backend) => backend,
         // A datagram's later fragment whose first one started no flow: left as it is.
         None if flow.later_fragment() => return Ok(TC_ACT_UNSPEC),
+        None if !checked && source::spoofed(ctx, &flow, pod_iface) => {
+            return Err(Drop(DROP_INVALID_SOURCE));
+        }
         None => {
             let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)?
             else {
@@ -48,7 +58,7 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
                 // No usable endpoint: refused at once, as kube-proxy does.
                 return reject::reject(ctx, &flow);
             };
-            conntrack::record_flow(&key, backend_id, &backend, now, false);
+            conntrack::record_flow(&flow, backend_id, &backend, now, false);
             backend
         }
     };
@@ -67,6 +77,11 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
 fn hairpin_reply(ctx: &TcContext, flow: &mut packet::Flow) -> Result<i32, Drop> {
     // The pod is the client: replies go back to its own address.
     let pod = flow.key.saddr;
+    // SAFETY: reading the context's ifindex.
+    let pod_iface = unsafe { (*ctx.skb.skb).ifindex };
+    if source::changes_flow(flow) && source::spoofed(ctx, flow, pod_iface) {
+        return Err(Drop(DROP_INVALID_SOURCE));
+    }
     let Some((vip, vport)) = conntrack::reply(flow, pod, false) else {
         // No flow behind it: routed on, it would leave the node with a link-local address.
         return Err(Drop(DROP_HAIRPIN_WITHOUT_FLOW));

@@ -17,6 +17,7 @@ mod maps;
 mod packet;
 mod reject;
 mod sock;
+mod source;
 mod xdp;
 
 use aya_ebpf::{

@@ -82,3 +82,9 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::pinned(1 << 16,
 /// fragments are long done makes room.
 #[map(name = "FRAGMENTS")]
 pub static FRAGMENTS: LruHashMap<FragKey, FragValue> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
+
+/// Interfaces whose packets' sources are validated (source.rs): ifindex -> the interface the
+/// route back to a valid source goes out of (itself, or the bridge it is a port of). Written
+/// by the agent for pod interfaces and uplinks (`--bpf-source-validation`).
+#[map(name = "SOURCE_IFACES")]
+pub static SOURCE_IFACES: HashMap<u32, u32> = HashMap::pinned(1 << 16, BPF_F_NO_PREALLOC);

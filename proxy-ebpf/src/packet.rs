@@ -5,7 +5,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Be16, Be32, CtKey, DROP_REWRITE_FAILED, FragKey, FragValue, IPPROTO_TCP, IPPROTO_UDP,
+    Be16, Be32, CtKey, DROP_REWRITE_FAILED, FragKey, FragValue, IPPROTO_TCP, IPPROTO_UDP, seq_hint,
 };
 
 use crate::maps::FRAGMENTS;
@@ -41,6 +41,9 @@ pub struct Flow {
     pub fragment: Fragment,
     /// The IP header's identification (what ties a datagram's fragments together).
     ip_id: Be16,
+    /// TCP: [`proxy_common::seq_hint`] of the sequence and acknowledgment numbers (zero for UDP).
+    pub seq: u16,
+    pub ack: u16,
 }
 
 /// Where a packet stands in its datagram.
@@ -158,6 +161,8 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
             tot_len: tot_len as u16,
             fragment: Fragment::Later,
             ip_id,
+            seq: 0,
+            ack: 0,
         });
     }
     // The IP header must claim at least the L4 header, and the packet must hold what it claims.
@@ -179,13 +184,14 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
     };
     // A check with a constant length of its own: older verifiers (6.1) lose the variable
     // one above.
-    let tcp_flags = if l4_proto == IPPROTO_TCP {
+    let (tcp_flags, seq, ack) = if l4_proto == IPPROTO_TCP {
         if l4 + 20 > end {
             return None;
         }
-        unsafe { read::<u8>(l4 + 13) }
+        let hint = |at: usize| seq_hint(Be32::from_raw(unsafe { read::<u32>(at) }).get());
+        (unsafe { read::<u8>(l4 + 13) }, hint(l4 + 4), hint(l4 + 8))
     } else {
-        0
+        (0, 0, 0)
     };
     let fragment = match frag & IP_FRAG_MASK != 0 {
         true => Fragment::First,
@@ -198,6 +204,8 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
         tot_len: tot_len as u16,
         fragment,
         ip_id,
+        seq,
+        ack,
     })
 }
 

@@ -149,6 +149,12 @@ struct AgentArgs {
     /// endpoint closed first), so the width bounds the new connections a second to one endpoint.
     #[arg(long, default_value_t = SnatPorts::default())]
     bpf_snat_port_range: SnatPorts,
+    /// Drop a pod's packets that could start or change a Service flow (a new flow's first, a
+    /// TCP SYN, FIN or RST) when their source is not routed back through the pod's interface
+    /// or its bridge (a strict rp_filter check), so that a pod cannot close or re-balance
+    /// another's connections. `false` for CNIs whose pods send from addresses routed elsewhere.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    bpf_source_validation: bool,
     /// Size of the services map (one entry per service port and one per backend of each).
     #[arg(long, default_value_t = MapSizes::default().services)]
     bpf_services_max: u32,
@@ -425,6 +431,7 @@ fn start_config(args: &AgentArgs) -> StartConfig {
             pod_interfaces: args.pod_interfaces.clone(),
             xdp_mode: args.xdp_mode,
             snat_ports: args.bpf_snat_port_range,
+            validate_sources: args.bpf_source_validation,
             cgroup_path: args.bpf_cgroup_path.clone(),
             preload: ebpf::Preload::default(),
         },

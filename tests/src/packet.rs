@@ -20,6 +20,9 @@ pub struct Spec {
     pub tcp_flags: u8,
     /// For UDP: send a zero checksum ("no checksum").
     pub udp_zero_checksum: bool,
+    /// TCP sequence and acknowledgment numbers.
+    pub seq: u32,
+    pub ack: u32,
 }
 
 impl Spec {
@@ -34,6 +37,8 @@ impl Spec {
             payload: b"hello".to_vec(),
             tcp_flags: 0x02,
             udp_zero_checksum: false,
+            seq: 1000,
+            ack: 0,
         }
     }
 
@@ -68,7 +73,8 @@ impl Spec {
         l4[0..2].copy_from_slice(&self.sport.to_be_bytes());
         l4[2..4].copy_from_slice(&self.dport.to_be_bytes());
         if self.proto == TCP {
-            l4[4..8].copy_from_slice(&1000u32.to_be_bytes());
+            l4[4..8].copy_from_slice(&self.seq.to_be_bytes());
+            l4[8..12].copy_from_slice(&self.ack.to_be_bytes());
             l4[12] = 5 << 4;
             l4[13] = self.tcp_flags;
             l4[14..16].copy_from_slice(&65535u16.to_be_bytes());

@@ -51,7 +51,8 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
     BACKEND_DRAINING, Backend, CT_LIFETIME_CLOSING_NS, CT_LIFETIME_HALF_CLOSED_NS,
     CT_LIFETIME_OPENING_NS, CT_LIFETIME_TCP_NS, CT_LIFETIME_UDP_NS, MAP_BACKENDS, MAP_SERVICES,
-    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey, ServiceValue,
+    SEQ_AHEAD, SEQ_BEHIND, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
+    ServiceValue,
 };
 
 use crate::programs::{TC_ACT_SHOT, TC_ACT_UNSPEC};
@@ -138,6 +139,10 @@ pub struct Headers {
     /// A fragment after the first: no L4 header; the tuple's ports are its first fragment's,
     /// and only the IP header is rewritten.
     pub later: bool,
+    /// TCP: the sequence and acknowledgment numbers' 64 KiB units ([`seq_units`]); zero for
+    /// UDP and for a later fragment (which has no TCP header).
+    pub seq: u16,
+    pub ack: u16,
 }
 
 /// Where a packet stands in its datagram, and the datagram's identification.
@@ -166,6 +171,41 @@ impl Headers {
     pub fn l4_checksum_at(&self) -> usize {
         self.l4 + if self.tuple.proto == TCP { 16 } else { 6 }
     }
+}
+
+/// A TCP sequence number's position in 64 KiB units: its upper half, 0 taken as 1 (an entry's
+/// 0 means "not known yet").
+fn seq_units(b: &[u8]) -> u16 {
+    be16(b).max(1)
+}
+
+/// Whether a sequence number at `units` is plausible for a direction last seen at `known`:
+/// at most [`SEQ_BEHIND`] units behind it or [`SEQ_AHEAD`] ahead (modulo 2^16); anything while
+/// nothing is known.
+fn plausible(known: u16, units: u16) -> bool {
+    let ahead = (i32::from(units) - i32::from(known)).rem_euclid(1 << 16);
+    let signed = if ahead >= 1 << 15 {
+        ahead - (1 << 16)
+    } else {
+        ahead
+    };
+    known == 0 || (-i32::from(SEQ_BEHIND)..=i32::from(SEQ_AHEAD)).contains(&signed)
+}
+
+/// A direction's entry follows its TCP packet `h`: whether the packet's sequence number is
+/// plausible; a plausible one ahead of what the entry knows becomes what it knows.
+fn follow_seq(e: &mut Entry, h: &Headers) -> bool {
+    if h.tuple.proto != TCP {
+        return true;
+    }
+    if !plausible(e.seq_hint, h.seq) {
+        return false;
+    }
+    let ahead = (i32::from(h.seq) - i32::from(e.seq_hint)).rem_euclid(1 << 16);
+    if e.seq_hint == 0 || (1..1 << 15).contains(&ahead) {
+        e.seq_hint = h.seq;
+    }
+    true
 }
 
 fn be16(b: &[u8]) -> u16 {
@@ -225,6 +265,8 @@ pub fn parse_piece(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
             tcp_flags: 0,
             l4: ETH_HLEN + header_len,
             later: true,
+            seq: 0,
+            ack: 0,
         };
         return Ok((headers, Piece::Later(id)));
     }
@@ -247,6 +289,16 @@ pub fn parse_piece(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
         tcp_flags: if proto == TCP { frame[l4 + 13] } else { 0 },
         l4,
         later: false,
+        seq: if proto == TCP {
+            seq_units(&frame[l4 + 4..])
+        } else {
+            0
+        },
+        ack: if proto == TCP {
+            seq_units(&frame[l4 + 8..])
+        } else {
+            0
+        },
     };
     Ok((headers, piece))
 }
@@ -527,6 +579,8 @@ pub struct Entry {
     pub answered: bool,
     /// TCP: a FIN has been seen, the flow is not closed (the half-closed lifetime).
     pub half_closed: bool,
+    /// TCP: where this direction's sequence numbers stand, in 64 KiB units (0: not known).
+    pub seq_hint: u16,
     /// Model time of the last refresh.
     pub last_seen: u64,
     /// Packets that met the entry (as the kernel counts them: they decide when a forward
@@ -630,6 +684,9 @@ pub enum Note {
     ClosedFollowed,
     /// This packet closed its flow.
     Closed,
+    /// A TCP packet whose sequence number is out of its direction's window: it refreshed the
+    /// flow and changed nothing else.
+    OutOfWindow,
     /// The reply entry (evicted, deleted, or taken by another flow) was written again.
     ReplyRewritten,
     /// A reply entry without a live flow was deleted.
@@ -915,7 +972,7 @@ impl Model {
                 let Some(c) = chosen else {
                     return Ok(self.no_backend(frame, &h, &fe, notes));
                 };
-                self.record(&t, c);
+                self.record(&h, c);
                 ((c.addr, c.port), Event::NewFlow)
             }
         };
@@ -1150,6 +1207,7 @@ impl Model {
             e.packets += 1;
             e.last_seen = self.now;
             e.refreshed = true;
+            follow_seq(e, h);
             return Some(backend);
         }
         let reply = reply_tuple(&t, backend);
@@ -1168,6 +1226,7 @@ impl Model {
                     direction: Direction::Reply,
                     fin: false,
                     packets: 0,
+                    seq_hint: 0,
                     ..forward
                 },
             );
@@ -1177,7 +1236,8 @@ impl Model {
     }
 
     /// A new flow `t` to `c`: both of its entries.
-    fn record(&mut self, t: &Tuple, c: Candidate) {
+    fn record(&mut self, h: &Headers, c: Candidate) {
+        let t = &h.tuple;
         let entry = Entry {
             direction: Direction::Forward,
             backend_id: c.id,
@@ -1189,6 +1249,7 @@ impl Model {
             opening: t.proto == TCP,
             answered: false,
             half_closed: false,
+            seq_hint: h.seq,
             last_seen: self.now,
             packets: 1,
             refreshed: true,
@@ -1197,6 +1258,7 @@ impl Model {
         let reply = Entry {
             direction: Direction::Reply,
             packets: 0,
+            seq_hint: 0,
             ..entry.clone()
         };
         self.conntrack
@@ -1251,11 +1313,27 @@ impl Model {
         }
         e.last_seen = now;
         e.refreshed = true;
+        // A sequence number out of its direction's window (a blind spoofer's) changes nothing.
+        if !follow_seq(e, h) {
+            if let Some(other) = other {
+                let o = self.conntrack.get_mut(other).expect("touching an entry");
+                o.last_seen = now;
+                o.refreshed = true;
+            }
+            notes.push(Note::OutOfWindow);
+            return;
+        }
         e.fin |= h.fin();
         let (this_fin, forward) = (e.fin, e.direction == Direction::Forward);
-        // The handshake and half-closes are the flow's: both entries follow them.
+        // The handshake and half-closes are the flow's: both entries follow them. The client
+        // ends the opening only by acknowledging what the backend sent.
         let answered = !forward;
-        let opened = forward && e.answered;
+        let acknowledges = match other {
+            Some(o) if h.tuple.proto == TCP => plausible(self.conntrack[o].seq_hint, h.ack),
+            _ => true,
+        };
+        let e = self.conntrack.get_mut(this).unwrap();
+        let opened = forward && e.answered && acknowledges;
         let half_closed = h.fin();
         let follow = |e: &mut Entry| {
             e.answered |= answered;

@@ -938,6 +938,8 @@ impl Generator {
             payload: self.rng.bytes(payload_len),
             tcp_flags,
             udp_zero_checksum: t.proto == UDP && self.rng.chance(1, 5),
+            seq: self.seq_number(),
+            ack: self.seq_number(),
         };
         let mut bytes = spec.build();
         if self.rng.chance(1, 2) {
@@ -954,6 +956,23 @@ impl Generator {
             bytes.extend(self.rng.bytes(n));
         }
         Frame { prog, bytes, kind }
+    }
+
+    /// A TCP sequence or acknowledgment number: mostly near one place (in window, moving it on
+    /// a little), now and then a little or far out of window, or anywhere.
+    fn seq_number(&mut self) -> u32 {
+        let units: u16 = match self.rng.below(20) {
+            0..=9 => 0x4000,
+            10..=12 => 0x4001,
+            13 => 0x3fff,
+            14 => 0x3ffe,
+            15 => 0x4008,
+            16 => 0x4009,
+            17 => 0x4000u16.wrapping_add(0x8000),
+            18 => 0,
+            _ => self.rng.next() as u16,
+        };
+        (u32::from(units) << 16) | u32::from(self.rng.next() as u16)
     }
 
     fn mutate(&mut self, f: &mut Vec<u8>) {
@@ -1097,8 +1116,8 @@ fn tuple(k: &CtKey) -> Tuple {
 }
 
 /// The fields of an entry that behaviour depends on: direction, backend id, service address and
-/// port, flags. (Not the packet counter: a statistic.)
-type Fields = (u8, u32, Ipv4Addr, u16, u8);
+/// port, flags, sequence hint. (Not the packet counter: a statistic.)
+type Fields = (u8, u32, Ipv4Addr, u16, u8, u16);
 
 fn kernel_fields(v: &CtValue) -> Fields {
     (
@@ -1107,6 +1126,7 @@ fn kernel_fields(v: &CtValue) -> Fields {
         Ipv4Addr::from(v.vip.octets()),
         v.vport.get(),
         v.flags,
+        v.seq_hint,
     )
 }
 
@@ -1122,7 +1142,7 @@ fn model_fields(e: &Entry) -> Fields {
         | flag(e.opening, CT_OPENING)
         | flag(e.answered, CT_ANSWERED)
         | flag(e.half_closed, CT_HALF_CLOSED);
-    (direction, e.backend_id, e.vip, e.vport, flags)
+    (direction, e.backend_id, e.vip, e.vport, flags, e.seq_hint)
 }
 
 /// Keeps the kernel's conntrack times in step with the model's, and compares the two maps.

@@ -762,7 +762,7 @@ fn hold_ports(lab: &Lab, ports: impl Iterator<Item = u16>, flags: u8, last_seen_
             nat_addr: Be32::from_octets(OUTSIDER.octets()),
             last_seen_ns,
             nat_port: Be16::new(port),
-            pad: 0,
+            seq_hint: 0,
             packets: 0,
         };
         ct.insert(ct_key((REMOTE_BE, TARGET), (NODE, port), TCP), value, 0)

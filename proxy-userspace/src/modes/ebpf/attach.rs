@@ -39,13 +39,14 @@ use aya::{
 };
 use proxy_common::{
     Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, ExternalIface,
-    IFACE_XDP_FORWARD, MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, NODE_ADDR_SNAT_ONLY,
+    IFACE_XDP_FORWARD, MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, MAP_SOURCE_IFACES,
+    NODE_ADDR_SNAT_ONLY,
 };
 
 use super::{
     PROG_EGRESS, PROG_EXT_EGRESS, PROG_EXT_INGRESS, PROG_INGRESS, PROG_XDP,
     external::{self, SnatPorts, XdpMode},
-    link_events::{LinkEvent, LinkEvents},
+    link_events::{self, LinkEvent, LinkEvents},
     pod_interfaces::{BRIDGE_DRIVER, Link, PodInterfaces},
 };
 use crate::node::{self, InterfaceAddr, NodePortAddresses};
@@ -113,10 +114,11 @@ impl AttachThread {
         pods: &PodInterfaces,
         external: ExternalConfig,
         pin_dir: &Path,
+        validate_sources: bool,
     ) -> anyhow::Result<Self> {
         // Subscribed before listing: an interface appearing meanwhile is in one or the other.
         let events = LinkEvents::subscribe().context("subscribing to link notifications")?;
-        let mut attacher = Attacher::new(pods, pin_dir)?;
+        let mut attacher = Attacher::new(pods, pin_dir, validate_sources)?;
         if let Ok(ephemeral) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             && let Some(warning) = external.snat_ports.ephemeral_overlap(&ephemeral)
         {
@@ -225,10 +227,16 @@ pub struct Attacher {
     uplinks_written: Vec<Uplink>,
     /// Interfaces with NodePort addresses that cannot be served, already warned about.
     warned_not_ethernet: HashSet<String>,
+    /// `--bpf-source-validation`: pod interfaces are written to SOURCE_IFACES.
+    validate_sources: bool,
 }
 
 impl Attacher {
-    pub fn new(pods: &PodInterfaces, pin_dir: &Path) -> anyhow::Result<Self> {
+    pub fn new(
+        pods: &PodInterfaces,
+        pin_dir: &Path,
+        validate_sources: bool,
+    ) -> anyhow::Result<Self> {
         let links_dir = pin_dir.join("links");
         std::fs::create_dir_all(&links_dir)
             .with_context(|| format!("creating {}", links_dir.display()))?;
@@ -243,6 +251,7 @@ impl Attacher {
             node_addrs: None,
             uplinks_written: Vec::new(),
             warned_not_ethernet: HashSet::new(),
+            validate_sources,
         })
     }
 
@@ -276,6 +285,7 @@ impl Attacher {
             .collect();
         for (name, index) in stale {
             self.attached.remove(&name);
+            Self::forget_source_iface(ebpf, index);
             if all.iter().any(|(n, i)| *n == name && *i == index) {
                 self.detach_pod(&name, index);
             }
@@ -304,6 +314,37 @@ impl Attacher {
             driver: driver.as_deref(),
             node_facing: carries_node_address || default_route == Some(name),
         })
+    }
+
+    /// Writes where the route back to the sources of the pod interface `index` must go out of
+    /// (source.rs): the bridge it is a port of (`master`), or itself.
+    fn write_source_iface(
+        &self,
+        ebpf: &mut Ebpf,
+        interface: &str,
+        index: u32,
+        master: Option<u32>,
+    ) {
+        if !self.validate_sources {
+            return;
+        }
+        let written = ebpf
+            .map_mut(MAP_SOURCE_IFACES)
+            .context("map SOURCE_IFACES missing")
+            .and_then(|map| Ok(BpfHashMap::<_, u32, u32>::try_from(map)?))
+            .and_then(|mut map| Ok(map.insert(index, master.unwrap_or(index), 0)?));
+        if let Err(e) = written {
+            // Its packets' sources go unchecked; the next scan tries again.
+            tracing::warn!(interface, "cannot enable source validation: {e:#}");
+        }
+    }
+
+    fn forget_source_iface(ebpf: &mut Ebpf, index: u32) {
+        if let Some(map) = ebpf.map_mut(MAP_SOURCE_IFACES)
+            && let Ok(mut map) = BpfHashMap::<_, u32, u32>::try_from(map)
+        {
+            let _ = map.remove(&index);
+        }
     }
 
     /// An interface that is no pod interface any more loses the pod programs.
@@ -648,9 +689,15 @@ impl Attacher {
     /// namespace, then rename it or move it here); forgets one that went away.
     pub fn handle(&mut self, ebpf: &mut Ebpf, event: LinkEvent) {
         match event {
-            LinkEvent::Changed { index, name } => {
-                // Most notifications are about an interface we know (going up, say).
+            LinkEvent::Changed {
+                index,
+                name,
+                master,
+            } => {
+                // Most notifications are about an interface we know (going up, say, or
+                // joining its bridge after the programs were attached).
                 if self.attached.get(&name) == Some(&index) {
+                    self.write_source_iface(ebpf, &name, index, master);
                     return;
                 }
                 // Renamed: its old name no longer designates it (its programs stay).
@@ -662,6 +709,7 @@ impl Attacher {
             }
             LinkEvent::Removed { index } => {
                 self.attached.retain(|_, i| *i != index);
+                Self::forget_source_iface(ebpf, index);
                 self.external_attached.retain(|_, u| u.index != index);
                 // Its links died with it; their pins go too.
                 for (_, _, direction) in DIRECTIONS.iter().chain(&EXTERNAL_DIRECTIONS) {
@@ -688,6 +736,11 @@ impl Attacher {
         if ifindex(&name) != Some(index) {
             tracing::debug!(interface = %name, index, "no longer there under that name");
             return;
+        }
+        // Before the programs: they must not see the interface's packets as spoofed.
+        match link_events::master(index) {
+            Ok(master) => self.write_source_iface(ebpf, &name, index, master),
+            Err(e) => tracing::warn!(interface = %name, "cannot find the interface's bridge: {e}"),
         }
         match self.attach(ebpf, &name, index) {
             Ok(()) => {

@@ -9,6 +9,8 @@ use std::{
 
 /// rtnetlink's interface name attribute (`IFLA_IFNAME`, linux/if_link.h).
 const IFLA_IFNAME: u16 = 3;
+/// rtnetlink's attribute of the bridge (or bond) an interface is a port of (`IFLA_MASTER`).
+const IFLA_MASTER: u16 = 10;
 /// The flag bits of an attribute's type (`NLA_F_NESTED | NLA_F_NET_BYTEORDER`).
 const NLA_FLAGS: u16 = 0xc000;
 /// `struct nlmsghdr` and `struct ifinfomsg`.
@@ -22,8 +24,13 @@ const RECEIVE_BUFFER: libc::c_int = 4 << 20;
 #[derive(Debug, PartialEq, Eq)]
 pub enum LinkEvent {
     /// RTM_NEWLINK: the interface `index` exists and is now called `name` (sent when it
-    /// appears, is renamed or moved here, and on other changes such as going up).
-    Changed { index: u32, name: String },
+    /// appears, is renamed or moved here, and on other changes such as going up, or joining
+    /// or leaving a bridge), a port of `master` if that is set.
+    Changed {
+        index: u32,
+        name: String,
+        master: Option<u32>,
+    },
     /// RTM_DELLINK: the interface `index` is gone (deleted, or moved to another namespace).
     Removed { index: u32 },
     /// RTM_NEWADDR or RTM_DELADDR: an IPv4 address was added or removed somewhere (the node's
@@ -125,6 +132,51 @@ impl AsFd for LinkEvents {
     }
 }
 
+/// The interface the interface `index` is a port of (a bridge, a bond), asked of the kernel
+/// (RTM_GETLINK): `None` if it is a port of none.
+pub fn master(index: u32) -> io::Result<Option<u32>> {
+    // SAFETY: plain socket(2); the fd is owned below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_ROUTE,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a new descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut request = [0u8; NLMSG_HDRLEN + IFINFOMSG_LEN];
+    request[0..4].copy_from_slice(&((NLMSG_HDRLEN + IFINFOMSG_LEN) as u32).to_ne_bytes());
+    request[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
+    request[6..8].copy_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
+    request[NLMSG_HDRLEN + 4..NLMSG_HDRLEN + 8].copy_from_slice(&index.to_ne_bytes());
+    // SAFETY: send(2) of our buffer (to the kernel: the socket is unbound and unconnected).
+    if unsafe { libc::send(fd.as_raw_fd(), request.as_ptr().cast(), request.len(), 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut buf = vec![0u8; 64 << 10];
+    // SAFETY: recv(2) into our buffer, with its length.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let reply = &buf[..n as usize];
+    if reply.len() < NLMSG_HDRLEN + IFINFOMSG_LEN {
+        return Err(io::Error::other("short RTM_GETLINK reply"));
+    }
+    if u16_at(reply, 4) == libc::NLMSG_ERROR as u16 {
+        let errno = i32::from_ne_bytes(reply[16..20].try_into().unwrap());
+        return Err(io::Error::from_raw_os_error(-errno));
+    }
+    let len = (u32_at(reply, 0) as usize).min(reply.len());
+    Ok(master_of(&attributes(
+        &reply[NLMSG_HDRLEN + IFINFOMSG_LEN..len],
+    )))
+}
+
 fn setsockopt_int(fd: &OwnedFd, option: libc::c_int, value: libc::c_int) -> io::Result<()> {
     // SAFETY: setsockopt(2) with a c_int value and its size.
     let r = unsafe {
@@ -186,23 +238,37 @@ fn parse_link(kind: u16, body: &[u8]) -> Option<LinkEvent> {
     if kind == libc::RTM_DELLINK {
         return Some(LinkEvent::Removed { index });
     }
-    let mut attrs = &body[IFINFOMSG_LEN..];
+    let attrs = attributes(&body[IFINFOMSG_LEN..]);
+    let name = attrs.iter().find(|(kind, _)| *kind == IFLA_IFNAME)?.1;
+    let name = name.split(|&b| b == 0).next().unwrap_or_default();
+    Some(LinkEvent::Changed {
+        index,
+        name: String::from_utf8_lossy(name).into_owned(),
+        master: master_of(&attrs),
+    })
+}
+
+/// The netlink attributes (type without its flag bits, payload) in `attrs`, up to the first
+/// malformed one.
+fn attributes(mut attrs: &[u8]) -> Vec<(u16, &[u8])> {
+    let mut out = Vec::new();
     while attrs.len() >= 4 {
         let len = u16_at(attrs, 0) as usize;
         if len < 4 || len > attrs.len() {
-            return None;
+            break;
         }
-        if u16_at(attrs, 2) & !NLA_FLAGS == IFLA_IFNAME {
-            let value = &attrs[4..len];
-            let name = value.split(|&b| b == 0).next().unwrap_or_default();
-            return Some(LinkEvent::Changed {
-                index,
-                name: String::from_utf8_lossy(name).into_owned(),
-            });
-        }
+        out.push((u16_at(attrs, 2) & !NLA_FLAGS, &attrs[4..len]));
         attrs = &attrs[align4(len).min(attrs.len())..];
     }
-    None
+    out
+}
+
+/// The IFLA_MASTER of a link message's attributes.
+fn master_of(attrs: &[(u16, &[u8])]) -> Option<u32> {
+    attrs
+        .iter()
+        .find(|(kind, value)| *kind == IFLA_MASTER && value.len() >= 4)
+        .map(|(_, value)| u32_at(value, 0))
 }
 
 #[cfg(test)]
@@ -234,7 +300,11 @@ mod tests {
             libc::RTM_NEWLINK,
             0,
             7,
-            &[(4, &mtu), (IFLA_IFNAME, b"veth-a\0")],
+            &[
+                (4, &mtu),
+                (IFLA_IFNAME, b"veth-a\0"),
+                (IFLA_MASTER, &3u32.to_ne_bytes()),
+            ],
         );
         // Two messages in one datagram; the second is another kind of message.
         datagram.extend(message(libc::RTM_NEWROUTE, 0, 7, &[]));
@@ -253,7 +323,8 @@ mod tests {
             [
                 LinkEvent::Changed {
                     index: 7,
-                    name: "veth-a".into()
+                    name: "veth-a".into(),
+                    master: Some(3),
                 },
                 LinkEvent::Removed { index: 7 },
                 LinkEvent::Addresses,

@@ -30,8 +30,8 @@ use proxy_common::{
     ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, LAYOUT_VERSION, MAP_AFFINITY,
     MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES,
     MAP_FRAGMENTS, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
-    SourceRangeKey,
+    MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -165,7 +165,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 14] = [
+const LAYOUTS: [Layout; 15] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -264,6 +264,13 @@ const LAYOUTS: [Layout; 14] = [
         key_size: size_of::<FragKey>(),
         value_size: size_of::<FragValue>(),
         entries: Some(FRAGMENTS_MAX),
+    },
+    Layout {
+        name: MAP_SOURCE_IFACES,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: None,
     },
 ];
 
@@ -414,6 +421,8 @@ pub struct StartConfig {
     pub pod_interfaces: PodInterfaces,
     pub xdp_mode: XdpMode,
     pub snat_ports: SnatPorts,
+    /// `--bpf-source-validation`.
+    pub validate_sources: bool,
     /// `--bpf-cgroup-path`; empty: host-network clients are not served.
     pub cgroup_path: PathBuf,
     pub preload: Preload,
@@ -445,6 +454,7 @@ pub fn start(
                     snat_ports: config.snat_ports,
                 },
                 &config.cgroup_path,
+                config.validate_sources,
             )
         });
     match started {
@@ -534,6 +544,7 @@ impl EbpfDataplane {
         pod_interfaces: &PodInterfaces,
         external: ExternalConfig,
         cgroup: &Path,
+        validate_sources: bool,
     ) -> anyhow::Result<Self> {
         let kernel = Features::of_this_kernel()?;
         if cgroup.as_os_str().is_empty() {
@@ -548,7 +559,8 @@ impl EbpfDataplane {
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
         features::export(kernel);
-        let attacher = attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir)?;
+        let attacher =
+            attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir, validate_sources)?;
         Ok(Self {
             maps,
             attacher,
