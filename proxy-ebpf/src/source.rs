@@ -30,7 +30,7 @@ pub fn changes_flow(flow: &Flow) -> bool {
 /// and lookups that cannot tell (forwarding off there, say), pass.
 #[inline(always)]
 pub fn spoofed(ctx: &TcContext, flow: &Flow, arrived_on: u32) -> bool {
-    let Some(&route_back) = (unsafe { SOURCE_IFACES.get(&arrived_on) }) else {
+    let Some(&route_back) = (unsafe { SOURCE_IFACES.get(arrived_on) }) else {
         return false;
     };
     let (rc, route) = external::route(ctx, &conntrack::reversed(&flow.key), 0, arrived_on);

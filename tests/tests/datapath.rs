@@ -743,6 +743,61 @@ fn a_pod_reaching_itself_goes_out_and_back_through_its_own_interface() {
 }
 
 #[test]
+fn blind_resets_and_fins_change_no_flow() {
+    let Some((p, _)) = setup("blind_resets_and_fins_change_no_flow", &[(BE1, 8080)]) else {
+        return;
+    };
+    let states = |p: &Programs| -> Vec<&'static str> {
+        inspect::conntrack(p.bpffs.path())
+            .unwrap()
+            .into_iter()
+            .filter(|f| f.protocol == "TCP")
+            .map(|f| f.state)
+            .collect()
+    };
+    // The client's numbers start at 0x4000_0000, the backend's at 0x7000_0000.
+    let client = |flags: u8, seq: u32, ack: u32| Spec {
+        tcp_flags: flags,
+        seq,
+        ack,
+        ..Spec::tcp(CLIENT, 48100, VIP, 80)
+    };
+    let backend = |flags: u8, seq: u32, ack: u32| {
+        Spec {
+            src: BE1,
+            sport: 8080,
+            dst: CLIENT,
+            dport: 48100,
+            ..client(flags, seq, ack)
+        }
+        .build()
+    };
+    dnat(&p, &client(0x02, 0x4000_0000, 0));
+    p.run("tc_egress", &backend(0x12, 0x7000_0000, 0x4000_0001));
+    // An ACK that does not acknowledge the backend's SYN (a blind guess) opens nothing.
+    dnat(&p, &client(0x10, 0x4000_0001, 0x1234_5678));
+    assert_eq!(states(&p), vec!["opening"; 2], "a blind ACK");
+    dnat(&p, &client(0x10, 0x4000_0001, 0x7000_0001));
+    assert_eq!(states(&p), vec!["open"; 2]);
+    // Blind RSTs and FINs, from either side, out of the sender's window: nothing changes.
+    for far in [0x9000_0000, 0x3ffe_0000, 0x4009_0000] {
+        dnat(&p, &client(0x04, far, 0));
+        dnat(&p, &client(0x11, far, 0x7000_0001));
+        p.run("tc_egress", &backend(0x14, far, 0x4000_0001));
+        assert_eq!(states(&p), vec!["open"; 2], "seq {far:#x}");
+    }
+    // Data moves the window on (2 MiB in 64 KiB segments): the old numbers are out of it now.
+    for unit in 1..=32u32 {
+        dnat(&p, &client(0x18, 0x4000_0001 + (unit << 16), 0x7000_0001));
+    }
+    dnat(&p, &client(0x04, 0x4000_0001, 0));
+    assert_eq!(states(&p), vec!["open"; 2], "a RST behind the window");
+    // The sender's own RST, at its next sequence number, closes the flow.
+    dnat(&p, &client(0x04, 0x4021_0001, 0));
+    assert_eq!(states(&p), vec!["closing"; 2]);
+}
+
+#[test]
 fn a_flow_has_one_lifetime_and_closes_on_fins_from_both_sides() {
     let Some((p, _)) = setup(
         "a_flow_has_one_lifetime_and_closes_on_fins_from_both_sides",
