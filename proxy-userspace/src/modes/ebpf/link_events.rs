@@ -48,19 +48,7 @@ impl LinkEvents {
     /// Subscribes (in the calling thread's network namespace). Notifications queue from here
     /// on, so an interface listed after this is never missed.
     pub fn subscribe() -> io::Result<Self> {
-        // SAFETY: plain socket(2); the fd is owned below.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a new descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = route_socket()?;
         // Beyond net.core.rmem_max with CAP_NET_ADMIN (which the agent has); else the default.
         if setsockopt_int(&fd, libc::SO_RCVBUFFORCE, RECEIVE_BUFFER).is_err() {
             let _ = setsockopt_int(&fd, libc::SO_RCVBUF, RECEIVE_BUFFER);
@@ -132,9 +120,8 @@ impl AsFd for LinkEvents {
     }
 }
 
-/// The interface the interface `index` is a port of (a bridge, a bond), asked of the kernel
-/// (RTM_GETLINK): `None` if it is a port of none.
-pub fn master(index: u32) -> io::Result<Option<u32>> {
+/// A NETLINK_ROUTE socket.
+fn route_socket() -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); the fd is owned below.
     let fd = unsafe {
         libc::socket(
@@ -147,7 +134,13 @@ pub fn master(index: u32) -> io::Result<Option<u32>> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: fd is a new descriptor nobody else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The interface the interface `index` is a port of (a bridge, a bond), asked of the kernel
+/// (RTM_GETLINK): `None` if it is a port of none.
+pub fn master(index: u32) -> io::Result<Option<u32>> {
+    let fd = route_socket()?;
     let mut request = [0u8; NLMSG_HDRLEN + IFINFOMSG_LEN];
     request[0..4].copy_from_slice(&((NLMSG_HDRLEN + IFINFOMSG_LEN) as u32).to_ne_bytes());
     request[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
