@@ -73,6 +73,7 @@ pub const MAP_EXTERNAL_IFACES: &str = "EXTERNAL_IFACES";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS";
 pub const MAP_SOURCE_IFACES: &str = "SOURCE_IFACES";
+pub const MAP_CT_LIFETIMES: &str = "CT_LIFETIMES";
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'
@@ -463,10 +464,25 @@ pub const CT_FLOW_FLAGS: u8 =
 /// pod -> this address. Link-local, never a pod's (Cilium uses the same).
 pub const HAIRPIN_ADDR: Be32 = Be32::from_octets([169, 254, 42, 1]);
 
-/// How long an idle flow stays valid (after Cilium's defaults); a packet in either direction
-/// refreshes both of its entries. Expired entries are ignored by the programs (a packet on such
-/// a 5-tuple starts a new flow) and evicted by the LRU.
-pub const CT_LIFETIME_TCP_NS: u64 = 6 * 3600 * 1_000_000_000;
+/// The states a flow's lifetime depends on ([`CtValue::state`]): each is an index of
+/// [`MAP_CT_LIFETIMES`], which holds its lifetime in nanoseconds as the agent's flags set it
+/// (0, not written: the default below). A packet in either direction refreshes both of a flow's
+/// entries; expired entries are ignored by the programs (a packet on such a 5-tuple starts a new
+/// flow) and evicted by the LRU.
+pub const CT_STATE_TCP_ESTABLISHED: u32 = 0;
+/// TCP, [`CT_OPENING`].
+pub const CT_STATE_TCP_OPENING: u32 = 1;
+/// TCP, [`CT_HALF_CLOSED`].
+pub const CT_STATE_TCP_HALF_CLOSED: u32 = 2;
+/// Either protocol, [`CT_CLOSING`].
+pub const CT_STATE_CLOSING: u32 = 3;
+/// UDP, not closing.
+pub const CT_STATE_UDP: u32 = 4;
+pub const CT_STATES: u32 = 5;
+
+/// The default lifetimes. An open TCP flow: kube-proxy's default
+/// `--conntrack-tcp-timeout-established`, which it gives netfilter's ESTABLISHED.
+pub const CT_LIFETIME_TCP_NS: u64 = 24 * 3600 * 1_000_000_000;
 pub const CT_LIFETIME_UDP_NS: u64 = 60 * 1_000_000_000;
 pub const CT_LIFETIME_CLOSING_NS: u64 = 10 * 1_000_000_000;
 /// A TCP flow being opened ([`CT_OPENING`]): Cilium's SYN lifetime (netfilter's SYN_SENT is two
@@ -476,22 +492,44 @@ pub const CT_LIFETIME_OPENING_NS: u64 = 60 * 1_000_000_000;
 /// default, which it gives netfilter's CLOSE_WAIT.
 pub const CT_LIFETIME_HALF_CLOSED_NS: u64 = 3600 * 1_000_000_000;
 
+/// The lifetime of [`CT_STATE_*`](CT_STATE_TCP_ESTABLISHED) `state`: `configured` (its
+/// [`MAP_CT_LIFETIMES`] value), or its default where that is 0.
+#[inline(always)]
+pub const fn ct_lifetime_ns(state: u32, configured: u64) -> u64 {
+    if configured != 0 {
+        return configured;
+    }
+    match state {
+        CT_STATE_TCP_OPENING => CT_LIFETIME_OPENING_NS,
+        CT_STATE_TCP_HALF_CLOSED => CT_LIFETIME_HALF_CLOSED_NS,
+        CT_STATE_CLOSING => CT_LIFETIME_CLOSING_NS,
+        CT_STATE_UDP => CT_LIFETIME_UDP_NS,
+        _ => CT_LIFETIME_TCP_NS,
+    }
+}
+
 impl CtValue {
-    /// Whether this entry, last used at `last_seen_ns`, is past its lifetime at `now`.
+    /// Which lifetime this entry of protocol `proto` lives by ([`CT_STATE_TCP_ESTABLISHED`]...).
     #[inline(always)]
-    pub fn expired(&self, proto: u8, now: u64) -> bool {
-        let lifetime = if self.flags & CT_CLOSING != 0 {
-            CT_LIFETIME_CLOSING_NS
+    pub fn state(&self, proto: u8) -> u32 {
+        if self.flags & CT_CLOSING != 0 {
+            CT_STATE_CLOSING
         } else if proto != IPPROTO_TCP {
-            CT_LIFETIME_UDP_NS
+            CT_STATE_UDP
         } else if self.flags & CT_OPENING != 0 {
-            CT_LIFETIME_OPENING_NS
+            CT_STATE_TCP_OPENING
         } else if self.flags & CT_HALF_CLOSED != 0 {
-            CT_LIFETIME_HALF_CLOSED_NS
+            CT_STATE_TCP_HALF_CLOSED
         } else {
-            CT_LIFETIME_TCP_NS
-        };
-        now.saturating_sub(self.last_seen_ns) > lifetime
+            CT_STATE_TCP_ESTABLISHED
+        }
+    }
+
+    /// Whether this entry, last used at `last_seen_ns`, has been idle longer than `lifetime_ns`
+    /// at `now`.
+    #[inline(always)]
+    pub fn idle_past(&self, now: u64, lifetime_ns: u64) -> bool {
+        now.saturating_sub(self.last_seen_ns) > lifetime_ns
     }
 }
 

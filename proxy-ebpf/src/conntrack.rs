@@ -15,13 +15,22 @@ use proxy_common::{
     BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_ANSWERED,
     CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FLOW_FLAGS, CT_FORWARD, CT_HALF_CLOSED, CT_OPENING,
     CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
-    SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS, seq_plausible,
+    SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS, ct_lifetime_ns,
+    seq_plausible,
 };
 
 use crate::{
-    maps::{BACKENDS, CONFIG, CONNTRACK},
+    maps::{BACKENDS, CONFIG, CONNTRACK, CT_LIFETIMES},
     packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
+
+/// Whether `entry`, of protocol `proto`, has been idle longer than its state's lifetime at `now`.
+#[inline(always)]
+fn expired(entry: &CtValue, proto: u8, now: u64) -> bool {
+    let state = entry.state(proto);
+    let configured = CT_LIFETIMES.get(state).copied().unwrap_or(0);
+    entry.idle_past(now, ct_lifetime_ns(state, configured))
+}
 
 /// The backend of a flow already in conntrack, if the flow is within its lifetime and its
 /// backend may keep it: the backend exists (for this protocol) and is either still in the
@@ -55,7 +64,7 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
     // entry, which the direction and backend checks below reject or the backend lookup corrects.
     let entry = unsafe { &mut *entry };
-    if entry.direction != CT_FORWARD || entry.expired(key.proto, now) {
+    if entry.direction != CT_FORWARD || expired(entry, key.proto, now) {
         return None;
     }
     // A new connection on the 5-tuple of one that just closed is a new flow.
@@ -351,7 +360,7 @@ fn snat_ports() -> (u16, u16) {
 #[inline(always)]
 fn port_free(old: &CtValue, proto: u8, now: u64) -> bool {
     if old.flags & CT_CLOSING == 0 {
-        return old.expired(proto, now);
+        return expired(old, proto, now);
     }
     let hold = if old.flags & CT_TIME_WAIT != 0 {
         SNAT_TIME_WAIT_NS
@@ -440,7 +449,7 @@ fn forward_key_of(reply: &CtValue, client: Be32, client_port: Be16, proto: u8) -
 fn forward_is_live(forward: &CtValue, reply: &CtValue, proto: u8, now: u64) -> bool {
     forward.direction == CT_FORWARD
         && forward.backend_id == reply.backend_id
-        && !forward.expired(proto, now)
+        && !expired(forward, proto, now)
 }
 
 /// The reply entry with the 5-tuple `reply_key`, if its flow is live: found from an ICMP error
@@ -472,7 +481,7 @@ pub fn related_to_forward(forward_key: &CtKey, now: u64) -> Option<(CtValue, Bac
     let forward = unsafe { CONNTRACK.get(forward_key) }.copied()?;
     if forward.direction != CT_FORWARD
         || forward.flags & CT_EXTERNAL == 0
-        || forward.expired(forward_key.proto, now)
+        || expired(&forward, forward_key.proto, now)
     {
         return None;
     }

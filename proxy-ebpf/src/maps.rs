@@ -6,9 +6,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CtKey, CtValue,
-    DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk, ServiceKey,
-    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CT_STATES,
+    CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -88,3 +88,9 @@ pub static FRAGMENTS: LruHashMap<FragKey, FragValue> = LruHashMap::pinned(FRAGME
 /// by the agent for pod interfaces and uplinks (`--bpf-source-validation`).
 #[map(name = "SOURCE_IFACES")]
 pub static SOURCE_IFACES: HashMap<u32, u32> = HashMap::pinned(1 << 16, BPF_F_NO_PREALLOC);
+
+/// Each flow state's lifetime in nanoseconds, indexed by [`proxy_common::CT_STATE_TCP_ESTABLISHED`]
+/// and the rest; 0: the default. Written by the agent from its flags before any program is
+/// attached; a map of its own so that changing it never recreates another.
+#[map(name = "CT_LIFETIMES")]
+pub static CT_LIFETIMES: Array<u64> = Array::pinned(CT_STATES, 0);

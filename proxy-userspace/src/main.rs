@@ -9,7 +9,7 @@ use proxy_userspace::{
     inspect,
     model::{Cidr, LbAlgorithm},
     modes::{
-        self, Installation, ProxyMode, StartConfig,
+        self, CtLifetimes, Installation, ProxyMode, StartConfig,
         ebpf::{
             self, DEFAULT_PIN_DIR, MapSizes, WriterConfig,
             external::{SnatPorts, XdpMode},
@@ -155,6 +155,23 @@ struct AgentArgs {
     /// another's connections. `false` for CNIs whose pods send from addresses routed elsewhere.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     bpf_source_validation: bool,
+    /// How long an idle established TCP connection stays in conntrack (kube-proxy's flag and
+    /// default): the ebpf mode's flows, netfilter's in the other modes (0 leaves netfilter's
+    /// as it is; the ebpf mode's default).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    conntrack_tcp_timeout_established: Duration,
+    /// How long an idle TCP connection that one side closed stays in conntrack (kube-proxy's
+    /// flag and default, netfilter's CLOSE_WAIT; 0 as above).
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    conntrack_tcp_timeout_close_wait: Duration,
+    /// How long the ebpf mode keeps a TCP flow that is not yet open (a SYN unanswered, or
+    /// answered but never acknowledged): short, so that a SYN flood frees conntrack and SNAT
+    /// ports in a minute (Cilium's default).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    bpf_ct_timeout_tcp_syn: Duration,
+    /// How long the ebpf mode keeps an idle UDP flow (and its endpoint).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    bpf_ct_timeout_udp: Duration,
     /// Size of the services map (one entry per service port and one per backend of each).
     #[arg(long, default_value_t = MapSizes::default().services)]
     bpf_services_max: u32,
@@ -416,6 +433,12 @@ fn start_config(args: &AgentArgs) -> StartConfig {
             udp: secs(args.ipvs_udp_timeout),
         },
         udp_timeout: args.udp_timeout,
+        ct_lifetimes: CtLifetimes {
+            tcp_established: args.conntrack_tcp_timeout_established,
+            tcp_opening: args.bpf_ct_timeout_tcp_syn,
+            tcp_half_closed: args.conntrack_tcp_timeout_close_wait,
+            udp: args.bpf_ct_timeout_udp,
+        },
         ebpf: ebpf::StartConfig {
             pin_dir: args.bpf_pin_dir.clone(),
             sizes: MapSizes {

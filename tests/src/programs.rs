@@ -18,8 +18,8 @@ use aya::{
 };
 use proxy_common::{
     Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue,
-    DROPS_ICMP_PACE, ExternalIface, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES,
-    MAP_NODE_ADDRS, NODE_ADDR_SNAT_ONLY,
+    DROPS_ICMP_PACE, ExternalIface, MAP_CONFIG, MAP_CONNTRACK, MAP_CT_LIFETIMES, MAP_DROPS,
+    MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, NODE_ADDR_SNAT_ONLY,
 };
 use proxy_userspace::{
     dataplane::Scope,
@@ -227,6 +227,13 @@ impl Programs {
         config
             .set(CONFIG_SNAT_ADDR, Be32::from_octets(snat.octets()).raw(), 0)
             .unwrap();
+    }
+
+    /// Sets the lifetime of conntrack's `state` (`CT_STATE_*`), as the agent's flags do.
+    pub fn set_ct_lifetime(&self, state: u32, lifetime: Duration) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_CT_LIFETIMES)).expect("lifetimes");
+        let mut lifetimes: Array<_, u64> = Map::Array(data).try_into().unwrap();
+        lifetimes.set(state, lifetime.as_nanos() as u64, 0).unwrap();
     }
 
     /// Sets the source port range of translated flows (`--bpf-snat-port-range`).

@@ -49,10 +49,10 @@ use std::{collections::BTreeMap, net::Ipv4Addr, path::Path};
 use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
-    BACKEND_DRAINING, Backend, CT_LIFETIME_CLOSING_NS, CT_LIFETIME_HALF_CLOSED_NS,
-    CT_LIFETIME_OPENING_NS, CT_LIFETIME_TCP_NS, CT_LIFETIME_UDP_NS, MAP_BACKENDS, MAP_SERVICES,
-    SEQ_AHEAD, SEQ_BEHIND, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey,
-    ServiceValue,
+    BACKEND_DRAINING, Backend, CT_STATE_CLOSING, CT_STATE_TCP_ESTABLISHED,
+    CT_STATE_TCP_HALF_CLOSED, CT_STATE_TCP_OPENING, CT_STATE_UDP, CT_STATES, MAP_BACKENDS,
+    MAP_SERVICES, SEQ_AHEAD, SEQ_BEHIND, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
+    ServiceKey, ServiceValue,
 };
 
 use crate::programs::{TC_ACT_SHOT, TC_ACT_UNSPEC};
@@ -727,20 +727,19 @@ impl Outcome {
     }
 }
 
-/// The lifetime of an entry, in seconds.
-fn lifetime(e: &Entry, proto: u8) -> u64 {
-    let ns = if e.closing {
-        CT_LIFETIME_CLOSING_NS
+/// The state an entry's lifetime is that of (`CT_LIFETIMES`' index).
+fn lifetime_state(e: &Entry, proto: u8) -> u32 {
+    if e.closing {
+        CT_STATE_CLOSING
     } else if proto != TCP {
-        CT_LIFETIME_UDP_NS
+        CT_STATE_UDP
     } else if e.opening {
-        CT_LIFETIME_OPENING_NS
+        CT_STATE_TCP_OPENING
     } else if e.half_closed {
-        CT_LIFETIME_HALF_CLOSED_NS
+        CT_STATE_TCP_HALF_CLOSED
     } else {
-        CT_LIFETIME_TCP_NS
-    };
-    ns / 1_000_000_000
+        CT_STATE_TCP_ESTABLISHED
+    }
 }
 
 /// Where the backend's replies to the flow `t` come from and go to: to the client, or, when
@@ -794,6 +793,8 @@ pub struct Model {
     /// Datagrams sent in fragments (source, destination, protocol, identification): the ports
     /// of their first fragment.
     fragments: BTreeMap<(Ipv4Addr, Ipv4Addr, u8, u16), (u16, u16)>,
+    /// What `CT_LIFETIMES` holds, by state (0: the default).
+    lifetimes: [u64; CT_STATES as usize],
     now: u64,
 }
 
@@ -803,6 +804,11 @@ impl Model {
             tables,
             ..Self::default()
         }
+    }
+
+    /// The harness wrote `ns` as `state`'s lifetime in `CT_LIFETIMES`.
+    pub fn set_ct_lifetime(&mut self, state: u32, ns: u64) {
+        self.lifetimes[state as usize] = ns;
     }
 
     /// Datagrams whose first fragment's ports are remembered.
@@ -859,7 +865,9 @@ impl Model {
     }
 
     fn live(&self, e: &Entry, proto: u8) -> bool {
-        self.now - e.last_seen <= lifetime(e, proto)
+        let state = lifetime_state(e, proto);
+        let ns = proxy_common::ct_lifetime_ns(state, self.lifetimes[state as usize]);
+        self.now - e.last_seen <= ns / 1_000_000_000
     }
 
     /// Whether `reverse` holds the reply entry of a flow that is over: its forward entry (from

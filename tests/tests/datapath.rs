@@ -2,7 +2,10 @@
 //! both checksums checked by recomputing them.
 use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
-use proxy_common::{CtKey, DROP_ICMP_RATE_LIMITED, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC};
+use proxy_common::{
+    CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED, CT_STATE_TCP_OPENING, CT_STATE_UDP, CtKey,
+    DROP_ICMP_RATE_LIMITED, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
+};
 
 use proxy_tests::{
     fixtures::*,
@@ -520,20 +523,23 @@ fn closed_and_idle_flows_expire() {
 /// A TCP flow lives by where it stands, as netfilter's states do: one being opened (no reply,
 /// or no client packet after the first reply) a minute, so that unanswered SYNs free their
 /// entries soon; an open one hours; a half-closed one (a FIN one way) an hour.
+/// The states inspect shows for the entries of the flow from the client's port `sport`.
+fn flow_states(p: &Programs, sport: u16) -> Vec<&'static str> {
+    let port = format!(":{sport}");
+    inspect::conntrack(p.bpffs.path())
+        .unwrap()
+        .into_iter()
+        .filter(|f| f.source.ends_with(&port) || f.destination.ends_with(&port))
+        .map(|f| f.state)
+        .collect()
+}
+
 #[test]
 fn tcp_flows_live_by_their_state() {
     let Some((p, _)) = setup("tcp_flows_live_by_their_state", &[(BE1, 8080)]) else {
         return;
     };
-    let states = |p: &Programs, sport: u16| -> Vec<&'static str> {
-        let port = format!(":{sport}");
-        inspect::conntrack(p.bpffs.path())
-            .unwrap()
-            .into_iter()
-            .filter(|f| f.source.ends_with(&port) || f.destination.ends_with(&port))
-            .map(|f| f.state)
-            .collect()
-    };
+    let states = flow_states;
     let syn = |sport| Spec::tcp(CLIENT, sport, VIP, 80);
     let ack = |sport| Spec {
         tcp_flags: 0x10,
@@ -577,6 +583,63 @@ fn tcp_flows_live_by_their_state() {
     }
     assert_eq!(states(&p, 48002), vec!["open"; 2], "an hour on");
     assert_eq!(states(&p, 48003), vec!["expired"; 2], "an hour on");
+}
+
+/// The lifetimes the agent's flags write (`--conntrack-tcp-timeout-established`,
+/// `--bpf-ct-timeout-tcp-syn`, `--conntrack-tcp-timeout-close-wait`, `--bpf-ct-timeout-udp`)
+/// replace the defaults, for the programs and for inspect alike.
+#[test]
+fn configured_lifetimes_replace_the_defaults() {
+    let Some((p, _)) = setup("configured_lifetimes_replace_the_defaults", &[(BE1, 8080)]) else {
+        return;
+    };
+    for (state, secs) in [
+        (CT_STATE_TCP_ESTABLISHED, 120),
+        (CT_STATE_TCP_OPENING, 20),
+        (CT_STATE_TCP_HALF_CLOSED, 40),
+        (CT_STATE_UDP, 10),
+    ] {
+        p.set_ct_lifetime(state, Duration::from_secs(secs));
+    }
+    let syn = |sport| Spec::tcp(CLIENT, sport, VIP, 80);
+    let with_flags = |sport, tcp_flags| Spec {
+        tcp_flags,
+        ..syn(sport)
+    };
+    // Open; being opened; half-closed by the client; UDP.
+    for sport in [48100, 48102] {
+        dnat(&p, &syn(sport));
+        p.run("tc_egress", &reply_to(&syn(sport), BE1, 8080, 0x12));
+        dnat(&p, &with_flags(sport, 0x10));
+    }
+    dnat(&p, &syn(48101));
+    dnat(&p, &with_flags(48102, 0x11));
+    dnat(&p, &Spec::udp(CLIENT, 48103, VIP, 80));
+    let expect = |when: &str, wants: [&str; 4]| {
+        for (sport, want) in (48100..).zip(wants) {
+            assert_eq!(
+                flow_states(&p, sport),
+                vec![want; 2],
+                "port {sport}, {when}"
+            );
+        }
+    };
+    expect("at once", ["open", "opening", "half-closed", "open"]);
+    // Each step passes one configured lifetime, and none of the defaults (60 s, 1 h, 24 h).
+    for (secs, when, wants) in [
+        (11, "11 s on", ["open", "opening", "half-closed", "expired"]),
+        (10, "21 s on", ["open", "expired", "half-closed", "expired"]),
+        (20, "41 s on", ["open", "expired", "expired", "expired"]),
+        (80, "121 s on", ["expired", "expired", "expired", "expired"]),
+    ] {
+        if !age_conntrack(&p, secs) {
+            return;
+        }
+        expect(when, wants);
+    }
+    // The programs agree: the expired open flow's next SYN starts it anew.
+    assert_eq!(dnat(&p, &syn(48100)).dst, BE1);
+    assert_eq!(flow_states(&p, 48100), vec!["opening"; 2]);
 }
 
 #[test]

@@ -22,7 +22,7 @@
 //! a program's refresh afterwards writes a later time. So the kernel's idea of how long an entry
 //! has been idle is the model's, minus half a second, plus the real time since the comparison.
 //! Time passes only in steps of a multiple of [`AGE_UNIT`] (7) seconds, and no lifetime (10 s,
-//! 60 s, 6 h) is within 2 s of such a multiple: the two agree on every expiry as long as
+//! 60 s, 1 h, and the [`TCP_LIFETIME`] the run configures) is within 2 s of such a multiple: the two agree on every expiry as long as
 //! comparisons are less than 2.5 s apart.
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
@@ -37,7 +37,8 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Be16, Be32, CT_ANSWERED, CT_CLOSING, CT_FIN, CT_FORWARD,
-    CT_HALF_CLOSED, CT_OPENING, CT_REPLY, CT_TIME_WAIT, CtKey, CtValue, MAP_AFFINITY,
+    CT_HALF_CLOSED, CT_OPENING, CT_REPLY, CT_STATE_TCP_ESTABLISHED, CT_TIME_WAIT, CtKey, CtValue,
+    MAP_AFFINITY,
 };
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec},
@@ -69,6 +70,8 @@ const SIZES: MapSizes = MapSizes {
 const NS: u64 = 1_000_000_000;
 /// Time steps are multiples of this many seconds (see the module documentation).
 const AGE_UNIT: u64 = 7;
+/// An established TCP flow's lifetime in the run (`--conntrack-tcp-timeout-established`).
+const TCP_LIFETIME: Duration = Duration::from_secs(1200);
 /// How often (at most) conntrack is compared and the kernel's clock put in step with the model's.
 const CHECK_INTERVAL: Duration = Duration::from_millis(250);
 
@@ -1541,6 +1544,9 @@ fn the_programs_agree_with_the_reference_model() {
     // A drain period of zero: removed endpoints and services drain until the next full sync.
     let mut programs =
         Programs::load_draining(SIZES, Duration::ZERO).expect("loading the BPF programs");
+    // An established flow's lifetime as the agent's flag sets it: short enough for the aging
+    // steps to reach on a machine booted 20 minutes ago.
+    programs.set_ct_lifetime(CT_STATE_TCP_ESTABLISHED, TCP_LIFETIME);
     // Changes to the cluster and steps of time draw from their own stream.
     let mut world_rng = Rng(seed ^ 0x5eed_0f3a_95c0_de11);
     let world = World::new(&mut world_rng);
@@ -1559,7 +1565,11 @@ fn the_programs_agree_with_the_reference_model() {
     };
     let mut run = Run {
         seed,
-        model: Model::new(tables),
+        model: {
+            let mut model = Model::new(tables);
+            model.set_ct_lifetime(CT_STATE_TCP_ESTABLISHED, TCP_LIFETIME.as_nanos() as u64);
+            model
+        },
         world,
         history: VecDeque::new(),
         maps,
@@ -1574,13 +1584,13 @@ fn the_programs_agree_with_the_reference_model() {
         );
     }
     // Time steps, in units: either side of the closing (10 s) and UDP (60 s) lifetimes, of the
-    // affinity timeout (30 s), and of the TCP lifetime (6 h: 21595 s and 21602 s), which idle
+    // affinity timeout (30 s), and of the TCP lifetime (1200 s: 1197 s and 1204 s), which idle
     // times only reach if the clock started long enough ago (otherwise they are capped below
     // it, in the model too). The same list everywhere, so that a seed means the same frames on
     // any machine.
-    let aging: [u64; 13] = [1, 2, 2, 3, 4, 5, 8, 9, 9, 10, 20, 3085, 3086];
-    if run.clock.cap < 21602 {
-        eprintln!("fuzz: the clock started less than 6 h ago: TCP flows cannot be aged out");
+    let aging: [u64; 13] = [1, 2, 2, 3, 4, 5, 8, 9, 9, 10, 20, 171, 172];
+    if run.clock.cap < 1204 {
+        eprintln!("fuzz: the clock started less than 20 min ago: TCP flows cannot be aged out");
     }
 
     let mut generator = Generator::new(seed);

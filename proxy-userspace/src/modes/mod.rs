@@ -168,7 +168,21 @@ pub struct StartConfig {
     pub ipvs_exclude_cidrs: Vec<Cidr>,
     pub ipvs_timeouts: ipvs::netlink::Timeouts,
     pub udp_timeout: Duration,
+    pub ct_lifetimes: CtLifetimes,
     pub ebpf: ebpf::StartConfig,
+}
+
+/// How long an idle flow stays in conntrack, by its state: the agent's
+/// `--conntrack-tcp-timeout-established`, `--conntrack-tcp-timeout-close-wait` (which the
+/// netfilter modes give netfilter, as kube-proxy does), `--bpf-ct-timeout-tcp-syn` and
+/// `--bpf-ct-timeout-udp` (the ebpf mode's own). Zero: left as it is (netfilter) or the default
+/// (ebpf).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CtLifetimes {
+    pub tcp_established: Duration,
+    pub tcp_opening: Duration,
+    pub tcp_half_closed: Duration,
+    pub udp: Duration,
 }
 
 impl StartConfig {
@@ -188,6 +202,36 @@ impl StartConfig {
                 "no --cluster-cidr: connections to cluster IPs from outside the pod network are \
                  not masqueraded"
             );
+        }
+    }
+
+    /// Gives netfilter's conntrack, in this network namespace, the TCP timeouts the agent was
+    /// given (kube-proxy's conntrack set-up in its netfilter modes). Netfilter without
+    /// conntrack loaded yet is reported and left alone: the mode works, with the kernel's.
+    fn set_netfilter_timeouts(&self) {
+        let timeouts = [
+            (
+                "nf_conntrack_tcp_timeout_established",
+                self.ct_lifetimes.tcp_established,
+            ),
+            (
+                "nf_conntrack_tcp_timeout_close_wait",
+                self.ct_lifetimes.tcp_half_closed,
+            ),
+        ];
+        for (key, timeout) in timeouts {
+            if timeout.is_zero() {
+                continue;
+            }
+            let secs = timeout.as_secs().max(1).to_string();
+            match crate::netfilter::ensure_sysctl(&format!("net/netfilter/{key}"), &secs) {
+                Ok(true) => tracing::info!(sysctl = key, secs, "set netfilter's conntrack timeout"),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(
+                    "netfilter's conntrack timeout {key} is left as it is ({e:#}); is the \
+                     nf_conntrack module loaded?"
+                ),
+            }
         }
     }
 
@@ -212,9 +256,11 @@ const EBPF: Mode = Mode {
     start: |config| {
         let node_ips = config.node_ips.clone();
         let addresses = config.node_port_addresses.clone();
+        let lifetimes = config.ct_lifetimes;
         Ok(Box::new(ebpf::start(
             node_ips,
             addresses,
+            lifetimes,
             &mut config.ebpf,
         )?))
     },
@@ -231,6 +277,7 @@ const NFTABLES: Mode = Mode {
     about: "kube-proxy's nftables mode (`table ip kube-proxy`), for nodes where BPF cannot run",
     start: |config| {
         let dp = nftables::NftablesDataplane::new(config.netfilter())?;
+        config.set_netfilter_timeouts();
         config.warn_without_cluster_cidr();
         tracing::info!("nftables dataplane ready");
         Ok(Box::new(dp))
@@ -249,6 +296,7 @@ const IPTABLES: Mode = Mode {
             backend,
             netfilter: config.netfilter(),
         })?;
+        config.set_netfilter_timeouts();
         config.warn_without_cluster_cidr();
         tracing::info!(backend = backend.name(), "iptables dataplane ready");
         Ok(Box::new(dp))
@@ -276,6 +324,7 @@ const IPVS: Mode = Mode {
             backend,
             netfilter: config.netfilter(),
         })?;
+        config.set_netfilter_timeouts();
         config.warn_without_cluster_cidr();
         tracing::info!(backend = backend.name(), scheduler, "ipvs dataplane ready");
         Ok(Box::new(dp))
@@ -297,6 +346,7 @@ const USERSPACE: Mode = Mode {
             primary: config.node_ips.clone(),
             udp_timeout: config.udp_timeout,
         })?;
+        config.set_netfilter_timeouts();
         tracing::info!(backend = backend.name(), "userspace dataplane ready");
         Ok(Box::new(dp))
     },

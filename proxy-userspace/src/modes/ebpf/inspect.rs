@@ -2,14 +2,14 @@
 use std::{net::Ipv4Addr, path::Path};
 
 use anyhow::Context;
-use aya::maps::{HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_EXTERNAL,
-    CT_FORWARD, CT_HALF_CLOSED, CT_OPENING, CT_SNAT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
-    MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR,
-    SCOPE_INTERNAL, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
-    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue,
-    SourceRangeKey,
+    CT_FORWARD, CT_HALF_CLOSED, CT_OPENING, CT_SNAT, CT_STATES, CtKey, CtValue, HAIRPIN_ADDR,
+    IPPROTO_TCP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_CT_LIFETIMES, MAP_SERVICES,
+    MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY, SERVICE_DRAINING,
+    SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey, ct_lifetime_ns,
 };
 
 use crate::{
@@ -149,6 +149,7 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
 pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
     let ct: BpfHashMap<_, CtKey, CtValue> =
         Map::LruHashMap(open(pin_dir, MAP_CONNTRACK)?).try_into()?;
+    let lifetimes = configured_lifetimes(pin_dir);
     let now = monotonic_ns();
     let entries: std::collections::HashMap<CtKey, CtValue> = ct.iter().collect::<Result<_, _>>()?;
     let mut rows = Vec::new();
@@ -183,8 +184,8 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
             packets: u64::from(v.packets),
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
             closing: v.flags & CT_CLOSING != 0,
-            state: flow_state(k, &v, now),
-            expired: v.expired(k.proto, now),
+            state: flow_state(k, &v, now, &lifetimes),
+            expired: expired(k, &v, now, &lifetimes),
         });
     }
     rows.sort_by(|a, b| {
@@ -193,10 +194,35 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
     Ok(rows)
 }
 
+/// The lifetimes the agent configured ([`MAP_CT_LIFETIMES`] by state; all 0, the programs'
+/// defaults, where an older agent left no such map).
+fn configured_lifetimes(pin_dir: &Path) -> [u64; CT_STATES as usize] {
+    let mut lifetimes = [0; CT_STATES as usize];
+    if let Ok(data) = MapData::from_pin(pin_dir.join(MAP_CT_LIFETIMES))
+        && let Ok(map) = Array::<_, u64>::try_from(Map::Array(data))
+    {
+        for (state, lifetime) in (0..).zip(&mut lifetimes) {
+            *lifetime = map.get(&state, 0).unwrap_or(0);
+        }
+    }
+    lifetimes
+}
+
+/// Whether the entry `k`, `v` has been idle past its state's lifetime, as the programs judge it.
+fn expired(k: &CtKey, v: &CtValue, now: u64, lifetimes: &[u64; CT_STATES as usize]) -> bool {
+    let state = v.state(k.proto);
+    v.idle_past(now, ct_lifetime_ns(state, lifetimes[state as usize]))
+}
+
 /// Where the flow of the entry `k`, `v` stands (see [`FlowRow::state`]).
-fn flow_state(k: &CtKey, v: &CtValue, now: u64) -> &'static str {
+fn flow_state(
+    k: &CtKey,
+    v: &CtValue,
+    now: u64,
+    lifetimes: &[u64; CT_STATES as usize],
+) -> &'static str {
     let tcp = k.proto == IPPROTO_TCP;
-    if v.expired(k.proto, now) {
+    if expired(k, v, now, lifetimes) {
         "expired"
     } else if v.flags & CT_CLOSING != 0 {
         "closing"

@@ -26,12 +26,13 @@ use aya::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
-    AffinityValue, Backend, CONFIG_ENTRIES, CtKey, CtValue, DROP_REASON_NAMES, DROPS_ENTRIES,
-    ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, LAYOUT_VERSION, MAP_AFFINITY,
-    MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK, MAP_DROPS, MAP_EXTERNAL_IFACES,
-    MAP_FRAGMENTS, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES, MAP_SOCK_REVNAT,
-    MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey,
+    AffinityValue, Backend, CONFIG_ENTRIES, CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED,
+    CT_STATE_TCP_OPENING, CT_STATE_UDP, CT_STATES, CtKey, CtValue, DROP_REASON_NAMES,
+    DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, LAYOUT_VERSION, MAP_AFFINITY,
+    MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK, MAP_CT_LIFETIMES, MAP_DROPS,
+    MAP_EXTERNAL_IFACES, MAP_FRAGMENTS, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES,
+    MAP_SOCK_REVNAT, MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -43,6 +44,7 @@ use self::{
     features::{Features, MEMCG_ACCOUNTING, NETNS_COOKIE, SET_RETVAL},
     pod_interfaces::PodInterfaces,
 };
+use super::CtLifetimes;
 use crate::{
     dataplane::{Dataplane, Scope},
     model::DesiredState,
@@ -165,7 +167,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 15] = [
+const LAYOUTS: [Layout; 16] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -272,6 +274,13 @@ const LAYOUTS: [Layout; 15] = [
         value_size: size_of::<u32>(),
         entries: None,
     },
+    Layout {
+        name: MAP_CT_LIFETIMES,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u64>(),
+        entries: Some(CT_STATES),
+    },
 ];
 
 /// Maps pinned by another release are reused only if this build reads them right: the same
@@ -318,7 +327,10 @@ fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
                 "host-network sockets connected earlier show their backend, not the service, \
                  as their peer"
             }
-            _ => "its contents are carried over",
+            MAP_AFFINITY => "session affinity starts afresh",
+            MAP_DROPS => "drop counters start from 0",
+            MAP_FRAGMENTS => "fragments in flight are dropped",
+            _ => "this agent writes it again",
         };
         tracing::warn!(
             map = layout.name,
@@ -435,13 +447,15 @@ pub struct StartConfig {
 pub fn start(
     node_ips: Vec<IpAddr>,
     node_port_addresses: NodePortAddresses,
+    ct_lifetimes: CtLifetimes,
     config: &mut StartConfig,
 ) -> anyhow::Result<EbpfDataplane> {
     let lock = config.preload.lock(&config.pin_dir)?;
     let started = config
         .preload
         .load(&config.pin_dir, config.sizes)
-        .and_then(|loaded| {
+        .and_then(|mut loaded| {
+            ct_lifetimes.write(&mut loaded)?;
             EbpfDataplane::new(
                 loaded,
                 &config.pin_dir,
@@ -469,6 +483,32 @@ pub fn start(
             }
             Err(e)
         }
+    }
+}
+
+impl CtLifetimes {
+    /// Writes them into [`MAP_CT_LIFETIMES`] (zero: the programs' default,
+    /// [`proxy_common::ct_lifetime_ns`]) before any program is attached; every state is
+    /// written, so an earlier run's setting never outlives a flag's removal.
+    fn write(&self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
+        let mut map: Array<_, u64> = ebpf
+            .map_mut(MAP_CT_LIFETIMES)
+            .context("map CT_LIFETIMES missing")?
+            .try_into()?;
+        let mut lifetimes = [0u64; CT_STATES as usize];
+        for (state, lifetime) in [
+            (CT_STATE_TCP_ESTABLISHED, self.tcp_established),
+            (CT_STATE_TCP_OPENING, self.tcp_opening),
+            (CT_STATE_TCP_HALF_CLOSED, self.tcp_half_closed),
+            (CT_STATE_UDP, self.udp),
+        ] {
+            lifetimes[state as usize] = u64::try_from(lifetime.as_nanos()).unwrap_or(u64::MAX);
+        }
+        for (state, lifetime) in (0..).zip(lifetimes) {
+            map.set(state, lifetime, 0)
+                .with_context(|| format!("writing conntrack lifetime {state}"))?;
+        }
+        Ok(())
     }
 }
 

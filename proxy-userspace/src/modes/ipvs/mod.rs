@@ -130,16 +130,6 @@ pub struct IpvsDataplane {
     udp: StaleUdp,
 }
 
-/// Sets `key` (a path under /proc/sys) to `value` unless it is so already.
-fn ensure_sysctl(key: &str, value: &str) -> anyhow::Result<()> {
-    let path = format!("/proc/sys/{key}");
-    let now = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    if now.trim() != value {
-        std::fs::write(&path, value).with_context(|| format!("setting {key} to {value}"))?;
-    }
-    Ok(())
-}
-
 fn ipset_restore(input: &str) -> anyhow::Result<()> {
     crate::command::pipe("ipset", &["restore"], input)
 }
@@ -244,11 +234,11 @@ impl IpvsDataplane {
             ipvs.set_timeouts(&config.timeouts)?;
         }
         for (key, value) in SYSCTLS {
-            ensure_sysctl(key, value)?;
+            crate::netfilter::ensure_sysctl(key, value)?;
         }
         if config.strict_arp {
             for (key, value) in STRICT_ARP_SYSCTLS {
-                ensure_sysctl(key, value)?;
+                crate::netfilter::ensure_sysctl(key, value)?;
             }
         }
         Ok(Self {
