@@ -90,19 +90,20 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
         return Some(Live { backend, snat });
     }
     let reply_key = reply_key(key, entry, &backend);
-    let reply = CONNTRACK
-        .get_ptr_mut(reply_key)
-        .map(|r| unsafe { &mut *r })
-        .filter(|r| {
-            r.direction == CT_REPLY
-                && r.backend_id == entry.backend_id
-                && (!snatted || (r.nat_addr, r.nat_port) == (key.saddr, key.sport))
-        });
+    let found = CONNTRACK.get_ptr_mut(reply_key).map(|r| unsafe { &mut *r });
+    let taken = found.is_some();
+    let reply = found.filter(|r| {
+        r.direction == CT_REPLY
+            && r.backend_id == entry.backend_id
+            && (!snatted || (r.nat_addr, r.nat_port) == (key.saddr, key.sport))
+    });
     match reply {
         Some(reply) => touch(entry, Some(reply), flow, now),
-        // A closed flow whose port went to a newer flow is over: a late packet of it is taken
-        // as one after its end (a new flow), and never takes the port back.
-        None if snatted && entry.flags & CT_CLOSING != 0 => return None,
+        // A translated flow whose port went to a newer flow (it had closed, its reply entry
+        // was evicted, or it was taken over by [`record_snat_flow`]) is over: its packet is
+        // taken as a new flow's, and never takes the port back (two clients would share one
+        // 5-tuple at the endpoint). A closed one keeps its port only while its entry does.
+        None if snatted && (taken || entry.flags & CT_CLOSING != 0) => return None,
         None => {
             touch(entry, None, flow, now);
             let mut reply = *entry;
@@ -113,7 +114,9 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
             if entry.flags & CT_EXTERNAL != 0 {
                 (reply.nat_addr, reply.nat_port) = (key.saddr, key.sport);
             }
-            let _ = CONNTRACK.insert(reply_key, reply, BPF_ANY as u64);
+            // A translated flow's port is taken again only if it is still free.
+            let flags = if snatted { BPF_NOEXIST } else { BPF_ANY };
+            let _ = CONNTRACK.insert(reply_key, reply, flags as u64);
         }
     }
     Some(Live { backend, snat })
@@ -312,31 +315,74 @@ pub fn record_snat_flow(
     };
     let (min, max) = snat_ports();
     let range = u32::from(max - min) + 1;
+    // The tried port of the longest idle flow still being opened, and when it was last seen
+    // (not an `Option`: see [`Live`]).
+    let mut opening_port = 0u16;
+    let mut opening_seen = u64::MAX;
     for _ in 0..SNAT_TRIES {
-        let port = Be16::new(min + (unsafe { bpf_get_prandom_u32() } % range) as u16);
-        let reply_key = CtKey {
-            saddr: backend.addr,
-            daddr: node,
-            sport: backend.port,
-            dport: port,
-            proto: key.proto,
-            pad: [0; 3],
-        };
+        let port = min + (unsafe { bpf_get_prandom_u32() } % range) as u16;
+        let reply_key = snat_reply_key(backend, node, port, key.proto);
         // A port a flow still holds (to this endpoint): try another. One whose flow is done
         // with it is overwritten; an unused one is taken only if no other CPU took it meanwhile.
-        let flags = match unsafe { CONNTRACK.get(reply_key) } {
-            Some(old) if !port_free(old, key.proto, now) => continue,
+        let flags = match unsafe { CONNTRACK.get(&reply_key) } {
+            Some(old) if !port_free(old, key.proto, now) => {
+                if reclaimable(old, now) && old.last_seen_ns < opening_seen {
+                    (opening_port, opening_seen) = (port, old.last_seen_ns);
+                }
+                continue;
+            }
             Some(_) => BPF_ANY,
             None => BPF_NOEXIST,
         };
-        if CONNTRACK.insert(reply_key, reply, flags as u64).is_err() {
+        if CONNTRACK.insert(&reply_key, &reply, flags as u64).is_err() {
             continue;
         }
-        forward.nat_port = port;
+        forward.nat_port = Be16::new(port);
         let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
-        return Some(port);
+        return Some(forward.nat_port);
     }
-    None
+    // Every port tried is held: the range is nearly full for this endpoint, by live flows or
+    // by a flood of SYNs nobody completes. The longest idle of the flows still being opened
+    // gives its port up (netfilter's early_drop of unassured flows, for the same reason), so
+    // that new connections keep being served while a flood runs; its own next packet finds
+    // the port gone and starts a new flow.
+    if opening_port == 0 {
+        return None;
+    }
+    let reply_key = snat_reply_key(backend, node, opening_port, key.proto);
+    // Unless another CPU changed the entry meanwhile.
+    let old = unsafe { CONNTRACK.get(&reply_key) }?;
+    if old.last_seen_ns != opening_seen || !reclaimable(old, now) {
+        return None;
+    }
+    CONNTRACK.insert(&reply_key, &reply, BPF_ANY as u64).ok()?;
+    forward.nat_port = Be16::new(opening_port);
+    let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
+    Some(forward.nat_port)
+}
+
+/// A flow being opened idle this long gives its port up to a new flow when the range is full
+/// ([`record_snat_flow`]): a handshake in progress is faster.
+const SNAT_RECLAIM_IDLE_NS: u64 = 1_000_000_000;
+
+/// Whether the live flow whose reply entry is `old` may give its port up: it is still being
+/// opened (no data acknowledged yet) and has been idle [`SNAT_RECLAIM_IDLE_NS`].
+#[inline(always)]
+fn reclaimable(old: &CtValue, now: u64) -> bool {
+    old.flags & CT_OPENING != 0 && now.saturating_sub(old.last_seen_ns) > SNAT_RECLAIM_IDLE_NS
+}
+
+/// The reply entry's key of a flow sent to `backend` from `node`:`port`.
+#[inline(always)]
+fn snat_reply_key(backend: &Backend, node: Be32, port: u16, proto: u8) -> CtKey {
+    CtKey {
+        saddr: backend.addr,
+        daddr: node,
+        sport: backend.port,
+        dport: Be16::new(port),
+        proto,
+        pad: [0; 3],
+    }
 }
 
 /// The configured source port range of translated flows (the defaults until the agent wrote

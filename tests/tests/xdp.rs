@@ -809,6 +809,71 @@ fn snat_ports_held_by_live_flows_are_skipped_and_can_run_out() {
     assert_eq!(lab.p.drops(DROP_SNAT_PORTS_EXHAUSTED), 2);
 }
 
+/// A flood of SYNs nobody completes (spoofed clients) cannot lock new connections out: when
+/// every port tried is held, a new flow takes that of a flow still being opened and idle for a
+/// second (a handshake in progress keeps its port; an open flow always does), and the flow
+/// that lost it never takes it back (the endpoint would see one 5-tuple for two clients).
+#[test]
+fn a_syn_flood_leaves_ports_for_new_flows() {
+    let eps = [(REMOTE_BE, TARGET, "node2")];
+    let Some(lab) = lab(
+        "a_syn_flood_leaves_ports_for_new_flows",
+        &[node_port("web", NODE_PORT, &eps)],
+    ) else {
+        return;
+    };
+    let second = 1_000_000_000;
+    let now = monotonic_ns();
+    if now < 3 * second {
+        eprintln!("\nSKIPPED: the clock started less than 3 s ago\n");
+        return;
+    }
+    let all = || SNAT_PORT_MIN..=SNAT_PORT_MAX;
+    let new_flow = |client_port| from_client(&Spec::tcp(CLIENT2, client_port, NODE, NODE_PORT));
+    for (what, flags, ago, taken) in [
+        ("being opened, seen just now", CT_OPENING, 0, false),
+        ("open, idle 3 s", 0, 3 * second, false),
+        ("being opened, idle 3 s", CT_OPENING, 3 * second, true),
+    ] {
+        hold_ports(&lab, all(), flags, now - ago);
+        let want = if taken { XDP_TX } else { XDP_DROP };
+        assert_eq!(
+            lab.xdp(&new_flow(40000)).0,
+            want,
+            "every port held by a flow {what}"
+        );
+    }
+
+    // A real flow being opened, idle 3 s, with the only port of the range.
+    let old = Spec::tcp(CLIENT, 41000, NODE, NODE_PORT);
+    let (_, out) = lab.xdp(&from_client(&old));
+    let port = snat_port(&out);
+    let old_fwd = ct_key((CLIENT, 41000), (NODE, NODE_PORT), TCP);
+    let port_key = ct_key((REMOTE_BE, TARGET), (NODE, port), TCP);
+    let mut ct = lab.p.conntrack();
+    for key in [&old_fwd, &port_key] {
+        let mut entry = ct.get(key, 0).unwrap();
+        assert_ne!(entry.flags & CT_OPENING, 0);
+        entry.last_seen_ns = now - 3 * second;
+        ct.insert(key, entry, 0).unwrap();
+    }
+    lab.p.set_snat_ports(port, port);
+    let (verdict, out) = lab.xdp(&new_flow(40001));
+    assert_eq!((verdict, snat_port(&out)), (XDP_TX, port));
+    // The old flow's next packet finds its port another's: it does not take it back (and, the
+    // range being full, is dropped).
+    let late = from_client(&Spec {
+        tcp_flags: ACK,
+        ..old
+    });
+    assert_eq!(lab.xdp(&late).0, XDP_DROP);
+    let rev = lab.ct(port_key).expect("the port's reply entry");
+    assert_eq!(
+        (rev.nat_addr, rev.nat_port),
+        (Be32::from_octets(CLIENT2.octets()), Be16::new(40001))
+    );
+}
+
 /// A closed flow's port goes to a new flow a second after the close, or a minute after if the
 /// endpoint closed first (it holds the 5-tuple in TIME_WAIT); a late packet of the old flow
 /// then never takes the port back.
