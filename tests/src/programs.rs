@@ -19,7 +19,7 @@ use aya::{
 use proxy_common::{
     Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue,
     DROPS_ICMP_PACE, ExternalIface, MAP_CONFIG, MAP_CONNTRACK, MAP_CT_LIFETIMES, MAP_DROPS,
-    MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, NODE_ADDR_SNAT_ONLY,
+    MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, MAP_SOURCE_IFACES, NODE_ADDR_SNAT_ONLY,
 };
 use proxy_userspace::{
     dataplane::Scope,
@@ -227,6 +227,15 @@ impl Programs {
         config
             .set(CONFIG_SNAT_ADDR, Be32::from_octets(snat.octets()).raw(), 0)
             .unwrap();
+    }
+
+    /// Lists `ifindex` as a pod interface whose packets' sources must be routed back through
+    /// `route_back` (itself, or its bridge), as the attacher does under
+    /// `--bpf-source-validation`.
+    pub fn set_source_iface(&self, ifindex: u32, route_back: u32) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_SOURCE_IFACES)).expect("pin");
+        let mut map: BpfHashMap<_, u32, u32> = Map::HashMap(data).try_into().unwrap();
+        map.insert(ifindex, route_back, 0).unwrap();
     }
 
     /// Sets the lifetime of conntrack's `state` (`CT_STATE_*`), as the agent's flags do.

@@ -4,10 +4,11 @@ use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
 use proxy_common::{
     CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED, CT_STATE_TCP_OPENING, CT_STATE_UDP, CtKey,
-    DROP_ICMP_RATE_LIMITED, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
+    DROP_ICMP_RATE_LIMITED, DROP_INVALID_SOURCE, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
 };
 
 use proxy_tests::{
+    NS_PREFIX,
     fixtures::*,
     packet::{self, ETH_HLEN, Spec, TCP, UDP},
     privileged,
@@ -583,6 +584,88 @@ fn tcp_flows_live_by_their_state() {
     }
     assert_eq!(states(&p, 48002), vec!["open"; 2], "an hour on");
     assert_eq!(states(&p, 48003), vec!["expired"; 2], "an hour on");
+}
+
+/// Source validation (`--bpf-source-validation`): a pod's packet that could start or change a
+/// Service flow is dropped unless its source is routed back through the interface it came in
+/// on, or that interface's bridge; a pod cannot open flows as another, nor close or re-balance
+/// another's. Route lookups are made in a namespace of pod interfaces: pod-a (CLIENT/32),
+/// pod-b (10.244.1.20/32), and pod-c, a port of br0 (10.244.9.0/24).
+#[test]
+fn a_pods_spoofed_packets_change_no_flow() {
+    let Some((p, _)) = setup("a_pods_spoofed_packets_change_no_flow", &[(BE1, 8080)]) else {
+        return;
+    };
+    let ns = proxy_tests::Netns::create(&format!("{NS_PREFIX}{}-src", std::process::id()))
+        .expect("creating the namespace");
+    let lines = [
+        "link add pod-a type veth peer name pod-a-p",
+        "link add pod-b type veth peer name pod-b-p",
+        "link add pod-c type veth peer name pod-c-p",
+        "link add br0 type bridge",
+        "link set pod-c master br0",
+        "link set pod-a up",
+        "link set pod-b up",
+        "link set pod-c up",
+        "link set br0 up",
+        "route add 10.244.1.10/32 dev pod-a",
+        "route add 10.244.1.20/32 dev pod-b",
+        "route add 10.244.9.0/24 dev br0",
+    ];
+    ns.ip_batch(&lines.map(String::from))
+        .expect("building the namespace");
+    // Route lookups for forwarding answer only where forwarding is on.
+    ns.exec("sysctl", &["-q", "-w", "net.ipv4.conf.all.forwarding=1"])
+        .expect("enabling forwarding");
+    let index = |name: &str| {
+        let name = std::ffi::CString::new(name).unwrap();
+        // SAFETY: a plain C string.
+        ns.run(|| unsafe { libc::if_nametoindex(name.as_ptr()) })
+    };
+    let (pod_a, pod_b, pod_c, br0) = (index("pod-a"), index("pod-b"), index("pod-c"), index("br0"));
+    for (iface, route_back) in [(pod_a, pod_a), (pod_b, pod_b), (pod_c, br0)] {
+        p.set_source_iface(iface, route_back);
+    }
+    let run = |frame: &[u8], ifindex| ns.run(|| p.run_on("tc_ingress", frame, ifindex));
+    let syn = |src, sport| Spec::tcp(src, sport, VIP, 80);
+    let pod_b_addr = Ipv4Addr::new(10, 244, 1, 20);
+
+    // Each pod's own address passes, a bridge port's by its bridge's route.
+    let (verdict, out) = run(&syn(CLIENT, 49000).build(), pod_a);
+    assert_eq!((verdict, packet::read(&out).dst), (TC_ACT_UNSPEC, BE1));
+    let (verdict, out) = run(&syn(Ipv4Addr::new(10, 244, 9, 5), 49001).build(), pod_c);
+    assert_eq!((verdict, packet::read(&out).dst), (TC_ACT_UNSPEC, BE1));
+    // Another pod's address, one routed nowhere, and a new flow's first UDP datagram: dropped.
+    let spoofs = [
+        syn(pod_b_addr, 49002),
+        syn(Ipv4Addr::new(10, 250, 0, 1), 49003),
+        Spec::udp(pod_b_addr, 49004, VIP, 80),
+    ];
+    for spec in &spoofs {
+        assert_eq!(
+            run(&spec.build(), pod_a).0,
+            TC_ACT_SHOT,
+            "{spec:?} from pod-a"
+        );
+    }
+    assert_eq!(p.drops(DROP_INVALID_SOURCE), spoofs.len() as u64);
+    // pod-b resets, finishes or re-opens pod-a's flow with pod-a's address: nothing changes.
+    p.run("tc_egress", &reply_to(&syn(CLIENT, 49000), BE1, 8080, 0x12));
+    let before = flow_states(&p, 49000);
+    for tcp_flags in [0x04, 0x11, 0x02] {
+        let spec = Spec {
+            tcp_flags,
+            ..syn(CLIENT, 49000)
+        };
+        assert_eq!(
+            run(&spec.build(), pod_b).0,
+            TC_ACT_SHOT,
+            "flags {tcp_flags:#x}"
+        );
+        assert_eq!(flow_states(&p, 49000), before, "flags {tcp_flags:#x}");
+    }
+    // An interface the agent did not list is not checked.
+    assert_eq!(run(&syn(pod_b_addr, 49005).build(), br0).0, TC_ACT_UNSPEC);
 }
 
 /// The lifetimes the agent's flags write (`--conntrack-tcp-timeout-established`,
