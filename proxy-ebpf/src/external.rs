@@ -17,19 +17,17 @@ use aya_ebpf::{
         TC_ACT_UNSPEC, bpf_fib_lookup,
     },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh},
-    maps::lpm_trie::Key,
     programs::TcContext,
 };
 use proxy_common::{
     BACKEND_LOCAL, Backend, Be16, Be32, CONFIG_SNAT_ADDR, CT_EXTERNAL, CtKey, DROP_FRAG_NEEDED,
     DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE,
-    SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, SourceRangeKey,
+    SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_TWO_SCOPES,
 };
 
 use crate::{
     conntrack, frontend, icmp, lb,
-    maps::{CONFIG, EXTERNAL_IFACES, SOURCE_RANGES},
+    maps::{CONFIG, EXTERNAL_IFACES},
     packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_DF, IP_FRAG_FLAGS_OFF, IP_TTL_OFF},
     reject, source,
 };
@@ -72,7 +70,7 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
         }
         return Ok(Verdict::Pass);
     };
-    if svc.flags & SERVICE_SOURCE_RANGES != 0 && !source_allowed(&svc_key, key.saddr) {
+    if frontend::source_refused(&svc_key, &svc, key.saddr) {
         return Err(Drop(DROP_SOURCE_RANGE));
     }
     let now = unsafe { bpf_ktime_get_ns() };
@@ -148,27 +146,13 @@ fn snat_source<C: EbpfContext>(
             return Be32::from_raw(addr);
         }
     }
-    if to_node {
-        key.daddr
-    } else {
-        Be32::from_raw(CONFIG.get(CONFIG_SNAT_ADDR).copied().unwrap_or(0))
-    }
+    if to_node { key.daddr } else { primary_addr() }
 }
 
-/// loadBalancerSourceRanges: whether `source` may use the frontend `svc_key`.
+/// The node's primary address (`CONFIG_SNAT_ADDR`, the attacher's; 0.0.0.0 until written).
 #[inline(always)]
-fn source_allowed(svc_key: &ServiceKey, source: Be32) -> bool {
-    let key = Key::new(
-        SOURCE_RANGE_FRONTEND_BITS + 32,
-        SourceRangeKey {
-            addr: svc_key.addr,
-            port: svc_key.port,
-            proto: svc_key.proto,
-            pad: 0,
-            source,
-        },
-    );
-    SOURCE_RANGES.get(key).is_some()
+pub fn primary_addr() -> Be32 {
+    Be32::from_raw(CONFIG.get(CONFIG_SNAT_ADDR).copied().unwrap_or(0))
 }
 
 /// A route lookup for a translated packet `key` (of `tot_len` bytes) that came in on

@@ -2,12 +2,13 @@
 //! (ClusterIP, LoadBalancer, external IP) exactly, else a NodePort when the address is one of
 //! the node's. Clients inside the cluster and clients outside it may see different endpoints
 //! (externalTrafficPolicy Local): the scope says which.
+use aya_ebpf::maps::lpm_trie::Key;
 use proxy_common::{
-    Be16, Be32, NODE_ADDR_SNAT_ONLY, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_TWO_SCOPES,
-    ServiceKey, ServiceValue,
+    Be16, Be32, NODE_ADDR_SNAT_ONLY, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_SOURCE_RANGES,
+    SERVICE_TWO_SCOPES, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
 };
 
-use crate::maps::{NODE_ADDRS, SERVICES};
+use crate::maps::{NODE_ADDRS, SERVICES, SOURCE_RANGES};
 
 /// Whether `addr` is one the node's NodePorts answer on.
 #[inline(always)]
@@ -74,4 +75,24 @@ fn lookup(
     let key = ServiceKey::new(NODE_PORT_ADDR, port, proto, 0);
     let svc = unsafe { SERVICES.get(key) }.copied()?;
     Some((key, svc))
+}
+
+/// loadBalancerSourceRanges: whether the frontend `svc_key` (`svc`) is restricted and
+/// `source` outside its ranges. Both scopes of a frontend share its ranges.
+#[inline(always)]
+pub fn source_refused(svc_key: &ServiceKey, svc: &ServiceValue, source: Be32) -> bool {
+    if svc.flags & SERVICE_SOURCE_RANGES == 0 {
+        return false;
+    }
+    let key = Key::new(
+        SOURCE_RANGE_FRONTEND_BITS + 32,
+        SourceRangeKey {
+            addr: svc_key.addr,
+            port: svc_key.port,
+            proto: svc_key.proto,
+            pad: 0,
+            source,
+        },
+    );
+    SOURCE_RANGES.get(key).is_none()
 }

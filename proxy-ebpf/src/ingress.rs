@@ -5,8 +5,8 @@
 //! (source.rs) starts no flow and changes none: it is dropped.
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
-    DROP_HAIRPIN_WITHOUT_FLOW, DROP_INVALID_SOURCE, DROP_NO_LOCAL_ENDPOINTS, HAIRPIN_ADDR,
-    SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
+    DROP_HAIRPIN_WITHOUT_FLOW, DROP_INVALID_SOURCE, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE,
+    HAIRPIN_ADDR, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
 };
 
 use crate::{
@@ -45,6 +45,10 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
         None if flow.later_fragment() => return Ok(TC_ACT_UNSPEC),
         None if !checked && source::spoofed(ctx, &flow, pod_iface) => {
             return Err(Drop(DROP_INVALID_SOURCE));
+        }
+        // loadBalancerSourceRanges hold for pods too (kube-proxy checks a flow's first packet).
+        None if frontend::source_refused(&svc_key, &svc, key.saddr) => {
+            return Err(Drop(DROP_SOURCE_RANGE));
         }
         None => {
             let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)?

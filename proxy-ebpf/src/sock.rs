@@ -13,12 +13,12 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
-    SockRevNatKey, SockRevNatValue,
+    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE, SERVICE_DRAINING,
+    SERVICE_LOCAL_ONLY, SockRevNatKey, SockRevNatValue,
 };
 
 use crate::{
-    frontend, lb,
+    external, frontend, lb,
     maps::{DROPS, HOST_NETNS, SOCK_REVNAT},
     packet::Drop,
 };
@@ -74,6 +74,11 @@ fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
     };
     if !in_host_netns(ctx) {
         return Ok(ALLOW); // a pod's socket: the tc programs translate its packets
+    }
+    // loadBalancerSourceRanges: the connection would leave from the node's primary address
+    // (the source is not chosen yet), which must be within them, as with kube-proxy's rules.
+    if frontend::source_refused(&svc_key, &svc, external::primary_addr()) {
+        return Err(Drop(DROP_SOURCE_RANGE));
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // The flow as the tc path would see it, but for its source, not chosen yet: the node (see

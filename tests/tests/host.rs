@@ -22,7 +22,7 @@ use proxy_tests::{
     backend_bin, client_timeout,
     fixtures::SMALL,
     privileged,
-    programs::{Programs, Svc, add_service, spn},
+    programs::{ExternalSvc, Programs, Svc, add_external_service, add_service, spn},
 };
 use proxy_userspace::{
     model::{DesiredState, Protocol},
@@ -376,6 +376,48 @@ fn program_translates_host_sockets_at_connect_and_back() {
         outside.is_err(),
         "a socket outside the cgroup was translated"
     );
+}
+
+/// loadBalancerSourceRanges hold for host-network clients too, as kube-proxy's firewall does:
+/// their connection would leave from the node's primary address, which must be within them.
+/// The cluster IP stays open.
+#[test]
+fn host_clients_are_held_to_load_balancer_source_ranges() {
+    let Some(mut lab) = Lab::new("host_clients_are_held_to_load_balancer_source_ranges") else {
+        return;
+    };
+    let lb = Ipv4Addr::new(198, 51, 100, 10);
+    let mut state = DesiredState::new("node1");
+    add_external_service(
+        &mut state,
+        &ExternalSvc {
+            name: "ranged",
+            cluster_ip: VIP,
+            port: 80,
+            protocol: Protocol::Tcp,
+            node_port: None,
+            load_balancer_ips: &[lb],
+            external_ips: &[],
+            external_traffic_local: false,
+            source_ranges: &[(Ipv4Addr::new(192, 168, 0, 0), 24)],
+            endpoints: &[(Ipv4Addr::LOCALHOST, 8081, "node1")],
+        },
+    );
+    lab.programs.program(&state).unwrap();
+    for (primary, allowed) in [
+        (Ipv4Addr::new(192, 168, 0, 10), true),
+        (Ipv4Addr::new(192, 168, 1, 10), false),
+    ] {
+        lab.programs.set_node_addrs(&[primary], primary);
+        let answers = lab.clients(&[("tcp", sa(lb, 80)), ("tcp", sa(VIP, 80))]);
+        assert_eq!(answers[1].as_ref().map(Answer::name), Ok("a"), "{primary}");
+        if allowed {
+            assert_eq!(answers[0].as_ref().map(Answer::name), Ok("a"), "{primary}");
+        } else {
+            let e = answers[0].as_ref().expect_err("refused");
+            assert!(e.contains("not permitted"), "{primary}: {e}");
+        }
+    }
 }
 
 #[test]

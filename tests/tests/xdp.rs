@@ -1364,6 +1364,45 @@ fn load_balancer_source_ranges() {
     assert_eq!(lab.p.drops(DROP_SOURCE_RANGE), dropped);
 }
 
+/// loadBalancerSourceRanges hold for pods reaching the load balancer address too (kube-proxy's
+/// firewall applies to every source), with either traffic policy; the cluster IP stays open.
+#[test]
+fn load_balancer_source_ranges_hold_for_pods() {
+    let eps = [(LOCAL_BE, TARGET, "node1"), (REMOTE_BE, TARGET, "node2")];
+    let ranges = [(Ipv4Addr::new(10, 244, 1, 0), 24)];
+    for local in [false, true] {
+        let svc = ExternalSvc {
+            load_balancer_ips: &[LB],
+            source_ranges: &ranges,
+            external_traffic_local: local,
+            ..node_port("ranged", NODE_PORT, &eps)
+        };
+        let Some(lab) = lab("load_balancer_source_ranges_hold_for_pods", &[svc]) else {
+            return;
+        };
+        let other_pod = Ipv4Addr::new(10, 244, 7, 10);
+        for (source, vip, allowed) in [
+            (POD, LB, true),
+            (other_pod, LB, false),
+            (other_pod, CLUSTER_IP, true),
+        ] {
+            let frame = Spec::tcp(source, 48100, vip, PORT).build();
+            let (verdict, out) = lab.tc("tc_ingress", &frame);
+            let what = format!("{source} to {vip}, externalTrafficPolicy Local: {local}");
+            if allowed {
+                assert_eq!(verdict, TC_ACT_UNSPEC, "{what}");
+                assert!(
+                    [LOCAL_BE, REMOTE_BE].contains(&packet::read(&out).dst),
+                    "{what}"
+                );
+            } else {
+                assert_eq!(verdict, TC_ACT_SHOT, "{what}");
+            }
+        }
+        assert_eq!(lab.p.drops(DROP_SOURCE_RANGE), 1);
+    }
+}
+
 /// Everything that is not a packet to an external frontend (or a reply of one of its flows)
 /// passes every external program untouched, and leaves no conntrack entry behind.
 #[test]

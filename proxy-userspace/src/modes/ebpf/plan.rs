@@ -143,9 +143,11 @@ pub fn frontends(
             source_ranges: if limited { ranges.clone() } else { Vec::new() },
         });
         if sp.external_traffic_local {
+            // Pods and host clients reach it there, held to the same ranges (kube-proxy's
+            // firewall applies to every source), which the head's entries hold for both.
             wanted.push(FrontendPlan {
                 fe: fe.with_scope(SCOPE_INTERNAL),
-                head: head(flags & SERVICE_LOAD_BALANCER),
+                head: head(flags & (SERVICE_LOAD_BALANCER | SERVICE_SOURCE_RANGES)),
                 backends: every_endpoint.clone(),
                 source_ranges: Vec::new(),
             });
