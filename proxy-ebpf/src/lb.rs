@@ -2,9 +2,9 @@
 //! the socket path (sock): both must choose alike.
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, CONFIG_MAGLEV_TABLE_SIZE, CtKey,
-    DROP_NO_BACKEND, MAGLEV_CHUNK, SERVICE_AFFINITY, SERVICE_MAGLEV, ServiceKey, ServiceValue,
-    flow_hash,
+    AffinityKey, AffinityValue, BACKEND_DRAINING, BACKEND_LOCAL, Backend, CONFIG_MAGLEV_TABLE_SIZE,
+    CtKey, DROP_NO_BACKEND, MAGLEV_CHUNK, SERVICE_AFFINITY, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
+    ServiceKey, ServiceValue, flow_hash,
 };
 
 use crate::{
@@ -70,8 +70,10 @@ fn maglev_backend(key: &CtKey, svc_key: &ServiceKey) -> Option<(u32, Backend)> {
 }
 
 /// sessionAffinity ClientIP: the backend of the client's last new flow to this frontend while
-/// that is within the service's timeout and the backend takes new flows; otherwise a random
-/// one, remembered for the client's next flows.
+/// that is within the service's timeout and the backend takes new flows from this frontend
+/// (a frontend's endpoints are the service port's, or for a Local traffic policy the local
+/// ones: a policy changed to Local leaves entries naming remote ones); otherwise one picked
+/// anew, remembered for the client's next flows.
 #[inline(always)]
 pub fn affinity_backend(
     key: &CtKey,
@@ -94,6 +96,7 @@ pub fn affinity_backend(
             && let Some(backend) = unsafe { BACKENDS.get(last.backend_id) }
             && backend.flags & BACKEND_DRAINING == 0
             && backend.proto == key.proto
+            && (svc.flags & SERVICE_LOCAL_ONLY == 0 || backend.flags & BACKEND_LOCAL != 0)
         {
             last.last_used_ns = now;
             return Ok(Some((last.backend_id, *backend)));

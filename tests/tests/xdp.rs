@@ -1364,6 +1364,44 @@ fn load_balancer_source_ranges() {
     assert_eq!(lab.p.drops(DROP_SOURCE_RANGE), dropped);
 }
 
+/// An outside client bound to another node's endpoint by session affinity is not sent there
+/// once the Service's externalTrafficPolicy turns Local (the endpoint still serves clients
+/// inside the cluster, so it is not draining): the binding names an endpoint the frontend no
+/// longer has.
+#[test]
+fn session_affinity_follows_a_policy_turned_local() {
+    let eps = [(LOCAL_BE, TARGET, "node1"), (REMOTE_BE, TARGET, "node2")];
+    let svc = ExternalSvc {
+        load_balancer_ips: &[LB],
+        ..node_port("sticky", NODE_PORT, &eps)
+    };
+    let Some(mut lab) = lab("session_affinity_follows_a_policy_turned_local", &[]) else {
+        return;
+    };
+    let mut state = DesiredState::new("node1");
+    let spn = add_external_service(&mut state, &svc);
+    state.port_mut(&spn).unwrap().session_affinity_timeout = Some(3600);
+    lab.p.program(&state).unwrap();
+    // The verdict, and where the frame goes.
+    let connect = |lab: &Lab, client, client_port| {
+        let spec = Spec::tcp(client, client_port, LB, PORT);
+        let (verdict, out) = lab.xdp(&from_client(&spec));
+        (verdict, packet::read(&out).dst)
+    };
+    // A client bound to the remote endpoint (sent on: XDP_TX), the first of 100 that is.
+    let client = (1..=100u8)
+        .map(|n| Ipv4Addr::new(203, 0, 113, 100 + n))
+        .find(|&client| connect(&lab, client, 43000) == (XDP_TX, REMOTE_BE))
+        .expect("one of 100 clients bound to the remote endpoint");
+    assert!((43001..43006).all(|port| connect(&lab, client, port) == (XDP_TX, REMOTE_BE)));
+    state.port_mut(&spn).unwrap().external_traffic_local = true;
+    lab.p.program(&state).unwrap();
+    // Delivered here, to the local endpoint, from now on.
+    for port in 43100..43105 {
+        assert_eq!(connect(&lab, client, port), (XDP_PASS, LOCAL_BE));
+    }
+}
+
 /// loadBalancerSourceRanges hold for pods reaching the load balancer address too (kube-proxy's
 /// firewall applies to every source), with either traffic policy; the cluster IP stays open.
 #[test]
