@@ -35,10 +35,14 @@ pub fn internal(addr: Be32, port: Be16, proto: u8) -> Option<(ServiceKey, Servic
     if svc.flags & SERVICE_TWO_SCOPES == 0 {
         return Some((key, svc));
     }
-    let key = key.with_scope(SCOPE_INTERNAL);
+    let internal = key.with_scope(SCOPE_INTERNAL);
     // SAFETY: services values are plain data; the agent replaces them whole.
-    let svc = unsafe { SERVICES.get(key) }.copied()?;
-    Some((key, svc))
+    match unsafe { SERVICES.get(internal) } {
+        Some(internal_svc) => Some((internal, *internal_svc)),
+        // The agent writes it first; should it be missing (a full map), the external scope
+        // serves rather than the packet passing untranslated.
+        None => Some((key, svc)),
+    }
 }
 
 /// The frontend at `addr`:`port` as a client outside the node reaches it: a NodePort, a

@@ -14,10 +14,12 @@ use std::{
     sync::atomic::{AtomicU32, Ordering},
 };
 
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
     Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_OPENING, CT_REPLY, CT_SNAT, CT_TIME_WAIT,
     CtKey, CtValue, DROP_FRAG_NEEDED, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE,
-    DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE, IFACE_XDP_FORWARD,
+    DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE, IFACE_XDP_FORWARD, MAP_SERVICES, SCOPE_INTERNAL,
+    ServiceKey, ServiceValue,
 };
 use proxy_tests::{
     NS_PREFIX, Netns,
@@ -1399,6 +1401,36 @@ fn session_affinity_follows_a_policy_turned_local() {
     // Delivered here, to the local endpoint, from now on.
     for port in 43100..43105 {
         assert_eq!(connect(&lab, client, port), (XDP_PASS, LOCAL_BE));
+    }
+}
+
+/// An externalTrafficPolicy Local frontend whose in-cluster scope is missing (the agent
+/// writes it first; a full map could still leave it out) serves pods by its external scope
+/// rather than passing their packets untranslated.
+#[test]
+fn a_missing_in_cluster_scope_leaves_no_pod_packet_untranslated() {
+    let eps = [(LOCAL_BE, TARGET, "node1"), (REMOTE_BE, TARGET, "node2")];
+    let Some(lab) = lab(
+        "a_missing_in_cluster_scope_leaves_no_pod_packet_untranslated",
+        &[ExternalSvc {
+            load_balancer_ips: &[LB],
+            external_traffic_local: true,
+            ..node_port("local", NODE_PORT, &eps)
+        }],
+    ) else {
+        return;
+    };
+    let data = MapData::from_pin(lab.p.bpffs.path().join(MAP_SERVICES)).unwrap();
+    let mut services: BpfHashMap<_, ServiceKey, ServiceValue> =
+        Map::HashMap(data).try_into().unwrap();
+    let lb = Be32::from_octets(LB.octets());
+    services
+        .remove(&ServiceKey::new(lb, Be16::new(PORT), TCP, 0).with_scope(SCOPE_INTERNAL))
+        .unwrap();
+    for client_port in 48200..48210 {
+        let frame = Spec::tcp(POD, client_port, LB, PORT).build();
+        let (verdict, out) = lab.tc("tc_ingress", &frame);
+        assert_eq!((verdict, packet::read(&out).dst), (TC_ACT_UNSPEC, LOCAL_BE));
     }
 }
 

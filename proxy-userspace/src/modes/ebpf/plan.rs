@@ -136,15 +136,10 @@ pub fn frontends(
         if limited {
             flags |= SERVICE_SOURCE_RANGES;
         }
-        wanted.push(FrontendPlan {
-            fe,
-            head: head(flags),
-            backends: external_backends.clone(),
-            source_ranges: if limited { ranges.clone() } else { Vec::new() },
-        });
         if sp.external_traffic_local {
             // Pods and host clients reach it there, held to the same ranges (kube-proxy's
             // firewall applies to every source), which the head's entries hold for both.
+            // Planned (so written) before the head that sends them there.
             wanted.push(FrontendPlan {
                 fe: fe.with_scope(SCOPE_INTERNAL),
                 head: head(flags & (SERVICE_LOAD_BALANCER | SERVICE_SOURCE_RANGES)),
@@ -152,6 +147,12 @@ pub fn frontends(
                 source_ranges: Vec::new(),
             });
         }
+        wanted.push(FrontendPlan {
+            fe,
+            head: head(flags),
+            backends: external_backends.clone(),
+            source_ranges: if limited { ranges.clone() } else { Vec::new() },
+        });
     }
     wanted
 }
@@ -368,17 +369,18 @@ mod tests {
             shown[0],
             "10.96.0.1:80/TCP scope 0 flags 0 [10.244.1.5L 10.244.2.5] []"
         );
+        // The in-cluster scope first: written before the head that sends pods there.
         assert_eq!(
             shown[1],
-            format!("node port :30080/TCP scope 0 flags {local} [10.244.1.5L] []")
+            "node port :30080/TCP (internal scope) scope 1 flags 0 [10.244.1.5L 10.244.2.5] []"
         );
         assert_eq!(
             shown[2],
-            "node port :30080/TCP (internal scope) scope 1 flags 0 [10.244.1.5L 10.244.2.5] []"
+            format!("node port :30080/TCP scope 0 flags {local} [10.244.1.5L] []")
         );
         let lb_in_cluster = SERVICE_LOAD_BALANCER;
         assert_eq!(
-            shown[6],
+            shown[5],
             format!(
                 "203.0.113.1:80/TCP (internal scope) scope 1 flags {lb_in_cluster} \
                  [10.244.1.5L 10.244.2.5] []"
