@@ -170,6 +170,8 @@ impl AgentRun {
             run.wait_for(sandbox, "the first sync", |rows| {
                 rows.len() >= expect_services
             })?;
+            // The programs take over once the first sync has filled the maps.
+            run.wait_for_log(sandbox, "programs attached")?;
         } else {
             // No maps to count in the other modes: the log says when the first sync is done.
             run.wait_for_log(sandbox, "full sync done")?;

@@ -130,7 +130,9 @@ pub fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec
 /// What a restarted agent does: load again (reusing the pins) and take the maps.
 /// A new map writer on the pinned maps, as a restarted agent's.
 pub fn restart(p: &mut Programs, sizes: MapSizes, drain_period: Duration) {
-    let mut reloaded = proxy_userspace::modes::ebpf::load(p.bpffs.path(), sizes).unwrap();
+    let mut reloaded = proxy_userspace::modes::ebpf::load(p.bpffs.path(), sizes)
+        .unwrap()
+        .ebpf;
     let writer = WriterConfig {
         drain_period,
         ..WriterConfig::default()

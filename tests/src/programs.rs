@@ -118,7 +118,7 @@ impl Programs {
     /// The programs and maps; removed endpoints and services drain for `drain_period`.
     pub fn load_draining(sizes: MapSizes, drain_period: Duration) -> anyhow::Result<Self> {
         let bpffs = PrivateBpffs::new()?;
-        let mut ebpf = ebpf::load(bpffs.path(), sizes)?;
+        let mut ebpf = ebpf::load(bpffs.path(), sizes)?.ebpf;
         // The agent loads them only to attach them; loaded here so that every kernel's
         // verifier checks them (5.10's too, which cannot attach them).
         ebpf::cgroup::load_programs(&mut ebpf)?;

@@ -15,8 +15,10 @@ use std::{
 };
 
 use anyhow::Context;
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
+use proxy_common::{
+    AGENT_STATE_LAYOUT, LAYOUT_VERSION, MAP_AGENT_STATE, MAP_SERVICES, ServiceKey, ServiceValue,
+};
 use proxy_tests::example::{DNS, MANIFEST as EXAMPLE};
 use proxy_tests::{
     BACKEND_PORT, Pod, Sandbox,
@@ -215,6 +217,67 @@ fn a_new_pod_is_served_while_a_long_sync_runs() {
         synced.is_some_and(|synced| attached < synced),
         "the sync ended before the pod came up: make it longer\n{text}"
     );
+    drop(sandbox);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An upgrade whose maps are of another layout (here: a newer agent's, so that every pin is
+/// recreated): the programs serving keep their own maps until the new agent's first sync has
+/// filled the new ones, and only then do the new programs take over. Pods are served all
+/// along.
+#[test]
+fn recreated_maps_are_filled_before_the_programs_take_over() {
+    if !privileged("recreated_maps_are_filled_before_the_programs_take_over") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let bpffs = PrivateBpffs::new().unwrap();
+    let cgroup = TestCgroup::new().unwrap();
+    let dir = tempdir(&format!("{}-upgrade", sandbox.prefix));
+    let manifest = dir.join("services.yaml");
+    let log = dir.join("agent.log");
+    std::fs::write(&manifest, EXAMPLE).unwrap();
+    let pid = spawn_agent(&mut sandbox, bpffs.path(), &cgroup, &manifest, &log);
+    wait_for_log(&log, "full sync done", Duration::from_secs(10));
+    sandbox.stop(pid).unwrap();
+    {
+        let data = MapData::from_pin(bpffs.path().join(MAP_AGENT_STATE)).unwrap();
+        let mut state: Array<_, u64> = Map::Array(data).try_into().unwrap();
+        state
+            .set(AGENT_STATE_LAYOUT, LAYOUT_VERSION + 1, 0)
+            .unwrap();
+    }
+
+    // Many services, so that the first sync takes a while.
+    let slowness = patience(Duration::from_secs(1)).as_secs().max(1) as usize;
+    let bulk = bulk_services(20_000 / slowness, 4);
+    std::fs::write(&manifest, format!("{EXAMPLE}\n{bulk}")).unwrap();
+    let log2 = dir.join("agent2.log");
+    spawn_agent(&mut sandbox, bpffs.path(), &cgroup, &manifest, &log2);
+    let read_log = || std::fs::read_to_string(&log2).unwrap_or_default();
+    wait_for_log(&log2, "maps were recreated", Duration::from_secs(60));
+    let deadline = Instant::now() + patience(Duration::from_secs(30));
+    while services_entries(bpffs.path(), 1) == 0 {
+        assert!(Instant::now() < deadline, "the sync did not start");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // During the sync: the old programs, on their old maps.
+    let client = sandbox.pod("client");
+    assert_served(client, read_log);
+    assert!(
+        !read_log().contains("programs attached"),
+        "the new programs took over before the query: make the sync longer\n{}",
+        read_log()
+    );
+    let text = wait_for_log(&log2, "full sync done", Duration::from_secs(60));
+    let attached = text
+        .find("programs attached")
+        .expect("the programs attached");
+    let loaded = text.find("maps were recreated").unwrap();
+    assert!(loaded < attached, "{text}");
+    // The new programs, on the new maps.
+    assert_served(sandbox.pod("client"), read_log);
     drop(sandbox);
     let _ = std::fs::remove_dir_all(&dir);
 }

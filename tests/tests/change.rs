@@ -442,6 +442,8 @@ fn pinned_maps_of_another_layout_are_migrated_or_recreated() {
     pin_map(&dir.join(MAP_SERVICES), BPF_MAP_TYPE_HASH, 12, 12, 64);
 
     let mut loaded = ebpf::load(dir, SMALL).expect("maps of another layout must not stop a load");
+    // So the agent attaches the programs only once its first sync has filled the new maps.
+    assert!(loaded.recreated);
     let info = aya::maps::MapInfo::from_pin(dir.join(MAP_SERVICES)).unwrap();
     assert_eq!(
         (info.key_size() as usize, info.value_size() as usize),
@@ -453,7 +455,7 @@ fn pinned_maps_of_another_layout_are_migrated_or_recreated() {
     assert_eq!(state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0).unwrap(), 5000);
     assert_eq!(state.get(&AGENT_STATE_LAYOUT, 0).unwrap(), LAYOUT_VERSION);
     // New backends get ids above the carried-over counter.
-    let mut maps = MapWriter::take_from(&mut loaded, WriterConfig::default()).unwrap();
+    let mut maps = MapWriter::take_from(&mut loaded.ebpf, WriterConfig::default()).unwrap();
     let mut desired = DesiredState::default();
     set_endpoints(&mut desired, "web", VIP, 80, Protocol::Tcp, &[(BE1, 8080)]);
     maps.sync(&desired, Scope::All).unwrap();

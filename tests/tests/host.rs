@@ -433,7 +433,7 @@ fn program_links_are_replaced_in_place_and_removed_by_cleanup() {
     // A restarted agent: the programs loaded again on the pinned maps, attached in place of
     // the old ones (which go when this process closes them).
     let pin_dir = lab.programs.bpffs.path().to_owned();
-    let mut again = ebpf::load(&pin_dir, SMALL).unwrap();
+    let mut again = ebpf::load(&pin_dir, SMALL).unwrap().ebpf;
     let cookie = lab.ns.run(cgroup::own_netns_cookie).unwrap();
     cgroup::attach(&mut again, lab.cgroup.path(), &pin_dir, cookie).unwrap();
     drop(again);

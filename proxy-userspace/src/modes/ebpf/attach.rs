@@ -105,17 +105,24 @@ pub struct AttachThread {
     thread: Option<JoinHandle<()>>,
 }
 
+/// What the attach thread starts with, made ready (and checked) before the maps are filled:
+/// the programs, the attacher, and the link notifications, subscribed to already.
+pub struct PreparedAttach {
+    pub ebpf: Ebpf,
+    attacher: Attacher,
+    events: LinkEvents,
+}
+
 impl AttachThread {
-    /// Attaches the programs of `ebpf` to the pod interfaces `pods` selects there are (failing
-    /// if that fails), then starts the thread that attaches them to those that appear (or are
-    /// renamed, or lose their node address) later.
-    pub fn start(
-        mut ebpf: Ebpf,
+    /// Gets ready to attach the programs of `ebpf` to the pod interfaces `pods` selects and
+    /// to the external ones `external` does, attaching nothing yet.
+    pub fn prepare(
+        ebpf: Ebpf,
         pods: &PodInterfaces,
         external: ExternalConfig,
         pin_dir: &Path,
         validate_sources: bool,
-    ) -> anyhow::Result<Self> {
+    ) -> anyhow::Result<PreparedAttach> {
         // Subscribed before listing: an interface appearing meanwhile is in one or the other.
         let events = LinkEvents::subscribe().context("subscribing to link notifications")?;
         let mut attacher = Attacher::new(pods, pin_dir, validate_sources)?;
@@ -125,6 +132,22 @@ impl AttachThread {
             tracing::warn!("{warning}");
         }
         attacher.external = Some(external);
+        Ok(PreparedAttach {
+            ebpf,
+            attacher,
+            events,
+        })
+    }
+
+    /// Attaches the programs to the interfaces there are (failing if listing them fails),
+    /// then starts the thread that attaches them to those that appear (or are renamed, or
+    /// lose their node address) later.
+    pub fn start(prepared: PreparedAttach) -> anyhow::Result<Self> {
+        let PreparedAttach {
+            mut ebpf,
+            mut attacher,
+            events,
+        } = prepared;
         attacher.scan(&mut ebpf)?;
         let (stop, stopped) = UnixStream::pair()?;
         let thread = std::thread::Builder::new()
@@ -511,15 +534,22 @@ impl Attacher {
             .context("map NODE_ADDRS missing")?
             .try_into()?;
         let raw = |a: Ipv4Addr| Be32::from_octets(a.octets()).raw();
-        let mut wanted: Vec<(u32, u32)> = selected.iter().map(|a| (raw(a.addr), 0)).collect();
+        // The uplinks' own addresses first (their flows' replies come to them), should the map
+        // not hold them all.
+        let mut wanted: Vec<(u32, u32)> = Vec::new();
         for u in uplinks {
+            let node_port = selected.iter().any(|a| a.addr == u.snat_addr);
+            let flags = if node_port { 0 } else { NODE_ADDR_SNAT_ONLY };
             if !wanted.iter().any(|(k, _)| *k == raw(u.snat_addr)) {
-                wanted.push((raw(u.snat_addr), NODE_ADDR_SNAT_ONLY));
+                wanted.push((raw(u.snat_addr), flags));
             }
         }
-        for (k, flags) in &wanted {
-            map.insert(k, flags, 0).context("writing NODE_ADDRS")?;
+        for a in selected {
+            if !wanted.iter().any(|(k, _)| *k == raw(a.addr)) {
+                wanted.push((raw(a.addr), 0));
+            }
         }
+        // Stale ones out first, to make room.
         let stale: Vec<u32> = map
             .keys()
             .filter_map(Result::ok)
@@ -527,6 +557,20 @@ impl Attacher {
             .collect();
         for k in stale {
             let _ = map.remove(&k);
+        }
+        // A full map leaves some addresses out, and the rest of the set-up goes on.
+        let unwritten: Vec<Ipv4Addr> = wanted
+            .iter()
+            .filter(|(k, flags)| map.insert(k, flags, 0).is_err())
+            .map(|(k, _)| Ipv4Addr::from(k.to_ne_bytes()))
+            .collect();
+        if !unwritten.is_empty() {
+            tracing::warn!(
+                unwritten = ?unwritten,
+                capacity = map.keys().count(),
+                "the node-address map is full: these addresses get no NodePorts and no flows \
+                 sent from them; narrow --nodeport-addresses"
+            );
         }
         // Flows to other nodes' endpoints through a LoadBalancer or external IP leave from the
         // node's primary address among the selected ones where the route to the endpoint goes

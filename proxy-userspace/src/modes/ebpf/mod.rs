@@ -83,7 +83,7 @@ impl Default for MapSizes {
 /// Loads the tc and XDP programs (the socket programs are loaded when attached:
 /// [`cgroup::attach`]), reusing the maps already pinned in `pin_dir` (so flows and services
 /// survive an agent restart) or creating and pinning them there.
-pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
+pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
     if BPF_OBJECT.is_empty() {
         bail!(
             "this binary was built without the BPF object; run `cargo xtask build-ebpf` and \
@@ -91,7 +91,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         );
     }
     bpffs::ensure(pin_dir)?;
-    let next_backend_id = check_pinned_layout(pin_dir)?;
+    let (next_backend_id, recreated) = check_pinned_layout(pin_dir)?;
     warn_on_size_changes(pin_dir, sizes);
     let features = Features::of_this_kernel()?;
     features.check()?;
@@ -137,7 +137,14 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
         state.set(AGENT_STATE_NEXT_BACKEND_ID, id, 0)?;
     }
     state.set(AGENT_STATE_LAYOUT, LAYOUT_VERSION, 0)?;
-    Ok(ebpf)
+    Ok(Loaded { ebpf, recreated })
+}
+
+/// The loaded programs, and whether a pinned map of another layout was recreated for them
+/// (empty where the programs serving now, an earlier agent's, read their own old map).
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub recreated: bool,
 }
 
 /// The constant of the socket programs that says whether they may call bpf_set_retval.
@@ -287,8 +294,9 @@ const LAYOUTS: [Layout; 16] = [
 /// type and key and value sizes, and a layout version this build knows (its own or an older
 /// one it reads as is). Any other pin is removed, with a log line saying what that resets, and
 /// the load creates the map afresh. Returns the next backend id an older AGENT_STATE held, to
-/// carry over into a recreated one (ids must never be reused while conntrack may name them).
-fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
+/// carry over into a recreated one (ids must never be reused while conntrack may name them),
+/// and whether any pin was removed.
+fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<(Option<u64>, bool)> {
     let state_pin = pin_dir.join(MAP_AGENT_STATE);
     let (version, next_backend_id) = match aya::maps::MapData::from_pin(&state_pin) {
         Ok(data) => {
@@ -308,6 +316,7 @@ fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
     // service port; no entry is draining yet): reused as they are. Likewise layouts 2 and 3
     // for layout 4 (no external frontend, zero NAT fields in conntrack).
     let newer = version.is_some_and(|v| v > LAYOUT_VERSION);
+    let mut recreated = false;
     for layout in &LAYOUTS {
         let pin = pin_dir.join(layout.name);
         let Ok(info) = MapInfo::from_pin(&pin) else {
@@ -348,8 +357,9 @@ fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<Option<u64>> {
             layout.value_size,
         );
         std::fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+        recreated = true;
     }
-    Ok(next_backend_id)
+    Ok((next_backend_id, recreated))
 }
 
 /// The programs' drop counters (summed over CPUs), read from the loaded object, exported on
@@ -441,9 +451,10 @@ pub struct StartConfig {
 }
 
 /// Starts the mode: the pin directory locked (held as long as the dataplane lives), the
-/// programs loaded (ahead or now), the maps taken over, the programs attached. `node_ips`: the
-/// Node object's addresses, for `node_port_addresses` (`--nodeport-addresses`). A failed start removes whatever it pinned or attached: another
-/// mode may follow. Pins another agent holds are left alone.
+/// programs loaded (ahead or now), the maps taken over; the programs are attached once the
+/// first sync has filled the maps. `node_ips`: the Node object's addresses, for
+/// `node_port_addresses` (`--nodeport-addresses`). A failed start removes whatever it pinned:
+/// another mode may follow. Pins another agent holds are left alone.
 pub fn start(
     node_ips: Vec<IpAddr>,
     node_port_addresses: NodePortAddresses,
@@ -455,7 +466,7 @@ pub fn start(
         .preload
         .load(&config.pin_dir, config.sizes)
         .and_then(|mut loaded| {
-            ct_lifetimes.write(&mut loaded)?;
+            ct_lifetimes.write(&mut loaded.ebpf)?;
             EbpfDataplane::new(
                 loaded,
                 &config.pin_dir,
@@ -516,7 +527,7 @@ impl CtLifetimes {
 #[derive(Default)]
 pub struct Preload {
     lock: Option<bpffs::PinDirLock>,
-    loaded: Option<std::thread::JoinHandle<anyhow::Result<Ebpf>>>,
+    loaded: Option<std::thread::JoinHandle<anyhow::Result<Loaded>>>,
 }
 
 impl Preload {
@@ -540,7 +551,7 @@ impl Preload {
     }
 
     /// The loaded programs: those loaded ahead, else loaded now.
-    fn load(&mut self, pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Ebpf> {
+    fn load(&mut self, pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         let Some(thread) = self.loaded.take() else {
             return load(pin_dir, sizes);
         };
@@ -565,20 +576,48 @@ pub fn installed(pin_dir: &Path) -> bool {
 /// interfaces by a thread of their own (so that a new pod never waits for a sync).
 pub struct EbpfDataplane {
     maps: MapWriter,
-    attacher: attach::AttachThread,
+    programs: Programs,
     /// Held while the dataplane lives: a second agent on the same pins is refused.
     pin_dir_lock: Option<bpffs::PinDirLock>,
 }
 
+/// The programs: loaded and ready, then attached: at once, or where the load recreated maps,
+/// once the first sync has filled them (the programs serving meanwhile, an earlier agent's,
+/// keep their own maps).
+enum Programs {
+    Ready(Box<TakeOver>),
+    Attached(attach::AttachThread),
+    /// Attaching them failed: nothing is served by them.
+    Failed(String),
+}
+
+/// What attaching the programs needs.
+struct TakeOver {
+    prepared: attach::PreparedAttach,
+    /// The socket programs' cgroup and this network namespace's cookie; None: not attached.
+    cgroup: Option<(PathBuf, u64)>,
+    pin_dir: PathBuf,
+}
+
+impl TakeOver {
+    fn attach(mut self) -> anyhow::Result<attach::AttachThread> {
+        if let Some((cgroup, netns)) = &self.cgroup {
+            cgroup::attach(&mut self.prepared.ebpf, cgroup, &self.pin_dir, *netns)?;
+        }
+        attach::AttachThread::start(self.prepared)
+    }
+}
+
 impl EbpfDataplane {
     /// Takes the programs [`load`] loaded from `pin_dir`, starts forwarding their logs and
-    /// exporting their drop counters, attaches the socket programs to the cgroup `cgroup` (for
-    /// the clients of this process's network namespace), the tc programs to every interface
-    /// `pod_interfaces` selects, now and as such interfaces appear, and the external
-    /// programs to the interfaces carrying the node addresses `external` selects. `writer` says
-    /// how the maps are programmed (drain period, load-balancing algorithm).
+    /// exporting their drop counters, and gets ready to attach, after the first sync, the
+    /// socket programs to the cgroup `cgroup` (for the clients of this process's network
+    /// namespace), the tc programs to every interface `pod_interfaces` selects, then and as
+    /// such interfaces appear, and the external programs to the interfaces carrying the node
+    /// addresses `external` selects. `writer` says how the maps are programmed (drain period,
+    /// load-balancing algorithm).
     pub fn new(
-        mut ebpf: Ebpf,
+        loaded: Loaded,
         pin_dir: &Path,
         writer: WriterConfig,
         pod_interfaces: &PodInterfaces,
@@ -586,38 +625,92 @@ impl EbpfDataplane {
         cgroup: &Path,
         validate_sources: bool,
     ) -> anyhow::Result<Self> {
+        let Loaded {
+            mut ebpf,
+            recreated,
+        } = loaded;
         let kernel = Features::of_this_kernel()?;
+        let mut host_clients = None;
         if cgroup.as_os_str().is_empty() {
             tracing::warn!(
                 "--bpf-cgroup-path is empty: host-network clients do not reach services"
             );
         } else if kernel.has(&NETNS_COOKIE) {
             let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
-            cgroup::attach(&mut ebpf, cgroup, pin_dir, netns)?;
+            // Loaded while the object still holds every map (the writer takes some).
+            cgroup::load_programs(&mut ebpf)?;
+            host_clients = Some((cgroup.to_owned(), netns));
         }
         let maps = MapWriter::take_from(&mut ebpf, writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
         features::export(kernel);
-        let attacher =
-            attach::AttachThread::start(ebpf, pod_interfaces, external, pin_dir, validate_sources)?;
-        Ok(Self {
+        let prepared = attach::AttachThread::prepare(
+            ebpf,
+            pod_interfaces,
+            external,
+            pin_dir,
+            validate_sources,
+        )?;
+        let mut dataplane = Self {
             maps,
-            attacher,
+            programs: Programs::Ready(Box::new(TakeOver {
+                prepared,
+                cgroup: host_clients,
+                pin_dir: pin_dir.to_owned(),
+            })),
             pin_dir_lock: None,
-        })
+        };
+        if recreated {
+            tracing::warn!(
+                "maps were recreated: the programs serving now keep their own until the first \
+                 sync has filled the new ones, then these programs take over"
+            );
+        } else {
+            // The maps are the ones being served from: the programs take over now, so that
+            // interfaces appearing during a long first sync get them at once.
+            dataplane.take_over()?;
+        }
+        Ok(dataplane)
+    }
+
+    /// Attaches the programs, unless they are already (or failed to be). Where the load
+    /// recreated maps, after the first sync (whatever could be written is); a failure then is
+    /// reported by every sync from then on.
+    fn take_over(&mut self) -> anyhow::Result<()> {
+        let programs = std::mem::replace(&mut self.programs, Programs::Failed(String::new()));
+        self.programs = match programs {
+            Programs::Ready(take_over) => match take_over.attach() {
+                Ok(thread) => {
+                    tracing::info!("programs attached");
+                    Programs::Attached(thread)
+                }
+                Err(e) => Programs::Failed(format!("{e:#}")),
+            },
+            other => other,
+        };
+        match &self.programs {
+            Programs::Failed(e) => {
+                bail!("attaching the BPF programs failed ({e}); restart the agent")
+            }
+            _ => Ok(()),
+        }
     }
 }
 
 impl Dataplane for EbpfDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
-        self.maps.sync(state, scope)
+        let synced = self.maps.sync(state, scope);
+        self.take_over()?;
+        synced
     }
 
     /// Also ends the drains whose period is over (full syncs do too, but they come once an
     /// hour).
     fn housekeeping(&mut self) -> anyhow::Result<()> {
-        self.attacher.check()?;
+        if let Programs::Attached(thread) = &self.programs {
+            thread.check()?;
+        }
         self.maps
             .expire(std::time::Instant::now())
             .context("expiring drained entries")
