@@ -80,7 +80,9 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
     if flow.later_fragment() {
         return Ok(Verdict::Pass); // its first fragment started no flow
     }
-    let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)? else {
+    let Some((backend_id, backend)) =
+        lb::new_flow_backend(&key, &svc_key, &svc, now, lb::random())?
+    else {
         if svc.flags & SERVICE_LOCAL_ONLY != 0 {
             return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
         }

@@ -51,7 +51,8 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
             return Err(Drop(DROP_SOURCE_RANGE));
         }
         None => {
-            let Some((backend_id, backend)) = lb::new_flow_backend(&key, &svc_key, &svc, now)?
+            let Some((backend_id, backend)) =
+                lb::new_flow_backend(&key, &svc_key, &svc, now, lb::random())?
             else {
                 if svc.flags & SERVICE_LOCAL_ONLY != 0 {
                     return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));

@@ -14,19 +14,27 @@ use crate::{
 
 /// The backend for a new flow `key` to the frontend `svc_key` (whose slot 0 is `svc`): the
 /// client's affinity if the service has one, else by the service's algorithm. `None` when the
-/// service has no backend.
+/// service has no backend. `choice` picks among the slots where the algorithm is random: a
+/// random number, or one of the client's own to give its flows the same backend.
 #[inline(always)]
 pub fn new_flow_backend(
     key: &CtKey,
     svc_key: &ServiceKey,
     svc: &ServiceValue,
     now: u64,
+    choice: u32,
 ) -> Result<Option<(u32, Backend)>, Drop> {
     if svc.flags & SERVICE_AFFINITY != 0 {
-        affinity_backend(key, svc_key, svc, now)
+        affinity_backend(key, svc_key, svc, now, choice)
     } else {
-        by_algorithm(key, svc_key, svc)
+        by_algorithm(key, svc_key, svc, choice)
     }
+}
+
+/// A random number, for [`new_flow_backend`]'s `choice`.
+#[inline(always)]
+pub fn random() -> u32 {
+    unsafe { bpf_get_prandom_u32() }
 }
 
 #[inline(always)]
@@ -34,6 +42,7 @@ fn by_algorithm(
     key: &CtKey,
     svc_key: &ServiceKey,
     svc: &ServiceValue,
+    choice: u32,
 ) -> Result<Option<(u32, Backend)>, Drop> {
     if svc.flags & SERVICE_MAGLEV != 0
         && svc.count != 0
@@ -41,7 +50,7 @@ fn by_algorithm(
     {
         return Ok(Some(found));
     }
-    select_backend(svc_key, svc.count)
+    select_backend(svc_key, svc.count, choice)
 }
 
 /// The frontend's Maglev table entry for the flow's hash, if the table is there and its
@@ -80,6 +89,7 @@ pub fn affinity_backend(
     svc_key: &ServiceKey,
     svc: &ServiceValue,
     now: u64,
+    choice: u32,
 ) -> Result<Option<(u32, Backend)>, Drop> {
     let client = AffinityKey {
         client: key.saddr,
@@ -102,7 +112,7 @@ pub fn affinity_backend(
             return Ok(Some((last.backend_id, *backend)));
         }
     }
-    let picked = by_algorithm(key, svc_key, svc)?;
+    let picked = by_algorithm(key, svc_key, svc, choice)?;
     if let Some((backend_id, _)) = picked {
         let value = AffinityValue {
             backend_id,
@@ -114,14 +124,18 @@ pub fn affinity_backend(
     Ok(picked)
 }
 
-/// A random backend of the service `svc_key`, which had `count` of them when its head was
-/// read; `None` when it has none.
+/// The backend in slot `choice` (modulo the count) of the service `svc_key`, which had
+/// `count` of them when its head was read; `None` when it has none.
 #[inline(always)]
-pub fn select_backend(svc_key: &ServiceKey, count: u16) -> Result<Option<(u32, Backend)>, Drop> {
+pub fn select_backend(
+    svc_key: &ServiceKey,
+    count: u16,
+    choice: u32,
+) -> Result<Option<(u32, Backend)>, Drop> {
     if count == 0 {
         return Ok(None);
     }
-    if let Some(found) = pick(svc_key, count) {
+    if let Some(found) = pick(svc_key, count, choice) {
         return Ok(Some(found));
     }
     // The agent shrank the service between the head lookup and ours: read the count again.
@@ -131,12 +145,14 @@ pub fn select_backend(svc_key: &ServiceKey, count: u16) -> Result<Option<(u32, B
     };
     // Never pass a packet to a service address untranslated (it would follow the default
     // route): drop it, and the client retransmits.
-    pick(svc_key, count).map(Some).ok_or(Drop(DROP_NO_BACKEND))
+    pick(svc_key, count, choice)
+        .map(Some)
+        .ok_or(Drop(DROP_NO_BACKEND))
 }
 
 #[inline(always)]
-pub fn pick(svc_key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
-    let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
+fn pick(svc_key: &ServiceKey, count: u16, choice: u32) -> Option<(u32, Backend)> {
+    let slot = (choice % count as u32) as u16 + 1;
     // The frontend's own key (its scope included), at the slot.
     let slot_key = ServiceKey { slot, ..*svc_key };
     let backend_id = unsafe { SERVICES.get(slot_key) }?.backend_id;

@@ -74,13 +74,13 @@ pub fn tc_external_egress(ctx: TcContext) -> i32 {
 /// becomes a backend's (sock.rs).
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, false)
 }
 
-/// sendmsg() to an address (unconnected UDP): as connect().
+/// sendmsg() to an address (unconnected UDP): as connect(), one backend per socket.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, true)
 }
 
 /// recvmsg() of a UDP socket: a reply from the backend shows the service address as its source.

@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE, SERVICE_DRAINING,
-    SERVICE_LOCAL_ONLY, SockRevNatKey, SockRevNatValue,
+    SERVICE_LOCAL_ONLY, SockRevNatKey, SockRevNatValue, flow_hash,
 };
 
 use crate::{
@@ -42,10 +42,13 @@ static HAS_SET_RETVAL: u8 = 1;
 const HOST_CLIENT: Be32 = Be32::new(0);
 
 /// connect4 and sendmsg4: a TCP or UDP service address of a host-network socket becomes one of
-/// the service's backends, picked as the tc path picks one for a new flow (lb.rs).
+/// the service's backends, picked as the tc path picks one for a new flow (lb.rs). `datagram`
+/// (sendmsg4: an unconnected UDP socket's send): the pick is the socket's own, so that its
+/// datagrams to one Service go to one backend while the Service's backends stay the same, as a
+/// connected socket's do.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext) -> i32 {
-    match try_translate(ctx) {
+pub fn translate(ctx: &SockAddrContext, datagram: bool) -> i32 {
+    match try_translate(ctx, datagram) {
         Ok(verdict) => verdict,
         Err(Drop(reason)) => {
             // Counted with the tc path's drops: a refused connect() is this path's drop.
@@ -59,7 +62,7 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
 }
 
 #[inline(always)]
-fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
+fn try_translate(ctx: &SockAddrContext, datagram: bool) -> Result<i32, Drop> {
     // SAFETY: the kernel passes a valid context; the fields used are readable (and the
     // address and port writable) for connect4 and sendmsg4.
     let sa = unsafe { &mut *ctx.sock_addr };
@@ -82,8 +85,8 @@ fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // The flow as the tc path would see it, but for its source, not chosen yet: the node (see
-    // HOST_CLIENT), and the socket's cookie for the port, so that Maglev spreads sockets and
-    // keeps an unconnected UDP socket's datagrams on one backend.
+    // HOST_CLIENT), and the socket's cookie for the port, so that Maglev spreads sockets (and
+    // like `datagram`'s pick keeps an unconnected UDP socket's datagrams on one backend).
     let flow = CtKey {
         saddr: HOST_CLIENT,
         daddr: vip,
@@ -93,7 +96,12 @@ fn try_translate(ctx: &SockAddrContext) -> Result<i32, Drop> {
         pad: [0; 3],
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some((_, backend)) = lb::new_flow_backend(&flow, &svc_key, &svc, now)? else {
+    let choice = if datagram {
+        flow_hash(&flow)
+    } else {
+        lb::random()
+    };
+    let Some((_, backend)) = lb::new_flow_backend(&flow, &svc_key, &svc, now, choice)? else {
         if svc.flags & SERVICE_LOCAL_ONLY != 0 {
             // The tc path drops such packets; a socket is told at once instead.
             return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));

@@ -596,7 +596,7 @@ pub const SCENARIOS: &[Scenario] = &[
                  endpoints",
         run: |w| {
             let ext = &w.sandbox.ext;
-            expect_spread(tcp_spread(ext, WEB, 16)?, &["be1", "be2", "be3"], "web")?;
+            expect_spread(tcp_spread(ext, WEB, 30)?, &["be1", "be2", "be3"], "web")?;
             expect_spread(tcp_spread(ext, REMOTE, 3)?, &["be4"], "remote")
         },
     },

@@ -53,8 +53,8 @@ impl Answer {
 
 /// Runs `ops` in one client process inside `ns` and `cgroup`, in order; each one's answer, or
 /// its error. An op is `tcp` (connect, getpeername, a `whoami` line), `udp` (a connected
-/// socket: the same) or `udp-sendto` (an unconnected socket: sendto, recvfrom), with the
-/// address to use.
+/// socket: the same), `udp-sendto` (an unconnected socket: sendto, recvfrom) or
+/// `udp-sendto-10` (ten of those from one socket), with the address to use.
 fn clients(
     ns: &Netns,
     cgroup: &TestCgroup,
@@ -150,6 +150,30 @@ fn client_op(kind: &str, addr: SocketAddr) -> anyhow::Result<Answer> {
         "udp-sendto" => {
             socket.send_to(b"whoami\n", addr)?;
             socket.recv_from(&mut buf)?
+        }
+        // Ten datagrams from one socket: the backends that answered, comma-separated.
+        "udp-sendto-10" => {
+            let mut names = BTreeSet::new();
+            let mut peer = addr;
+            for _ in 0..10 {
+                socket.send_to(b"whoami\n", addr)?;
+                let (n, from) = socket.recv_from(&mut buf)?;
+                let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
+                names.insert(
+                    reply
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or_default()
+                        .to_owned(),
+                );
+                peer = from;
+            }
+            let names: Vec<String> = names.into_iter().collect();
+            return Ok(Answer {
+                local: socket.local_addr()?,
+                peer,
+                reply: names.join(","),
+            });
         }
         _ => anyhow::bail!("unknown client op {kind}"),
     };
@@ -339,6 +363,15 @@ fn program_translates_host_sockets_at_connect_and_back() {
     }
     assert_eq!(names(&answers[..20]), set(&["a", "b"]), "TCP");
     assert_eq!(names(&answers[20..40]), set(&["a", "b"]), "UDP");
+    // An unconnected socket's datagrams to a Service go to one backend; sockets spread.
+    let sockets = ok(lab.clients(&[("udp-sendto-10", dns); 20]));
+    for socket in &sockets {
+        assert!(
+            !socket.reply.contains(','),
+            "one socket, several backends: {socket:?}"
+        );
+    }
+    assert_eq!(names(&sockets), set(&["a", "b"]), "unconnected UDP sockets");
 
     // sessionAffinity: one backend for every connection.
     let sticky = ok(lab.clients(&[("tcp", sa(STICKY, 80)); 10]));
