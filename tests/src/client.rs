@@ -287,3 +287,70 @@ pub fn bulk_transfer(from: &Netns, addr: SocketAddr, want: &str) -> Result<()> {
         bail!("{addr}: {want} never answered")
     })
 }
+
+/// Sends, from a raw socket inside `from` (as a pod with the default `CAP_NET_RAW` can), a
+/// bare TCP segment with each of `flags` to `dst` from each of `sources` (address and port),
+/// each with a sequence number drawn at random (a blind attacker's): a spoofed teardown or
+/// reopening of whatever connection a source has, or a flood. The segments sent.
+pub fn spoof_tcp(
+    from: &Netns,
+    sources: impl Iterator<Item = (Ipv4Addr, u16)> + Send,
+    dst: SocketAddr,
+    flags: &[u8],
+) -> Result<usize> {
+    let SocketAddr::V4(dst) = dst else {
+        bail!("{dst}: IPv4 only");
+    };
+    from.try_run(|| -> Result<usize> {
+        // SAFETY: a plain socket(2); the descriptor is owned below.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+        ensure!(fd >= 0, "a raw socket: {}", std::io::Error::last_os_error());
+        // SAFETY: a descriptor just opened and owned by nothing else.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let to = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(dst.ip().octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        let mut seq: u32 = 0x9e37_79b9;
+        let mut sent = 0;
+        for (src, port) in sources {
+            for &tcp_flags in flags {
+                // xorshift: any sequence number, as a blind guess would be.
+                seq ^= seq << 13;
+                seq ^= seq >> 17;
+                seq ^= seq << 5;
+                let spec = crate::packet::Spec {
+                    tcp_flags,
+                    seq,
+                    payload: Vec::new(),
+                    ..crate::packet::Spec::tcp(src, port, *dst.ip(), dst.port())
+                };
+                let frame = spec.build();
+                let packet = &frame[crate::packet::ETH_HLEN..];
+                // SAFETY: sendto(2) of a buffer and an address that outlive the call.
+                let n = unsafe {
+                    libc::sendto(
+                        std::os::fd::AsRawFd::as_raw_fd(&fd),
+                        packet.as_ptr().cast(),
+                        packet.len(),
+                        0,
+                        (&raw const to).cast(),
+                        size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                    )
+                };
+                ensure!(
+                    n >= 0,
+                    "sending a spoofed segment: {}",
+                    std::io::Error::last_os_error()
+                );
+                sent += 1;
+            }
+        }
+        Ok(sent)
+    })?
+    .with_context(|| format!("spoofing segments to {dst} from {}", from.name))
+}

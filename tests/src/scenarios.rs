@@ -32,7 +32,7 @@ use crate::{
         DNS, FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
         FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, MANIFEST, REMOTE, WEB,
     },
-    http_get, privileged, tcp_request, udp_request,
+    http_get, privileged, spoof_tcp, tcp_request, udp_request,
 };
 
 /// A proxy mode, as the suite runs it.
@@ -753,6 +753,43 @@ pub const SCENARIOS: &[Scenario] = &[
             let node_port = at(NODE1_IP, FRONT_NODE_PORT);
             bulk_transfer(&w.sandbox.ext, node_port, "be2").context("NodePort, local")?;
             bulk_transfer(&w.sandbox.ext, node_port, "be4").context("NodePort, remote")
+        },
+    },
+    Scenario {
+        name: "spoofed-teardown",
+        checks: "an attacker with raw sockets (a pod on the victim's node, with another pod's \
+                 address; a host outside, with its own) sends RSTs, FINs and bare SYNs over \
+                 the whole ephemeral port range towards a ClusterIP and a NodePort: the \
+                 victims' open connections and their new ones carry on",
+        run: |w| {
+            let node_port = at(NODE1_IP, FRONT_NODE_PORT);
+            let victims = [
+                (w.pod("client"), WEB, w.pod("be3")),
+                (&w.sandbox.ext, node_port, &w.sandbox.ext),
+            ];
+            for (victim, addr, attacker) in victims {
+                let mut conn = TcpConn::open(victim, addr)?;
+                let before = conn.ask("whoami")?;
+                let (_, seen) = before.split_once(' ').context("a whoami reply")?;
+                let SocketAddr::V4(source) = seen.parse()? else {
+                    bail!("{seen}: not IPv4");
+                };
+                // The victim as the endpoint sees it: the pod's own address, or the client's
+                // behind a NodePort (masqueraded or not, the attacker spoofs the client's).
+                let client = match victim.name == w.sandbox.ext.name {
+                    true => EXT_IP,
+                    false => *source.ip(),
+                };
+                let ports = (32768..=60999).map(|port| (client, port));
+                spoof_tcp(attacker, ports, addr, &[0x04, 0x11, 0x02])?;
+                let after = conn.ask("whoami")?;
+                ensure!(
+                    after == before,
+                    "{addr}: the connection changed ({before:?}, then {after:?})"
+                );
+                tcp_spread(victim, addr, 10).with_context(|| format!("{addr}: new connections"))?;
+            }
+            Ok(())
         },
     },
     Scenario {

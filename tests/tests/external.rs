@@ -22,7 +22,7 @@ use proxy_tests::{
         FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
         FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, cluster_on,
     },
-    http_get, tcp_request, udp_request,
+    http_get, spoof_tcp, tcp_request, udp_request,
 };
 use proxy_userspace::source::manifest::Object;
 
@@ -373,4 +373,55 @@ fn node_addresses_that_come_and_go_are_followed() {
         last.contains("192.0.2.11 (eth0)") && !last.contains("192.0.2.21"),
         "{last}"
     );
+}
+
+/// A SYN flood through a NodePort (spoofed sources nobody answers for, half of them sent on to
+/// the endpoint on the other node) cannot lock a legitimate client out: with a source port
+/// range the flood fills in two seconds, its flows being opened give their ports up to new
+/// ones, and the client's connections succeed during the flood and after it.
+#[test]
+fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
+    const PORTS: (u16, u16) = (61000, 61511);
+    let range = format!("{}-{}", PORTS.0, PORTS.1);
+    let Some((sandbox, _agents)) = cluster(
+        "a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients",
+        &["node1"],
+        &["--bpf-snat-port-range", &range],
+    ) else {
+        return;
+    };
+    let ext = &sandbox.ext;
+    let node_port = at(NODE1_IP, FRONT_NODE_PORT);
+    let flooding = std::sync::atomic::AtomicBool::new(true);
+    // 500 SYNs a second from sources all over 198.18.0.0/15, for as long as the client runs.
+    let flood = |flooding: &std::sync::atomic::AtomicBool| -> Result<usize> {
+        let mut sent = 0;
+        let mut next: u32 = 1;
+        while flooding.load(std::sync::atomic::Ordering::Relaxed) {
+            let sources = (0..5).map(|_| {
+                next = next.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                let host = std::net::Ipv4Addr::from(0xc612_0000 | (next >> 15) & 0x1_ffff);
+                (host, 1024 + (next % 60000) as u16)
+            });
+            sent += spoof_tcp(ext, sources, node_port, &[0x02])?;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(sent)
+    };
+    let (during, sent) = std::thread::scope(|scope| {
+        let flooder = scope.spawn(|| flood(&flooding));
+        // The range fills in about two seconds (half the flood needs a port), then stays full.
+        std::thread::sleep(Duration::from_secs(3));
+        let during = (0..100).filter(|_| whoami(ext, node_port).is_ok()).count();
+        flooding.store(false, std::sync::atomic::Ordering::Relaxed);
+        (during, flooder.join().unwrap().expect("flooding"))
+    });
+    eprintln!("flood: {sent} SYNs; {during} of 100 connections during it");
+    assert!(sent > 1000, "the flood sent {sent} SYNs");
+    assert!(
+        during >= 99,
+        "{during} of 100 connections succeeded during the flood"
+    );
+    let after = (0..50).filter(|_| whoami(ext, node_port).is_ok()).count();
+    assert_eq!(after, 50, "connections after the flood");
 }
