@@ -324,7 +324,7 @@ pub fn record_snat_flow(
         let reply_key = snat_reply_key(backend, node, port, key.proto);
         // A port a flow still holds (to this endpoint): try another. One whose flow is done
         // with it is overwritten; an unused one is taken only if no other CPU took it meanwhile.
-        let flags = match unsafe { CONNTRACK.get(&reply_key) } {
+        let flags = match unsafe { CONNTRACK.get(reply_key) } {
             Some(old) if !port_free(old, key.proto, now) => {
                 if reclaimable(old, now) && old.last_seen_ns < opening_seen {
                     (opening_port, opening_seen) = (port, old.last_seen_ns);
@@ -334,7 +334,7 @@ pub fn record_snat_flow(
             Some(_) => BPF_ANY,
             None => BPF_NOEXIST,
         };
-        if CONNTRACK.insert(&reply_key, &reply, flags as u64).is_err() {
+        if CONNTRACK.insert(reply_key, reply, flags as u64).is_err() {
             continue;
         }
         forward.nat_port = Be16::new(port);
@@ -351,11 +351,11 @@ pub fn record_snat_flow(
     }
     let reply_key = snat_reply_key(backend, node, opening_port, key.proto);
     // Unless another CPU changed the entry meanwhile.
-    let old = unsafe { CONNTRACK.get(&reply_key) }?;
+    let old = unsafe { CONNTRACK.get(reply_key) }?;
     if old.last_seen_ns != opening_seen || !reclaimable(old, now) {
         return None;
     }
-    CONNTRACK.insert(&reply_key, &reply, BPF_ANY as u64).ok()?;
+    CONNTRACK.insert(reply_key, reply, BPF_ANY as u64).ok()?;
     forward.nat_port = Be16::new(opening_port);
     let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
     Some(forward.nat_port)
