@@ -136,10 +136,11 @@ impl AgentRun {
             ("--bpf-cgroup-path", &cgroup.path()),
             ("--healthz-bind-address", &healthz),
             ("--metrics-bind-address", &metrics),
-            // Small maps: tests run side by side.
+            // Small maps: tests run side by side. Conntrack holds the spoofed-teardown
+            // scenario's flood of new flows (about 60k entries) without evicting its victims.
             ("--bpf-services-max", &"4096"),
             ("--bpf-backends-max", &"4096"),
-            ("--bpf-ct-max", &"16384"),
+            ("--bpf-ct-max", &"262144"),
         ];
         // A flag in `extra` replaces its default.
         for (flag, value) in defaults {
