@@ -451,8 +451,8 @@ pub struct StartConfig {
 }
 
 /// Starts the mode: the pin directory locked (held as long as the dataplane lives), the
-/// programs loaded (ahead or now), the maps taken over; the programs are attached once the
-/// first sync has filled the maps. `node_ips`: the Node object's addresses, for
+/// programs loaded (ahead or now), the maps taken over, the programs attached (where the load
+/// recreated maps, once the first sync has filled them). `node_ips`: the Node object's addresses, for
 /// `node_port_addresses` (`--nodeport-addresses`). A failed start removes whatever it pinned:
 /// another mode may follow. Pins another agent holds are left alone.
 pub fn start(
@@ -610,12 +610,12 @@ impl TakeOver {
 
 impl EbpfDataplane {
     /// Takes the programs [`load`] loaded from `pin_dir`, starts forwarding their logs and
-    /// exporting their drop counters, and gets ready to attach, after the first sync, the
-    /// socket programs to the cgroup `cgroup` (for the clients of this process's network
-    /// namespace), the tc programs to every interface `pod_interfaces` selects, then and as
-    /// such interfaces appear, and the external programs to the interfaces carrying the node
-    /// addresses `external` selects. `writer` says how the maps are programmed (drain period,
-    /// load-balancing algorithm).
+    /// exporting their drop counters, and attaches (at once, or where the load recreated maps,
+    /// after the first sync: [`Programs`]) the socket programs to the cgroup `cgroup` (for the
+    /// clients of this process's network namespace), the tc programs to every interface
+    /// `pod_interfaces` selects, then and as such interfaces appear, and the external programs
+    /// to the interfaces carrying the node addresses `external` selects. `writer` says how the
+    /// maps are programmed (drain period, load-balancing algorithm).
     pub fn new(
         loaded: Loaded,
         pin_dir: &Path,
