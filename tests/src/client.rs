@@ -115,6 +115,11 @@ impl TcpConn {
         bail!("{addr}: {want} never answered from {}", from.name)
     }
 
+    /// The connection's own address and port.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.stream.local_addr()?)
+    }
+
     /// Sends `msg` as a line; the reply line.
     pub fn ask(&mut self, msg: &str) -> Result<String> {
         tcp_exchange(&mut self.stream, &mut self.reader, msg).with_context(|| self.label.clone())

@@ -770,17 +770,20 @@ pub const SCENARIOS: &[Scenario] = &[
             for (victim, addr, attacker) in victims {
                 let mut conn = TcpConn::open(victim, addr)?;
                 let before = conn.ask("whoami")?;
-                let (_, seen) = before.split_once(' ').context("a whoami reply")?;
-                let SocketAddr::V4(source) = seen.parse()? else {
-                    bail!("{seen}: not IPv4");
+                let SocketAddr::V4(client) = conn.local_addr()? else {
+                    bail!("{addr}: not an IPv4 connection");
                 };
-                // The victim as the endpoint sees it: the pod's own address, or the client's
-                // behind a NodePort (masqueraded or not, the attacker spoofs the client's).
-                let client = match victim.name == w.sandbox.ext.name {
-                    true => EXT_IP,
-                    false => *source.ip(),
-                };
-                let ports = (32768..=60999).map(|port| (client, port));
+                // The whole ephemeral range; under software emulation (timeouts scaled up), a
+                // window of it around the victim's port: the victim's 5-tuple gets the same
+                // segments, the others fewer.
+                let slowness = crate::patience(Duration::from_secs(1)).as_secs().max(1) as u16;
+                let (lowest, highest) = (32768u16, 60999u16);
+                let width = (highest - lowest + 1) / slowness;
+                let first = client
+                    .port()
+                    .saturating_sub(width / 2)
+                    .clamp(lowest, highest - width + 1);
+                let ports = (first..first + width).map(|port| (*client.ip(), port));
                 spoof_tcp(attacker, ports, addr, &[0x04, 0x11, 0x02])?;
                 let after = conn.ask("whoami")?;
                 ensure!(
