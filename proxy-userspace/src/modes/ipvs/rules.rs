@@ -476,6 +476,25 @@ pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
         "KUBE-NODE-PORT",
         &format!("{} -j ACCEPT", matching(HEALTH_CHECK_NODE_PORT, "dst")),
     );
+    // A packet netfilter's window tracking judges out of a connection's window (a blind RST,
+    // FIN or SYN) never reaches IPVS, which would close the connection on any RST and then give
+    // the next SYN of its 5-tuple another endpoint: the iptables mode's KUBE-FORWARD drop, for
+    // the service addresses and NodePorts IPVS serves on INPUT.
+    for (proto, set, how) in [
+        ("", IPVS_IPS, "dst"),
+        ("-p tcp ", NODE_PORT_TCP, "dst"),
+        ("-p tcp ", NODE_PORT_LOCAL_TCP, "dst"),
+    ] {
+        if !plan.is_empty(set) {
+            rule(
+                "filter",
+                "KUBE-IPVS-FILTER",
+                &format!(
+                    "{proto}-m conntrack --ctstate INVALID -m set --match-set {set} {how} -j DROP"
+                ),
+            );
+        }
+    }
     // A service address (bound to kube-ipvs0, so local) answers only on its Services' ports:
     // new connections to another port would reach the node's own listeners (kube-proxy #72236).
     for (set, how) in [
