@@ -15,12 +15,12 @@ use std::{
 use anyhow::{Context, Result};
 use proxy_common::{SNAT_PORT_MAX, SNAT_PORT_MIN};
 use proxy_tests::{
-    EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, TcpConn,
-    agent::{AgentRun, edit_manifest},
+    EXT_IP, NODE_IF, NODE1_IP, NODE2_IP, Netns, Sandbox, TcpConn,
+    agent::{AgentRun, AgentSource, edit_manifest},
     bulk_transfer,
     example::{
         FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
-        FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, cluster_on,
+        FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, MANIFEST, cluster_on,
     },
     http_get, spoof_tcp, tcp_request, udp_request,
 };
@@ -424,4 +424,48 @@ fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
     );
     let after = (0..50).filter(|_| whoami(ext, node_port).is_ok()).count();
     assert_eq!(after, 50, "connections after the flood");
+}
+
+/// A node with more addresses than the node-address map holds (256), all NodePort addresses
+/// (`--nodeport-addresses 0.0.0.0/0`): the map takes what fits, the node's own address first,
+/// the agent says what was left out, and the external programs are attached all the same.
+#[test]
+fn a_full_node_address_map_leaves_the_external_set_up_standing() {
+    let Some((sandbox, agents)) = proxy_tests::example::cluster_on(
+        "a_full_node_address_map_leaves_the_external_set_up_standing",
+        &[],
+        &[],
+    ) else {
+        return;
+    };
+    drop(agents);
+    let mut sandbox = sandbox;
+    let lines: Vec<String> = (0..300)
+        .map(|i| {
+            format!(
+                "addr add 198.18.{}.{}/32 dev {NODE_IF}",
+                i / 250,
+                1 + i % 250
+            )
+        })
+        .collect();
+    sandbox
+        .node("node1")
+        .ip_batch(&lines)
+        .expect("adding addresses");
+    let agent = AgentRun::start_with_args(
+        &mut sandbox,
+        "node1",
+        AgentSource::Manifest(MANIFEST),
+        5,
+        &["--nodeport-addresses", "0.0.0.0/0"],
+    )
+    .expect("starting the agent");
+    let log = agent.log_text();
+    assert!(
+        log.contains("the node-address map is full") && log.contains("attached external programs"),
+        "{log}"
+    );
+    let (name, _) = whoami(&sandbox.ext, at(NODE1_IP, FRONT_NODE_PORT)).expect("the NodePort");
+    assert!(["be2", "be4"].contains(&name.as_str()), "{name}");
 }
