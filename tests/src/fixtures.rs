@@ -127,15 +127,23 @@ pub fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec
     .build()
 }
 
-/// What a restarted agent does: load again (reusing the pins) and take the maps.
-/// A new map writer on the pinned maps, as a restarted agent's.
+/// What a restarted agent does: load again (reusing the pins) and take the maps with a new
+/// map writer.
 pub fn restart(p: &mut Programs, sizes: MapSizes, drain_period: Duration) {
+    restart_with(
+        p,
+        sizes,
+        WriterConfig {
+            drain_period,
+            ..WriterConfig::default()
+        },
+    );
+}
+
+/// [`restart`], the new writer configured as `writer` says.
+pub fn restart_with(p: &mut Programs, sizes: MapSizes, writer: WriterConfig) {
     let mut reloaded = proxy_userspace::modes::ebpf::load(p.bpffs.path(), sizes)
         .unwrap()
         .ebpf;
-    let writer = WriterConfig {
-        drain_period,
-        ..WriterConfig::default()
-    };
     p.maps = MapWriter::take_from(&mut reloaded, writer).unwrap();
 }

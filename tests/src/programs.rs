@@ -117,15 +117,22 @@ impl Programs {
 
     /// The programs and maps; removed endpoints and services drain for `drain_period`.
     pub fn load_draining(sizes: MapSizes, drain_period: Duration) -> anyhow::Result<Self> {
+        Self::load_with(
+            sizes,
+            WriterConfig {
+                drain_period,
+                ..WriterConfig::default()
+            },
+        )
+    }
+
+    /// The programs and maps, written as `writer` says.
+    pub fn load_with(sizes: MapSizes, writer: WriterConfig) -> anyhow::Result<Self> {
         let bpffs = PrivateBpffs::new()?;
         let mut ebpf = ebpf::load(bpffs.path(), sizes)?.ebpf;
         // The agent loads them only to attach them; loaded here so that every kernel's
         // verifier checks them (5.10's too, which cannot attach them).
         ebpf::cgroup::load_programs(&mut ebpf)?;
-        let writer = WriterConfig {
-            drain_period,
-            ..WriterConfig::default()
-        };
         let maps = MapWriter::take_from(&mut ebpf, writer)?;
         Ok(Self { ebpf, maps, bpffs })
     }

@@ -6,7 +6,10 @@ use std::{
 };
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray};
-use proxy_common::{AffinityKey, AffinityValue, DROP_NO_LOCAL_ENDPOINTS, MAP_AFFINITY, MAP_DROPS};
+use proxy_common::{
+    AffinityKey, AffinityValue, DROP_NO_LOCAL_ENDPOINTS, MAP_AFFINITY, MAP_DROPS, MAP_MAGLEV,
+    MaglevChunk, ServiceKey,
+};
 use proxy_tests::{
     fixtures::*,
     packet::Spec,
@@ -16,7 +19,7 @@ use proxy_tests::{
 use proxy_userspace::{
     inspect::services_table,
     model::{DesiredState, Endpoint, Protocol, ServicePortName},
-    modes::ebpf::inspect,
+    modes::ebpf::{WriterConfig, inspect},
 };
 
 /// The TCP service `web` on VIP:80 with `endpoints` as given (conditions and node), on node1.
@@ -273,4 +276,69 @@ fn maglev_picks_the_same_backend_on_every_node_and_moves_few_flows() {
         "{kept} of {stayed} flows not on the removed backend kept theirs"
     );
     assert!(!after.contains(&gone));
+}
+
+/// A restart with another `--lb-maglev-table-size`: the programs read the pinned tables with
+/// their own size until the first full sync has rewritten them all, then the new tables with
+/// the new size, as a node started with that size does; no chunk of the larger old tables is
+/// left behind.
+#[test]
+fn a_new_maglev_table_size_takes_effect_with_its_tables() {
+    const TEST: &str = "a_new_maglev_table_size_takes_effect_with_its_tables";
+    let five: Vec<Endpoint> = (1..=5)
+        .map(|i| ep(Ipv4Addr::new(10, 244, 3, i), "node1", true, true, false))
+        .collect();
+    let state = web(five, |sp| {
+        sp.lb_algorithm = Some(proxy_userspace::model::LbAlgorithm::Maglev)
+    });
+    let Some(mut node) = load(TEST, &state) else {
+        return;
+    };
+    let small = WriterConfig {
+        maglev_table_size: 1021,
+        ..WriterConfig::default()
+    };
+    let mut fresh_small = Programs::load_with(SMALL, small).unwrap();
+    fresh_small.program(&state).unwrap();
+    let as_before = load(TEST, &state).unwrap();
+    // Flows not seen yet (each check its own source ports: conntrack remembers the others).
+    let flows = |first: u16| -> Vec<Spec> {
+        (0..200u16)
+            .map(|i| {
+                Spec::tcp(
+                    Ipv4Addr::new(10, 244, 1, (i % 50) as u8 + 1),
+                    first + i,
+                    VIP,
+                    80,
+                )
+            })
+            .collect()
+    };
+    let on = |p: &Programs, flows: &[Spec]| -> Vec<Ipv4Addr> {
+        flows.iter().map(|f| dnat(p, f).dst).collect()
+    };
+    restart_with(&mut node, SMALL, small);
+    let waiting = flows(20000);
+    assert_eq!(
+        on(&node, &waiting),
+        on(&as_before, &waiting),
+        "before the first sync, the pinned tables are read with their own size"
+    );
+    node.program(&state).unwrap();
+    let synced = flows(30000);
+    assert_eq!(
+        on(&node, &synced),
+        on(&fresh_small, &synced),
+        "after it, the new tables with the new size"
+    );
+    let chunks: BpfHashMap<MapData, ServiceKey, MaglevChunk> =
+        Map::HashMap(MapData::from_pin(node.bpffs.path().join(MAP_MAGLEV)).unwrap())
+            .try_into()
+            .unwrap();
+    let slots: BTreeSet<u16> = chunks.keys().map(|k| k.unwrap().slot).collect();
+    assert_eq!(
+        slots,
+        BTreeSet::from([0]),
+        "1021 entries: one chunk a frontend"
+    );
 }

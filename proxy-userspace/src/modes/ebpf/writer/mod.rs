@@ -91,8 +91,14 @@ pub struct MapWriter {
     lb_algorithm: LbAlgorithm,
     maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
     maglev_table_size: u32,
-    /// The pinned tables were made for another table size: rewrite each at its next sync.
-    maglev_stale: bool,
+    /// The size the pinned tables were made for, while it is not `maglev_table_size`: the
+    /// programs index with it (the CONFIG map) until a full sync has rewritten every table,
+    /// which then writes the new size, so a table is never read with another table's size
+    /// for longer than that sync (until then, also while the API server is unreachable, the
+    /// old tables serve as they are).
+    maglev_pinned_size: Option<u32>,
+    /// The programs' CONFIG map.
+    settings: Array<MapData, u32>,
     /// What the services map holds, by frontend.
     frontends: HashMap<Frontend, Programmed>,
     /// When the first draining frontend's period ends (None: none drains).
@@ -262,9 +268,18 @@ impl MapWriter {
                     .failures
                     .push(format!("expiring drained entries: {e:#}"));
             }
-            if errors.failures.is_empty() {
-                // Every table was written for the current size (or failed and stays stale).
-                self.maglev_stale = false;
+            if errors.failures.is_empty()
+                && self.maglev_pinned_size.is_some()
+                && let Err(e) =
+                    self.settings
+                        .set(CONFIG_MAGLEV_TABLE_SIZE, self.maglev_table_size, 0)
+            {
+                errors
+                    .failures
+                    .push(format!("writing the Maglev table size: {e:#}"));
+            } else if errors.failures.is_empty() {
+                // Every table is written for the current size, and the programs use it.
+                self.maglev_pinned_size = None;
             }
         }
         errors.into_result(ports.len())
@@ -405,7 +420,7 @@ impl MapWriter {
         };
         let had_maglev = had_head.is_some_and(|h| h.flags & SERVICE_MAGLEV != 0);
         let maglev = head.flags & SERVICE_MAGLEV != 0;
-        if maglev && (!had_maglev || old != ids || self.maglev_stale) {
+        if maglev && (!had_maglev || old != ids || self.maglev_pinned_size.is_some()) {
             // Before slot 0 points new flows at it; ids no longer in it only lose new flows.
             self.write_maglev(fe, backends, &ids)?;
         }

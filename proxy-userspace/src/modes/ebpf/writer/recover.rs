@@ -36,16 +36,20 @@ impl MapWriter {
         let source_ranges: LpmTrie<_, SourceRangeKey, u8> = take(MAP_SOURCE_RANGES)?.try_into()?;
         let mut settings: Array<_, u32> = take(MAP_CONFIG)?.try_into()?;
         let pinned_size = settings.get(&CONFIG_MAGLEV_TABLE_SIZE, 0)?;
-        settings.set(CONFIG_MAGLEV_TABLE_SIZE, config.maglev_table_size, 0)?;
+        let stale = pinned_size != 0 && pinned_size != config.maglev_table_size;
+        if !stale {
+            settings.set(CONFIG_MAGLEV_TABLE_SIZE, config.maglev_table_size, 0)?;
+        }
         let mut maps = Self::recover(
             services,
             backends,
             agent_state,
             maglev,
             source_ranges,
+            settings,
             config,
         )?;
-        maps.maglev_stale = pinned_size != 0 && pinned_size != config.maglev_table_size;
+        maps.maglev_pinned_size = stale.then_some(pinned_size);
         Ok(maps)
     }
 
@@ -55,6 +59,7 @@ impl MapWriter {
         agent_state: Array<MapData, u64>,
         maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
         source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+        settings: Array<MapData, u32>,
         config: WriterConfig,
     ) -> anyhow::Result<Self> {
         let mut maps = Self {
@@ -66,7 +71,8 @@ impl MapWriter {
             lb_algorithm: config.lb_algorithm,
             maglev,
             maglev_table_size: config.maglev_table_size,
-            maglev_stale: false,
+            maglev_pinned_size: None,
+            settings,
             frontends: HashMap::default(),
             frontend_expiry: None,
             owners: HashMap::default(),

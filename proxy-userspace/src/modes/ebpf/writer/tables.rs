@@ -57,12 +57,20 @@ impl MapWriter {
                     )
                 })?;
         }
-        Ok(())
+        // A larger table of the pinned size leaves chunks past this one's.
+        self.remove_maglev_chunks(fe, table.len().div_ceil(MAGLEV_CHUNK))
     }
 
     pub(super) fn remove_maglev(&mut self, fe: &Frontend) -> anyhow::Result<()> {
-        let chunks = (self.maglev_table_size as usize).div_ceil(MAGLEV_CHUNK);
-        for i in 0..chunks {
+        self.remove_maglev_chunks(fe, 0)
+    }
+
+    /// Deletes `fe`'s chunks from `first` on, of a table of either size.
+    fn remove_maglev_chunks(&mut self, fe: &Frontend, first: usize) -> anyhow::Result<()> {
+        let size = self
+            .maglev_table_size
+            .max(self.maglev_pinned_size.unwrap_or(0));
+        for i in first..(size as usize).div_ceil(MAGLEV_CHUNK) {
             match self.maglev.remove(&ServiceKey {
                 slot: i as u16,
                 ..*fe
