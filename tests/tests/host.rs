@@ -18,7 +18,7 @@ use std::{
 use proxy_tests::example::{DNS, MANIFEST as EXAMPLE, REMOTE, WEB};
 use proxy_tests::{
     BACKEND_PORT, NS_PREFIX, Netns, Sandbox,
-    agent::{AgentRun, TestCgroup},
+    agent::{AgentRun, TestCgroup, edit_manifest, remove_endpoint},
     backend_bin, client_timeout,
     fixtures::SMALL,
     privileged,
@@ -108,12 +108,79 @@ fn parse_answer(line: &str) -> Result<Answer, String> {
     })
 }
 
-/// The client process ([`clients`]); without its environment variable, a test that passes.
+/// A client process inside a namespace and a cgroup that holds one connected UDP socket: each
+/// [`HeldUdp::ask`] sends `whoami` on it and reads the answer (or the error).
+struct HeldUdp {
+    child: Child,
+    answers: BufReader<std::process::ChildStdout>,
+}
+
+impl HeldUdp {
+    fn open(ns: &Netns, cgroup: &TestCgroup, addr: SocketAddr) -> Self {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["host_client_child", "--exact", "--nocapture", "-q"])
+            .env(CHILD_ENV, format!("{HELD_UDP} {addr}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        ns.enter(&mut cmd).unwrap();
+        cgroup.enter(&mut cmd).unwrap();
+        let mut child = cmd.spawn().expect("starting a client");
+        let answers = BufReader::new(child.stdout.take().unwrap());
+        Self { child, answers }
+    }
+
+    fn ask(&mut self) -> Result<Answer, String> {
+        writeln!(self.child.stdin.as_mut().unwrap(), "ask").expect("asking the client");
+        let mut line = String::new();
+        while !line.starts_with(RESULT) {
+            line.clear();
+            let n = self
+                .answers
+                .read_line(&mut line)
+                .expect("the client's answer");
+            assert!(n > 0, "the client ended");
+        }
+        parse_answer(line[RESULT.len()..].trim())
+    }
+}
+
+impl Drop for HeldUdp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// [`HeldUdp`]'s client: one connected socket, asked once per line on stdin.
+const HELD_UDP: &str = "udp-held";
+
+/// The client process ([`clients`], [`HeldUdp`]); without its environment variable, a test
+/// that passes.
 #[test]
 fn host_client_child() {
     let Ok(ops) = std::env::var(CHILD_ENV) else {
         return;
     };
+    if let Some(addr) = ops.strip_prefix(HELD_UDP) {
+        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).unwrap();
+        socket.set_read_timeout(Some(client_timeout())).unwrap();
+        socket.connect(addr.trim()).unwrap();
+        for _ in std::io::stdin().lines() {
+            let mut buf = [0u8; 1500];
+            let answer = socket
+                .send(b"whoami\n")
+                .and_then(|_| socket.recv(&mut buf))
+                .and_then(|n| Ok((n, socket.local_addr()?, socket.peer_addr()?)));
+            match answer {
+                Ok((n, local, peer)) => {
+                    let reply = String::from_utf8_lossy(&buf[..n]);
+                    println!("{RESULT} ok {local} {peer} {}", reply.trim());
+                }
+                Err(e) => println!("{RESULT} err {e}"),
+            }
+        }
+        return;
+    }
     for op in ops.split(';') {
         let (kind, addr) = op.split_once(' ').expect("an op and an address");
         let line = match client_op(kind, addr.parse().expect("an address")) {
@@ -592,6 +659,49 @@ fn host_network_clients_reach_services() {
         host(&agent, &[("tcp", WEB)])[0].is_err(),
         "translated after cleanup"
     );
+}
+
+/// A host-network UDP socket connected to a Service whose endpoint leaves is told (the agent
+/// destroys it: its next send or receive fails), and connecting again reaches an endpoint still there.
+/// Without that, its datagrams would go on to the gone endpoint, which here still answers.
+#[test]
+fn a_connected_udp_socket_is_told_when_its_endpoint_leaves() {
+    const TEST: &str = "a_connected_udp_socket_is_told_when_its_endpoint_leaves";
+    if !privileged(TEST) || !proxy_tests::kernel_has(TEST, &features::NETNS_COOKIE) {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let agent = AgentRun::start(&mut sandbox, "node1", EXAMPLE, 3).expect("the agent");
+    let node1 = Netns::open(&sandbox.node1.name);
+    let mut held = HeldUdp::open(&node1, &agent.cgroup, DNS);
+    let first = held.ask().expect("the first answer");
+    assert_eq!(first.peer, DNS);
+    // An unconnected socket's datagrams follow the endpoints by themselves; only connected
+    // ones need telling.
+    let (gone, stays) = match first.name() {
+        "be1" => ("10.244.1.11", "be4"),
+        _ => ("10.244.2.11", "be1"),
+    };
+    let before = agent.syncs();
+    edit_manifest(&agent.manifest, |o| remove_endpoint(o, "dns-like", gone)).unwrap();
+    agent.wait_for_sync_after(&mut sandbox, before).unwrap();
+    let told = held.ask();
+    assert!(
+        // The kernel disconnects it: a send fails with EDESTADDRREQ, a receive waiting then
+        // with ECONNABORTED.
+        told.as_ref()
+            .is_err_and(|e| e.contains("os error 89") || e.contains("os error 103")),
+        "the socket still works: {told:?}\n{}",
+        agent.log_text()
+    );
+    assert!(
+        agent
+            .log_text()
+            .contains("destroyed host-network UDP sockets")
+    );
+    let again = ok(clients(&node1, &agent.cgroup, &[("udp", DNS); 5]));
+    assert_eq!(names(&again), set(&[stays]));
 }
 
 /// The BPF program types among a process's open file descriptors (fdinfo's `prog_type`).

@@ -14,7 +14,7 @@ const IFLA_MASTER: u16 = 10;
 /// The flag bits of an attribute's type (`NLA_F_NESTED | NLA_F_NET_BYTEORDER`).
 const NLA_FLAGS: u16 = 0xc000;
 /// `struct nlmsghdr` and `struct ifinfomsg`.
-const NLMSG_HDRLEN: usize = 16;
+pub(super) const NLMSG_HDRLEN: usize = 16;
 const IFINFOMSG_LEN: usize = 16;
 /// Asked for as the socket's receive buffer: a burst of pods starting (a few messages of
 /// 1-2 KiB each) must not overflow it. Overflowing loses notifications (ENOBUFS), which the
@@ -48,7 +48,7 @@ impl LinkEvents {
     /// Subscribes (in the calling thread's network namespace). Notifications queue from here
     /// on, so an interface listed after this is never missed.
     pub fn subscribe() -> io::Result<Self> {
-        let fd = route_socket()?;
+        let fd = netlink_socket(libc::NETLINK_ROUTE)?;
         // Beyond net.core.rmem_max with CAP_NET_ADMIN (which the agent has); else the default.
         if setsockopt_int(&fd, libc::SO_RCVBUFFORCE, RECEIVE_BUFFER).is_err() {
             let _ = setsockopt_int(&fd, libc::SO_RCVBUF, RECEIVE_BUFFER);
@@ -120,14 +120,14 @@ impl AsFd for LinkEvents {
     }
 }
 
-/// A NETLINK_ROUTE socket.
-fn route_socket() -> io::Result<OwnedFd> {
+/// A netlink socket of `protocol` (NETLINK_ROUTE, NETLINK_SOCK_DIAG).
+pub(super) fn netlink_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); the fd is owned below.
     let fd = unsafe {
         libc::socket(
             libc::AF_NETLINK,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_ROUTE,
+            protocol,
         )
     };
     if fd < 0 {
@@ -140,7 +140,7 @@ fn route_socket() -> io::Result<OwnedFd> {
 /// The interface the interface `index` is a port of (a bridge, a bond), asked of the kernel
 /// (RTM_GETLINK): `None` if it is a port of none.
 pub fn master(index: u32) -> io::Result<Option<u32>> {
-    let fd = route_socket()?;
+    let fd = netlink_socket(libc::NETLINK_ROUTE)?;
     let mut request = [0u8; NLMSG_HDRLEN + IFINFOMSG_LEN];
     request[0..4].copy_from_slice(&((NLMSG_HDRLEN + IFINFOMSG_LEN) as u32).to_ne_bytes());
     request[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
@@ -187,15 +187,15 @@ fn setsockopt_int(fd: &OwnedFd, option: libc::c_int, value: libc::c_int) -> io::
     Ok(())
 }
 
-fn align4(len: usize) -> usize {
+pub(super) fn align4(len: usize) -> usize {
     (len + 3) & !3
 }
 
-fn u16_at(b: &[u8], at: usize) -> u16 {
+pub(super) fn u16_at(b: &[u8], at: usize) -> u16 {
     u16::from_ne_bytes([b[at], b[at + 1]])
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+pub(super) fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 

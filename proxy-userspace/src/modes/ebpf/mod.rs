@@ -11,6 +11,7 @@ mod link_events;
 pub mod maglev;
 pub mod plan;
 pub mod pod_interfaces;
+mod stale_sockets;
 pub mod writer;
 
 use std::{
@@ -577,6 +578,9 @@ pub fn installed(pin_dir: &Path) -> bool {
 pub struct EbpfDataplane {
     maps: MapWriter,
     programs: Programs,
+    pin_dir: PathBuf,
+    /// The socket programs serve this namespace's host-network clients.
+    host_clients: bool,
     /// Held while the dataplane lives: a second agent on the same pins is refused.
     pin_dir_lock: Option<bpffs::PinDirLock>,
 }
@@ -654,6 +658,8 @@ impl EbpfDataplane {
         )?;
         let mut dataplane = Self {
             maps,
+            pin_dir: pin_dir.to_owned(),
+            host_clients: host_clients.is_some(),
             programs: Programs::Ready(Box::new(TakeOver {
                 prepared,
                 cgroup: host_clients,
@@ -698,10 +704,32 @@ impl EbpfDataplane {
     }
 }
 
+impl EbpfDataplane {
+    /// After a sync in which UDP endpoints left their service ports: the host-network sockets
+    /// connected to them through the socket programs are told ([`stale_sockets`]). A failure
+    /// is logged, not the sync's: the maps are right.
+    fn tell_stale_udp_sockets(&mut self) {
+        if !self.maps.take_udp_departures() || !self.host_clients {
+            return;
+        }
+        match stale_sockets::terminate(&self.pin_dir, &self.maps.udp_routes()) {
+            Ok(0) => {}
+            Ok(sockets) => tracing::info!(
+                sockets,
+                "destroyed host-network UDP sockets connected to endpoints that left their \
+                 Service (the kernel disconnects them: a receive fails with ECONNABORTED, a \
+                 send with EDESTADDRREQ; connecting again picks a serving endpoint)"
+            ),
+            Err(e) => tracing::warn!("telling host-network UDP sockets: {e:#}"),
+        }
+    }
+}
+
 impl Dataplane for EbpfDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let synced = self.maps.sync(state, scope);
         self.take_over()?;
+        self.tell_stale_udp_sockets();
         synced
     }
 

@@ -132,6 +132,7 @@ impl MapWriter {
     /// Marks backend `id` (endpoint `b`) draining in the map: no new flows, established TCP
     /// connections stay.
     pub(super) fn flag_draining(&mut self, id: u32, b: Backend) -> anyhow::Result<()> {
+        self.udp_departed |= b.proto == IPPROTO_UDP;
         let flagged = Backend {
             flags: b.flags | BACKEND_DRAINING,
             ..b

@@ -37,7 +37,7 @@ use aya::{
 };
 use proxy_common::{
     AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be32, CONFIG_MAGLEV_TABLE_SIZE,
-    MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV, MAP_SERVICES,
+    IPPROTO_UDP, MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV, MAP_SERVICES,
     MAP_SOURCE_RANGES, MaglevChunk, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
     SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
 };
@@ -99,6 +99,8 @@ pub struct MapWriter {
     maglev_pinned_size: Option<u32>,
     /// The programs' CONFIG map.
     settings: Array<MapData, u32>,
+    /// A UDP endpoint has left a service port since [`Self::take_udp_departures`] last asked.
+    udp_departed: bool,
     /// What the services map holds, by frontend.
     frontends: HashMap<Frontend, Programmed>,
     /// When the first draining frontend's period ends (None: none drains).
@@ -176,6 +178,37 @@ impl Batch {
 const LOST: u32 = 0;
 
 impl MapWriter {
+    /// Whether a UDP endpoint has left a service port (flagged draining) since the last call.
+    pub fn take_udp_departures(&mut self) -> bool {
+        std::mem::take(&mut self.udp_departed)
+    }
+
+    /// Every (frontend address, port, endpoint address, port) of UDP through which new flows
+    /// may go now: a NodePort's frontend address is unspecified (0.0.0.0).
+    pub fn udp_routes(&self) -> HashSet<(Ipv4Addr, u16, Ipv4Addr, u16)> {
+        let mut routes = HashSet::default();
+        for (fe, programmed) in &self.frontends {
+            if fe.proto != IPPROTO_UDP {
+                continue;
+            }
+            for id in &programmed.slots {
+                let Some(state) = self.by_id.get(id) else {
+                    continue;
+                };
+                if state.drain.is_none() {
+                    let b = state.backend;
+                    routes.insert((
+                        Ipv4Addr::from(fe.addr.octets()),
+                        fe.port.get(),
+                        Ipv4Addr::from(b.addr.octets()),
+                        b.port.get(),
+                    ));
+                }
+            }
+        }
+        routes
+    }
+
     pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let ports: Vec<ServicePortName> = match scope {
             Scope::All => {

@@ -73,6 +73,7 @@ impl MapWriter {
             maglev_table_size: config.maglev_table_size,
             maglev_pinned_size: None,
             settings,
+            udp_departed: false,
             frontends: HashMap::default(),
             frontend_expiry: None,
             owners: HashMap::default(),

@@ -1,0 +1,250 @@
+//! Host-network UDP sockets connected to an endpoint that has left their Service are told, as
+//! Cilium terminates them. The socket programs rewrite a connected socket's destination to the
+//! endpoint at connect() (sock.rs), so no later map change moves it: without this, its
+//! datagrams would go on to the gone endpoint until the application reconnects. The sockets
+//! the programs sent somewhere are in SOCK_REVNAT (cookie and endpoint -> service address);
+//! those whose endpoint no longer serves that address are destroyed through NETLINK_SOCK_DIAG's
+//! SOCK_DESTROY (`ss -K`'s request; the kernel needs CONFIG_INET_DIAG_DESTROY, which Debian's
+//! and the major distributions' kernels have): the kernel disconnects such a socket, so the
+//! application's next receive fails with ECONNABORTED (a send, with EDESTADDRREQ), and
+//! connecting again picks a serving endpoint. TCP connections are left to drain, as the tc
+//! path leaves them.
+use std::{
+    io,
+    net::Ipv4Addr,
+    os::fd::{AsRawFd, OwnedFd},
+    path::Path,
+};
+
+use anyhow::Context;
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use foldhash::{HashMap, HashSet};
+use proxy_common::{IPPROTO_UDP, MAP_SOCK_REVNAT, NODE_PORT_ADDR, SockRevNatKey, SockRevNatValue};
+
+use super::link_events::{NLMSG_HDRLEN, align4, netlink_socket, u16_at, u32_at};
+
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const SOCK_DESTROY: u16 = 21;
+/// `struct inet_diag_sockid`: ports, addresses, interface, cookie.
+const SOCKID_LEN: usize = 48;
+/// `struct inet_diag_req_v2`: family, protocol, extensions, pad, states, the socket id.
+const REQUEST_LEN: usize = 8 + SOCKID_LEN;
+/// `struct inet_diag_msg` up to the end of its socket id: family, state, timer, retransmits.
+const MESSAGE_ID_AT: usize = 4;
+/// A connected UDP socket's state, as sock_diag reports it.
+const TCP_ESTABLISHED: u32 = 1;
+
+/// What the UDP routes of the services map are: (frontend address, port, endpoint address,
+/// port), a NodePort's address unspecified ([`super::MapWriter::udp_routes`]).
+pub type UdpRoutes = HashSet<(Ipv4Addr, u16, Ipv4Addr, u16)>;
+
+/// Destroys this network namespace's connected UDP sockets that the socket programs sent to
+/// an endpoint no longer in `routes` for the service address they asked for; how many.
+pub fn terminate(pin_dir: &Path, routes: &UdpRoutes) -> anyhow::Result<usize> {
+    let stale = stale_cookies(pin_dir, routes)?;
+    if stale.is_empty() {
+        return Ok(0);
+    }
+    let fd = netlink_socket(libc::NETLINK_SOCK_DIAG).context("a NETLINK_SOCK_DIAG socket")?;
+    let mut destroyed = 0;
+    for socket in connected_udp_sockets(&fd).context("listing the UDP sockets (sock_diag)")? {
+        if stale.get(&socket.cookie) != Some(&socket.peer) {
+            continue;
+        }
+        match destroy(&fd, &socket.id) {
+            Ok(()) => destroyed += 1,
+            // Closed meanwhile.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                anyhow::bail!(
+                    "this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY is not set): \
+                     host-network UDP sockets connected to a Service keep sending to an \
+                     endpoint that left until they reconnect"
+                );
+            }
+            Err(e) => return Err(e).context("destroying a UDP socket (SOCK_DESTROY)"),
+        }
+    }
+    Ok(destroyed)
+}
+
+/// The sockets (by cookie) whose recorded endpoint does not serve their service address now,
+/// with that endpoint.
+fn stale_cookies(
+    pin_dir: &Path,
+    routes: &UdpRoutes,
+) -> anyhow::Result<HashMap<u64, (Ipv4Addr, u16)>> {
+    let path = pin_dir.join(MAP_SOCK_REVNAT);
+    let data = MapData::from_pin(&path)
+        .with_context(|| format!("opening the pinned map {}", path.display()))?;
+    let revnat: BpfHashMap<MapData, SockRevNatKey, SockRevNatValue> =
+        Map::LruHashMap(data).try_into()?;
+    let mut stale = HashMap::default();
+    for entry in revnat.iter() {
+        // An entry evicted while we walk: the others are still read.
+        let Ok((key, service)) = entry else { continue };
+        let endpoint = (Ipv4Addr::from(key.addr.octets()), key.port.get());
+        let served =
+            |addr: Ipv4Addr| routes.contains(&(addr, service.port.get(), endpoint.0, endpoint.1));
+        // A NodePort's frontend is any node address.
+        let node_port = Ipv4Addr::from(NODE_PORT_ADDR.octets());
+        if !served(Ipv4Addr::from(service.addr.octets())) && !served(node_port) {
+            stale.insert(key.cookie, endpoint);
+        }
+    }
+    Ok(stale)
+}
+
+/// A connected UDP socket as sock_diag lists it.
+struct DiagSocket {
+    /// Its `inet_diag_sockid`, as the kernel gave it (SOCK_DESTROY takes it back whole).
+    id: [u8; SOCKID_LEN],
+    cookie: u64,
+    peer: (Ipv4Addr, u16),
+}
+
+/// A sock_diag request for IPv4 UDP sockets in `states` (a bit per state), of socket `id`.
+fn request(kind: u16, flags: u16, states: u32, id: &[u8; SOCKID_LEN]) -> Vec<u8> {
+    let len = NLMSG_HDRLEN + REQUEST_LEN;
+    let mut msg = vec![0u8; len];
+    msg[0..4].copy_from_slice(&(len as u32).to_ne_bytes());
+    msg[4..6].copy_from_slice(&kind.to_ne_bytes());
+    msg[6..8].copy_from_slice(&flags.to_ne_bytes());
+    let body = &mut msg[NLMSG_HDRLEN..];
+    body[0] = libc::AF_INET as u8;
+    body[1] = IPPROTO_UDP;
+    body[4..8].copy_from_slice(&states.to_ne_bytes());
+    body[8..].copy_from_slice(id);
+    msg
+}
+
+fn send(fd: &OwnedFd, msg: &[u8]) -> io::Result<()> {
+    // SAFETY: send(2) of our buffer to the kernel (the socket is unbound and unconnected).
+    if unsafe { libc::send(fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn receive<'a>(fd: &OwnedFd, buf: &'a mut [u8]) -> io::Result<&'a [u8]> {
+    loop {
+        // SAFETY: recv(2) into our buffer, with its length.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n >= 0 {
+            return Ok(&buf[..n as usize]);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// The error of an NLMSG_ERROR message's body (0: an acknowledgment).
+fn error_of(body: &[u8]) -> io::Result<()> {
+    let errno = i32::from_ne_bytes(body.get(0..4).ok_or_else(short)?.try_into().unwrap());
+    match errno {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(-e)),
+    }
+}
+
+fn short() -> io::Error {
+    io::Error::other("a truncated sock_diag message")
+}
+
+/// Every connected IPv4 UDP socket of this network namespace.
+fn connected_udp_sockets(fd: &OwnedFd) -> io::Result<Vec<DiagSocket>> {
+    let dump = request(
+        SOCK_DIAG_BY_FAMILY,
+        (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16,
+        1 << TCP_ESTABLISHED,
+        &[0; SOCKID_LEN],
+    );
+    send(fd, &dump)?;
+    let mut buf = vec![0u8; 64 << 10];
+    let mut out = Vec::new();
+    loop {
+        let mut part = receive(fd, &mut buf)?;
+        while part.len() >= NLMSG_HDRLEN {
+            let len = u32_at(part, 0) as usize;
+            if len < NLMSG_HDRLEN || len > part.len() {
+                return Err(short());
+            }
+            let body = &part[NLMSG_HDRLEN..len];
+            match u16_at(part, 4) {
+                t if t == libc::NLMSG_DONE as u16 => return Ok(out),
+                t if t == libc::NLMSG_ERROR as u16 => {
+                    error_of(body)?;
+                    return Ok(out);
+                }
+                SOCK_DIAG_BY_FAMILY => out.push(parse(body).ok_or_else(short)?),
+                _ => {}
+            }
+            part = &part[align4(len).min(part.len())..];
+        }
+    }
+}
+
+/// An `inet_diag_msg`'s socket.
+fn parse(body: &[u8]) -> Option<DiagSocket> {
+    let id: [u8; SOCKID_LEN] = body
+        .get(MESSAGE_ID_AT..MESSAGE_ID_AT + SOCKID_LEN)?
+        .try_into()
+        .ok()?;
+    // Source port, destination port, source and destination (16 bytes each), interface,
+    // cookie (two 32-bit halves, low first).
+    let dport = u16::from_be_bytes([id[2], id[3]]);
+    let dst = Ipv4Addr::new(id[20], id[21], id[22], id[23]);
+    let cookie = u64::from(u32_at(&id, 40)) | (u64::from(u32_at(&id, 44)) << 32);
+    Some(DiagSocket {
+        id,
+        cookie,
+        peer: (dst, dport),
+    })
+}
+
+/// SOCK_DESTROY of the socket `id`, waiting for the kernel's answer.
+fn destroy(fd: &OwnedFd, id: &[u8; SOCKID_LEN]) -> io::Result<()> {
+    let msg = request(
+        SOCK_DESTROY,
+        (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16,
+        u32::MAX,
+        id,
+    );
+    send(fd, &msg)?;
+    let mut buf = vec![0u8; 4096];
+    let reply = receive(fd, &mut buf)?;
+    if reply.len() < NLMSG_HDRLEN + 4 || u16_at(reply, 4) != libc::NLMSG_ERROR as u16 {
+        return Err(short());
+    }
+    error_of(&reply[NLMSG_HDRLEN..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An `inet_diag_msg` as the kernel writes it: the peer's port and address, the cookie's
+    /// halves low first.
+    #[test]
+    fn a_listed_socket_is_read_as_the_kernel_writes_it() {
+        let mut body = vec![0u8; 72];
+        body[0] = libc::AF_INET as u8;
+        body[1] = TCP_ESTABLISHED as u8;
+        let id = &mut body[MESSAGE_ID_AT..MESSAGE_ID_AT + SOCKID_LEN];
+        id[0..2].copy_from_slice(&40000u16.to_be_bytes());
+        id[2..4].copy_from_slice(&53u16.to_be_bytes());
+        id[4..8].copy_from_slice(&[192, 168, 0, 1]);
+        id[20..24].copy_from_slice(&[10, 244, 1, 53]);
+        id[40..44].copy_from_slice(&0x89ab_cdefu32.to_ne_bytes());
+        id[44..48].copy_from_slice(&0x0123_4567u32.to_ne_bytes());
+        let socket = parse(&body).unwrap();
+        assert_eq!(socket.peer, (Ipv4Addr::new(10, 244, 1, 53), 53));
+        assert_eq!(socket.cookie, 0x0123_4567_89ab_cdef);
+        assert_eq!(
+            &socket.id[..],
+            &body[MESSAGE_ID_AT..MESSAGE_ID_AT + SOCKID_LEN]
+        );
+    }
+}
