@@ -306,56 +306,74 @@ pub fn spoof_tcp(
     let SocketAddr::V4(dst) = dst else {
         bail!("{dst}: IPv4 only");
     };
+    let mut random = Xorshift(0x9e37_79b9);
+    let segments = sources.flat_map(move |(src, port)| {
+        flags
+            .iter()
+            .map(|&tcp_flags| crate::packet::Spec {
+                tcp_flags,
+                seq: random.next(),
+                payload: Vec::new(),
+                ..crate::packet::Spec::tcp(src, port, *dst.ip(), dst.port())
+            })
+            .map(|spec| spec.build())
+            .collect::<Vec<_>>()
+    });
+    send_raw(from, segments).with_context(|| format!("spoofing segments to {dst}"))
+}
+
+/// A xorshift generator: numbers as a blind guess would draw them.
+pub struct Xorshift(pub u32);
+
+impl Xorshift {
+    pub fn next(&mut self) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 17;
+        self.0 ^= self.0 << 5;
+        self.0
+    }
+}
+
+/// Sends each of `frames` (as [`crate::packet::Spec::build`] makes them: the Ethernet header
+/// is left off) from a raw socket inside `from`, its IP header as it is (any source, any
+/// fragment fields), to its destination address. The packets sent.
+pub fn send_raw(from: &Netns, frames: impl Iterator<Item = Vec<u8>> + Send) -> Result<usize> {
     from.try_run(|| -> Result<usize> {
         // SAFETY: a plain socket(2); the descriptor is owned below.
         let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
         ensure!(fd >= 0, "a raw socket: {}", std::io::Error::last_os_error());
         // SAFETY: a descriptor just opened and owned by nothing else.
         let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        let to = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: 0,
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(dst.ip().octets()),
-            },
-            sin_zero: [0; 8],
-        };
-        let mut seq: u32 = 0x9e37_79b9;
         let mut sent = 0;
-        for (src, port) in sources {
-            for &tcp_flags in flags {
-                // xorshift: any sequence number, as a blind guess would be.
-                seq ^= seq << 13;
-                seq ^= seq >> 17;
-                seq ^= seq << 5;
-                let spec = crate::packet::Spec {
-                    tcp_flags,
-                    seq,
-                    payload: Vec::new(),
-                    ..crate::packet::Spec::tcp(src, port, *dst.ip(), dst.port())
-                };
-                let frame = spec.build();
-                let packet = &frame[crate::packet::ETH_HLEN..];
-                // SAFETY: sendto(2) of a buffer and an address that outlive the call.
-                let n = unsafe {
-                    libc::sendto(
-                        std::os::fd::AsRawFd::as_raw_fd(&fd),
-                        packet.as_ptr().cast(),
-                        packet.len(),
-                        0,
-                        (&raw const to).cast(),
-                        size_of::<libc::sockaddr_in>() as libc::socklen_t,
-                    )
-                };
-                ensure!(
-                    n >= 0,
-                    "sending a spoofed segment: {}",
-                    std::io::Error::last_os_error()
-                );
-                sent += 1;
-            }
+        for frame in frames {
+            let packet = &frame[crate::packet::ETH_HLEN..];
+            let to = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: 0,
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(packet[16..20].try_into().unwrap()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sendto(2) of a buffer and an address that outlive the call.
+            let n = unsafe {
+                libc::sendto(
+                    std::os::fd::AsRawFd::as_raw_fd(&fd),
+                    packet.as_ptr().cast(),
+                    packet.len(),
+                    0,
+                    (&raw const to).cast(),
+                    size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                )
+            };
+            ensure!(
+                n >= 0,
+                "sending a raw packet: {}",
+                std::io::Error::last_os_error()
+            );
+            sent += 1;
         }
         Ok(sent)
     })?
-    .with_context(|| format!("spoofing segments to {dst} from {}", from.name))
+    .with_context(|| format!("sending raw packets from {}", from.name))
 }

@@ -28,12 +28,63 @@ use crate::{
     BACKEND_PORT, EXT_IP, NODE1_IP, NODE2_IP, Netns, Sandbox, Shape, TcpConn, UdpConn,
     agent::{AgentRun, AgentSource, add_endpoint, edit_manifest, remove_endpoint},
     bulk_transfer,
+    client::{Xorshift, send_raw},
     example::{
         DNS, FRONT, FRONT_EXTERNAL_IP, FRONT_LB, FRONT_LOCAL_HEALTH_PORT, FRONT_LOCAL_LB,
         FRONT_LOCAL_NODE_PORT, FRONT_NODE_PORT, FRONT_UDP_NODE_PORT, MANIFEST, REMOTE, WEB,
     },
-    http_get, privileged, spoof_tcp, tcp_request, udp_request,
+    http_get,
+    packet::{
+        ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, ICMP_PORT_UNREACH, Spec, fragments, icmp_error,
+        set_ip_id,
+    },
+    privileged, spoof_tcp, tcp_request, udp_request,
 };
+
+/// Four 4 KB UDP datagrams (fragmented both ways) from `from` to `addr`, each echoed whole.
+fn echo_4k(from: &Netns, addr: SocketAddr) -> Result<()> {
+    let request = format!("echo {}", "x".repeat(4000));
+    for _ in 0..4 {
+        let answer = udp_request(from, addr, &request)?;
+        ensure!(
+            answer.ends_with(&request) && answer.len() == request.len() + 4,
+            "{addr}: answered {} bytes: {:?}...",
+            answer.len(),
+            &answer[..answer.len().min(40)]
+        );
+    }
+    Ok(())
+}
+
+/// UDP fragments from `src` to `dst` whose datagrams never complete: first fragments (a few
+/// flows) and later ones, each with an IP identification drawn at random. A thousand of each:
+/// enough to churn what remembers fragments, few enough to stay within the kernel's own
+/// reassembly memory (4 MB a namespace), whose exhaustion any sender of fragments can cause,
+/// with or without a Service between.
+fn fragment_flood(
+    src: Ipv4Addr,
+    dst: SocketAddr,
+    random: &mut Xorshift,
+) -> impl Iterator<Item = Vec<u8>> + Send + use<> {
+    let SocketAddr::V4(dst) = dst else {
+        unreachable!("IPv4 frontends")
+    };
+    let ids: Vec<(u16, u16)> = (0..1000)
+        .map(|_| (random.next() as u16, random.next() as u16))
+        .collect();
+    ids.into_iter()
+        .enumerate()
+        .flat_map(move |(i, (first_id, later_id))| {
+            let spec = Spec {
+                payload: vec![b'x'; 16],
+                ..Spec::udp(src, 40000 + (i % 8) as u16, *dst.ip(), dst.port())
+            };
+            let (mut first, mut later) = fragments(&spec.build(), 8);
+            set_ip_id(&mut first, first_id);
+            set_ip_id(&mut later, later_id);
+            [first, later]
+        })
+}
 
 /// A proxy mode, as the suite runs it.
 pub struct Mode {
@@ -708,23 +759,8 @@ pub const SCENARIOS: &[Scenario] = &[
         checks: "4 KB UDP datagrams, fragmented both ways, through a ClusterIP (to endpoints on \
                  both nodes) and a NodePort from outside",
         run: |w| {
-            let request = format!("echo {}", "x".repeat(4000));
-            let tries = [
-                (w.pod("client"), DNS),
-                (&w.sandbox.ext, at(NODE1_IP, FRONT_UDP_NODE_PORT)),
-            ];
-            for (from, addr) in tries {
-                for _ in 0..4 {
-                    let answer = udp_request(from, addr, &request)?;
-                    ensure!(
-                        answer.ends_with(&request) && answer.len() == request.len() + 4,
-                        "{addr}: answered {} bytes: {:?}...",
-                        answer.len(),
-                        &answer[..answer.len().min(40)]
-                    );
-                }
-            }
-            Ok(())
+            echo_4k(w.pod("client"), DNS)?;
+            echo_4k(&w.sandbox.ext, at(NODE1_IP, FRONT_UDP_NODE_PORT))
         },
     },
     Scenario {
@@ -759,23 +795,48 @@ pub const SCENARIOS: &[Scenario] = &[
         name: "spoofed-teardown",
         checks: "an attacker with raw sockets (a pod on the victim's node, with another pod's \
                  address; a host outside, with its own) sends RSTs, FINs and bare SYNs over \
-                 the whole ephemeral port range towards a ClusterIP and a NodePort: the \
-                 victims' open connections and their new ones carry on",
+                 the whole ephemeral port range towards a ClusterIP and a NodePort, ICMP \
+                 errors (port unreachable, fragmentation needed) quoting each of those flows, \
+                 and UDP fragments whose datagrams never complete: the victims' open TCP \
+                 connections keep their endpoints, their UDP flows are answered, and new \
+                 connections and 4 KB UDP datagrams are served",
         run: |w| {
             let node_port = at(NODE1_IP, FRONT_NODE_PORT);
+            let udp_node_port = at(NODE1_IP, FRONT_UDP_NODE_PORT);
+            let web_endpoints = [11, 12, 13].map(|i| Ipv4Addr::new(10, 244, 1, i));
+            let attacker_pod = w.sandbox.pod("be3");
+            // (victim, TCP and UDP frontends, attacker, its own address, the flows' far ends
+            // as the victim's node sees them: the endpoints for a pod, the NodePort for ext)
             let victims = [
-                (w.pod("client"), WEB, w.pod("be3")),
-                (&w.sandbox.ext, node_port, &w.sandbox.ext),
+                (
+                    w.pod("client"),
+                    WEB,
+                    DNS,
+                    &attacker_pod.ns,
+                    attacker_pod.ip,
+                    web_endpoints.map(|e| (e, BACKEND_PORT)).to_vec(),
+                ),
+                (
+                    &w.sandbox.ext,
+                    node_port,
+                    udp_node_port,
+                    &w.sandbox.ext,
+                    EXT_IP,
+                    vec![(NODE1_IP, FRONT_NODE_PORT)],
+                ),
             ];
-            for (victim, addr, attacker) in victims {
+            let mut random = Xorshift(0x2545_f491);
+            for (victim, addr, udp_addr, attacker, attacker_ip, far_ends) in victims {
                 let mut conn = TcpConn::open(victim, addr)?;
                 let before = conn.ask("whoami")?;
+                let udp_flow = UdpConn::open(victim, udp_addr)?;
+                udp_flow.ask("hi")?;
                 let SocketAddr::V4(client) = conn.local_addr()? else {
                     bail!("{addr}: not an IPv4 connection");
                 };
                 // The whole ephemeral range; under software emulation (timeouts scaled up), a
                 // window of it around the victim's port: the victim's 5-tuple gets the same
-                // segments, the others fewer.
+                // packets, the others fewer.
                 let slowness = crate::patience(Duration::from_secs(1)).as_secs().max(1) as u16;
                 let (lowest, highest) = (32768u16, 60999u16);
                 let width = (highest - lowest + 1) / slowness;
@@ -783,14 +844,47 @@ pub const SCENARIOS: &[Scenario] = &[
                     .port()
                     .saturating_sub(width / 2)
                     .clamp(lowest, highest - width + 1);
-                let ports = (first..first + width).map(|port| (*client.ip(), port));
-                spoof_tcp(attacker, ports, addr, &[0x04, 0x11, 0x02])?;
+                let ports = first..first + width;
+                spoof_tcp(
+                    attacker,
+                    ports.clone().map(|port| (*client.ip(), port)),
+                    addr,
+                    &[0x04, 0x11, 0x02],
+                )?;
+                // ICMP errors about each guessed flow: for a pod's, as its endpoint would send
+                // them about the client's packets; for ext's, as ext would about the node's.
+                let errors = ports.flat_map(|port| {
+                    let quoted: Vec<Vec<u8>> = far_ends
+                        .iter()
+                        .map(|&(far, far_port)| {
+                            let (src, sport, dst, dport) = if far == NODE1_IP {
+                                (far, far_port, *client.ip(), port)
+                            } else {
+                                (*client.ip(), port, far, far_port)
+                            };
+                            Spec::tcp(src, sport, dst, dport).build()
+                        })
+                        .collect();
+                    [ICMP_PORT_UNREACH, ICMP_FRAG_NEEDED]
+                        .into_iter()
+                        .flat_map(move |code| {
+                            quoted
+                                .iter()
+                                .map(|q| icmp_error(attacker_ip, ICMP_DEST_UNREACH, code, q, 8))
+                                .collect::<Vec<_>>()
+                        })
+                        .collect::<Vec<_>>()
+                });
+                send_raw(attacker, errors)?;
+                send_raw(attacker, fragment_flood(attacker_ip, udp_addr, &mut random))?;
                 let after = conn.ask("whoami")?;
                 ensure!(
                     after == before,
                     "{addr}: the connection changed ({before:?}, then {after:?})"
                 );
+                udp_flow.ask("hi").context("the UDP flow")?;
                 tcp_spread(victim, addr, 10).with_context(|| format!("{addr}: new connections"))?;
+                echo_4k(victim, udp_addr)?;
             }
             Ok(())
         },
