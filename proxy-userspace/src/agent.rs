@@ -34,6 +34,9 @@ pub struct AgentConfig {
     pub healthz_bind_address: Option<String>,
     /// Where `/metrics` is served; None: not served.
     pub metrics_bind_address: Option<String>,
+    /// kube-proxy's `--config` file: when it changes the agent exits, as kube-proxy does, so
+    /// that it starts again with the new one.
+    pub config_file: Option<PathBuf>,
 }
 
 /// Where the desired state comes from.
@@ -51,6 +54,7 @@ pub async fn run(
     config: AgentConfig,
     make_dataplane: impl FnOnce(&[std::net::IpAddr]) -> anyhow::Result<Box<dyn Dataplane>>,
 ) -> anyhow::Result<()> {
+    let config_file = config.config_file.clone();
     let tracker = Arc::new(Mutex::new(ChangeTracker::new()));
     // kube-proxy's health timeout: twice the sync period.
     let health = Arc::new(ProxyHealth::new(2 * config.sync_period));
@@ -212,8 +216,15 @@ pub async fn run(
                          (or --cleanup)";
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
+    let config_changed = async {
+        match &config_file {
+            Some(path) => crate::kube_proxy::changed(path).await,
+            None => std::future::pending().await,
+        }
+    };
     let outcome = tokio::select! {
         () = runner.run(sync) => Ok(()),
+        r = config_changed => r,
         r = &mut source => source_ended(r),
         r = tokio::signal::ctrl_c() => {
             r.context("waiting for SIGINT")?;

@@ -7,6 +7,7 @@ pub mod command;
 pub mod dataplane;
 pub mod duration;
 pub mod inspect;
+pub mod kube_proxy;
 pub mod kubernetes;
 pub mod model;
 pub mod modes;

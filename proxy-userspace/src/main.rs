@@ -1,12 +1,12 @@
 use std::{io::IsTerminal, net::IpAddr, path::PathBuf, time::Duration};
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum, builder::TypedValueParser as _};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum, builder::TypedValueParser as _};
 use proxy_userspace::{
     agent::{self, AgentConfig, Source},
     dataplane::Dataplane,
     duration::parse_duration,
-    inspect,
+    inspect, kube_proxy,
     model::{Cidr, LbAlgorithm},
     modes::{
         self, CtLifetimes, Installation, ProxyMode, StartConfig,
@@ -237,6 +237,17 @@ struct AgentArgs {
     /// IPVS's idle timeout of UDP flows (kube-proxy's flag); 0 leaves the kernel's (300s).
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     ipvs_udp_timeout: Duration,
+    /// The agent's OOM score adjustment, -1000 to 1000 (kube-proxy's flag; its default, -999,
+    /// is tried when not given): the kernel's OOM killer spares the agent before the pods it
+    /// serves. Needs CAP_SYS_RESOURCE, which the DaemonSet leaves out: there the kubelet's
+    /// adjustment of a system-node-critical pod (-997) holds.
+    #[arg(long, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-1000..=1000))]
+    oom_score_adj: Option<i32>,
+    /// Exit at once (kube-proxy's flag, for an init container that prepares the node): the
+    /// agent prepares what it needs when it starts.
+    #[arg(long)]
+    init_only: bool,
     /// Remove what the agent installed (its tc programs on the pod interfaces, its socket
     /// programs on the cgroup, the pinned maps and links) and exit (kube-proxy's flag), e.g.
     /// before going back to kube-proxy.
@@ -305,24 +316,48 @@ impl ValueEnum for Inspected {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    init_logging(cli.logging_format);
+    // kube-proxy's command line and --config file become the agent's (kube_proxy.rs).
+    let line = kube_proxy::command_line(std::env::args_os().collect(), agent_flag_takes_value)?;
+    let cli = Cli::parse_from(&line.args);
+    init_logging(cli.logging_format, line.verbosity);
+    for warning in &line.warnings {
+        tracing::warn!("{warning}");
+    }
     match cli.command {
-        Command::Agent(args) => run_agent(*args),
+        Command::Agent(args) => run_agent(*args, line.config_file),
         Command::Inspect(args) => run_inspect(args),
     }
 }
 
+/// Whether the agent's flag `name` (long, or a one-letter short one) takes a value; None if the
+/// agent has no such flag.
+fn agent_flag_takes_value(name: &str) -> Option<bool> {
+    let mut cli = Cli::command();
+    cli.build();
+    let agent = cli.find_subcommand("agent")?;
+    let mut short = name.chars();
+    let short = match (short.next(), short.next()) {
+        (Some(c), None) => Some(c),
+        _ => None,
+    };
+    agent
+        .get_arguments()
+        .find(|a| a.get_long() == Some(name) || (short.is_some() && a.get_short() == short))
+        .map(|a| a.get_action().takes_values())
+}
+
 /// Logs go to stderr, coloured only when it is a terminal: a file, a pipe or a container runtime
 /// capturing the output gets plain text. Setting our own colour choice overrides
-/// tracing-subscriber's NO_COLOR check, so that check is repeated here.
-fn init_logging(format: LoggingFormat) {
+/// tracing-subscriber's NO_COLOR check, so that check is repeated here. The level is RUST_LOG's,
+/// else kube-proxy's `-v` (klog verbosity), else info.
+fn init_logging(format: LoggingFormat, verbosity: Option<u32>) {
     let colour = std::io::stderr().is_terminal()
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let level = kube_proxy::log_filter(verbosity.unwrap_or(0));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
         )
         .with_writer(std::io::stderr)
         .with_ansi(colour);
@@ -332,10 +367,18 @@ fn init_logging(format: LoggingFormat) {
     }
 }
 
-fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
+fn run_agent(args: AgentArgs, config_file: Option<PathBuf>) -> anyhow::Result<()> {
     if args.cleanup {
         return modes::cleanup_all(&Installation::at(&args.bpf_pin_dir));
     }
+    if args.init_only {
+        tracing::info!(
+            "--init-only: nothing to prepare ahead of the agent, which sets what it needs when \
+             it starts"
+        );
+        return Ok(());
+    }
+    set_oom_score_adj(args.oom_score_adj);
     // One malloc arena for every thread: glibc gives each thread its own, and what a thread
     // frees there (the BPF object's parse, a list's JSON) stays resident beside the others'
     // (at 30k Services, 100 MiB resident with one a thread, 89 MiB with one in all). The agent
@@ -360,6 +403,7 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         sync_period: args.sync_period,
         healthz_bind_address: Some(args.healthz_bind_address.clone()).filter(|a| !a.is_empty()),
         metrics_bind_address: Some(args.metrics_bind_address.clone()).filter(|a| !a.is_empty()),
+        config_file,
     };
     let mut start = start_config(&args);
     if matches!(
@@ -385,6 +429,21 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<()> {
         Ok(dataplane)
     };
     runtime.block_on(agent::run(config, make_dataplane))
+}
+
+/// `--oom-score-adj`, as kube-proxy sets it (-999 when not given): the kernel's OOM killer
+/// spares the agent before the pods it serves. Not being allowed to is not fatal, and said
+/// only when it was asked for.
+fn set_oom_score_adj(asked: Option<i32>) {
+    let adj = asked.unwrap_or(-999);
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", adj.to_string()) {
+        match asked {
+            Some(_) => {
+                tracing::warn!("--oom-score-adj {adj} not set (it needs CAP_SYS_RESOURCE): {e}")
+            }
+            None => tracing::debug!("kube-proxy's OOM score adjustment {adj} not set: {e}"),
+        }
+    }
 }
 
 /// `--proxy-mode auto`: the first of [`ProxyMode::AUTO`] that starts.
@@ -538,8 +597,58 @@ mod tests {
         let Ok(format) = std::env::var(CHILD_FORMAT) else {
             return;
         };
-        init_logging(LoggingFormat::from_str(&format, false).unwrap());
+        init_logging(LoggingFormat::from_str(&format, false).unwrap(), None);
         tracing::warn!(service = "default/web", "test line");
+    }
+
+    /// kube-proxy's DaemonSet command line with each configuration file of kube_proxy.rs's
+    /// tests, as the agent parses it (the golden files there show what it becomes).
+    #[test]
+    fn kube_proxys_command_lines_parse() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/kube_proxy/testdata");
+        let agent = |line: &[String]| {
+            let line = kube_proxy::command_line(
+                line.iter().map(Into::into).collect(),
+                agent_flag_takes_value,
+            )
+            .unwrap();
+            match Cli::try_parse_from(&line.args).map(|cli| cli.command) {
+                Ok(Command::Agent(args)) => *args,
+                Ok(_) => panic!("not the agent command: {line:?}"),
+                Err(e) => panic!("{e}: {line:?}"),
+            }
+        };
+        for (file, mode) in [
+            ("kubeadm", ModeFlag::Auto),
+            ("ipvs", ModeFlag::Only(ProxyMode::Ipvs)),
+            ("nftables", ModeFlag::Only(ProxyMode::Nftables)),
+        ] {
+            let args = agent(&[
+                "/usr/local/bin/kube-proxy".into(),
+                format!("--config={dir}/{file}.conf"),
+                "--hostname-override=node1".into(),
+            ]);
+            assert_eq!(args.proxy_mode, mode, "{file}");
+            assert_eq!(args.hostname_override.as_deref(), Some("node1"), "{file}");
+        }
+        let ipvs = agent(&["kube-proxy".into(), format!("--config={dir}/ipvs.conf")]);
+        assert_eq!(ipvs.ipvs_scheduler, "lc");
+        assert!(ipvs.ipvs_strict_arp);
+        assert_eq!(ipvs.sync_period, Duration::from_secs(15));
+        assert_eq!(
+            ipvs.conntrack_tcp_timeout_established,
+            Duration::from_secs(7200)
+        );
+        let nftables = agent(&["kube-proxy".into(), format!("--config={dir}/nftables.conf")]);
+        assert!(nftables.masquerade_all);
+        assert_eq!(nftables.oom_score_adj, Some(-500));
+        assert_eq!(nftables.hostname_override.as_deref(), Some("from-the-file"));
+        let kubeadm = agent(&["kube-proxy".into(), format!("--config={dir}/kubeadm.conf")]);
+        assert_eq!(
+            kubeadm.kubeconfig.as_deref(),
+            Some(std::path::Path::new("/var/lib/kube-proxy/kubeconfig.conf"))
+        );
+        assert_eq!(kubeadm.oom_score_adj, None, "kube-proxy's default");
     }
 
     #[test]

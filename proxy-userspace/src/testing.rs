@@ -66,13 +66,13 @@ pub(crate) fn fixture(text: &str) -> DesiredState {
     state
 }
 
-/// Compares `text` with the golden file `name` in the testdata/ of `mode` (`iptables`,
-/// `nftables`), or rewrites the file when UPDATE_GOLDEN is set: a rule change shows in
-/// review as a change of that file.
-pub(crate) fn golden(mode: &str, name: &str, text: &str) {
+/// Compares `text` with the golden file `name` in the testdata/ of `module` (`modes/iptables`,
+/// `kube_proxy`: a directory under src/), or rewrites the file when UPDATE_GOLDEN is set: a
+/// change of what is rendered shows in review as a change of that file.
+pub(crate) fn golden(module: &str, name: &str, text: &str) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("src/modes")
-        .join(mode)
+        .join("src")
+        .join(module)
         .join("testdata")
         .join(name);
     if std::env::var_os("UPDATE_GOLDEN").is_some() {

@@ -68,6 +68,8 @@ pub struct AgentRun {
     /// The network namespace of `node`.
     node_ns: String,
     dir: PathBuf,
+    /// Started as kube-proxy (see [`AgentRun::start_as_kube_proxy`]).
+    kube_proxy: bool,
 }
 
 impl AgentRun {
@@ -105,14 +107,44 @@ impl AgentRun {
         expect_services: usize,
         extra: &[&str],
     ) -> Result<Self> {
+        Self::start_inner(sandbox, node, source, expect_services, extra, None)
+    }
+
+    /// Starts the agent as kube-proxy's DaemonSet starts kube-proxy: named `kube-proxy`, no
+    /// subcommand, `--config` a file holding `config` (see [`AgentRun::config_file`]), then
+    /// `extra`, on a copy of `manifest_text`; returns after its first full sync.
+    pub fn start_as_kube_proxy(
+        sandbox: &mut Sandbox,
+        node: &str,
+        manifest_text: &str,
+        config: &str,
+        extra: &[&str],
+    ) -> Result<Self> {
+        let source = AgentSource::Manifest(manifest_text);
+        Self::start_inner(sandbox, node, source, 0, extra, Some(config))
+    }
+
+    fn start_inner(
+        sandbox: &mut Sandbox,
+        node: &str,
+        source: AgentSource<'_>,
+        expect_services: usize,
+        extra: &[&str],
+        kube_proxy_config: Option<&str>,
+    ) -> Result<Self> {
         // One directory an agent: two nodes may run one each.
         let dir = std::env::temp_dir().join(format!("{}-agent-{node}", sandbox.prefix));
         std::fs::create_dir_all(&dir)?;
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(config) = kube_proxy_config {
+            let path = dir.join("config.conf");
+            std::fs::write(&path, config)?;
+            args.push(format!("--config={}", path.display()).into());
+        }
         let manifest = dir.join("services.yaml");
         let log = dir.join("agent.log");
         let bpffs = PrivateBpffs::new()?;
         let cgroup = TestCgroup::new()?;
-        let mut args: Vec<std::ffi::OsString> = Vec::new();
         let mut arg = |a: &dyn AsRef<std::ffi::OsStr>| args.push(a.as_ref().to_owned());
         match source {
             AgentSource::Manifest(text) => {
@@ -162,11 +194,14 @@ impl AgentRun {
             node: node.to_owned(),
             node_ns: sandbox.node(node).name.clone(),
             dir,
+            kube_proxy: kube_proxy_config.is_some(),
         };
         run.spawn(sandbox)?;
-        let ebpf = !extra
-            .windows(2)
-            .any(|w| w[0] == "--proxy-mode" && w[1] != "ebpf");
+        // Its configuration file may name another mode.
+        let ebpf = kube_proxy_config.is_none()
+            && !extra
+                .windows(2)
+                .any(|w| w[0] == "--proxy-mode" && w[1] != "ebpf");
         if ebpf {
             run.wait_for(sandbox, "the first sync", |rows| {
                 rows.len() >= expect_services
@@ -229,10 +264,37 @@ impl AgentRun {
         Ok(())
     }
 
+    /// The `--config` file of an agent started by [`AgentRun::start_as_kube_proxy`].
+    pub fn config_file(&self) -> PathBuf {
+        self.dir.join("config.conf")
+    }
+
+    /// Waits (10 s at most) until the agent has exited by itself: its exit status.
+    pub fn wait_for_exit(&self, sandbox: &mut Sandbox) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
+        loop {
+            let child = sandbox
+                .child(self.pid)
+                .context("the agent is not the sandbox's")?;
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("the agent still runs; its log:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn spawn(&mut self, sandbox: &mut Sandbox) -> Result<()> {
         let mut cmd = Command::new(agent_bin()?);
-        cmd.arg("agent")
-            .args(&self.args)
+        if self.kube_proxy {
+            // kube-proxy's DaemonSet names the program and no subcommand.
+            std::os::unix::process::CommandExt::arg0(&mut cmd, "kube-proxy");
+        } else {
+            cmd.arg("agent");
+        }
+        cmd.args(&self.args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

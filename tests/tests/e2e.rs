@@ -464,3 +464,55 @@ fn a_second_agent_on_the_same_pins_is_refused_while_the_first_runs() {
         "the first agent still serves: {answer}"
     );
 }
+
+/// kube-proxy's DaemonSet with only the image changed: the binary started as `kube-proxy
+/// --config=<kubeadm's config.conf> --hostname-override=node1` (the mode set in the file, in
+/// the nftables mode and the default one) and kube-proxy flags beside it, with this agent's
+/// --manifest as the source. It serves, names each flag without effect once, and exits when the
+/// file changes (as kube-proxy does: its DaemonSet then starts it again with the new file).
+#[test]
+fn kube_proxys_command_line_and_config_file_run_the_agent() {
+    const TEST: &str = "kube_proxys_command_line_and_config_file_run_the_agent";
+    if !privileged(TEST) {
+        return;
+    }
+    let kubeadm = include_str!("../../proxy-userspace/src/kube_proxy/testdata/kubeadm.conf");
+    for mode in ["nftables", ""] {
+        let mut sandbox = Sandbox::build().expect("building the sandbox");
+        sandbox.start_backends(BACKEND_PORT).unwrap();
+        let config = kubeadm.replace("mode: \"\"", &format!("mode: \"{mode}\""));
+        let extra = [
+            "--v=2",
+            "--conntrack-max-per-core=0",
+            "--iptables-sync-period=30s",
+        ];
+        let agent = AgentRun::start_as_kube_proxy(&mut sandbox, "node1", EXAMPLE, &config, &extra)
+            .expect("starting the agent as kube-proxy");
+        let log = agent.log_text();
+        let dataplane = match mode {
+            "" => "ebpf dataplane loaded",
+            _ => "nftables dataplane ready",
+        };
+        assert!(log.contains(dataplane), "mode {mode:?}: {log}");
+        assert_eq!(
+            log.matches("--conntrack-max-per-core is kube-proxy's and has no effect here")
+                .count(),
+            1,
+            "{log}"
+        );
+        assert!(log.contains("--iptables-sync-period is ignored"), "{log}");
+        let client = &sandbox.pod("client").ns;
+        let answer = tcp_request(client, WEB, "hi").expect("web through the agent");
+        assert!(answer.starts_with("be"), "{answer}");
+
+        let changed = config.replace("verbosity: 0", "verbosity: 4");
+        std::fs::write(agent.config_file(), changed).unwrap();
+        let status = agent.wait_for_exit(&mut sandbox).unwrap();
+        assert!(!status.success(), "{status}");
+        assert!(
+            agent.log_text().contains("config.conf changed: exiting"),
+            "{}",
+            agent.log_text()
+        );
+    }
+}

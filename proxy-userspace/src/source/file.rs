@@ -95,7 +95,7 @@ pub async fn run(
 }
 
 /// The directory holding `path` ("." for a bare file name).
-fn watched_dir(path: &Path) -> PathBuf {
+pub(crate) fn watched_dir(path: &Path) -> PathBuf {
     match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
         _ => PathBuf::from("."),
@@ -103,12 +103,12 @@ fn watched_dir(path: &Path) -> PathBuf {
 }
 
 /// Whether a directory event may have changed the manifest.
-fn concerns(event: &notify::Result<notify::Event>, file_name: &OsStr) -> bool {
+pub(crate) fn concerns(event: &notify::Result<notify::Event>, file_name: &OsStr) -> bool {
     let event = match event {
         Ok(event) => event,
         Err(e) => {
             // Possibly missed events (a full inotify queue): reloading is always safe.
-            tracing::warn!("manifest watcher: {e}; reloading to be safe");
+            tracing::warn!("file watcher: {e}; reading the file again to be safe");
             return true;
         }
     };
@@ -127,7 +127,7 @@ fn concerns(event: &notify::Result<notify::Event>, file_name: &OsStr) -> bool {
 }
 
 /// Waits until no event has arrived for DEBOUNCE, or MAX_DEBOUNCE has passed.
-async fn settle(events: &mut mpsc::UnboundedReceiver<notify::Result<notify::Event>>) {
+pub(crate) async fn settle(events: &mut mpsc::UnboundedReceiver<notify::Result<notify::Event>>) {
     let latest = Instant::now() + MAX_DEBOUNCE;
     loop {
         let quiet = (Instant::now() + DEBOUNCE).min(latest);

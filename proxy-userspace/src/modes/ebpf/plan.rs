@@ -394,6 +394,6 @@ mod tests {
     fn plan_matches_the_golden_file() {
         let state = crate::testing::fixture(crate::testing::SERVICES);
         let plan = render(&state, LbAlgorithm::Random);
-        crate::testing::golden("ebpf", "plan.golden", &plan);
+        crate::testing::golden("modes/ebpf", "plan.golden", &plan);
     }
 }

@@ -547,7 +547,7 @@ pub(crate) mod tests {
         // A chain of a Service gone since the last sync: deleted in the same transaction.
         let existing = BTreeSet::from(["KUBE-SVC-GONEGONEGONEGONE".to_string()]);
         let rendered = render(&fixture(FIXTURE), &settings, &existing, None);
-        golden("iptables", "rules.golden", &rendered.text);
+        golden("modes/iptables", "rules.golden", &rendered.text);
         assert!(!rendered.chains.contains("KUBE-SVC-GONEGONEGONEGONE"));
     }
 
@@ -570,7 +570,7 @@ pub(crate) mod tests {
         let mut existing = full.chains.clone();
         existing.insert("KUBE-SVC-GONEGONEGONEGONE".to_string());
         let partial = render(&state, &settings, &existing, Some(&BTreeSet::from([web])));
-        golden("iptables", "partial.golden", &partial.text);
+        golden("modes/iptables", "partial.golden", &partial.text);
         assert_eq!(
             partial.chains, full.chains,
             "every port's chains are still wanted"

@@ -587,10 +587,10 @@ mod tests {
     #[test]
     fn plan_and_rules_match_the_golden_files() {
         let plan = plan(&fixture(FIXTURE), &settings());
-        golden("ipvs", "ipvs.golden", &describe(&plan));
-        golden("ipvs", "ipset.golden", &ipset_restore(&plan.sets));
+        golden("modes/ipvs", "ipvs.golden", &describe(&plan));
+        golden("modes/ipvs", "ipset.golden", &ipset_restore(&plan.sets));
         golden(
-            "ipvs",
+            "modes/ipvs",
             "rules.golden",
             &iptables_restore(&plan, &settings()),
         );

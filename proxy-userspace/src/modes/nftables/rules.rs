@@ -731,7 +731,7 @@ pub(super) mod tests {
     #[test]
     fn ruleset_matches_the_golden_file() {
         let rendered = render(&fixture(FIXTURE), &settings(), None, Scope::All);
-        golden("nftables", "ruleset.golden", &rendered.text);
+        golden("modes/nftables", "ruleset.golden", &rendered.text);
     }
 
     #[test]
@@ -745,7 +745,7 @@ pub(super) mod tests {
             Some(full.programmed),
             Scope::Changed(&changed),
         );
-        golden("nftables", "partial.golden", &partial.text);
+        golden("modes/nftables", "partial.golden", &partial.text);
         // Only the two changed ports are touched.
         for line in partial.text.lines() {
             assert!(

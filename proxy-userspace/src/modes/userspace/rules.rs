@@ -385,7 +385,7 @@ mod tests {
     fn rules_match_the_golden_file() {
         let state = fixture(FIXTURE);
         let text = render(&state, &settings(), &ports_of(&state));
-        golden("userspace", "rules.golden", &text);
+        golden("modes/userspace", "rules.golden", &text);
     }
 
     #[test]
