@@ -37,8 +37,6 @@ const LOGS: &str = "klog's output settings: logs go to stderr, formatted by --lo
 const API: &str = "the API client's settings: kube-rs's defaults apply";
 const LOCAL: &str = "pods are told apart by --cluster-cidr (or, in the ebpf mode, by their \
                      interfaces)";
-const CONNTRACK: &str = "netfilter's conntrack table size and UDP and liberal settings are not \
-                         applied by this agent yet";
 const DEBUG: &str = "no profiling or hidden metrics here";
 
 /// kube-proxy's flags (v1.32): name, whether it takes a value, and what it means here.
@@ -54,13 +52,13 @@ const KUBE_PROXY_FLAGS: &[(&str, bool, Meaning)] = &[
     ("cleanup", false, Same),
     ("cluster-cidr", true, Same),
     ("config-sync-period", true, Nothing("the watches never resynchronise from a cache")),
-    ("conntrack-max-per-core", true, Nothing(CONNTRACK)),
-    ("conntrack-min", true, Nothing(CONNTRACK)),
-    ("conntrack-tcp-be-liberal", false, Nothing(CONNTRACK)),
+    ("conntrack-max-per-core", true, Same),
+    ("conntrack-min", true, Same),
+    ("conntrack-tcp-be-liberal", false, Same),
     ("conntrack-tcp-timeout-close-wait", true, Same),
     ("conntrack-tcp-timeout-established", true, Same),
-    ("conntrack-udp-timeout", true, Nothing(CONNTRACK)),
-    ("conntrack-udp-timeout-stream", true, Nothing(CONNTRACK)),
+    ("conntrack-udp-timeout", true, Same),
+    ("conntrack-udp-timeout-stream", true, Same),
     ("detect-local-mode", true, Nothing(LOCAL)),
     ("feature-gates", true, Nothing("kube-proxy's feature gates select behaviour this agent \
         has always, or does not have")),
@@ -460,8 +458,13 @@ struct IpvsSection {
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ConntrackSection {
+    max_per_core: Option<u32>,
+    min: Option<u32>,
     tcp_established_timeout: Option<String>,
     tcp_close_wait_timeout: Option<String>,
+    tcp_be_liberal: Option<bool>,
+    udp_timeout: Option<String>,
+    udp_stream_timeout: Option<String>,
     #[serde(flatten)]
     other: BTreeMap<String, Value>,
 }
@@ -600,9 +603,37 @@ impl KubeProxyConfiguration {
             "conntrack-tcp-timeout-close-wait",
             conntrack.and_then(|c| c.tcp_close_wait_timeout.clone()),
         );
+        set(
+            "conntrack-tcp-be-liberal",
+            conntrack
+                .and_then(|c| c.tcp_be_liberal)
+                .filter(|l| *l)
+                .map(|_| "true".to_owned()),
+        );
+        set(
+            "conntrack-udp-timeout",
+            conntrack.and_then(|c| c.udp_timeout.clone()),
+        );
+        set(
+            "conntrack-udp-timeout-stream",
+            conntrack.and_then(|c| c.udp_stream_timeout.clone()),
+        );
         let logging = self.logging.as_ref();
         set("logging-format", logging.and_then(|l| l.format.clone()));
         set("oom-score-adj", self.oom_score_adj.map(|a| a.to_string()));
+        // Null is kube-proxy's default here, and 0 a value (the table size left as it is).
+        let table = [
+            (
+                "conntrack-max-per-core",
+                conntrack.and_then(|c| c.max_per_core),
+            ),
+            ("conntrack-min", conntrack.and_then(|c| c.min)),
+        ];
+        for (name, value) in table {
+            if let Some(value) = value {
+                flags.push((name.to_owned(), value.to_string()));
+            }
+        }
         // What is set and means nothing here.
         let sections: [(&str, Option<&BTreeMap<String, Value>>); 7] = [
             ("", Some(&self.other)),
@@ -778,6 +809,7 @@ mod tests {
                 "--ipvs-sync-period",
                 "20s",
                 "--conntrack-max-per-core=0",
+                "--detect-local-mode=NodeCIDR",
                 "--masquerade-all=true",
                 "--profiling",
                 "-h",
@@ -792,6 +824,7 @@ mod tests {
                 "agent",
                 "--proxy-mode",
                 "iptables",
+                "--conntrack-max-per-core=0",
                 "--masquerade-all",
                 "-h",
                 "--sync-period=10s",

@@ -19,7 +19,7 @@ use proxy_userspace::{
         },
         ipvs::netlink::Timeouts,
     },
-    netfilter::iptables::Backend,
+    netfilter::{conntrack_tuning::ConntrackTuning, iptables::Backend},
     node::NodePortAddresses,
     rows::{Rows, What},
 };
@@ -164,6 +164,26 @@ struct AgentArgs {
     /// flag and default, netfilter's CLOSE_WAIT; 0 as above).
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     conntrack_tcp_timeout_close_wait: Duration,
+    /// netfilter's conntrack table size, per CPU (kube-proxy's flag and default): nf_conntrack_max
+    /// is raised to this many a CPU, and at least --conntrack-min, in every mode (netfilter
+    /// tracks the node's traffic whatever programs the Services); a larger value is kept, and
+    /// 0 leaves it. Only the node's own network namespace can raise it.
+    #[arg(long, default_value_t = 32768)]
+    conntrack_max_per_core: u32,
+    /// The least nf_conntrack_max that --conntrack-max-per-core asks for (kube-proxy's flag and
+    /// default).
+    #[arg(long, default_value_t = 131072)]
+    conntrack_min: u32,
+    /// netfilter's conntrack does not mark out-of-window TCP packets INVALID (kube-proxy's flag).
+    #[arg(long)]
+    conntrack_tcp_be_liberal: bool,
+    /// netfilter's timeout of UDP flows (kube-proxy's flag); 0 leaves the kernel's.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    conntrack_udp_timeout: Duration,
+    /// netfilter's timeout of UDP flows that saw traffic both ways (kube-proxy's flag); 0
+    /// leaves the kernel's.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    conntrack_udp_timeout_stream: Duration,
     /// How long the ebpf mode keeps a TCP flow that is not yet open (a SYN unanswered, or
     /// answered but never acknowledged): short, so that a SYN flood frees conntrack and SNAT
     /// ports in a minute (Cilium's default).
@@ -379,6 +399,16 @@ fn run_agent(args: AgentArgs, config_file: Option<PathBuf>) -> anyhow::Result<()
         return Ok(());
     }
     set_oom_score_adj(args.oom_score_adj);
+    ConntrackTuning {
+        max_per_core: args.conntrack_max_per_core,
+        min: args.conntrack_min,
+        tcp_established: args.conntrack_tcp_timeout_established,
+        tcp_close_wait: args.conntrack_tcp_timeout_close_wait,
+        tcp_be_liberal: args.conntrack_tcp_be_liberal,
+        udp: args.conntrack_udp_timeout,
+        udp_stream: args.conntrack_udp_timeout_stream,
+    }
+    .apply();
     // One malloc arena for every thread: glibc gives each thread its own, and what a thread
     // frees there (the BPF object's parse, a list's JSON) stays resident beside the others'
     // (at 30k Services, 100 MiB resident with one a thread, 89 MiB with one in all). The agent

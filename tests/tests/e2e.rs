@@ -483,7 +483,7 @@ fn kube_proxys_command_line_and_config_file_run_the_agent() {
         let config = kubeadm.replace("mode: \"\"", &format!("mode: \"{mode}\""));
         let extra = [
             "--v=2",
-            "--conntrack-max-per-core=0",
+            "--detect-local-mode=NodeCIDR",
             "--iptables-sync-period=30s",
         ];
         let agent = AgentRun::start_as_kube_proxy(&mut sandbox, "node1", EXAMPLE, &config, &extra)
@@ -495,7 +495,7 @@ fn kube_proxys_command_line_and_config_file_run_the_agent() {
         };
         assert!(log.contains(dataplane), "mode {mode:?}: {log}");
         assert_eq!(
-            log.matches("--conntrack-max-per-core is kube-proxy's and has no effect here")
+            log.matches("--detect-local-mode is kube-proxy's and has no effect here")
                 .count(),
             1,
             "{log}"

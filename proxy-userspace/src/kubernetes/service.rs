@@ -99,6 +99,9 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePo
         .into_iter()
         .flatten()
         .enumerate()
+        // ipMode Proxy (KEP-1860): the load balancer proxies, and its traffic arrives for the
+        // node's own address; kube-proxy programs only VIP ingresses (the default).
+        .filter(|(_, ingress)| ingress.ip_mode.as_deref().is_none_or(|mode| mode == "VIP"))
         .filter_map(|(i, ingress)| Some((i, ingress.ip.as_ref()?)))
         .map(|(i, ip)| parse_ip(&format!("status.loadBalancer.ingress[{i}].ip"), ip))
         .collect::<Result<Vec<_>, _>>()?;

@@ -213,7 +213,11 @@ spec:
   - {port: 53, protocol: UDP, nodePort: 30053}
 status:
   loadBalancer:
-    ingress: [{ip: 203.0.113.7}, {hostname: lb.example.com}]
+    ingress:
+    - {ip: 203.0.113.7}
+    - {hostname: lb.example.com}
+    - {ip: 203.0.113.8, ipMode: VIP}
+    - {ip: 203.0.113.9, ipMode: Proxy}
 ",
     );
     let mut tracker = ChangeTracker::new();
@@ -225,7 +229,12 @@ status:
     assert_eq!(port.target_port, TargetPort::Number(53));
     assert_eq!(port.node_port, Some(30053));
     assert_eq!(port.external_ips, [ip("192.0.2.50")]);
-    assert_eq!(port.load_balancer_ips, [ip("203.0.113.7")]);
+    // An ingress the load balancer proxies (ipMode Proxy, KEP-1860) is not the node's to
+    // serve: its traffic arrives addressed to the node, as kube-proxy and Cilium leave it.
+    assert_eq!(
+        port.load_balancer_ips,
+        [ip("203.0.113.7"), ip("203.0.113.8")]
+    );
     assert_eq!(
         port.session_affinity_timeout,
         Some(DEFAULT_AFFINITY_TIMEOUT)

@@ -205,36 +205,6 @@ impl StartConfig {
         }
     }
 
-    /// Gives netfilter's conntrack, in this network namespace, the TCP timeouts the agent was
-    /// given (kube-proxy's conntrack set-up in its netfilter modes). Netfilter without
-    /// conntrack loaded yet is reported and left alone: the mode works, with the kernel's.
-    fn set_netfilter_timeouts(&self) {
-        let timeouts = [
-            (
-                "nf_conntrack_tcp_timeout_established",
-                self.ct_lifetimes.tcp_established,
-            ),
-            (
-                "nf_conntrack_tcp_timeout_close_wait",
-                self.ct_lifetimes.tcp_half_closed,
-            ),
-        ];
-        for (key, timeout) in timeouts {
-            if timeout.is_zero() {
-                continue;
-            }
-            let secs = timeout.as_secs().max(1).to_string();
-            match crate::netfilter::ensure_sysctl(&format!("net/netfilter/{key}"), &secs) {
-                Ok(true) => tracing::info!(sysctl = key, secs, "set netfilter's conntrack timeout"),
-                Ok(false) => {}
-                Err(e) => tracing::warn!(
-                    "netfilter's conntrack timeout {key} is left as it is ({e:#}); is the \
-                     nf_conntrack module loaded?"
-                ),
-            }
-        }
-    }
-
     fn backend(&self, detect: fn() -> anyhow::Result<Backend>) -> anyhow::Result<Backend> {
         self.iptables_backend.map_or_else(detect, Ok)
     }
@@ -277,7 +247,6 @@ const NFTABLES: Mode = Mode {
     about: "kube-proxy's nftables mode (`table ip kube-proxy`), for nodes where BPF cannot run",
     start: |config| {
         let dp = nftables::NftablesDataplane::new(config.netfilter())?;
-        config.set_netfilter_timeouts();
         config.warn_without_cluster_cidr();
         tracing::info!("nftables dataplane ready");
         Ok(Box::new(dp))
@@ -296,7 +265,6 @@ const IPTABLES: Mode = Mode {
             backend,
             netfilter: config.netfilter(),
         })?;
-        config.set_netfilter_timeouts();
         config.warn_without_cluster_cidr();
         tracing::info!(backend = backend.name(), "iptables dataplane ready");
         Ok(Box::new(dp))
@@ -324,7 +292,6 @@ const IPVS: Mode = Mode {
             backend,
             netfilter: config.netfilter(),
         })?;
-        config.set_netfilter_timeouts();
         config.warn_without_cluster_cidr();
         tracing::info!(backend = backend.name(), scheduler, "ipvs dataplane ready");
         Ok(Box::new(dp))
@@ -346,7 +313,6 @@ const USERSPACE: Mode = Mode {
             primary: config.node_ips.clone(),
             udp_timeout: config.udp_timeout,
         })?;
-        config.set_netfilter_timeouts();
         tracing::info!(backend = backend.name(), "userspace dataplane ready");
         Ok(Box::new(dp))
     },

@@ -1,5 +1,6 @@
 //! What the netfilter modes (iptables, nftables, IPVS, userspace) share.
 pub mod conntrack;
+pub mod conntrack_tuning;
 pub mod iptables;
 pub mod iptables_save;
 pub mod rules;
