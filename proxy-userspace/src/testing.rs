@@ -59,6 +59,7 @@ pub(crate) fn fixture(text: &str) -> DesiredState {
             Object::EndpointSlice(slice) => {
                 tracker.update_slice(slice).unwrap();
             }
+            Object::Node(_) => {}
         }
     }
     let mut state = DesiredState::new("node1");

@@ -544,6 +544,7 @@ pub fn edit_manifest(path: &Path, edit: impl FnOnce(&mut Vec<Object>)) -> Result
         out.push_str(&match object {
             Object::Service(s) => serde_yaml::to_string(s)?,
             Object::EndpointSlice(s) => serde_yaml::to_string(s)?,
+            Object::Node(n) => serde_yaml::to_string(n)?,
         });
     }
     let tmp = path.with_extension("tmp");

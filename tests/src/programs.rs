@@ -392,6 +392,7 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
             terminating: false,
             node_name: None,
             zone: None,
+            hints: None,
         })
         .collect();
     state.set_endpoints(key.clone(), endpoints);

@@ -322,6 +322,30 @@ metadata: {name: deaf-1, namespace: demo, labels: {kubernetes.io/service-name: d
 addressType: IPv4
 ports: [{name: dns, port: 9, protocol: UDP}]
 endpoints: [{addresses: [10.244.2.11], nodeName: node2}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: zoned, namespace: demo}
+spec: {type: ClusterIP, clusterIP: 10.96.0.110, trafficDistribution: PreferClose,
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: zoned-1, namespace: demo, labels: {kubernetes.io/service-name: zoned}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.1.11], nodeName: node1, zone: zone-a, hints: {forZones: [{name: zone-a}]}}
+- {addresses: [10.244.1.12], nodeName: node1, zone: zone-a, hints: {forZones: [{name: zone-a}]}}
+- {addresses: [10.244.2.11], nodeName: node2, zone: zone-b, hints: {forZones: [{name: zone-b}]}}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node1, labels: {topology.kubernetes.io/zone: zone-a}}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node2, labels: {topology.kubernetes.io/zone: zone-b}}
 ";
 
 /// The example manifest and [`EXTRA`].
@@ -693,6 +717,20 @@ pub const SCENARIOS: &[Scenario] = &[
                 &["be1"],
                 "node-local",
             )
+        },
+    },
+    Scenario {
+        name: "topology-hints",
+        checks: "topology-aware routing: endpoints hinted for the client node's zone (its Node's \
+                 topology.kubernetes.io/zone label), on both nodes",
+        run: |w| {
+            let zoned = vip(110, 80);
+            expect_spread(
+                tcp_spread(w.pod("client"), zoned, 12)?,
+                &["be1", "be2"],
+                "node1",
+            )?;
+            expect_spread(tcp_spread(w.pod("be4"), zoned, 6)?, &["be4"], "node2")
         },
     },
     Scenario {

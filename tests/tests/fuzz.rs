@@ -420,6 +420,7 @@ fn endpoint(pod: Ipv4Addr, port: u16) -> Endpoint {
         // Pods of 10.244.1.0/24 run on this node.
         node_name: Some(if pod.octets()[2] == 1 { NODE } else { "node2" }.into()),
         zone: None,
+        hints: None,
     }
 }
 

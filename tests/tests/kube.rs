@@ -85,7 +85,7 @@ impl Watching {
             runtime,
             tracker,
             synced,
-            state: DesiredState::default(),
+            state: DesiredState::new("node1"),
             _dir: dir,
         }
     }
@@ -163,6 +163,45 @@ fn nothing_is_synced_before_services_and_slices_are_both_listed() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// This node's zone comes from its Node object's label, and follows it: topology hints then
+/// give the node the endpoints hinted for its zone.
+#[test]
+fn the_nodes_zone_label_steers_topology_hints() {
+    let api = ApiServer::start().unwrap();
+    let mut w = Watching::start(&api, "zone");
+    let web_http = spn("web", "http");
+    let cluster = |s: &DesiredState| -> BTreeSet<String> {
+        s.cluster_endpoints(&web_http)
+            .iter()
+            .map(|ep| ep.ip.to_string())
+            .collect()
+    };
+    api.apply(web());
+    let mut slice = apiserver::endpoint_slice(
+        "default",
+        "web-a",
+        "web",
+        &[
+            ("10.244.1.11", true, Some("node1")),
+            ("10.244.2.11", true, Some("node2")),
+        ],
+        &[HTTP],
+    );
+    for (i, zone) in ["zone-a", "zone-b"].into_iter().enumerate() {
+        slice["endpoints"][i]["hints"] = serde_json::json!({"forZones": [{"name": zone}]});
+    }
+    api.apply(slice);
+    let all = set(&["10.244.1.11", "10.244.2.11"]);
+    w.wait("both endpoints: no zone yet", |s| cluster(s) == all);
+    let mut node = apiserver::node("node1", "192.0.2.11");
+    node["metadata"]["labels"]["topology.kubernetes.io/zone"] = serde_json::json!("zone-b");
+    api.apply(node.clone());
+    w.wait("zone-b's endpoint", |s| cluster(s) == set(&["10.244.2.11"]));
+    node["metadata"]["labels"]["topology.kubernetes.io/zone"] = serde_json::json!("zone-a");
+    api.apply(node);
+    w.wait("zone-a's endpoint", |s| cluster(s) == set(&["10.244.1.11"]));
 }
 
 #[test]

@@ -57,6 +57,7 @@ fn ep(ip: Ipv4Addr, node: &str, ready: bool, serving: bool, terminating: bool) -
         terminating,
         node_name: Some(node.into()),
         zone: None,
+        hints: None,
     }
 }
 

@@ -8,7 +8,8 @@ use super::{
     parse_ip, port_number, protocol_or_tcp,
 };
 use crate::model::{
-    NamespacedName, ReducedSlice, SkippedEndpoint, SliceEndpoint, SliceInfo, SlicePort, shared,
+    Hints, NamespacedName, ReducedSlice, SkippedEndpoint, SliceEndpoint, SliceInfo, SlicePort,
+    shared,
 };
 
 /// The annotation the EndpointSlice controller sets to the time of the change (a Pod or the
@@ -110,6 +111,7 @@ fn parse_slice(
             terminating: condition(|c| c.terminating).unwrap_or(false),
             node_name: ep.node_name.as_deref().map(shared),
             zone: ep.zone.as_deref().map(shared),
+            hints: hints(ep.hints.as_ref()),
         });
     }
     let info = SliceInfo {
@@ -137,4 +139,32 @@ fn endpoint_ip(
         return Err(format!("{at}: {ip} does not match addressType {family}"));
     }
     Ok(ip)
+}
+
+/// An endpoint's topology hints, sorted (so that a reordering is no change); None without any.
+fn hints(hints: Option<&k8s_openapi::api::discovery::v1::EndpointHints>) -> Option<Arc<Hints>> {
+    let hints = hints?;
+    let names = |names: Vec<&str>| -> Vec<Arc<str>> {
+        let mut names: Vec<Arc<str>> = names.into_iter().map(shared).collect();
+        names.sort();
+        names.dedup();
+        names
+    };
+    let zones = names(
+        hints
+            .for_zones
+            .iter()
+            .flatten()
+            .map(|z| z.name.as_str())
+            .collect(),
+    );
+    let nodes = names(
+        hints
+            .for_nodes
+            .iter()
+            .flatten()
+            .map(|n| n.name.as_str())
+            .collect(),
+    );
+    (!zones.is_empty() || !nodes.is_empty()).then(|| Arc::new(Hints { zones, nodes }))
 }

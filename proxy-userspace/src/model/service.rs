@@ -106,6 +106,17 @@ pub struct Endpoint {
     /// Shared with the tracker's copy of the slice (and with every port the endpoint serves).
     pub node_name: Option<Arc<str>>,
     pub zone: Option<Arc<str>>,
+    /// The EndpointSlice's topology hints (`hints.forZones`, `hints.forNodes`), if any.
+    pub hints: Option<Arc<Hints>>,
+}
+
+/// Where an EndpointSlice controller would have an endpoint used (topology-aware routing:
+/// `trafficDistribution` PreferClose / PreferSameZone / PreferSameNode, or the
+/// `service.kubernetes.io/topology-mode` annotation, which it turns into these).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Hints {
+    pub zones: Vec<Arc<str>>,
+    pub nodes: Vec<Arc<str>>,
 }
 
 impl Endpoint {

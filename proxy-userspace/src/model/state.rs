@@ -2,7 +2,7 @@
 //! sends to.
 use std::{collections::BTreeMap, sync::Arc};
 
-use super::{Endpoint, ServicePort, ServicePortName};
+use super::{Endpoint, Hints, ServicePort, ServicePortName};
 
 /// What the dataplane should program. Read through its methods: the modes do not depend on
 /// how it is kept.
@@ -15,6 +15,8 @@ pub struct DesiredState {
     pub(super) endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
     /// This node's name: endpoints whose `nodeName` it is are local.
     node_name: String,
+    /// This node's zone (its Node's `topology.kubernetes.io/zone` label), for topology hints.
+    pub(super) node_zone: Option<Arc<str>>,
 }
 
 impl DesiredState {
@@ -113,9 +115,9 @@ impl DesiredState {
 
     /// The endpoints that new connections to `spn` from inside the cluster (pods, and
     /// processes on the node) go to, picked as kube-proxy's `CategorizeEndpoints` does: the
-    /// ready ones or, when none is ready, the serving ones that are terminating (KEP-1669, so
-    /// that a rollout's last pods keep answering); with internalTrafficPolicy: Local, only
-    /// this node's.
+    /// ready ones (those topology hints give this node, if they do) or, when none is ready,
+    /// the serving ones that are terminating (KEP-1669, so that a rollout's last pods keep
+    /// answering); with internalTrafficPolicy: Local, only this node's.
     pub fn cluster_endpoints(&self, spn: &ServicePortName) -> Vec<&Endpoint> {
         let local_only = self.port(spn).is_some_and(|sp| sp.internal_traffic_local);
         self.usable_endpoints(spn, local_only)
@@ -134,8 +136,8 @@ impl DesiredState {
         ep.node_name.as_deref() == Some(self.node_name.as_str())
     }
 
-    /// The ready endpoints of `spn` (only this node's if `local_only`), else the serving
-    /// terminating ones.
+    /// The ready endpoints of `spn` (only this node's if `local_only`, else those topology
+    /// hints give this node), else the serving terminating ones.
     pub fn usable_endpoints(&self, spn: &ServicePortName, local_only: bool) -> Vec<&Endpoint> {
         let candidates: Vec<&Endpoint> = self
             .endpoints_of(spn)
@@ -143,12 +145,43 @@ impl DesiredState {
             .filter(|ep| !local_only || self.is_local(ep))
             .collect();
         if candidates.iter().any(|ep| ep.ready) {
-            candidates.into_iter().filter(|ep| ep.ready).collect()
+            let ready = candidates.into_iter().filter(|ep| ep.ready).collect();
+            match local_only {
+                true => ready,
+                false => self.by_topology(ready),
+            }
         } else {
             candidates
                 .into_iter()
                 .filter(|ep| ep.serving && ep.terminating)
                 .collect()
         }
+    }
+
+    /// kube-proxy's topology-aware routing of the ready endpoints `ready`: when every one has
+    /// node hints and some are for this node, those; else when every one has zone hints and
+    /// some are for this node's zone, those; else all (hints that would leave this node
+    /// nothing, or that only some endpoints carry, are ignored, as kube-proxy ignores them).
+    fn by_topology<'a>(&self, ready: Vec<&'a Endpoint>) -> Vec<&'a Endpoint> {
+        let hinted =
+            |of: fn(&Hints) -> &[Arc<str>], want: Option<&str>| -> Option<Vec<&'a Endpoint>> {
+                let want = want?;
+                let all_hinted = ready
+                    .iter()
+                    .all(|ep| ep.hints.as_deref().is_some_and(|h| !of(h).is_empty()));
+                let chosen: Vec<&'a Endpoint> = ready
+                    .iter()
+                    .copied()
+                    .filter(|ep| {
+                        ep.hints
+                            .as_deref()
+                            .is_some_and(|h| of(h).iter().any(|n| &**n == want))
+                    })
+                    .collect();
+                (all_hinted && !chosen.is_empty()).then_some(chosen)
+            };
+        hinted(|h| &h.nodes, Some(&self.node_name))
+            .or_else(|| hinted(|h| &h.zones, self.node_zone.as_deref()))
+            .unwrap_or(ready)
     }
 }

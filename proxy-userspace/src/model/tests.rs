@@ -703,6 +703,7 @@ endpoints:
             terminating: false,
             node_name: Some("node1".into()),
             zone: Some("zone-a".into()),
+            hints: None,
         }
     );
     // As kube-proxy reads them: an unset serving is true whatever ready says.
@@ -982,4 +983,90 @@ fn addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() {
     let http = spn("web", "http", Protocol::Tcp);
     assert_eq!(state.services[&http].cluster_ips, [ip("10.96.0.10")]);
     assert_eq!(endpoint_ips(&state, &http), ["10.244.1.11:8080"]);
+}
+
+/// Topology-aware routing, as kube-proxy's `CategorizeEndpoints` reads hints: the ready
+/// endpoints hinted for this node, else for this node's zone, when every ready one carries
+/// hints of that kind and some are for here; never for internalTrafficPolicy Local or the
+/// terminating fallback. The node's zone is its Node object's label; a change of it is a
+/// change of every port.
+#[test]
+fn topology_hints_keep_traffic_in_the_node_or_zone() {
+    let mut tracker = ChangeTracker::new();
+    let mut state = DesiredState::new("node1");
+    tracker.update_service(&service(WEB)).unwrap();
+    let http = spn("web", "http", Protocol::Tcp);
+    let set = |tracker: &mut ChangeTracker, endpoints: &str| {
+        tracker
+            .update_slice(&slice_of("web", "web-1", "IPv4", endpoints))
+            .unwrap();
+    };
+    let cluster = |state: &DesiredState| -> Vec<String> {
+        state
+            .cluster_endpoints(&http)
+            .iter()
+            .map(|ep| ep.ip.to_string())
+            .collect()
+    };
+    let zoned = "
+- {addresses: [10.244.1.11], nodeName: node1, hints: {forZones: [{name: zone-a}]}}
+- {addresses: [10.244.2.11], nodeName: node2, hints: {forZones: [{name: zone-b}]}}
+- {addresses: [10.244.3.11], nodeName: node3, hints: {forZones: [{name: zone-a}, {name: zone-c}]}}";
+    set(&mut tracker, zoned);
+    tracker.apply(&mut state);
+    let all = ["10.244.1.11", "10.244.2.11", "10.244.3.11"];
+    assert_eq!(cluster(&state), all, "the node's zone is not known yet");
+    tracker.upsert_node("node2", Some("zone-b"));
+    assert!(tracker.has_pending());
+    assert!(
+        applied(&mut tracker, &mut state).is_empty(),
+        "another node's zone"
+    );
+    tracker.upsert_node("node1", Some("zone-a"));
+    assert_eq!(
+        applied(&mut tracker, &mut state),
+        ["default/web:http", "default/web:metrics"]
+    );
+    assert_eq!(cluster(&state), ["10.244.1.11", "10.244.3.11"]);
+    // internalTrafficPolicy Local has no use for hints.
+    Arc::make_mut(state.services.get_mut(&http).unwrap()).internal_traffic_local = true;
+    assert_eq!(cluster(&state), ["10.244.1.11"]);
+    Arc::make_mut(state.services.get_mut(&http).unwrap()).internal_traffic_local = false;
+    // No endpoint for this zone, or one without hints: hints are ignored.
+    tracker.upsert_node("node1", Some("zone-d"));
+    tracker.apply(&mut state);
+    assert_eq!(cluster(&state), all);
+    tracker.upsert_node("node1", Some("zone-a"));
+    set(
+        &mut tracker,
+        "
+- {addresses: [10.244.1.11], hints: {forZones: [{name: zone-a}]}}
+- {addresses: [10.244.2.11]}",
+    );
+    tracker.apply(&mut state);
+    assert_eq!(cluster(&state), ["10.244.1.11", "10.244.2.11"]);
+    // Node hints (PreferSameNode) come first.
+    set(
+        &mut tracker,
+        "
+- {addresses: [10.244.1.11], hints: {forZones: [{name: zone-a}], forNodes: [{name: node9}]}}
+- {addresses: [10.244.1.12], hints: {forZones: [{name: zone-a}], forNodes: [{name: node1}]}}
+- {addresses: [10.244.2.11], hints: {forZones: [{name: zone-b}], forNodes: [{name: node2}]}}",
+    );
+    tracker.apply(&mut state);
+    assert_eq!(cluster(&state), ["10.244.1.12"]);
+    // Only terminating endpoints: the fallback takes them all.
+    set(
+        &mut tracker,
+        "
+- {addresses: [10.244.1.11], conditions: {ready: false, serving: true, terminating: true}, hints: {forZones: [{name: zone-a}]}}
+- {addresses: [10.244.2.11], conditions: {ready: false, serving: true, terminating: true}, hints: {forZones: [{name: zone-b}]}}",
+    );
+    tracker.apply(&mut state);
+    assert_eq!(cluster(&state), ["10.244.1.11", "10.244.2.11"]);
+    // The node's Node gone: its zone with it.
+    tracker.delete_node("node1");
+    set(&mut tracker, zoned);
+    tracker.apply(&mut state);
+    assert_eq!(cluster(&state), all);
 }

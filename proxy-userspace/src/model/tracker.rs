@@ -8,7 +8,9 @@ use std::{
     time::SystemTime,
 };
 
-use super::{DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName};
+use super::{
+    DesiredState, Endpoint, Hints, NamespacedName, Protocol, ServicePort, ServicePortName,
+};
 
 /// An endpoint left out of an EndpointSlice whose other endpoints are used, as kube-proxy skips
 /// single endpoints it cannot program.
@@ -48,6 +50,7 @@ pub(crate) struct SliceEndpoint {
     pub(crate) terminating: bool,
     pub(crate) node_name: Option<Arc<str>>,
     pub(crate) zone: Option<Arc<str>>,
+    pub(crate) hints: Option<Arc<Hints>>,
 }
 
 /// A Service reduced to what the tracker records of it: what a source computes from the object
@@ -104,6 +107,10 @@ pub struct ChangeTracker {
     /// Trigger times before this are ignored: a slice listed at start may carry one from long
     /// ago (kube-proxy's rule). None: every one counts.
     started: Option<SystemTime>,
+    /// The Node objects known, by name: their `topology.kubernetes.io/zone` label.
+    node_zones: HashMap<Arc<str>, Option<Arc<str>>>,
+    /// A Node changed since the last [`ChangeTracker::apply`].
+    nodes_changed: bool,
 }
 
 impl ChangeTracker {
@@ -213,7 +220,46 @@ impl ChangeTracker {
     ///
     /// [`apply`]: ChangeTracker::apply
     pub fn has_pending(&self) -> bool {
-        !self.pending.is_empty()
+        !self.pending.is_empty() || self.nodes_changed
+    }
+
+    /// Records a Node's zone (its `topology.kubernetes.io/zone` label): this node's decides
+    /// which endpoints topology hints give it.
+    pub fn upsert_node(&mut self, name: &str, zone: Option<&str>) {
+        let zone = zone.filter(|z| !z.is_empty()).map(Arc::from);
+        if self.node_zones.get(name) != Some(&zone) {
+            self.node_zones.insert(name.into(), zone);
+            self.nodes_changed = true;
+        }
+    }
+
+    pub fn delete_node(&mut self, name: &str) {
+        self.nodes_changed |= self.node_zones.remove(name).is_some();
+    }
+
+    /// The names of the Nodes known.
+    pub fn node_keys(&self) -> Vec<NamespacedName> {
+        self.node_zones
+            .keys()
+            .map(|name| NamespacedName::new("", Arc::clone(name)))
+            .collect()
+    }
+
+    /// Gives `state` its node's zone; when it changed, every Service port's endpoints may
+    /// have (topology hints): their names join `changed`.
+    fn apply_node_zone(
+        &mut self,
+        state: &mut DesiredState,
+        changed: &mut BTreeSet<ServicePortName>,
+    ) {
+        if !std::mem::take(&mut self.nodes_changed) {
+            return;
+        }
+        let zone = self.node_zones.get(state.node_name()).cloned().flatten();
+        if state.node_zone != zone {
+            state.node_zone = zone;
+            changed.extend(state.services.keys().cloned());
+        }
     }
 
     /// The trigger times ([`crate::kubernetes::LAST_CHANGE_TRIGGER_TIME`]) of the slice changes that the last
@@ -235,17 +281,20 @@ impl ChangeTracker {
     /// dropped. The work is proportional to the changed services, not to all of them.
     pub fn apply(&mut self, state: &mut DesiredState) -> BTreeSet<ServicePortName> {
         let pending = std::mem::take(&mut self.pending);
-        if state.services.is_empty() && state.endpoints.is_empty() {
-            return self.apply_fresh(pending.into_keys(), state);
-        }
-        let mut changed = BTreeSet::new();
-        for service in pending.into_keys() {
-            let (ports, endpoints) = self.render(&service);
-            // `state` holds what was applied last: diffing against it (rather than against the
-            // saved inputs) keeps `state` exact whatever it held before.
-            sync_range(&mut state.services, &service, ports, &mut changed);
-            sync_range(&mut state.endpoints, &service, endpoints, &mut changed);
-        }
+        let mut changed = if state.services.is_empty() && state.endpoints.is_empty() {
+            self.apply_fresh(pending.into_keys(), state)
+        } else {
+            let mut changed = BTreeSet::new();
+            for service in pending.into_keys() {
+                let (ports, endpoints) = self.render(&service);
+                // `state` holds what was applied last: diffing against it (rather than against
+                // the saved inputs) keeps `state` exact whatever it held before.
+                sync_range(&mut state.services, &service, ports, &mut changed);
+                sync_range(&mut state.endpoints, &service, endpoints, &mut changed);
+            }
+            changed
+        };
+        self.apply_node_zone(state, &mut changed);
         changed
     }
 
@@ -332,6 +381,7 @@ impl ChangeTracker {
                     terminating: ep.terminating,
                     node_name: ep.node_name.clone(),
                     zone: ep.zone.clone(),
+                    hints: ep.hints.clone(),
                 }));
             }
         }

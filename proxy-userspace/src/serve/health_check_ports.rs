@@ -283,6 +283,7 @@ mod tests {
             terminating,
             node_name: Some(node.into()),
             zone: None,
+            hints: None,
         }
     }
 

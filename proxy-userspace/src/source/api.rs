@@ -86,7 +86,7 @@ pub async fn run(
     );
     let slices = feed_tracker::<EndpointSlice>(
         Api::all(client.clone()),
-        (tracker, sync),
+        (tracker.clone(), sync.clone()),
         update_slice,
         ChangeTracker::delete_slice,
         ChangeTracker::slice_keys,
@@ -100,17 +100,24 @@ pub async fn run(
         watch::<Node>(
             Api::all(client),
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
-            move |change| match change {
-                Change::Apply(node) => {
-                    seen.store(true, Ordering::Relaxed);
-                    let eligible = node_eligible(&node);
-                    tracing::debug!(node = %name, eligible, "node updated");
-                    health.set_node_eligible(eligible);
+            move |change| {
+                match change {
+                    Change::Apply(node) => {
+                        seen.store(true, Ordering::Relaxed);
+                        let eligible = node_eligible(&node);
+                        tracing::debug!(node = %name, eligible, "node updated");
+                        health.set_node_eligible(eligible);
+                        let labels = node.metadata.labels.as_ref();
+                        let zone = labels.and_then(|l| l.get(ZONE_LABEL)).map(String::as_str);
+                        tracker.lock().unwrap().upsert_node(&name, zone);
+                    }
+                    Change::Delete(_) => {
+                        seen.store(false, Ordering::Relaxed);
+                        health.set_node_eligible(false);
+                        tracker.lock().unwrap().delete_node(&name);
+                    }
                 }
-                Change::Delete(_) => {
-                    seen.store(false, Ordering::Relaxed);
-                    health.set_node_eligible(false);
-                }
+                sync.request();
             },
             move || {
                 let seen = known.load(Ordering::Relaxed);
@@ -124,6 +131,9 @@ pub async fn run(
     tokio::try_join!(services, slices, node)?;
     anyhow::bail!("the API watches ended")
 }
+
+/// The Node label topology hints name zones by.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 /// Watches one kind into the tracker: every change is applied there and requests a sync.
 async fn feed_tracker<K>(

@@ -23,7 +23,10 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::kubernetes::InvalidObject;
 use crate::model::{ChangeTracker, NamespacedName, ReducedService, ReducedSlice};
-use crate::source::manifest::{self, ManifestError, Object};
+use crate::source::{
+    api::ZONE_LABEL,
+    manifest::{self, ManifestError, Object},
+};
 use crate::sync::SyncHandle;
 
 /// How long the directory must stay quiet before a reload: one save is often several events
@@ -147,6 +150,8 @@ type ObjectKey = (&'static str, NamespacedName);
 enum Entry {
     Service(Result<ReducedService, InvalidObject>),
     Slice(Result<ReducedSlice, InvalidObject>),
+    /// A Node: its name and zone label.
+    Node(NamespacedName, Option<String>),
 }
 
 impl Entry {
@@ -154,6 +159,11 @@ impl Entry {
         match object {
             Object::Service(svc) => Entry::Service(ReducedService::parse(svc)),
             Object::EndpointSlice(slice) => Entry::Slice(ReducedSlice::parse(slice)),
+            Object::Node(node) => {
+                let labels = node.metadata.labels.as_ref();
+                let zone = labels.and_then(|l| l.get(ZONE_LABEL)).cloned();
+                Entry::Node(object.key(), zone)
+            }
         }
     }
 
@@ -163,6 +173,7 @@ impl Entry {
             Entry::Service(Ok(update)) => &update.key,
             Entry::Slice(Ok(update)) => &update.key,
             Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => &invalid.key,
+            Entry::Node(key, _) => key,
         }
     }
 }
@@ -301,6 +312,10 @@ impl FileSource {
                     }
                     None
                 }
+                Entry::Node(key, zone) => {
+                    tracker.upsert_node(&key.name, zone.as_deref());
+                    None
+                }
                 Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => Some(invalid),
             };
             if let Some(invalid) = invalid {
@@ -316,6 +331,7 @@ impl FileSource {
             match entry {
                 Entry::Service(_) => tracker.delete_service(&key.1),
                 Entry::Slice(_) => tracker.delete_slice(&key.1),
+                Entry::Node(..) => tracker.delete_node(&key.1.name),
             }
         }
         drop(tracker);

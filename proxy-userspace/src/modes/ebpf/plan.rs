@@ -267,6 +267,7 @@ mod tests {
             terminating: false,
             node_name: Some(Arc::from(node)),
             zone: None,
+            hints: None,
         }
     }
 

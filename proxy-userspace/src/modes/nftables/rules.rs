@@ -845,6 +845,7 @@ pub(super) mod tests {
             terminating: false,
             node_name: None,
             zone: None,
+            hints: None,
         };
         assert_eq!(
             targets(&svc1, &[&ep])[0].chain,

@@ -248,6 +248,7 @@ fn endpoints(addrs: &[(Ipv4Addr, u16)]) -> Vec<Endpoint> {
             terminating: false,
             node_name: Some(Arc::from("node1")),
             zone: None,
+            hints: None,
         })
         .collect()
 }

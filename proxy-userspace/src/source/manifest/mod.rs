@@ -2,13 +2,13 @@
 //! `kubectl get -o yaml`.
 //!
 //! A file may hold several documents (`---`), `kind: List` objects with `items` (also
-//! ServiceList, EndpointSliceList...), or JSON values. Services and EndpointSlices are kept, other
-//! kinds are counted and skipped. One broken object does not spoil the rest; only a file that is
+//! ServiceList, EndpointSliceList...), or JSON values. Services, EndpointSlices and Nodes (this
+//! node's gives its zone) are kept, other kinds are counted and skipped. One broken object does not spoil the rest; only a file that is
 //! not YAML at all is rejected as a whole, because then nothing in it can be trusted.
 
 use std::fmt;
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
@@ -31,6 +31,9 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 pub enum Object {
     Service(Service),
     EndpointSlice(EndpointSlice),
+    /// Nodes: this node's gives its zone (for topology hints), as its Node object does from
+    /// the API server.
+    Node(Node),
 }
 
 impl Object {
@@ -38,6 +41,7 @@ impl Object {
         match self {
             Object::Service(_) => "Service",
             Object::EndpointSlice(_) => "EndpointSlice",
+            Object::Node(_) => "Node",
         }
     }
 
@@ -57,6 +61,7 @@ impl Object {
         match self {
             Object::Service(svc) => &svc.metadata,
             Object::EndpointSlice(slice) => &slice.metadata,
+            Object::Node(node) => &node.metadata,
         }
     }
 
@@ -64,6 +69,7 @@ impl Object {
         match self {
             Object::Service(svc) => &mut svc.metadata,
             Object::EndpointSlice(slice) => &mut slice.metadata,
+            Object::Node(node) => &mut node.metadata,
         }
     }
 }
@@ -275,6 +281,7 @@ impl<F: FnMut(Object)> Parser<'_, F> {
         let object = match kind.as_str() {
             "Service" => self.deserialize(index, path, value, &kind, Object::Service),
             "EndpointSlice" => self.deserialize(index, path, value, &kind, Object::EndpointSlice),
+            "Node" => self.deserialize(index, path, value, &kind, Object::Node),
             // `kubectl get -o yaml` prints a List; typed lists (ServiceList...) look the same.
             list if list.ends_with("List") => {
                 let items = value.as_mapping_mut().and_then(|m| m.remove("items"));
@@ -729,6 +736,7 @@ endpoints:
                 Object::EndpointSlice(slice) => {
                     tracker.update_slice(slice).unwrap();
                 }
+                Object::Node(_) => {}
             }
         }
         let mut state = crate::model::DesiredState::default();
@@ -754,6 +762,7 @@ endpoints:
                 Object::EndpointSlice(slice) => {
                     assert_eq!(tracker.update_slice(slice).unwrap(), []);
                 }
+                Object::Node(_) => {}
             }
         }
         let mut state = crate::model::DesiredState::default();
