@@ -36,7 +36,7 @@ pub struct AgentConfig {
     pub metrics_bind_address: Option<String>,
     /// kube-proxy's `--config` file: when it changes the agent exits, as kube-proxy does, so
     /// that it starts again with the new one.
-    pub config_file: Option<PathBuf>,
+    pub config_file: Option<crate::kube_proxy::ConfigFile>,
 }
 
 /// Where the desired state comes from.

@@ -134,7 +134,14 @@ pub struct CommandLine {
     /// `-v`: klog's verbosity (0 info, 4 debug, 6 and up trace), for when RUST_LOG is unset.
     pub verbosity: Option<u32>,
     /// `--config`: the file the agent must restart for when it changes (as kube-proxy does).
-    pub config_file: Option<PathBuf>,
+    pub config_file: Option<ConfigFile>,
+}
+
+/// The `--config` file and what it held when it was read.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ConfigFile {
+    pub path: PathBuf,
+    pub content: Vec<u8>,
 }
 
 /// A flag as given: its name, its value (inline after `=`, or the next argument), and the
@@ -164,7 +171,8 @@ pub fn command_line(
         .file_name()
         .is_some_and(|name| name == "kube-proxy");
     let subcommand = rest.first().and_then(|a| a.to_str());
-    if named_kube_proxy && !matches!(subcommand, Some("agent" | "inspect" | "help")) {
+    let root_flag = matches!(subcommand, Some("--version" | "-V" | "--help" | "-h"));
+    if named_kube_proxy && !root_flag && !matches!(subcommand, Some("agent" | "inspect" | "help")) {
         rest.insert(0, "agent".into());
     }
     let mut out = CommandLine::default();
@@ -175,6 +183,7 @@ pub fn command_line(
     let args = split(&rest[1..], &agent_takes_value)?;
     let mut kept = Vec::new();
     let mut sync_periods = Vec::new();
+    let mut config_path = None;
     for arg in args {
         let flag = match arg {
             Arg::Flag(flag) => flag,
@@ -192,8 +201,12 @@ pub fn command_line(
             }
             ("config", _) => {
                 let value = flag.value.context("--config needs a file")?;
-                out.config_file = Some(PathBuf::from(value));
+                config_path = Some(PathBuf::from(value));
             }
+            ("write-config-to", _) => bail!(
+                "--write-config-to: this agent has no configuration file of its own to write (its \
+                 flags' defaults are kube-proxy's where they share a meaning; see the README)"
+            ),
             (_, Some((_, SyncPeriod { ipvs, min }))) => sync_periods.push((ipvs, min, flag)),
             (name, Some((_, Nothing(why)))) => out.warnings.push(format!(
                 "--{name} is kube-proxy's and has no effect here: {why}"
@@ -202,8 +215,12 @@ pub fn command_line(
         }
     }
     let mut file_flags = Vec::new();
-    if let Some(path) = &out.config_file {
-        let config = KubeProxyConfiguration::read(path)?;
+    if let Some(path) = config_path {
+        let content = std::fs::read(&path)
+            .with_context(|| format!("cannot read the --config file {}", path.display()))?;
+        let config = KubeProxyConfiguration::parse(&String::from_utf8_lossy(&content))
+            .with_context(|| format!("the --config file {}", path.display()))?;
+        out.config_file = Some(ConfigFile { path, content });
         file_flags = config.flags(&mut out.warnings);
         // -v on the command line wins over the file's (kube-proxy's rule for logging).
         out.verbosity = out.verbosity.or(config.verbosity()).filter(|v| *v > 0);
@@ -274,12 +291,10 @@ pub fn command_line(
         let value = flag
             .value
             .with_context(|| format!("--{} needs a value", flag.name))?;
-        kept.push(Arg::Flag(Flag {
-            raw: vec![format!("--{ours}={value}").into()],
-            name: ours.into(),
-            value: Some(value),
-        }));
+        file_flags.push((ours.to_owned(), value));
     }
+    // The file's flags (and the mode's sync periods) first: one given again later on the
+    // command line wins (clap takes the last).
     out.args = vec![program, "agent".into()];
     for (name, value) in file_flags {
         let raw = vec![OsString::from(format!("--{name}={value}"))];
@@ -372,7 +387,12 @@ fn split(
             out.push(Arg::Other(arg.clone()));
             continue;
         };
-        let mut raw = vec![arg.clone()];
+        // Go's single-dash long form (`-proxy-mode=ipvs`) given as clap takes it.
+        let single_dash_long = !text.starts_with("--") && name.len() > 1;
+        let mut raw = vec![match single_dash_long {
+            true => OsString::from(format!("-{text}")),
+            false => arg.clone(),
+        }];
         let value = match inline {
             Some(value) => Some(value),
             None if takes_value => {
@@ -481,12 +501,6 @@ struct LoggingSection {
 const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 
 impl KubeProxyConfiguration {
-    pub fn read(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the --config file {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("the --config file {}", path.display()))
-    }
-
     pub fn parse(text: &str) -> anyhow::Result<Self> {
         let config: Self = serde_yaml::from_str(text)
             .context("not a KubeProxyConfiguration (kube-proxy's configuration file)")?;
@@ -523,8 +537,23 @@ impl KubeProxyConfiguration {
         let client = self.client_connection.as_ref();
         set("kubeconfig", client.and_then(|c| c.kubeconfig.clone()));
         set("hostname-override", self.hostname_override.clone());
-        set("healthz-bind-address", self.healthz_bind_address.clone());
-        set("metrics-bind-address", self.metrics_bind_address.clone());
+        // kube-proxy takes an address without a port as on its default port.
+        let with_port = |address: &Option<String>, port: u16| {
+            address
+                .as_deref()
+                .map(|a| match a.parse::<std::net::IpAddr>() {
+                    Ok(ip) => std::net::SocketAddr::new(ip, port).to_string(),
+                    Err(_) => a.to_owned(),
+                })
+        };
+        set(
+            "healthz-bind-address",
+            with_port(&self.healthz_bind_address, 10256),
+        );
+        set(
+            "metrics-bind-address",
+            with_port(&self.metrics_bind_address, 10249),
+        );
         if let Some(cidrs) = &self.cluster_cidr {
             let (v4, v6): (Vec<&str>, Vec<&str>) = cidrs
                 .split(',')
@@ -535,6 +564,12 @@ impl KubeProxyConfiguration {
                 warnings.push(format!(
                     "clusterCIDR {}: IPv6 is not served yet",
                     v6.join(",")
+                ));
+            }
+            if v4.len() > 1 {
+                warnings.push(format!(
+                    "clusterCIDR: one IPv4 range is used, {}; the others are left out",
+                    v4[0]
                 ));
             }
             set("cluster-cidr", v4.first().map(|c| c.to_string()));
@@ -571,10 +606,12 @@ impl KubeProxyConfiguration {
                 .filter(|v| !is_zero(v))
                 .or(min_sync),
         );
-        let masquerade_all = [self.iptables.as_ref(), self.nftables.as_ref()]
-            .into_iter()
-            .flatten()
-            .any(|s| s.masquerade_all == Some(true));
+        // The running mode's (the iptables section's also for ipvs, as kube-proxy reads it).
+        let masquerade_all = match self.mode.as_deref() {
+            Some("nftables") => self.nftables.as_ref(),
+            _ => self.iptables.as_ref(),
+        }
+        .is_some_and(|s| s.masquerade_all == Some(true));
         set("masquerade-all", masquerade_all.then(|| "true".to_owned()));
         set("ipvs-scheduler", ipvs.and_then(|s| s.scheduler.clone()));
         set(
@@ -596,14 +633,6 @@ impl KubeProxyConfiguration {
         set("ipvs-udp-timeout", ipvs.and_then(|s| s.udp_timeout.clone()));
         let conntrack = self.conntrack.as_ref();
         set(
-            "conntrack-tcp-timeout-established",
-            conntrack.and_then(|c| c.tcp_established_timeout.clone()),
-        );
-        set(
-            "conntrack-tcp-timeout-close-wait",
-            conntrack.and_then(|c| c.tcp_close_wait_timeout.clone()),
-        );
-        set(
             "conntrack-tcp-be-liberal",
             conntrack
                 .and_then(|c| c.tcp_be_liberal)
@@ -620,18 +649,32 @@ impl KubeProxyConfiguration {
         );
         let logging = self.logging.as_ref();
         set("logging-format", logging.and_then(|l| l.format.clone()));
-        set("oom-score-adj", self.oom_score_adj.map(|a| a.to_string()));
-        // Null is kube-proxy's default here, and 0 a value (the table size left as it is).
-        let table = [
+        // Fields where null is kube-proxy's default and 0 a value (left as the kernel has it,
+        // an adjustment of 0).
+        let exact = [
             (
                 "conntrack-max-per-core",
-                conntrack.and_then(|c| c.max_per_core),
+                conntrack
+                    .and_then(|c| c.max_per_core)
+                    .map(|n| n.to_string()),
             ),
-            ("conntrack-min", conntrack.and_then(|c| c.min)),
+            (
+                "conntrack-min",
+                conntrack.and_then(|c| c.min).map(|n| n.to_string()),
+            ),
+            (
+                "conntrack-tcp-timeout-established",
+                conntrack.and_then(|c| c.tcp_established_timeout.clone()),
+            ),
+            (
+                "conntrack-tcp-timeout-close-wait",
+                conntrack.and_then(|c| c.tcp_close_wait_timeout.clone()),
+            ),
+            ("oom-score-adj", self.oom_score_adj.map(|a| a.to_string())),
         ];
-        for (name, value) in table {
+        for (name, value) in exact {
             if let Some(value) = value {
-                flags.push((name.to_owned(), value.to_string()));
+                flags.push((name.to_owned(), value));
             }
         }
         // What is set and means nothing here.
@@ -693,13 +736,15 @@ pub fn log_filter(v: u32) -> &'static str {
     }
 }
 
-/// Returns (an error saying so) once the content of the `--config` file `path` changes: the
-/// agent then exits, as kube-proxy does, and its DaemonSet starts it again with the new file
-/// (a ConfigMap volume's atomic update included). Also returns an error if it cannot watch.
-pub async fn changed(path: &Path) -> anyhow::Result<()> {
+/// Returns (an error saying so) once the content of the `--config` file differs from what was
+/// read at start: the agent then exits, as kube-proxy does, and its DaemonSet starts it again
+/// with the new file (a ConfigMap volume's atomic update included). Also returns an error if
+/// it cannot watch.
+pub async fn changed(file: &ConfigFile) -> anyhow::Result<()> {
     use crate::source::file::{concerns, settle, watched_dir};
     use notify::{RecursiveMode, Watcher};
 
+    let path = &file.path;
     let file_name = path
         .file_name()
         .with_context(|| format!("--config {} does not name a file", path.display()))?
@@ -713,23 +758,25 @@ pub async fn changed(path: &Path) -> anyhow::Result<()> {
     watcher
         .watch(&dir, RecursiveMode::NonRecursive)
         .with_context(|| format!("watching {} for changes to --config", dir.display()))?;
-    let loaded = std::fs::read(path).ok();
+    // Compared first, for a change made before the watch began; then after each event.
     loop {
-        let event = events
-            .recv()
-            .await
-            .context("the --config file's watcher stopped")?;
-        if !concerns(&event, &file_name) {
-            continue;
-        }
-        settle(&mut events).await;
-        if std::fs::read(path).ok() != loaded {
+        if std::fs::read(path).ok().as_ref() != Some(&file.content) {
             bail!(
                 "the --config file {} changed: exiting so that the agent starts again with it \
                  (as kube-proxy does)",
                 path.display()
             );
         }
+        loop {
+            let event = events
+                .recv()
+                .await
+                .context("the --config file's watcher stopped")?;
+            if concerns(&event, &file_name) {
+                break;
+            }
+        }
+        settle(&mut events).await;
     }
 }
 
@@ -789,7 +836,10 @@ mod tests {
                 agent_takes_value,
             )
             .unwrap();
-            assert_eq!(line.config_file.as_deref(), Some(Path::new(&config)));
+            assert_eq!(
+                line.config_file.as_ref().map(|f| f.path.as_path()),
+                Some(Path::new(&config))
+            );
             crate::testing::golden("kube_proxy", &format!("{name}.golden"), &shown(&line));
         }
     }
@@ -822,12 +872,12 @@ mod tests {
             args(&[
                 "proxy-userspace",
                 "agent",
+                "--sync-period=10s",
                 "--proxy-mode",
                 "iptables",
                 "--conntrack-max-per-core=0",
                 "--masquerade-all",
                 "-h",
-                "--sync-period=10s",
             ])
         );
         assert_eq!(line.verbosity, Some(2));
@@ -888,6 +938,82 @@ mod tests {
             line.warnings
                 .iter()
                 .any(|w| w.starts_with("--proxy-mode is ignored"))
+        );
+    }
+
+    /// kube-proxy's readings that differ from "zero is the default": bind addresses without a
+    /// port, zeros that mean "leave the kernel's", the running mode's masquerade setting.
+    #[test]
+    fn kube_proxys_defaults_and_zeros() {
+        let config = KubeProxyConfiguration::parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+healthzBindAddress: 0.0.0.0
+metricsBindAddress: '::'
+clusterCIDR: 10.244.0.0/16,10.245.0.0/16
+conntrack: {maxPerCore: 0, min: null, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: null}
+oomScoreAdj: 0
+iptables: {masqueradeAll: true}
+",
+        )
+        .unwrap();
+        let mut warnings = Vec::new();
+        let flags = config.flags(&mut warnings);
+        let flags: Vec<String> = flags.iter().map(|(n, v)| format!("--{n}={v}")).collect();
+        assert_eq!(
+            flags,
+            [
+                "--proxy-mode=nftables",
+                "--healthz-bind-address=0.0.0.0:10256",
+                "--metrics-bind-address=[::]:10249",
+                "--cluster-cidr=10.244.0.0/16",
+                "--conntrack-max-per-core=0",
+                "--conntrack-tcp-timeout-established=0s",
+                "--oom-score-adj=0",
+            ]
+        );
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+    }
+
+    /// Go's flag forms and kube-proxy's root flags under the name kube-proxy.
+    #[test]
+    fn go_flag_forms() {
+        let line = command_line(
+            args(&["kube-proxy", "-proxy-mode=ipvs", "-v", "3"]),
+            agent_takes_value,
+        )
+        .unwrap();
+        assert_eq!(
+            line.args,
+            args(&["kube-proxy", "agent", "--proxy-mode=ipvs"])
+        );
+        assert_eq!(line.verbosity, Some(3));
+        let version = args(&["kube-proxy", "--version"]);
+        assert_eq!(
+            command_line(version.clone(), agent_takes_value)
+                .unwrap()
+                .args,
+            version
+        );
+        let e = command_line(
+            args(&["kube-proxy", "--write-config-to=/tmp/x"]),
+            agent_takes_value,
+        )
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("no configuration file of its own"),
+            "{e:#}"
+        );
+        // A flag after `--` is nobody's: what kube-proxy's flags become goes before it.
+        let line = command_line(
+            args(&["kube-proxy", "--iptables-sync-period=5s", "--", "x"]),
+            agent_takes_value,
+        )
+        .unwrap();
+        assert_eq!(
+            line.args,
+            args(&["kube-proxy", "agent", "--sync-period=5s", "--", "x"])
         );
     }
 

@@ -26,7 +26,9 @@ use proxy_userspace::{
 
 /// An eBPF dataplane for Kubernetes Services: a drop-in replacement for kube-proxy.
 #[derive(Parser)]
-#[command(version)]
+// A flag given twice counts once, the last: kube-proxy's --config file becomes flags that the
+// command line may give again.
+#[command(version, args_override_self = true)]
 struct Cli {
     /// Log format (kube-proxy's flag): `text` for people, `json` for log pipelines. The
     /// level comes from RUST_LOG (default info).
@@ -264,8 +266,8 @@ struct AgentArgs {
     #[arg(long, allow_negative_numbers = true,
           value_parser = clap::value_parser!(i32).range(-1000..=1000))]
     oom_score_adj: Option<i32>,
-    /// Exit at once (kube-proxy's flag, for an init container that prepares the node): the
-    /// agent prepares what it needs when it starts.
+    /// Make the node's conntrack settings (--conntrack-*) and exit (kube-proxy's flag, for an
+    /// init container that prepares the node).
     #[arg(long)]
     init_only: bool,
     /// Remove what the agent installed (its tc programs on the pod interfaces, its socket
@@ -387,19 +389,11 @@ fn init_logging(format: LoggingFormat, verbosity: Option<u32>) {
     }
 }
 
-fn run_agent(args: AgentArgs, config_file: Option<PathBuf>) -> anyhow::Result<()> {
+fn run_agent(args: AgentArgs, config_file: Option<kube_proxy::ConfigFile>) -> anyhow::Result<()> {
     if args.cleanup {
         return modes::cleanup_all(&Installation::at(&args.bpf_pin_dir));
     }
-    if args.init_only {
-        tracing::info!(
-            "--init-only: nothing to prepare ahead of the agent, which sets what it needs when \
-             it starts"
-        );
-        return Ok(());
-    }
-    set_oom_score_adj(args.oom_score_adj);
-    ConntrackTuning {
+    let conntrack = ConntrackTuning {
         max_per_core: args.conntrack_max_per_core,
         min: args.conntrack_min,
         tcp_established: args.conntrack_tcp_timeout_established,
@@ -407,8 +401,14 @@ fn run_agent(args: AgentArgs, config_file: Option<PathBuf>) -> anyhow::Result<()
         tcp_be_liberal: args.conntrack_tcp_be_liberal,
         udp: args.conntrack_udp_timeout,
         udp_stream: args.conntrack_udp_timeout_stream,
+    };
+    if args.init_only {
+        // kube-proxy's init container's work: the node's settings, then exit.
+        conntrack.apply();
+        tracing::info!("--init-only: the node's conntrack settings are made; exiting");
+        return Ok(());
     }
-    .apply();
+    set_oom_score_adj(args.oom_score_adj);
     // One malloc arena for every thread: glibc gives each thread its own, and what a thread
     // frees there (the BPF object's parse, a list's JSON) stays resident beside the others'
     // (at 30k Services, 100 MiB resident with one a thread, 89 MiB with one in all). The agent
@@ -452,6 +452,8 @@ fn run_agent(args: AgentArgs, config_file: Option<PathBuf>) -> anyhow::Result<()
             ModeFlag::Only(mode) => (mode.start(&mut start)?, mode),
             ModeFlag::Auto => start_first(&mut start)?,
         };
+        // Once the mode runs: a netfilter mode's rules have loaded conntrack by then.
+        conntrack.apply();
         mode.export(match proxy_mode {
             ModeFlag::Auto => "auto",
             ModeFlag::Only(mode) => mode.name(),
@@ -673,6 +675,13 @@ mod tests {
         assert!(nftables.masquerade_all);
         assert_eq!(nftables.oom_score_adj, Some(-500));
         assert_eq!(nftables.hostname_override.as_deref(), Some("from-the-file"));
+        // The file's setting given again by this agent's own flag: the flag's holds.
+        let again = agent(&[
+            "kube-proxy".into(),
+            format!("--config={dir}/ipvs.conf"),
+            "--min-sync-period=0s".into(),
+        ]);
+        assert_eq!(again.min_sync_period, Duration::ZERO);
         let kubeadm = agent(&["kube-proxy".into(), format!("--config={dir}/kubeadm.conf")]);
         assert_eq!(
             kubeadm.kubeconfig.as_deref(),

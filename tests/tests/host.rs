@@ -686,6 +686,13 @@ fn a_connected_udp_socket_is_told_when_its_endpoint_leaves() {
     let before = agent.syncs();
     edit_manifest(&agent.manifest, |o| remove_endpoint(o, "dns-like", gone)).unwrap();
     agent.wait_for_sync_after(&mut sandbox, before).unwrap();
+    if agent.log_text().contains("cannot destroy sockets") {
+        proxy_tests::say_skipped(
+            TEST,
+            "the kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY)",
+        );
+        return;
+    }
     let told = held.ask();
     assert!(
         // The kernel disconnects it: a send fails with EDESTADDRREQ, a receive waiting then

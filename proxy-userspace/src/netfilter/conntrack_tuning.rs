@@ -46,9 +46,9 @@ impl ConntrackTuning {
             .join("nf_conntrack_max")
             .exists()
         {
-            tracing::warn!(
-                "netfilter's conntrack is not loaded here (no nf_conntrack module): its \
-                 settings (--conntrack-*) are left to the kernel"
+            tracing::info!(
+                "netfilter's conntrack is not in use here (no nf_conntrack module): its \
+                 settings (--conntrack-*) have nothing to apply to"
             );
             return;
         }
@@ -89,7 +89,12 @@ impl ConntrackTuning {
             return;
         }
         let key = format!("{SYSCTLS}/nf_conntrack_max");
-        let now: u32 = read_number(&format!("/proc/sys/{key}")).unwrap_or(0);
+        // The kernel takes an int.
+        let max = max.min(i32::MAX as u32);
+        let Some(now) = read_number(&format!("/proc/sys/{key}")) else {
+            tracing::warn!("nf_conntrack_max cannot be read: left as it is");
+            return;
+        };
         if now >= max {
             return;
         }

@@ -579,8 +579,9 @@ pub struct EbpfDataplane {
     maps: MapWriter,
     programs: Programs,
     pin_dir: PathBuf,
-    /// The socket programs serve this namespace's host-network clients.
-    host_clients: bool,
+    /// Host-network UDP sockets are told when their endpoint leaves: the socket programs serve
+    /// this namespace's host-network clients, and the kernel can destroy sockets.
+    tell_host_udp_sockets: bool,
     /// Held while the dataplane lives: a second agent on the same pins is refused.
     pin_dir_lock: Option<bpffs::PinDirLock>,
 }
@@ -659,7 +660,7 @@ impl EbpfDataplane {
         let mut dataplane = Self {
             maps,
             pin_dir: pin_dir.to_owned(),
-            host_clients: host_clients.is_some(),
+            tell_host_udp_sockets: host_clients.is_some(),
             programs: Programs::Ready(Box::new(TakeOver {
                 prepared,
                 cgroup: host_clients,
@@ -707,20 +708,34 @@ impl EbpfDataplane {
 impl EbpfDataplane {
     /// After a sync in which UDP endpoints left their service ports: the host-network sockets
     /// connected to them through the socket programs are told ([`stale_sockets`]). A failure
-    /// is logged, not the sync's: the maps are right.
+    /// is logged, not the sync's (the maps are right), and retried at the next sync, unless
+    /// the kernel cannot do it at all.
     fn tell_stale_udp_sockets(&mut self) {
-        if !self.maps.take_udp_departures() || !self.host_clients {
+        if !self.maps.udp_departed() || !self.tell_host_udp_sockets {
             return;
         }
-        match stale_sockets::terminate(&self.pin_dir, &self.maps.udp_routes()) {
+        let told = stale_sockets::terminate(&self.pin_dir, &self.maps.udp_routes());
+        let unsupported = told
+            .as_ref()
+            .is_err_and(|e| e.is::<stale_sockets::Unsupported>());
+        if told.is_ok() || unsupported {
+            self.maps.udp_departures_handled();
+        }
+        match told {
             Ok(0) => {}
+            Err(e) if unsupported => {
+                tracing::warn!("{e}");
+                self.tell_host_udp_sockets = false;
+            }
             Ok(sockets) => tracing::info!(
                 sockets,
                 "destroyed host-network UDP sockets connected to endpoints that left their \
                  Service (the kernel disconnects them: a receive fails with ECONNABORTED, a \
                  send with EDESTADDRREQ; connecting again picks a serving endpoint)"
             ),
-            Err(e) => tracing::warn!("telling host-network UDP sockets: {e:#}"),
+            Err(e) => {
+                tracing::warn!("telling host-network UDP sockets (retried at the next sync): {e:#}")
+            }
         }
     }
 }

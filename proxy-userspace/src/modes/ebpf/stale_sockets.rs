@@ -18,7 +18,7 @@ use std::{
 
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-use foldhash::{HashMap, HashSet};
+use foldhash::HashSet;
 use proxy_common::{IPPROTO_UDP, MAP_SOCK_REVNAT, NODE_PORT_ADDR, SockRevNatKey, SockRevNatValue};
 
 use super::link_events::{NLMSG_HDRLEN, align4, netlink_socket, u16_at, u32_at};
@@ -31,6 +31,8 @@ const SOCKID_LEN: usize = 48;
 const REQUEST_LEN: usize = 8 + SOCKID_LEN;
 /// `struct inet_diag_msg` up to the end of its socket id: family, state, timer, retransmits.
 const MESSAGE_ID_AT: usize = 4;
+/// A dump's message flag: the table changed during the dump.
+const NLM_F_DUMP_INTR: u16 = 0x10;
 /// A connected UDP socket's state, as sock_diag reports it.
 const TCP_ESTABLISHED: u32 = 1;
 
@@ -38,48 +40,59 @@ const TCP_ESTABLISHED: u32 = 1;
 /// port), a NodePort's address unspecified ([`super::MapWriter::udp_routes`]).
 pub type UdpRoutes = HashSet<(Ipv4Addr, u16, Ipv4Addr, u16)>;
 
+/// The kernel cannot destroy sockets (no CONFIG_INET_DIAG_DESTROY): nothing to retry.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY is not set): host-network UDP \
+     sockets connected to a Service keep sending to an endpoint that left until they reconnect"
+)]
+pub struct Unsupported;
+
 /// Destroys this network namespace's connected UDP sockets that the socket programs sent to
-/// an endpoint no longer in `routes` for the service address they asked for; how many.
+/// an endpoint no longer in `routes` for the service address they asked for; how many. A
+/// socket that cannot be destroyed is skipped (and named in the error, once the others are
+/// done), one closed meanwhile ignored.
 pub fn terminate(pin_dir: &Path, routes: &UdpRoutes) -> anyhow::Result<usize> {
-    let stale = stale_cookies(pin_dir, routes)?;
+    let stale = stale_sockets(pin_dir, routes)?;
     if stale.is_empty() {
         return Ok(0);
     }
     let fd = netlink_socket(libc::NETLINK_SOCK_DIAG).context("a NETLINK_SOCK_DIAG socket")?;
-    let mut destroyed = 0;
+    let (mut destroyed, mut failed) = (0, Vec::new());
     for socket in connected_udp_sockets(&fd).context("listing the UDP sockets (sock_diag)")? {
-        if stale.get(&socket.cookie) != Some(&socket.peer) {
+        if !stale.contains(&(socket.cookie, socket.peer)) {
             continue;
         }
         match destroy(&fd, &socket.id) {
             Ok(()) => destroyed += 1,
             // Closed meanwhile.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                anyhow::bail!(
-                    "this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY is not set): \
-                     host-network UDP sockets connected to a Service keep sending to an \
-                     endpoint that left until they reconnect"
-                );
-            }
-            Err(e) => return Err(e).context("destroying a UDP socket (SOCK_DESTROY)"),
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Err(Unsupported.into()),
+            Err(e) => failed.push(format!("{}:{}: {e}", socket.peer.0, socket.peer.1)),
         }
+    }
+    if !failed.is_empty() {
+        anyhow::bail!(
+            "{destroyed} destroyed, {} not (SOCK_DESTROY): {}",
+            failed.len(),
+            failed.join("; ")
+        );
     }
     Ok(destroyed)
 }
 
-/// The sockets (by cookie) whose recorded endpoint does not serve their service address now,
-/// with that endpoint.
-fn stale_cookies(
+/// The sockets (cookie) and endpoints they were sent to that do not serve the service address
+/// the socket asked for any more.
+fn stale_sockets(
     pin_dir: &Path,
     routes: &UdpRoutes,
-) -> anyhow::Result<HashMap<u64, (Ipv4Addr, u16)>> {
+) -> anyhow::Result<HashSet<(u64, (Ipv4Addr, u16))>> {
     let path = pin_dir.join(MAP_SOCK_REVNAT);
     let data = MapData::from_pin(&path)
         .with_context(|| format!("opening the pinned map {}", path.display()))?;
     let revnat: BpfHashMap<MapData, SockRevNatKey, SockRevNatValue> =
         Map::LruHashMap(data).try_into()?;
-    let mut stale = HashMap::default();
+    let mut stale = HashSet::default();
     for entry in revnat.iter() {
         // An entry evicted while we walk: the others are still read.
         let Ok((key, service)) = entry else { continue };
@@ -89,7 +102,7 @@ fn stale_cookies(
         // A NodePort's frontend is any node address.
         let node_port = Ipv4Addr::from(NODE_PORT_ADDR.octets());
         if !served(Ipv4Addr::from(service.addr.octets())) && !served(node_port) {
-            stale.insert(key.cookie, endpoint);
+            stale.insert((key.cookie, endpoint));
         }
     }
     Ok(stale)
@@ -172,8 +185,15 @@ fn connected_udp_sockets(fd: &OwnedFd) -> io::Result<Vec<DiagSocket>> {
                 return Err(short());
             }
             let body = &part[NLMSG_HDRLEN..len];
+            // The kernel's table changed while it listed it: some sockets may be missing.
+            if u16_at(part, 6) & NLM_F_DUMP_INTR != 0 {
+                return Err(io::Error::other("the listing was interrupted by changes"));
+            }
             match u16_at(part, 4) {
-                t if t == libc::NLMSG_DONE as u16 => return Ok(out),
+                t if t == libc::NLMSG_DONE as u16 => {
+                    error_of(body)?;
+                    return Ok(out);
+                }
                 t if t == libc::NLMSG_ERROR as u16 => {
                     error_of(body)?;
                     return Ok(out);

@@ -93,13 +93,13 @@ pub struct MapWriter {
     maglev_table_size: u32,
     /// The size the pinned tables were made for, while it is not `maglev_table_size`: the
     /// programs index with it (the CONFIG map) until a full sync has rewritten every table,
-    /// which then writes the new size, so a table is never read with another table's size
-    /// for longer than that sync (until then, also while the API server is unreachable, the
-    /// old tables serve as they are).
+    /// which then writes the new size. Until then the old tables serve as they are (also
+    /// while the API server is unreachable); a table rewritten meanwhile is read with the old
+    /// size, so its new flows may pick other endpoints than other nodes' (never a wrong one).
     maglev_pinned_size: Option<u32>,
     /// The programs' CONFIG map.
     settings: Array<MapData, u32>,
-    /// A UDP endpoint has left a service port since [`Self::take_udp_departures`] last asked.
+    /// A UDP endpoint has left a service port since [`Self::udp_departures_handled`].
     udp_departed: bool,
     /// What the services map holds, by frontend.
     frontends: HashMap<Frontend, Programmed>,
@@ -178,9 +178,14 @@ impl Batch {
 const LOST: u32 = 0;
 
 impl MapWriter {
-    /// Whether a UDP endpoint has left a service port (flagged draining) since the last call.
-    pub fn take_udp_departures(&mut self) -> bool {
-        std::mem::take(&mut self.udp_departed)
+    /// Whether a UDP endpoint has left a service port (flagged draining) since
+    /// [`Self::udp_departures_handled`].
+    pub fn udp_departed(&self) -> bool {
+        self.udp_departed
+    }
+
+    pub fn udp_departures_handled(&mut self) {
+        self.udp_departed = false;
     }
 
     /// Every (frontend address, port, endpoint address, port) of UDP through which new flows
@@ -301,7 +306,10 @@ impl MapWriter {
                     .failures
                     .push(format!("expiring drained entries: {e:#}"));
             }
-            if errors.failures.is_empty()
+            // Every port written (one refused keeps its old table): every table is of the new
+            // size, which the programs then use.
+            let all_written = errors.failures.is_empty() && errors.unprogrammable.is_empty();
+            if all_written
                 && self.maglev_pinned_size.is_some()
                 && let Err(e) =
                     self.settings
@@ -310,8 +318,7 @@ impl MapWriter {
                 errors
                     .failures
                     .push(format!("writing the Maglev table size: {e:#}"));
-            } else if errors.failures.is_empty() {
-                // Every table is written for the current size, and the programs use it.
+            } else if all_written {
                 self.maglev_pinned_size = None;
             }
         }
