@@ -117,3 +117,18 @@ pub(crate) fn saved_in_each_backend(test: &str, rules: fn() -> String) -> Vec<St
     }
     saved
 }
+
+/// The netfilter modes' settings the golden files are rendered with: node1's address
+/// 192.0.2.11, the pod range 10.244.0.0/16.
+pub(crate) fn netfilter_settings() -> crate::netfilter::rules::Settings {
+    let node = std::net::Ipv4Addr::new(192, 0, 2, 11);
+    crate::netfilter::rules::Settings {
+        cluster_cidr: Some(crate::model::Cidr::v4(
+            std::net::Ipv4Addr::new(10, 244, 0, 0),
+            16,
+        )),
+        masquerade_all: false,
+        node_port_addresses: Some(vec![node]),
+        node_ips: vec![node],
+    }
+}

@@ -3,7 +3,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use crate::{
-    model::Cidr,
+    model::{Cidr, ipv4},
     node::{self, NodePortAddresses},
 };
 
@@ -33,6 +33,7 @@ impl NetfilterConfig {
                 &self.primary,
                 &node::interface_addresses()?,
             ),
+            node_ips: ipv4(&self.primary),
         })
     }
 }
@@ -48,6 +49,32 @@ pub struct Settings {
     /// The node addresses NodePorts answer on; None: every local address (`addrtype LOCAL`,
     /// `fib daddr type local`).
     pub node_port_addresses: Option<Vec<Ipv4Addr>>,
+    /// The node's own (primary) addresses: see [`Settings::admits_load_balancer_ips`].
+    pub node_ips: Vec<Ipv4Addr>,
+}
+
+impl Settings {
+    /// Whether a load balancer frontend with these source ranges also admits its own load
+    /// balancer addresses as sources (kube-proxy's `allowFromNode`): when the ranges hold a
+    /// node address, the node may reach the load balancer, and a node reaching its own VIP
+    /// loops back with the VIP as source.
+    pub fn admits_load_balancer_ips(&self, ranges: &[Cidr]) -> bool {
+        ranges.iter().any(|range| {
+            self.node_ips
+                .iter()
+                .any(|ip| range.contains(IpAddr::V4(*ip)))
+        })
+    }
+}
+
+/// The loadBalancerSourceRanges of the frontend at `address` (`ip:port`) among the sources its
+/// firewall admits (`sources`): all but its own address, which
+/// [`Settings::admits_load_balancer_ips`] adds.
+pub fn source_ranges_of(address: &str, mut sources: Vec<String>) -> Vec<String> {
+    if let Some((ip, _)) = address.rsplit_once(':') {
+        sources.retain(|s| s != ip && *s != format!("{ip}/32"));
+    }
+    sources
 }
 
 /// The first 16 characters of the base32 (RFC 4648) encoding of the SHA-256 of `text`.

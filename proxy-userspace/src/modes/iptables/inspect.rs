@@ -17,6 +17,7 @@ use crate::{
     netfilter::{
         conntrack, iptables,
         iptables_save::{SavedRule, chains, parse_save},
+        rules::source_ranges_of,
     },
     rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, range, row},
 };
@@ -150,7 +151,7 @@ pub fn services(text: &str) -> Vec<ServiceRow> {
                 .collect();
             row.local_only = resolved.local_only;
             row.affinity_timeout_seconds = resolved.affinity_timeout_seconds;
-            row.source_ranges = resolved.source_ranges;
+            row.source_ranges = source_ranges_of(&address, resolved.source_ranges);
             rows.entry((address, protocol)).or_insert(row);
         }
     }
@@ -280,19 +281,9 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::{
-        model::Cidr,
         modes::iptables::rules::render,
-        netfilter::rules::Settings,
-        testing::{fixture, rule_backends},
+        testing::{fixture, netfilter_settings as settings, rule_backends},
     };
-
-    fn settings() -> Settings {
-        Settings {
-            cluster_cidr: Some(Cidr::v4(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
-            masquerade_all: false,
-            node_port_addresses: Some(vec![std::net::Ipv4Addr::new(192, 0, 2, 11)]),
-        }
-    }
 
     fn rendered() -> String {
         let state = fixture(crate::testing::SERVICES);

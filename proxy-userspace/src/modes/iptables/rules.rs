@@ -329,30 +329,40 @@ fn service_rules(
         }
     }
 
-    if uses_cluster {
-        own.chain(&chains.cluster);
-        declared.insert(chains.cluster.clone());
+    // Off-cluster traffic to a cluster IP is masqueraded at the head of the chain the cluster
+    // IP jumps to (KUBE-SVL-* for internalTrafficPolicy Local), as kube-proxy writes it.
+    let cluster_ip_masquerade = |own: &mut Table, chain: &str| {
+        let from = if settings.masquerade_all {
+            String::new()
+        } else if let Some(cluster_cidr) = settings.cluster_cidr {
+            format!(" ! -s {cluster_cidr}")
+        } else {
+            return;
+        };
         for vip in &cluster_ips {
-            let from = if settings.masquerade_all {
-                String::new()
-            } else if let Some(cluster_cidr) = settings.cluster_cidr {
-                format!(" ! -s {cluster_cidr}")
-            } else {
-                continue;
-            };
             own.rule(
-                &chains.cluster,
+                chain,
                 &format!(
                     "-m comment --comment \"{name} cluster IP\" {matches} -d {vip} --dport {}{from} -j KUBE-MARK-MASQ",
                     port.port
                 ),
             );
         }
+    };
+    if uses_cluster {
+        own.chain(&chains.cluster);
+        declared.insert(chains.cluster.clone());
+        if !port.internal_traffic_local {
+            cluster_ip_masquerade(&mut own, &chains.cluster);
+        }
         endpoint_jumps(&mut own, &chains.cluster, &name, port, &cluster_targets);
     }
     if uses_local {
         own.chain(&chains.local);
         declared.insert(chains.local.clone());
+        if port.internal_traffic_local {
+            cluster_ip_masquerade(&mut own, &chains.local);
+        }
         endpoint_jumps(&mut own, &chains.local, &name, port, &local_targets);
     }
     if uses_external {
@@ -399,11 +409,17 @@ fn service_rules(
     if firewall && uses_external {
         own.chain(&chains.firewall);
         declared.insert(chains.firewall.clone());
-        for range in port.source_ranges.iter().filter(|r| r.addr.is_ipv4()) {
+        let own_ips = settings
+            .admits_load_balancer_ips(&port.source_ranges)
+            .then_some(&lb_ips);
+        let sources = (port.source_ranges.iter().filter(|r| r.addr.is_ipv4()))
+            .map(ToString::to_string)
+            .chain(own_ips.into_iter().flatten().map(ToString::to_string));
+        for source in sources {
             own.rule(
                 &chains.firewall,
                 &format!(
-                    "-m comment --comment \"{name} loadbalancer IP\" -s {range} -j {}",
+                    "-m comment --comment \"{name} loadbalancer IP\" -s {source} -j {}",
                     chains.external
                 ),
             );
@@ -539,11 +555,7 @@ pub(crate) mod tests {
 
     #[test]
     fn rules_match_the_golden_file() {
-        let settings = Settings {
-            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
-            masquerade_all: false,
-            node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
-        };
+        let settings = crate::testing::netfilter_settings();
         // A chain of a Service gone since the last sync: deleted in the same transaction.
         let existing = BTreeSet::from(["KUBE-SVC-GONEGONEGONEGONE".to_string()]);
         let rendered = render(&fixture(FIXTURE), &settings, &existing, None);
@@ -555,11 +567,7 @@ pub(crate) mod tests {
     /// that port only, and a gone port's chains deleted.
     #[test]
     fn a_partial_sync_writes_the_changed_ports_own_chains_only() {
-        let settings = Settings {
-            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
-            masquerade_all: false,
-            node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
-        };
+        let settings = crate::testing::netfilter_settings();
         let state = fixture(FIXTURE);
         let full = render(&state, &settings, &BTreeSet::new(), None);
         let web = state
@@ -606,6 +614,45 @@ pub(crate) mod tests {
         assert!(text.contains(
             "-A KUBE-SVC-67NZLRHBNDSAWJRO -m comment --comment \"shop/web:http cluster IP\" -m tcp -p tcp -d 10.96.0.10 --dport 80 -j KUBE-MARK-MASQ"
         ), "{text}");
+    }
+
+    /// internalTrafficPolicy Local: off-cluster traffic to the cluster IP (and with
+    /// --masquerade-all, every client's) is masqueraded in the KUBE-SVL-* chain the cluster IP
+    /// jumps to, as kube-proxy writes it (issue 24, item 5).
+    #[test]
+    fn internal_local_cluster_ips_are_masqueraded_in_their_own_chain() {
+        let mut state = fixture(FIXTURE);
+        // A port with endpoints on this node, made internalTrafficPolicy Local.
+        let spn = state
+            .port_names()
+            .find(|spn| !state.usable_endpoints(spn, true).is_empty())
+            .expect("the fixture has local endpoints")
+            .clone();
+        let port = state.port_mut(&spn).unwrap();
+        port.internal_traffic_local = true;
+        let local = Chains::of(&spn.to_string(), port.protocol.keyword()).local;
+        let name = spn.to_string();
+        for settings in [
+            Settings {
+                cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
+                ..Settings::default()
+            },
+            Settings {
+                masquerade_all: true,
+                ..Settings::default()
+            },
+        ] {
+            let text = render(&state, &settings, &BTreeSet::new(), None).text;
+            let masquerade = text.lines().find(|l| {
+                l.starts_with(&format!("-A {local} "))
+                    && l.contains(&format!("\"{name} cluster IP\""))
+                    && l.ends_with("-j KUBE-MARK-MASQ")
+            });
+            assert!(
+                masquerade.is_some(),
+                "no masquerade rule in {local}:\n{text}"
+            );
+        }
     }
 
     #[test]

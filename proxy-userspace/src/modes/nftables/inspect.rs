@@ -13,7 +13,7 @@ use anyhow::Context;
 use serde_json::Value;
 
 use crate::{
-    netfilter::conntrack,
+    netfilter::{conntrack, rules::source_ranges_of},
     rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, protocol, range, row},
 };
 
@@ -332,7 +332,7 @@ pub fn services(json: &str) -> anyhow::Result<Vec<ServiceRow>> {
             row.local_only = resolved.local_only;
             row.affinity_timeout_seconds = resolved.affinity_timeout_seconds;
             if let Some(firewall) = firewalled.get(&(address.clone(), proto)) {
-                row.source_ranges = ranges(table.rules(firewall));
+                row.source_ranges = source_ranges_of(&address, ranges(table.rules(firewall)));
             }
             rows.entry((address, proto)).or_insert(row);
         }
@@ -471,18 +471,12 @@ mod tests {
     use super::*;
     use crate::{
         dataplane::Scope,
-        model::Cidr,
         modes::nftables::rules::render,
-        netfilter::rules::Settings,
         testing::{fixture, rule_backends},
     };
 
     fn rendered() -> String {
-        let settings = Settings {
-            cluster_cidr: Some(Cidr::v4(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
-            masquerade_all: false,
-            node_port_addresses: Some(vec![std::net::Ipv4Addr::new(192, 0, 2, 11)]),
-        };
+        let settings = crate::testing::netfilter_settings();
         let state = fixture(crate::testing::SERVICES);
         render(&state, &settings, None, Scope::All).text
     }

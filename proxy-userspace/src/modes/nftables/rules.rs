@@ -507,11 +507,15 @@ fn service_port(
     let cluster_ips = ipv4(&port.cluster_ips);
     let external_ips = ipv4(&port.external_ips);
     let lb_ips = ipv4(&port.load_balancer_ips);
-    let ranges: Vec<String> = port
-        .source_ranges
-        .iter()
+    // The load balancer's own addresses too where the ranges admit the node (kube-proxy's
+    // allowFromNode).
+    let own_ips = settings
+        .admits_load_balancer_ips(&port.source_ranges)
+        .then_some(&lb_ips);
+    let ranges: Vec<String> = (port.source_ranges.iter())
         .filter(|range| range.addr.is_ipv4())
         .map(Cidr::to_string)
+        .chain(own_ips.into_iter().flatten().map(ToString::to_string))
         .collect();
     let has_external = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
     let (itl, etl) = (port.internal_traffic_local, port.external_traffic_local);
@@ -698,11 +702,7 @@ pub(super) mod tests {
     pub(in crate::modes::nftables) const FIXTURE: &str = crate::testing::SERVICES;
 
     fn settings() -> Settings {
-        Settings {
-            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
-            masquerade_all: false,
-            node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
-        }
+        crate::testing::netfilter_settings()
     }
 
     fn spn(namespace: &str, name: &str, port: &str, protocol: Protocol) -> ServicePortName {
