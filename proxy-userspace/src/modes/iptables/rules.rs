@@ -161,9 +161,11 @@ pub fn render(
 
     let nodeports = "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
     match &settings.node_port_addresses {
+        // Never 127.0.0.0/8: route_localnet stays off (CVE-2020-8558), so a NodePort DNATed
+        // there would be dropped (kube-proxy's --iptables-localhost-nodeports=false).
         None => nat.rule(
             "KUBE-SERVICES",
-            &format!("{nodeports} -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"),
+            &format!("{nodeports} -m addrtype --dst-type LOCAL ! -d 127.0.0.0/8 -j KUBE-NODEPORTS"),
         ),
         Some(addrs) => {
             for addr in addrs {
@@ -600,7 +602,8 @@ pub(crate) mod tests {
         let state = fixture(FIXTURE);
         let every_address = Settings::default();
         let text = render(&state, &every_address, &BTreeSet::new(), None).text;
-        assert!(text.contains("-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"));
+        // Every local address but the loopback range (issue 24, item 8).
+        assert!(text.contains("-m addrtype --dst-type LOCAL ! -d 127.0.0.0/8 -j KUBE-NODEPORTS"));
         assert!(
             !text.contains("! -s"),
             "no cluster CIDR: no masquerade rule by source"
