@@ -169,6 +169,7 @@ pub const MODES: &[Mode] = &[
             ("client-address-kept-local", PROXIED),
             ("udp-port-unreachable", PROXIED_UDP),
             ("agent-restart", PROXIED_RESTART),
+            ("local-policy-shortcut", PROXIED_LOCAL),
         ],
         needs: &[],
     },
@@ -192,6 +193,10 @@ const PROXIED: &str = "the userspace proxy opens its own connection to the endpo
 const PROXIED_UDP: &str = "the endpoint's ICMP error goes to the userspace proxy, whose own \
                            socket sent the datagram; the client waits for an answer (as with \
                            kube-proxy's userspace mode)";
+
+const PROXIED_LOCAL: &str = "the userspace proxy's socket for a Service's external frontends serves \
+                             their policy's endpoints to every client, pods too: no in-cluster \
+                             short-circuit (as with kube-proxy's userspace mode)";
 
 const PROXIED_RESTART: &str = "the userspace proxy holds both halves of every connection in its \
                                own sockets, which end with its process (as with kube-proxy's \
@@ -607,6 +612,20 @@ pub const SCENARIOS: &[Scenario] = &[
         checks: "eTP Local on a node without a local endpoint: not served",
         run: |w| {
             not_served(&w.sandbox.ext, at(NODE2_IP, FRONT_LOCAL_NODE_PORT), "node2")?;
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "local-policy-shortcut",
+        checks: "eTP Local reached from a pod on a node without a local endpoint (its own node's \
+                 NodePort, the load balancer address): the other node's endpoint answers \
+                 (kube-proxy's in-cluster short-circuit)",
+        run: |w| {
+            let pod = w.pod("be4");
+            for addr in [at(NODE2_IP, FRONT_LOCAL_NODE_PORT), FRONT_LOCAL_LB] {
+                let (name, _) = whoami(pod, addr).with_context(|| format!("{addr}"))?;
+                ensure!(name == "be3", "{addr}: answered by {name}");
+            }
             Ok(())
         },
     },

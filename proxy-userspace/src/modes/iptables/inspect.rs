@@ -63,10 +63,11 @@ fn resolve(nat: &HashMap<&str, Vec<&SavedRule>>, chain: &str, depth: u8) -> Reso
         return resolved;
     }
     if chain.starts_with("KUBE-EXT-") {
-        // The last jump is the policy's (the ones before: pods and the node itself, for
-        // externalTrafficPolicy Local).
+        // The policy's jump is the one for every source (the others: pods and the node
+        // itself, for externalTrafficPolicy Local); without it, outside clients get nothing.
         let policy = jumps(&["KUBE-SVC-", "KUBE-SVL-"])
-            .last()
+            .into_iter()
+            .find(|r| !r.has("--src-type") && r.value(&["-s", "--source"]).is_none())
             .and_then(|r| r.target());
         let mut resolved = policy
             .map(|next| resolve(nat, next, depth + 1))
@@ -365,6 +366,8 @@ pub(crate) mod tests {
                 "10.244.1.53:53",
                 "10.244.2.11:8080",
                 "10.244.2.13:8080",
+                // shop/elsewhere's, for pods and the node (eTP Local's short-circuit).
+                "10.244.2.14:8080",
                 "10.244.2.53:53"
             ]
         );

@@ -227,11 +227,16 @@ fn service_rules(
     } else {
         &chains.cluster
     };
-    let uses_cluster = !cluster_endpoints.is_empty()
-        && (!port.internal_traffic_local || (has_external && !port.external_traffic_local));
+    // As kube-proxy: the cluster chain serves the cluster IP (internalTrafficPolicy Cluster)
+    // and, for a Service reachable from outside, pods and the node reaching its external
+    // frontends with externalTrafficPolicy Local (the short-circuit), which the external
+    // chain keeps even where this node has no local endpoint.
+    let uses_cluster =
+        !cluster_endpoints.is_empty() && (!port.internal_traffic_local || has_external);
     let uses_local = !local_endpoints.is_empty()
         && (port.internal_traffic_local || (has_external && port.external_traffic_local));
-    let uses_external = has_external && !external.is_empty();
+    let uses_external =
+        has_external && (!cluster_endpoints.is_empty() || !local_endpoints.is_empty());
     // The endpoints each used chain jumps to (none where the chain is not written).
     let used = |yes: bool, endpoints: &[&Endpoint]| {
         if yes {
@@ -277,36 +282,46 @@ fn service_rules(
         .iter()
         .map(|ip| (ip, "external IP", &chains.external))
         .chain(lb_ips.iter().map(|ip| (ip, "loadbalancer IP", lb_chain)));
+    // Without usable endpoints for outside clients, their packets are refused or dropped in
+    // the filter table; the external chain still takes pods and the node (it DNATs them, so
+    // the filter rule no longer matches them).
     for (ip, kind, chain) in external_frontends {
-        match external_verdict {
-            None => nat.rule(
+        if uses_external {
+            nat.rule(
                 "KUBE-SERVICES",
                 &format!(
                     "-m comment --comment \"{name} {kind}\" {matches} -d {ip} --dport {} -j {chain}",
                     port.port
                 ),
-            ),
-            Some((why, verdict)) => filter.rule(
+            );
+        }
+        if let Some((why, verdict)) = external_verdict {
+            filter.rule(
                 "KUBE-EXTERNAL-SERVICES",
                 &format!(
                     "-m comment --comment \"{name} {why}\" {matches} -d {ip} --dport {} -j {verdict}",
                     port.port
                 ),
-            ),
+            );
         }
     }
     if let Some(node_port) = port.node_port {
-        match external_verdict {
-            None => nat.rule(
+        if uses_external {
+            nat.rule(
                 "KUBE-NODEPORTS",
-                &format!("-m comment --comment {name} {matches} --dport {node_port} -j {}", chains.external),
-            ),
-            Some((why, verdict)) => filter.rule(
+                &format!(
+                    "-m comment --comment {name} {matches} --dport {node_port} -j {}",
+                    chains.external
+                ),
+            );
+        }
+        if let Some((why, verdict)) = external_verdict {
+            filter.rule(
                 "KUBE-EXTERNAL-SERVICES",
                 &format!(
                     "-m comment --comment \"{name} {why}\" -m addrtype --dst-type LOCAL {matches} --dport {node_port} -j {verdict}"
                 ),
-            ),
+            );
         }
     }
     if let Some(hc) = port.health_check_node_port {
@@ -319,7 +334,7 @@ fn service_rules(
     }
     // Load balancer traffic from outside the source ranges is not DNATed by KUBE-FW-*; it is
     // dropped here.
-    if firewall && external_verdict.is_none() {
+    if firewall && uses_external {
         for ip in &lb_ips {
             filter.rule(
                 "KUBE-PROXY-FIREWALL",
@@ -406,7 +421,9 @@ fn service_rules(
                 ),
             );
         }
-        own.rule(ext, &format!("-j {external_policy_chain}"));
+        if !external.is_empty() {
+            own.rule(ext, &format!("-j {external_policy_chain}"));
+        }
     }
     if firewall && uses_external {
         own.chain(&chains.firewall);
