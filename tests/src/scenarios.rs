@@ -111,7 +111,10 @@ pub const MODES: &[Mode] = &[
         args: &["--proxy-mode", "ebpf"],
         kernel_has: || Ok(()),
         not_applicable: &[],
-        needs: &[("host-network-client", &features::NETNS_COOKIE)],
+        needs: &[
+            ("host-network-client", &features::NETNS_COOKIE),
+            ("local-policy-shortcut-host", &features::NETNS_COOKIE),
+        ],
     },
     Mode {
         id: "iptables-legacy",
@@ -156,7 +159,7 @@ pub const MODES: &[Mode] = &[
         title: "ipvs",
         args: &["--proxy-mode", "ipvs", CLUSTER_CIDR[0], CLUSTER_CIDR[1]],
         kernel_has: ipvs_loads,
-        not_applicable: &[],
+        not_applicable: &[("local-policy-shortcut-host", IPVS_HOST_LOCAL)],
         needs: &[],
     },
     Mode {
@@ -170,6 +173,7 @@ pub const MODES: &[Mode] = &[
             ("udp-port-unreachable", PROXIED_UDP),
             ("agent-restart", PROXIED_RESTART),
             ("local-policy-shortcut", PROXIED_LOCAL),
+            ("local-policy-shortcut-host", PROXIED_LOCAL),
         ],
         needs: &[],
     },
@@ -193,6 +197,12 @@ const PROXIED: &str = "the userspace proxy opens its own connection to the endpo
 const PROXIED_UDP: &str = "the endpoint's ICMP error goes to the userspace proxy, whose own \
                            socket sent the datagram; the client waits for an answer (as with \
                            kube-proxy's userspace mode)";
+
+const IPVS_HOST_LOCAL: &str = "the node's own connection to a load balancer address bound to \
+                               kube-ipvs0 leaves from that address, and externalTrafficPolicy \
+                               Local traffic is not masqueraded: the other node's endpoint \
+                               answers an address that node holds too (as with kube-proxy's \
+                               IPVS mode)";
 
 const PROXIED_LOCAL: &str = "the userspace proxy's socket for a Service's external frontends serves \
                              their policy's endpoints to every client, pods too: no in-cluster \
@@ -479,6 +489,11 @@ impl World {
     /// One request (TCP or UDP) from a process on node1 itself (host network), in the agent's
     /// cgroup (where the eBPF mode's socket programs see it): the answer.
     fn ask_from_node1(&self, addr: SocketAddr, udp: bool) -> Result<String> {
+        self.ask_from_node(0, addr, udp)
+    }
+
+    /// [`World::ask_from_node1`] from node `i + 1`.
+    fn ask_from_node(&self, i: usize, addr: SocketAddr, udp: bool) -> Result<String> {
         let mut cmd = std::process::Command::new("nc");
         if udp {
             cmd.arg("-u");
@@ -493,8 +508,10 @@ impl World {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-        self.sandbox.node("node1").enter(&mut cmd)?;
-        self.agents[0].cgroup.enter(&mut cmd)?;
+        self.sandbox
+            .node(&format!("node{}", i + 1))
+            .enter(&mut cmd)?;
+        self.agents[i].cgroup.enter(&mut cmd)?;
         let mut child = cmd.spawn().context("running nc (netcat-openbsd)")?;
         use std::io::{BufRead, Write};
         child.stdin.take().unwrap().write_all(b"hi\n")?;
@@ -626,6 +643,17 @@ pub const SCENARIOS: &[Scenario] = &[
                 let (name, _) = whoami(pod, addr).with_context(|| format!("{addr}"))?;
                 ensure!(name == "be3", "{addr}: answered by {name}");
             }
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "local-policy-shortcut-host",
+        checks: "eTP Local reached from the host network of a node without a local endpoint (its \
+                 load balancer address): the other node's endpoint answers (kube-proxy's \
+                 in-cluster short-circuit)",
+        run: |w| {
+            let name = w.ask_from_node(1, FRONT_LOCAL_LB, false)?;
+            ensure!(name == "be3", "answered by {name}");
             Ok(())
         },
     },

@@ -51,36 +51,38 @@ use crate::{
 /// The table, as nft commands name it.
 pub const TABLE: &str = "ip kube-proxy";
 
-/// The base chains: name, type, hook, priority. The filter chains run before DNAT (-100) so
-/// that they see the frontend; `filter-output-post-dnat` after it, to see what was not
-/// translated.
+/// The base chains: name, type, hook, priority; kube-proxy's. The source ranges are checked
+/// before DNAT (-100), on the frontend; the endpoint and cluster-IP checks after it (filter,
+/// 0), so that what DNAT sent elsewhere (a pod's or the node's connection to an
+/// externalTrafficPolicy Local frontend without local endpoints, which goes to any endpoint)
+/// no longer meets them.
 const BASE_CHAINS: &[(&str, &str, &str, i32)] = &[
-    ("filter-prerouting", "filter", "prerouting", -110),
-    ("filter-input", "filter", "input", -110),
-    ("filter-forward", "filter", "forward", -110),
-    ("filter-output", "filter", "output", -110),
-    ("filter-output-post-dnat", "filter", "output", -90),
+    ("filter-prerouting-pre-dnat", "filter", "prerouting", -110),
+    ("filter-output-pre-dnat", "filter", "output", -110),
+    ("filter-input", "filter", "input", 0),
+    ("filter-forward", "filter", "forward", 0),
+    ("filter-output", "filter", "output", 0),
     ("nat-prerouting", "nat", "prerouting", -100),
     ("nat-output", "nat", "output", -100),
     ("nat-postrouting", "nat", "postrouting", 100),
 ];
 
-/// The jumps from the base chains: from, for new connections only, to. The endpoint checks
-/// are not in filter-prerouting: `reject` is valid only on the input, forward and output hooks
-/// (before kernel 5.9).
+/// The jumps from the base chains: from, for new connections only, to (kube-proxy's). The
+/// endpoint checks are not in a prerouting chain: `reject` is valid only on the input, forward
+/// and output hooks (before kernel 5.9).
 #[rustfmt::skip]
 const JUMPS: &[(&str, bool, &str)] = &[
+    ("filter-prerouting-pre-dnat", true, "firewall-check"),
+    ("filter-output-pre-dnat", true, "firewall-check"),
     ("filter-input", true, "nodeport-endpoints-check"),
     ("filter-input", true, "service-endpoints-check"),
     ("filter-forward", true, "service-endpoints-check"),
     ("filter-output", true, "service-endpoints-check"),
-    ("filter-prerouting", true, "firewall-check"),
-    ("filter-output", true, "firewall-check"),
+    ("filter-forward", true, "cluster-ips-check"),
+    ("filter-output", true, "cluster-ips-check"),
     ("nat-output", false, "services"),
     ("nat-prerouting", false, "services"),
     ("nat-postrouting", false, "masquerading"),
-    ("filter-forward", true, "cluster-ips-check"),
-    ("filter-output-post-dnat", true, "cluster-ips-check"),
 ];
 
 /// The other chains every sync has.
@@ -886,7 +888,7 @@ pub(super) mod tests {
         ns.apply(
             "add table ip kube-proxy\n\
              add chain ip kube-proxy service-GONEGONE-shop/gone/tcp/http\n\
-             add chain ip kube-proxy filter-output-pre-dnat { type filter hook output priority -110 ; }\n",
+             add chain ip kube-proxy filter-output-post-dnat { type filter hook output priority -90 ; }\n",
         );
         let mut programmed = None;
         let mut sync = |state: &DesiredState, settings: &Settings, scope: Scope<'_>| {
@@ -901,7 +903,7 @@ pub(super) mod tests {
         let s0 = fixture(FIXTURE);
         let listed = sync(&s0, &settings(), Scope::All);
         assert!(
-            !listed.contains("GONEGONE") && !listed.contains("pre-dnat"),
+            !listed.contains("GONEGONE") && !listed.contains("post-dnat"),
             "{listed}"
         );
 
