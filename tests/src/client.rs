@@ -104,9 +104,10 @@ impl TcpConn {
     }
 
     /// A connection from `from` to `addr` that the endpoint `want` answers (its name, asked):
-    /// new ones until it does, at most 30.
+    /// new ones until it does, at most 100 (IPVS may give a new connection the real server of
+    /// an earlier one on the same 5-tuple, which an attacker scenario's flood leaves many of).
     pub fn open_to(from: &Netns, addr: SocketAddr, want: &str) -> Result<Self> {
-        for _ in 0..30 {
+        for _ in 0..100 {
             let mut conn = Self::open(from, addr)?;
             if conn.ask("hi")? == want {
                 return Ok(conn);
