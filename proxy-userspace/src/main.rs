@@ -339,7 +339,10 @@ impl ValueEnum for Inspected {
 
 fn main() -> anyhow::Result<()> {
     // kube-proxy's command line and --config file become the agent's (kube_proxy.rs).
-    let line = kube_proxy::command_line(std::env::args_os().collect(), agent_flag_takes_value)?;
+    let cli = cli_definition();
+    let line = kube_proxy::command_line(std::env::args_os().collect(), |name| {
+        agent_flag_takes_value(&cli, name)
+    })?;
     let cli = Cli::parse_from(&line.args);
     init_logging(cli.logging_format, line.verbosity);
     for warning in &line.warnings {
@@ -351,11 +354,16 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Whether the agent's flag `name` (long, or a one-letter short one) takes a value; None if the
-/// agent has no such flag.
-fn agent_flag_takes_value(name: &str) -> Option<bool> {
+/// The command line's definition, built (global flags given to the subcommands).
+fn cli_definition() -> clap::Command {
     let mut cli = Cli::command();
     cli.build();
+    cli
+}
+
+/// Whether the agent's flag `name` (long, or a one-letter short one) takes a value; None if the
+/// agent has no such flag.
+fn agent_flag_takes_value(cli: &clap::Command, name: &str) -> Option<bool> {
     let agent = cli.find_subcommand("agent")?;
     let mut short = name.chars();
     let short = match (short.next(), short.next()) {
@@ -638,11 +646,11 @@ mod tests {
     #[test]
     fn kube_proxys_command_lines_parse() {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/kube_proxy/testdata");
+        let cli = cli_definition();
         let agent = |line: &[String]| {
-            let line = kube_proxy::command_line(
-                line.iter().map(Into::into).collect(),
-                agent_flag_takes_value,
-            )
+            let line = kube_proxy::command_line(line.iter().map(Into::into).collect(), |name| {
+                agent_flag_takes_value(&cli, name)
+            })
             .unwrap();
             match Cli::try_parse_from(&line.args).map(|cli| cli.command) {
                 Ok(Command::Agent(args)) => *args,

@@ -64,20 +64,8 @@ fn clients(
         .iter()
         .map(|(op, addr)| format!("{op} {addr}"))
         .collect();
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "host_client_child",
-        "--exact",
-        "--nocapture",
-        "--test-threads",
-        "1",
-        "-q",
-    ])
-    .env(CHILD_ENV, encoded.join(";"))
-    .stdin(Stdio::null());
-    ns.enter(&mut cmd).unwrap();
-    cgroup.enter(&mut cmd).unwrap();
-    let out = cmd.output().expect("running a client");
+    let mut cmd = client_command(ns, cgroup, &encoded.join(";"));
+    let out = cmd.stdin(Stdio::null()).output().expect("running a client");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let answers: Vec<Result<Answer, String>> = stdout
         .lines()
@@ -92,6 +80,24 @@ fn clients(
         String::from_utf8_lossy(&out.stderr)
     );
     answers
+}
+
+/// This test binary again, running only `host_client_child` with `ops`, inside `ns` and
+/// `cgroup`.
+fn client_command(ns: &Netns, cgroup: &TestCgroup, ops: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "host_client_child",
+        "--exact",
+        "--nocapture",
+        "--test-threads",
+        "1",
+        "-q",
+    ])
+    .env(CHILD_ENV, ops);
+    ns.enter(&mut cmd).unwrap();
+    cgroup.enter(&mut cmd).unwrap();
+    cmd
 }
 
 fn parse_answer(line: &str) -> Result<Answer, String> {
@@ -117,14 +123,11 @@ struct HeldUdp {
 
 impl HeldUdp {
     fn open(ns: &Netns, cgroup: &TestCgroup, addr: SocketAddr) -> Self {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["host_client_child", "--exact", "--nocapture", "-q"])
-            .env(CHILD_ENV, format!("{HELD_UDP} {addr}"))
+        let mut child = client_command(ns, cgroup, &format!("{HELD_UDP} {addr}"))
             .stdin(Stdio::piped())
-            .stdout(Stdio::piped());
-        ns.enter(&mut cmd).unwrap();
-        cgroup.enter(&mut cmd).unwrap();
-        let mut child = cmd.spawn().expect("starting a client");
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting a client");
         let answers = BufReader::new(child.stdout.take().unwrap());
         Self { child, answers }
     }

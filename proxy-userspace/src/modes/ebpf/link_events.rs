@@ -137,6 +137,42 @@ pub(super) fn netlink_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Sends `msg` to the kernel on the netlink socket `fd` (unbound and unconnected).
+pub(super) fn send(fd: &OwnedFd, msg: &[u8]) -> io::Result<()> {
+    // SAFETY: send(2) of our buffer.
+    if unsafe { libc::send(fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// One datagram from the netlink socket `fd` into `buf`: the part of it received.
+pub(super) fn receive<'a>(fd: &OwnedFd, buf: &'a mut [u8]) -> io::Result<&'a [u8]> {
+    loop {
+        // SAFETY: recv(2) into our buffer, with its length.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n >= 0 {
+            return Ok(&buf[..n as usize]);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// The error an NLMSG_ERROR message's body carries (0: an acknowledgment).
+pub(super) fn error_of(body: &[u8]) -> io::Result<()> {
+    let errno = body
+        .get(0..4)
+        .map(|b| i32::from_ne_bytes(b.try_into().unwrap()))
+        .ok_or_else(|| io::Error::other("a truncated netlink error"))?;
+    match errno {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(-e)),
+    }
+}
+
 /// The interface the interface `index` is a port of (a bridge, a bond), asked of the kernel
 /// (RTM_GETLINK): `None` if it is a port of none.
 pub fn master(index: u32) -> io::Result<Option<u32>> {
@@ -146,23 +182,15 @@ pub fn master(index: u32) -> io::Result<Option<u32>> {
     request[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
     request[6..8].copy_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
     request[NLMSG_HDRLEN + 4..NLMSG_HDRLEN + 8].copy_from_slice(&index.to_ne_bytes());
-    // SAFETY: send(2) of our buffer (to the kernel: the socket is unbound and unconnected).
-    if unsafe { libc::send(fd.as_raw_fd(), request.as_ptr().cast(), request.len(), 0) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    send(&fd, &request)?;
     let mut buf = vec![0u8; 64 << 10];
-    // SAFETY: recv(2) into our buffer, with its length.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let reply = &buf[..n as usize];
+    let reply = receive(&fd, &mut buf)?;
     if reply.len() < NLMSG_HDRLEN + IFINFOMSG_LEN {
         return Err(io::Error::other("short RTM_GETLINK reply"));
     }
     if u16_at(reply, 4) == libc::NLMSG_ERROR as u16 {
-        let errno = i32::from_ne_bytes(reply[16..20].try_into().unwrap());
-        return Err(io::Error::from_raw_os_error(-errno));
+        error_of(&reply[NLMSG_HDRLEN..])?;
+        return Err(io::Error::other("an acknowledgment instead of the link"));
     }
     let len = (u32_at(reply, 0) as usize).min(reply.len());
     Ok(master_of(&attributes(

@@ -9,19 +9,16 @@
 //! application's next receive fails with ECONNABORTED (a send, with EDESTADDRREQ), and
 //! connecting again picks a serving endpoint. TCP connections are left to drain, as the tc
 //! path leaves them.
-use std::{
-    io,
-    net::Ipv4Addr,
-    os::fd::{AsRawFd, OwnedFd},
-    path::Path,
-};
+use std::{io, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
 
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use foldhash::HashSet;
 use proxy_common::{IPPROTO_UDP, MAP_SOCK_REVNAT, NODE_PORT_ADDR, SockRevNatKey, SockRevNatValue};
 
-use super::link_events::{NLMSG_HDRLEN, align4, netlink_socket, u16_at, u32_at};
+use super::link_events::{
+    NLMSG_HDRLEN, align4, error_of, netlink_socket, receive, send, u16_at, u32_at,
+};
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -129,37 +126,6 @@ fn request(kind: u16, flags: u16, states: u32, id: &[u8; SOCKID_LEN]) -> Vec<u8>
     body[4..8].copy_from_slice(&states.to_ne_bytes());
     body[8..].copy_from_slice(id);
     msg
-}
-
-fn send(fd: &OwnedFd, msg: &[u8]) -> io::Result<()> {
-    // SAFETY: send(2) of our buffer to the kernel (the socket is unbound and unconnected).
-    if unsafe { libc::send(fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn receive<'a>(fd: &OwnedFd, buf: &'a mut [u8]) -> io::Result<&'a [u8]> {
-    loop {
-        // SAFETY: recv(2) into our buffer, with its length.
-        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n >= 0 {
-            return Ok(&buf[..n as usize]);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-/// The error of an NLMSG_ERROR message's body (0: an acknowledgment).
-fn error_of(body: &[u8]) -> io::Result<()> {
-    let errno = i32::from_ne_bytes(body.get(0..4).ok_or_else(short)?.try_into().unwrap());
-    match errno {
-        0 => Ok(()),
-        e => Err(io::Error::from_raw_os_error(-e)),
-    }
 }
 
 fn short() -> io::Error {
