@@ -144,27 +144,14 @@ fn endpoint_ip(
 /// An endpoint's topology hints, sorted (so that a reordering is no change); None without any.
 fn hints(hints: Option<&k8s_openapi::api::discovery::v1::EndpointHints>) -> Option<Arc<Hints>> {
     let hints = hints?;
-    let names = |names: Vec<&str>| -> Vec<Arc<str>> {
-        let mut names: Vec<Arc<str>> = names.into_iter().map(shared).collect();
-        names.sort();
-        names.dedup();
-        names
-    };
-    let zones = names(
-        hints
-            .for_zones
-            .iter()
-            .flatten()
-            .map(|z| z.name.as_str())
-            .collect(),
-    );
-    let nodes = names(
-        hints
-            .for_nodes
-            .iter()
-            .flatten()
-            .map(|n| n.name.as_str())
-            .collect(),
-    );
+    let zones = sorted_names(hints.for_zones.iter().flatten().map(|z| &z.name));
+    let nodes = sorted_names(hints.for_nodes.iter().flatten().map(|n| &n.name));
     (!zones.is_empty() || !nodes.is_empty()).then(|| Arc::new(Hints { zones, nodes }))
+}
+
+fn sorted_names<'a>(names: impl Iterator<Item = &'a String>) -> Vec<Arc<str>> {
+    let mut names: Vec<Arc<str>> = names.map(|n| shared(n)).collect();
+    names.sort();
+    names.dedup();
+    names
 }
