@@ -72,7 +72,14 @@ pub static NETNS_COOKIE: Feature = Feature {
          attached, and host-network clients (kubelet probes, host-network pods) do not reach \
          Services",
     ),
-    probe: || Ok(super::cgroup::own_netns_cookie().is_ok()),
+    // The error is said: a kernel that has it should never fail here (seen once, unexplained).
+    probe: || match super::cgroup::own_netns_cookie() {
+        Ok(_) => Ok(true),
+        Err(e) => {
+            tracing::warn!("probing SO_NETNS_COOKIE: {e}");
+            Ok(false)
+        }
+    },
 };
 pub static SET_RETVAL: Feature = Feature {
     name: "bpf_set_retval",
