@@ -430,6 +430,12 @@ pub struct CtKey {
 /// Conntrack entry direction: a client's packets to the service address, or the backend's replies.
 pub const CT_FORWARD: u8 = 1;
 pub const CT_REPLY: u8 = 2;
+/// Conntrack entry "direction" of a flow the kernel's netfilter translates: a connection opened
+/// through kube-proxy's rules before the programs took over (the agent writes these from the
+/// kernel's conntrack table, keyed by each direction's 5-tuple). Its packets pass untouched, so
+/// that netfilter's NAT binding keeps it on its endpoint; a bare SYN on its 5-tuple is a new
+/// connection, which the programs serve.
+pub const CT_NETFILTER: u8 = 3;
 
 /// [`CtValue::flags`]: the flow is over (a RST, or a FIN from each side); its entries now live
 /// [`CT_LIFETIME_CLOSING_NS`].
@@ -568,7 +574,7 @@ pub struct CtValue {
     /// The service address and port the client used: what replies are rewritten to.
     pub vip: Be32,
     pub vport: Be16,
-    /// [`CT_FORWARD`] or [`CT_REPLY`].
+    /// [`CT_FORWARD`], [`CT_REPLY`] or [`CT_NETFILTER`].
     pub direction: u8,
     /// [`CT_CLOSING`], [`CT_FIN`], [`CT_EXTERNAL`], [`CT_SNAT`], [`CT_TIME_WAIT`],
     /// [`CT_OPENING`], [`CT_ANSWERED`], [`CT_HALF_CLOSED`].

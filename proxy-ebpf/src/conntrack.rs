@@ -13,8 +13,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_ANSWERED,
-    CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FLOW_FLAGS, CT_FORWARD, CT_HALF_CLOSED, CT_OPENING,
-    CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
+    CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FLOW_FLAGS, CT_FORWARD, CT_HALF_CLOSED, CT_NETFILTER,
+    CT_OPENING, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
     SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS, ct_lifetime_ns,
     seq_plausible,
 };
@@ -32,18 +32,6 @@ fn expired(entry: &CtValue, proto: u8, now: u64) -> bool {
     entry.idle_past(now, ct_lifetime_ns(state, configured))
 }
 
-/// The backend of a flow already in conntrack, if the flow is within its lifetime and its
-/// backend may keep it: the backend exists (for this protocol) and is either still in the
-/// service or draining with an established TCP connection. A SYN and any UDP packet leave a
-/// draining backend (kube-proxy's behaviour: only TCP connections outlive their endpoint's
-/// removal). The packets [`reply_due`] names also look at the reply entry: they re-create it
-/// if the LRU evicted it alone (or something else took its 5-tuple), so replies keep their
-/// reverse NAT.
-#[inline(always)]
-pub fn established(flow: &Flow, now: u64) -> Option<Backend> {
-    established_flow(flow, now).map(|live| live.backend)
-}
-
 /// [`Live::snat`] of a flow that keeps its client's address.
 pub const NO_SNAT: (Be32, Be16) = (Be32::new(0), Be16::new(0));
 
@@ -54,9 +42,19 @@ pub const NO_SNAT: (Be32, Be16) = (Be32::new(0), Be16::new(0));
 pub struct Live {
     pub backend: Backend,
     pub snat: (Be32, Be16),
+    /// A flow netfilter translates ([`CT_NETFILTER`]): its packet passes untouched (`backend`
+    /// and `snat` are zero).
+    pub netfilter: bool,
 }
 
-/// [`established`], with the flow's source translation.
+/// The backend of a flow already in conntrack, if the flow is within its lifetime and its
+/// backend may keep it: the backend exists (for this protocol) and is either still in the
+/// service or draining with an established TCP connection. A SYN and any UDP packet leave a
+/// draining backend (kube-proxy's behaviour: only TCP connections outlive their endpoint's
+/// removal). The packets [`reply_due`] names also look at the reply entry: they re-create it
+/// if the LRU evicted it alone (or something else took its 5-tuple), so replies keep their
+/// reverse NAT.
+/// With the flow's source translation, or a flow netfilter translates ([`Live::netfilter`]).
 #[inline(always)]
 pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     let key = &flow.key;
@@ -64,7 +62,13 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
     // entry, which the direction and backend checks below reject or the backend lookup corrects.
     let entry = unsafe { &mut *entry };
-    if entry.direction != CT_FORWARD || expired(entry, key.proto, now) {
+    if expired(entry, key.proto, now) {
+        return None;
+    }
+    if entry.direction == CT_NETFILTER {
+        return netfilter_flow(entry, flow, now);
+    }
+    if entry.direction != CT_FORWARD {
         return None;
     }
     // A new connection on the 5-tuple of one that just closed is a new flow.
@@ -87,7 +91,11 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
         entry.packets += 1;
         entry.last_seen_ns = now;
         follow_seq(entry, flow);
-        return Some(Live { backend, snat });
+        return Some(Live {
+            backend,
+            snat,
+            netfilter: false,
+        });
     }
     let reply_key = reply_key(key, entry, &backend);
     let found = CONNTRACK.get_ptr_mut(reply_key).map(|r| unsafe { &mut *r });
@@ -119,7 +127,29 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
             let _ = CONNTRACK.insert(reply_key, reply, flags as u64);
         }
     }
-    Some(Live { backend, snat })
+    Some(Live {
+        backend,
+        snat,
+        netfilter: false,
+    })
+}
+
+/// A packet on the 5-tuple of a flow netfilter translates ([`CT_NETFILTER`]): the flow lives
+/// on while its packets come, and they pass untouched. A bare SYN is a new connection on the
+/// 5-tuple (the client reusing its port): the entry goes, and the programs serve it.
+#[inline(always)]
+fn netfilter_flow(entry: &mut CtValue, flow: &Flow, now: u64) -> Option<Live> {
+    if flow.syn_only() {
+        let _ = CONNTRACK.remove(flow.key);
+        return None;
+    }
+    entry.packets += 1;
+    entry.last_seen_ns = now;
+    Some(Live {
+        backend: Backend::default(),
+        snat: NO_SNAT,
+        netfilter: true,
+    })
 }
 
 /// Forward packets between two looks at the flow's reply entry: most packets of a busy flow
@@ -426,7 +456,7 @@ fn port_free(old: &CtValue, proto: u8, now: u64) -> bool {
 #[inline(always)]
 pub fn reply(flow: &Flow, client: Be32, external: bool) -> Option<(Be32, Be16)> {
     let entry = CONNTRACK.get_ptr_mut(flow.key)?;
-    // SAFETY: see established().
+    // SAFETY: see established_flow().
     let entry = unsafe { &mut *entry };
     let wanted = if external { CT_EXTERNAL } else { 0 };
     if entry.direction != CT_REPLY || entry.flags & (CT_EXTERNAL | CT_SNAT) != wanted {
@@ -441,7 +471,7 @@ pub fn reply(flow: &Flow, client: Be32, external: bool) -> Option<(Be32, Be16)> 
 #[inline(always)]
 pub fn snat_reply(flow: &Flow) -> Option<((Be32, Be16), (Be32, Be16))> {
     let entry = CONNTRACK.get_ptr_mut(flow.key)?;
-    // SAFETY: see established().
+    // SAFETY: see established_flow().
     let entry = unsafe { &mut *entry };
     if entry.direction != CT_REPLY || entry.flags & CT_SNAT == 0 {
         return None;

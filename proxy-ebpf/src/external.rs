@@ -75,6 +75,9 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
     }
     let now = unsafe { bpf_ktime_get_ns() };
     if let Some(live) = conntrack::established_flow(flow, now) {
+        if live.netfilter {
+            return Ok(Verdict::Pass); // netfilter's to the end, as in ingress.rs
+        }
         return Ok(nat(&key, &live.backend, live.snat));
     }
     if flow.later_fragment() {

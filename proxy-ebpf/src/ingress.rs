@@ -1,7 +1,7 @@
 //! Packets leaving a pod: a packet to a service address is sent to a backend (DNAT). The first
 //! packet of a flow picks a backend (`lb.rs`: affinity, random or Maglev) and records the choice
 //! in conntrack; later packets follow that record while it is within its lifetime and its
-//! backend may keep it (see [`conntrack::established`]). A packet with a spoofed source
+//! backend may keep it (see [`conntrack::established_flow`]). A packet with a spoofed source
 //! (source.rs) starts no flow and changes none: it is dropped.
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
@@ -39,8 +39,10 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
         return Err(Drop(DROP_INVALID_SOURCE));
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    let backend = match conntrack::established(&flow, now) {
-        Some(backend) => backend,
+    let backend = match conntrack::established_flow(&flow, now) {
+        // Opened through kube-proxy's rules before the programs took over: theirs to the end.
+        Some(live) if live.netfilter => return Ok(TC_ACT_UNSPEC),
+        Some(live) => live.backend,
         // A datagram's later fragment whose first one started no flow: left as it is.
         None if flow.later_fragment() => return Ok(TC_ACT_UNSPEC),
         None if !checked && source::spoofed(ctx, &flow, pod_iface) => {

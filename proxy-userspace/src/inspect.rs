@@ -123,6 +123,7 @@ pub fn conntrack_table(rows: &[FlowRow]) -> String {
             r.state,
             match (&r.translated, r.direction) {
                 (Some(nat), "forward") => format!(" (sent from {nat})"),
+                (Some(peer), "netfilter") => format!(" (translated by netfilter; peer {peer})"),
                 (Some(nat), _) => format!(" (answers {nat})"),
                 (None, _) if r.external => " (external)".to_owned(),
                 (None, _) => String::new(),

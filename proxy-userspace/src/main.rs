@@ -556,6 +556,7 @@ fn start_config(args: &AgentArgs) -> StartConfig {
             validate_sources: args.bpf_source_validation,
             cgroup_path: args.bpf_cgroup_path.clone(),
             preload: ebpf::Preload::default(),
+            remove_replaced: None,
         },
     }
 }

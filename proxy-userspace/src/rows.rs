@@ -73,6 +73,9 @@ pub struct BackendRow {
 
 #[derive(Debug, Serialize, PartialEq)]
 pub struct FlowRow {
+    /// `forward` (client -> service address), `reply` (endpoint -> client), or `netfilter`: a
+    /// connection opened through kube-proxy's rules, which netfilter translates to its end
+    /// (either 5-tuple; the programs pass its packets).
     pub direction: &'static str,
     pub protocol: &'static str,
     pub source: String,
@@ -83,7 +86,8 @@ pub struct FlowRow {
     /// A flow from outside the node (NodePort, LoadBalancer, external IP).
     pub external: bool,
     /// For a flow sent to another node's endpoint: the node address and port it is sent from
-    /// (forward entry), or the client it answers (reply entry).
+    /// (forward entry), or the client it answers (reply entry). For a `netfilter` one: the
+    /// other end (the endpoint, or the client).
     pub translated: Option<String>,
     pub packets: u64,
     pub idle_seconds: f64,

@@ -70,6 +70,8 @@ pub struct AgentRun {
     dir: PathBuf,
     /// Started as kube-proxy (see [`AgentRun::start_as_kube_proxy`]).
     kube_proxy: bool,
+    /// Where the `extra` arguments it was started with begin in `args`.
+    extra_from: usize,
 }
 
 impl AgentRun {
@@ -181,9 +183,9 @@ impl AgentRun {
                 arg(value);
             }
         }
-        for a in extra {
-            arg(a);
-        }
+        let _ = arg;
+        let extra_from = args.len();
+        args.extend(extra.iter().map(Into::into));
         let mut run = Self {
             pid: 0,
             args,
@@ -195,6 +197,7 @@ impl AgentRun {
             node_ns: sandbox.node(node).name.clone(),
             dir,
             kube_proxy: kube_proxy_config.is_some(),
+            extra_from,
         };
         run.spawn(sandbox)?;
         // Its configuration file may name another mode.
@@ -334,6 +337,27 @@ impl AgentRun {
         self.spawn(sandbox)?;
         self.wait_for_log_that(sandbox, "the restarted agent's first sync", |log| {
             full_syncs(log) > before
+        })
+    }
+
+    /// Starts the stopped agent again with `extra` instead of the extra arguments it was
+    /// started with (another mode's, say) and the same pins; returns once the ebpf mode's
+    /// programs are attached (or for the others, its first sync is done), as its log says.
+    pub fn switch_mode(&mut self, sandbox: &mut Sandbox, extra: &[&str]) -> Result<()> {
+        let ebpf = !extra
+            .windows(2)
+            .any(|w| w[0] == "--proxy-mode" && w[1] != "ebpf");
+        let needle = if ebpf {
+            "programs attached"
+        } else {
+            "full sync done"
+        };
+        let before = self.log_text().matches(needle).count();
+        self.args.truncate(self.extra_from);
+        self.args.extend(extra.iter().map(Into::into));
+        self.spawn(sandbox)?;
+        self.wait_for_log_that(sandbox, &format!("{needle:?} in the log again"), |log| {
+            log.matches(needle).count() > before
         })
     }
 

@@ -25,6 +25,7 @@ pub mod rbac;
 pub mod reference;
 mod sandbox;
 pub mod scenarios;
+pub mod takeover;
 
 use std::io::Write;
 use std::sync::OnceLock;

@@ -474,6 +474,38 @@ fn eventually(what: &str, mut check: impl FnMut() -> Result<()>) -> Result<()> {
 }
 
 impl World {
+    /// The sandbox wired as `shape`, its backends serving, and an agent in `mode` on each node
+    /// on the suite's manifest.
+    pub fn start(mode: &Mode, shape: Shape) -> World {
+        let mut sandbox = Sandbox::build_shaped(shape).expect("building the sandbox");
+        sandbox
+            .start_backends(BACKEND_PORT)
+            .expect("starting the backends");
+        let manifest = manifest();
+        let args: Vec<&str> = mode
+            .args
+            .iter()
+            .chain(shape.agent_args())
+            .copied()
+            .collect();
+        let agents = ["node1", "node2"]
+            .iter()
+            .map(|node| {
+                AgentRun::start_with_args(
+                    &mut sandbox,
+                    node,
+                    AgentSource::Manifest(&manifest),
+                    5,
+                    &args,
+                )
+                .unwrap_or_else(|e| {
+                    panic!("starting the agent in {} mode on {node}: {e:#}", mode.id)
+                })
+            })
+            .collect();
+        World { sandbox, agents }
+    }
+
     fn pod(&self, name: &str) -> &Netns {
         &self.sandbox.pod(name).ns
     }
@@ -1160,31 +1192,7 @@ pub fn run(test: &str, mode_id: &str, shape: Shape) {
         );
         return;
     }
-    let mut sandbox = Sandbox::build_shaped(shape).expect("building the sandbox");
-    sandbox
-        .start_backends(BACKEND_PORT)
-        .expect("starting the backends");
-    let manifest = manifest();
-    let args: Vec<&str> = mode
-        .args
-        .iter()
-        .chain(shape.agent_args())
-        .copied()
-        .collect();
-    let agents = ["node1", "node2"]
-        .iter()
-        .map(|node| {
-            AgentRun::start_with_args(
-                &mut sandbox,
-                node,
-                AgentSource::Manifest(&manifest),
-                5,
-                &args,
-            )
-            .unwrap_or_else(|e| panic!("starting the agent in {} mode on {node}: {e:#}", mode.id))
-        })
-        .collect();
-    let mut world = World { sandbox, agents };
+    let mut world = World::start(mode, shape);
     let mut outcomes = Vec::new();
     for scenario in SCENARIOS {
         let started = Instant::now();

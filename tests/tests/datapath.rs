@@ -3,8 +3,9 @@
 use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
 use proxy_common::{
-    CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED, CT_STATE_TCP_OPENING, CT_STATE_UDP, CtKey,
-    DROP_ICMP_RATE_LIMITED, DROP_INVALID_SOURCE, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
+    Be16, Be32, CT_FORWARD, CT_NETFILTER, CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED,
+    CT_STATE_TCP_OPENING, CT_STATE_UDP, CtKey, CtValue, DROP_ICMP_RATE_LIMITED,
+    DROP_INVALID_SOURCE, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
 };
 
 use proxy_tests::{
@@ -1181,4 +1182,54 @@ fn fragments_follow_their_first_fragment() {
         flows,
         "a later fragment started a flow"
     );
+}
+
+/// A connection opened through kube-proxy's rules before the programs took over, which the agent
+/// leaves to netfilter (`modes::ebpf::netfilter_flows`: an entry on each of its 5-tuples),
+/// passes untouched both ways, whichever endpoint netfilter sent it to; a bare SYN on its
+/// 5-tuple is a new connection, which the programs serve.
+#[test]
+fn a_connection_left_to_netfilter_passes_untouched_until_a_new_syn() {
+    let Some((p, _)) = setup(
+        "a_connection_left_to_netfilter_passes_untouched_until_a_new_syn",
+        &[(BE1, 8080)],
+    ) else {
+        return;
+    };
+    let key = |src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)| CtKey {
+        saddr: Be32::from_octets(src.0.octets()),
+        daddr: Be32::from_octets(dst.0.octets()),
+        sport: Be16::new(src.1),
+        dport: Be16::new(dst.1),
+        proto: TCP,
+        pad: [0; 3],
+    };
+    let (client, vip, endpoint) = ((CLIENT, 48200), (VIP, 80), (BE2, 8080));
+    let left = CtValue {
+        vip: Be32::from_octets(VIP.octets()),
+        vport: Be16::new(80),
+        direction: CT_NETFILTER,
+        last_seen_ns: inspect::monotonic_ns(),
+        ..CtValue::default()
+    };
+    let mut ct = p.conntrack();
+    ct.insert(key(client, vip), left, 0).unwrap();
+    ct.insert(key(endpoint, client), left, 0).unwrap();
+    let ack = |src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)| {
+        Spec {
+            tcp_flags: 0x10,
+            ..Spec::tcp(src.0, src.1, dst.0, dst.1)
+        }
+        .build()
+    };
+    // The client's packet (netfilter sends it on), the endpoint's reply as it leaves its pod,
+    // and the reply netfilter translated back, on its way to the client.
+    untouched(&p, "tc_ingress", &ack(client, vip));
+    untouched(&p, "tc_ingress", &ack(endpoint, client));
+    untouched(&p, "tc_egress", &ack(vip, client));
+    assert_eq!(ct.get(&key(client, vip), 0).unwrap().packets, 1);
+    // The client's next connection on the same port.
+    let seen = dnat(&p, &Spec::tcp(client.0, client.1, vip.0, vip.1));
+    assert_eq!((seen.dst, seen.dport), (BE1, 8080));
+    assert_eq!(ct.get(&key(client, vip), 0).unwrap().direction, CT_FORWARD);
 }

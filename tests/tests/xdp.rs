@@ -16,8 +16,8 @@ use std::{
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
-    Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_OPENING, CT_REPLY, CT_SNAT, CT_TIME_WAIT,
-    CtKey, CtValue, DROP_FRAG_NEEDED, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE,
+    Be16, Be32, CT_CLOSING, CT_EXTERNAL, CT_FORWARD, CT_NETFILTER, CT_OPENING, CT_REPLY, CT_SNAT,
+    CT_TIME_WAIT, CtKey, CtValue, DROP_FRAG_NEEDED, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE,
     DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE, IFACE_XDP_FORWARD, MAP_SERVICES, SCOPE_INTERNAL,
     ServiceKey, ServiceValue,
 };
@@ -1955,4 +1955,47 @@ fn fragments_of_node_port_flows_are_translated_by_tc() {
             (TC_ACT_REDIRECT, want.clone())
         );
     }
+}
+
+/// An outside client's connection to a NodePort opened through kube-proxy's rules before the
+/// programs took over, left to netfilter by the agent (an entry on each of its 5-tuples, the
+/// reply one to the node address and port netfilter sent it from): XDP and tc pass its packets
+/// untouched both ways, even a reply whose port netfilter picked is itself a NodePort.
+#[test]
+fn a_node_port_connection_left_to_netfilter_passes_untouched() {
+    let eps = [(REMOTE_BE, TARGET, "node2")];
+    let Some(lab) = lab(
+        "a_node_port_connection_left_to_netfilter_passes_untouched",
+        &[
+            node_port("web", NODE_PORT, &eps),
+            node_port("other", NODE_PORT + 1, &eps),
+        ],
+    ) else {
+        return;
+    };
+    let (client, frontend) = ((CLIENT, 40300), (NODE, NODE_PORT));
+    // Netfilter sent it from the node, on a port that is the other Service's NodePort.
+    let (endpoint, sent_from) = ((REMOTE_BE, TARGET), (NODE, NODE_PORT + 1));
+    let left = CtValue {
+        vip: Be32::from_octets(NODE.octets()),
+        vport: Be16::new(NODE_PORT),
+        direction: CT_NETFILTER,
+        last_seen_ns: monotonic_ns(),
+        ..CtValue::default()
+    };
+    let mut ct = lab.p.conntrack();
+    ct.insert(ct_key(client, frontend, TCP), left, 0).unwrap();
+    ct.insert(ct_key(endpoint, sent_from, TCP), left, 0)
+        .unwrap();
+    let ack = |src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)| {
+        from_client(&Spec {
+            tcp_flags: 0x10,
+            ..Spec::tcp(src.0, src.1, dst.0, dst.1)
+        })
+    };
+    for frame in [ack(client, frontend), ack(endpoint, sent_from)] {
+        untouched_xdp(&lab, &frame, "a packet of a connection left to netfilter");
+        untouched_tc(&lab, "tc_external_ingress", &frame, "the same");
+    }
+    assert_eq!(lab.ct_len(), 2, "no flow of the programs' own");
 }

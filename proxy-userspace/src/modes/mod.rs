@@ -107,11 +107,16 @@ impl ProxyMode {
     }
 
     /// Starts the mode after removing what the others left (it would serve stale state beside
-    /// this one's).
+    /// this one's). The ebpf mode removes it once its programs are ready to take over, so that
+    /// kube-proxy's rules serve until then and the connections they opened stay theirs.
     pub fn start(self, config: &mut StartConfig) -> anyhow::Result<Box<dyn Dataplane>> {
         let installation = Installation::at(&config.ebpf.pin_dir);
-        for other in Self::REMOVAL {
-            if other != self && other.installed(&installation) {
+        let others: Vec<ProxyMode> = Self::REMOVAL
+            .into_iter()
+            .filter(|&other| other != self && other.installed(&installation))
+            .collect();
+        let remove = move || {
+            for other in others {
                 match other {
                     ProxyMode::Ebpf => {
                         tracing::info!("removing the eBPF programs of an earlier ebpf-mode run")
@@ -124,6 +129,11 @@ impl ProxyMode {
                 }
                 other.cleanup(&installation)?;
             }
+            Ok(())
+        };
+        match self {
+            ProxyMode::Ebpf => config.ebpf.remove_replaced = Some(Box::new(remove)),
+            _ => remove()?,
         }
         (self.mode().start)(config)
     }

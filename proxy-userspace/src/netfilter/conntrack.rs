@@ -1,7 +1,7 @@
 //! The flows of the netfilter modes: the kernel's conntrack table (`conntrack -L -o extended`,
 //! one flow a line, `key=value` words: the original tuple, then the reply tuple), reduced to
 //! the flows sent to a Service frontend and translated there.
-use std::collections::HashMap;
+use std::{collections::HashMap, net::SocketAddrV4};
 
 use crate::rows::{ConntrackRow, ServiceRow, protocol};
 
@@ -143,6 +143,47 @@ pub(crate) fn service_flows(frontends: &[ServiceRow]) -> anyhow::Result<Vec<Conn
     Ok(flows(&conntrack_list()?, frontends))
 }
 
+/// A TCP connection netfilter translated to another destination (DNAT, with or without SNAT):
+/// its addresses as the client sends them and as the endpoint answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TranslatedFlow {
+    /// Client -> frontend.
+    pub original: (SocketAddrV4, SocketAddrV4),
+    /// Endpoint -> client (or the address and port netfilter sent the flow from).
+    pub reply: (SocketAddrV4, SocketAddrV4),
+}
+
+/// The IPv4 TCP connections of `text` (`conntrack -L -p tcp --dst-nat`) that are open: answered,
+/// not closed (TIME_WAIT, CLOSE).
+fn open_translated(text: &str) -> Vec<TranslatedFlow> {
+    let addr = |t: &Tuple, src: bool| -> Option<SocketAddrV4> {
+        let (ip, port) = match src {
+            true => (&t.src, t.sport?),
+            false => (&t.dst, t.dport?),
+        };
+        Some(SocketAddrV4::new(ip.parse().ok()?, port))
+    };
+    parse(text)
+        .into_iter()
+        .filter(|e| e.protocol == "TCP" && e.replied)
+        .filter(|e| !matches!(e.state.as_deref(), Some("TIME_WAIT" | "CLOSE")))
+        .filter_map(|e| {
+            Some(TranslatedFlow {
+                original: (addr(&e.original, true)?, addr(&e.original, false)?),
+                reply: (addr(&e.reply, true)?, addr(&e.reply, false)?),
+            })
+        })
+        .filter(|f| f.original.1 != f.reply.0)
+        .collect()
+}
+
+/// The open TCP connections the kernel's netfilter translates to another destination (those
+/// kube-proxy's rules sent to an endpoint, among others).
+pub(crate) fn translated_tcp_flows() -> anyhow::Result<Vec<TranslatedFlow>> {
+    let text = crate::command::run("conntrack", &["-L", "-p", "tcp", "--dst-nat"], "conntrack")?;
+    Ok(open_translated(&text))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +249,34 @@ conntrack v1.4.7 (conntrack-tools): 6 flow entries have been shown.
                     packets: None,
                     state: "unreplied".into(),
                     expires_seconds: 29,
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn open_translated_tcp_flows_only() {
+        let text = "\
+tcp      6 431999 ESTABLISHED src=10.244.1.10 dst=10.96.0.10 sport=40000 dport=80 src=10.244.1.11 dst=10.244.1.10 sport=8080 dport=40000 [ASSURED] mark=0 use=1
+tcp      6 431999 CLOSE_WAIT src=192.0.2.100 dst=192.0.2.11 sport=50000 dport=30080 src=10.244.2.11 dst=192.0.2.11 sport=8080 dport=50000 [ASSURED] mark=0 use=1
+tcp      6 117 TIME_WAIT src=10.244.1.10 dst=10.96.0.10 sport=40001 dport=80 src=10.244.1.12 dst=10.244.1.10 sport=8080 dport=40001 [ASSURED] mark=0 use=1
+tcp      6 119 SYN_SENT src=10.244.1.10 dst=10.96.0.10 sport=40002 dport=80 [UNREPLIED] src=10.244.1.12 dst=10.244.1.10 sport=8080 dport=40002 mark=0 use=1
+tcp      6 300 ESTABLISHED src=10.244.1.10 dst=10.244.1.11 sport=40003 dport=8080 src=10.244.1.11 dst=10.244.1.10 sport=8080 dport=40003 [ASSURED] mark=0 use=1
+udp      17 29 src=10.244.1.10 dst=10.96.0.53 sport=40004 dport=53 src=10.244.1.53 dst=10.244.1.10 sport=53 dport=40004 mark=0 use=1
+tcp      6 300 ESTABLISHED src=fd00::10 dst=fd00:96::10 sport=40005 dport=80 src=fd00::11 dst=fd00::10 sport=8080 dport=40005 [ASSURED] mark=0 use=1
+conntrack v1.4.7 (conntrack-tools): 7 flow entries have been shown.
+";
+        let at = |s: &str| s.parse::<SocketAddrV4>().unwrap();
+        assert_eq!(
+            open_translated(text),
+            [
+                TranslatedFlow {
+                    original: (at("10.244.1.10:40000"), at("10.96.0.10:80")),
+                    reply: (at("10.244.1.11:8080"), at("10.244.1.10:40000")),
+                },
+                TranslatedFlow {
+                    original: (at("192.0.2.100:50000"), at("192.0.2.11:30080")),
+                    reply: (at("10.244.2.11:8080"), at("192.0.2.11:50000")),
                 },
             ]
         );

@@ -5,11 +5,12 @@ use anyhow::Context;
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_EXTERNAL,
-    CT_FORWARD, CT_HALF_CLOSED, CT_OPENING, CT_SNAT, CT_STATES, CtKey, CtValue, HAIRPIN_ADDR,
-    IPPROTO_TCP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_CT_LIFETIMES, MAP_SERVICES,
-    MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY, SERVICE_DRAINING,
-    SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey, ct_lifetime_ns,
+    CT_FORWARD, CT_HALF_CLOSED, CT_NETFILTER, CT_OPENING, CT_REPLY, CT_SNAT, CT_STATES, CtKey,
+    CtValue, HAIRPIN_ADDR, IPPROTO_TCP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_CT_LIFETIMES, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
+    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
+    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue,
+    SourceRangeKey, ct_lifetime_ns,
 };
 
 use crate::{
@@ -157,21 +158,21 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
         // The programs keep a flow's time in its forward entry (they refresh the reply entry
         // only now and then): a reply entry is as idle as its flow.
         let last_seen = match v.direction {
-            CT_FORWARD => v.last_seen_ns,
-            _ => entries
+            CT_REPLY => entries
                 .get(&forward_key(k, v))
                 .filter(|f| f.direction == CT_FORWARD && f.backend_id == v.backend_id)
                 .map_or(v.last_seen_ns, |f| f.last_seen_ns.max(v.last_seen_ns)),
+            _ => v.last_seen_ns,
         };
         let v = CtValue {
             last_seen_ns: last_seen,
             ..*v
         };
         rows.push(FlowRow {
-            direction: if v.direction == CT_FORWARD {
-                "forward"
-            } else {
-                "reply"
+            direction: match v.direction {
+                CT_FORWARD => "forward",
+                CT_NETFILTER => "netfilter",
+                _ => "reply",
             },
             protocol: proto_name(k.proto),
             source: format!("{}:{}", ip(k.saddr), k.sport.get()),
@@ -179,7 +180,7 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
             service: format!("{}:{}", ip(v.vip), v.vport.get()),
             backend_id: v.backend_id,
             external: v.flags & CT_EXTERNAL != 0,
-            translated: (v.flags & CT_SNAT != 0)
+            translated: (v.flags & CT_SNAT != 0 || v.direction == CT_NETFILTER)
                 .then(|| format!("{}:{}", ip(v.nat_addr), v.nat_port.get())),
             packets: u64::from(v.packets),
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,

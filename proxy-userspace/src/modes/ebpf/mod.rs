@@ -9,6 +9,7 @@ pub mod features;
 pub mod inspect;
 mod link_events;
 pub mod maglev;
+pub mod netfilter_flows;
 pub mod plan;
 pub mod pod_interfaces;
 mod stale_sockets;
@@ -92,6 +93,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         );
     }
     bpffs::ensure(pin_dir)?;
+    let created = !installed(pin_dir);
     let (next_backend_id, recreated) = check_pinned_layout(pin_dir)?;
     warn_on_size_changes(pin_dir, sizes);
     let features = Features::of_this_kernel()?;
@@ -138,14 +140,20 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         state.set(AGENT_STATE_NEXT_BACKEND_ID, id, 0)?;
     }
     state.set(AGENT_STATE_LAYOUT, LAYOUT_VERSION, 0)?;
-    Ok(Loaded { ebpf, recreated })
+    Ok(Loaded {
+        ebpf,
+        recreated,
+        created,
+    })
 }
 
 /// The loaded programs, and whether a pinned map of another layout was recreated for them
-/// (empty where the programs serving now, an earlier agent's, read their own old map).
+/// (empty where the programs serving now, an earlier agent's, read their own old map), or the
+/// maps created (none was pinned: no program serves from them yet).
 pub struct Loaded {
     pub ebpf: Ebpf,
     pub recreated: bool,
+    pub created: bool,
 }
 
 /// The constant of the socket programs that says whether they may call bpf_set_retval.
@@ -415,6 +423,7 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
 /// removes everything the agent pinned under `pin_dir`.
 pub fn cleanup(pin_dir: &Path) -> anyhow::Result<()> {
     let detached = detach_all(pin_dir)? + cgroup::detach_all(pin_dir)?;
+    netfilter_flows::release();
     let mut removed = 0;
     // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
     for name in LAYOUTS.map(|l| l.name) {
@@ -449,13 +458,20 @@ pub struct StartConfig {
     /// `--bpf-cgroup-path`; empty: host-network clients are not served.
     pub cgroup_path: PathBuf,
     pub preload: Preload,
+    /// Removes what the programs replace (another mode's rules, kube-proxy's): run just before
+    /// they take over, so that those rules serve until then.
+    pub remove_replaced: Option<RemoveReplaced>,
 }
+
+/// See [`StartConfig::remove_replaced`].
+pub type RemoveReplaced = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
 
 /// Starts the mode: the pin directory locked (held as long as the dataplane lives), the
 /// programs loaded (ahead or now), the maps taken over, the programs attached (where the load
-/// recreated maps, once the first sync has filled them). `node_ips`: the Node object's addresses, for
-/// `node_port_addresses` (`--nodeport-addresses`). A failed start removes whatever it pinned:
-/// another mode may follow. Pins another agent holds are left alone.
+/// created or recreated maps, once the first sync has filled them). `node_ips`: the Node
+/// object's addresses, for `node_port_addresses` (`--nodeport-addresses`). A failed start
+/// removes whatever it pinned: another mode may follow. Pins another agent holds are left
+/// alone.
 pub fn start(
     node_ips: Vec<IpAddr>,
     node_port_addresses: NodePortAddresses,
@@ -468,20 +484,13 @@ pub fn start(
         .load(&config.pin_dir, config.sizes)
         .and_then(|mut loaded| {
             ct_lifetimes.write(&mut loaded.ebpf)?;
-            EbpfDataplane::new(
-                loaded,
-                &config.pin_dir,
-                config.writer,
-                &config.pod_interfaces,
-                ExternalConfig {
-                    addresses: node_port_addresses,
-                    primary: node_ips,
-                    mode: config.xdp_mode,
-                    snat_ports: config.snat_ports,
-                },
-                &config.cgroup_path,
-                config.validate_sources,
-            )
+            let external = ExternalConfig {
+                addresses: node_port_addresses,
+                primary: node_ips,
+                mode: config.xdp_mode,
+                snat_ports: config.snat_ports,
+            };
+            EbpfDataplane::new(loaded, config, external)
         });
     match started {
         Ok(mut dp) => {
@@ -586,9 +595,9 @@ pub struct EbpfDataplane {
     pin_dir_lock: Option<bpffs::PinDirLock>,
 }
 
-/// The programs: loaded and ready, then attached: at once, or where the load recreated maps,
-/// once the first sync has filled them (the programs serving meanwhile, an earlier agent's,
-/// keep their own maps).
+/// The programs: loaded and ready, then attached: at once, or where the load created or
+/// recreated maps, once the first sync has filled them (what serves meanwhile keeps serving:
+/// an earlier agent's programs with their own maps, or another mode's rules, kube-proxy's).
 enum Programs {
     Ready(Box<TakeOver>),
     Attached(attach::AttachThread),
@@ -602,10 +611,33 @@ struct TakeOver {
     /// The socket programs' cgroup and this network namespace's cookie; None: not attached.
     cgroup: Option<(PathBuf, u64)>,
     pin_dir: PathBuf,
+    remove_replaced: Option<RemoveReplaced>,
 }
 
 impl TakeOver {
+    /// Removes what the programs replace, leaving the connections netfilter translates to it
+    /// ([`netfilter_flows`]), and attaches the programs.
     fn attach(mut self) -> anyhow::Result<attach::AttachThread> {
+        let translating = netfilter_flows::prepare();
+        if let Some(remove) = self.remove_replaced.take() {
+            remove()?;
+        }
+        if !translating {
+            netfilter_flows::release();
+        } else {
+            match netfilter_flows::keep(&self.pin_dir) {
+                Ok(0) => {}
+                Ok(connections) => tracing::info!(
+                    connections,
+                    "connections opened through kube-proxy's rules stay on their endpoints: \
+                     netfilter translates them to their end"
+                ),
+                Err(e) => tracing::warn!(
+                    "leaving kube-proxy's connections to netfilter failed ({e:#}): the programs \
+                     may send them to other endpoints"
+                ),
+            }
+        }
         if let Some((cgroup, netns)) = &self.cgroup {
             cgroup::attach(&mut self.prepared.ebpf, cgroup, &self.pin_dir, *netns)?;
         }
@@ -614,25 +646,23 @@ impl TakeOver {
 }
 
 impl EbpfDataplane {
-    /// Takes the programs [`load`] loaded from `pin_dir`, starts forwarding their logs and
-    /// exporting their drop counters, and attaches (at once, or where the load recreated maps,
-    /// after the first sync: [`Programs`]) the socket programs to the cgroup `cgroup` (for the
-    /// clients of this process's network namespace), the tc programs to every interface
-    /// `pod_interfaces` selects, then and as such interfaces appear, and the external programs
-    /// to the interfaces carrying the node addresses `external` selects. `writer` says how the
-    /// maps are programmed (drain period, load-balancing algorithm).
-    pub fn new(
+    /// Takes the programs [`load`] loaded from the pin directory, starts forwarding their logs
+    /// and exporting their drop counters, and attaches them as `config` says (at once, or where
+    /// the load created or recreated maps, after the first sync: [`Programs`]): the socket
+    /// programs to the cgroup (for the clients of this process's network namespace), the tc
+    /// programs to every pod interface, then and as such interfaces appear, and the external
+    /// programs to the interfaces carrying the node addresses `external` selects.
+    fn new(
         loaded: Loaded,
-        pin_dir: &Path,
-        writer: WriterConfig,
-        pod_interfaces: &PodInterfaces,
+        config: &mut StartConfig,
         external: ExternalConfig,
-        cgroup: &Path,
-        validate_sources: bool,
     ) -> anyhow::Result<Self> {
+        let pin_dir = config.pin_dir.as_path();
+        let cgroup = config.cgroup_path.as_path();
         let Loaded {
             mut ebpf,
             recreated,
+            created,
         } = loaded;
         let kernel = Features::of_this_kernel()?;
         let mut host_clients = None;
@@ -646,16 +676,16 @@ impl EbpfDataplane {
             cgroup::load_programs(&mut ebpf)?;
             host_clients = Some((cgroup.to_owned(), netns));
         }
-        let maps = MapWriter::take_from(&mut ebpf, writer)?;
+        let maps = MapWriter::take_from(&mut ebpf, config.writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
         features::export(kernel);
         let prepared = attach::AttachThread::prepare(
             ebpf,
-            pod_interfaces,
+            &config.pod_interfaces,
             external,
             pin_dir,
-            validate_sources,
+            config.validate_sources,
         )?;
         let mut dataplane = Self {
             maps,
@@ -665,6 +695,7 @@ impl EbpfDataplane {
                 prepared,
                 cgroup: host_clients,
                 pin_dir: pin_dir.to_owned(),
+                remove_replaced: config.remove_replaced.take(),
             })),
             pin_dir_lock: None,
         };
@@ -672,6 +703,11 @@ impl EbpfDataplane {
             tracing::warn!(
                 "maps were recreated: the programs serving now keep their own until the first \
                  sync has filled the new ones, then these programs take over"
+            );
+        } else if created {
+            tracing::info!(
+                "the programs take over once the first sync has filled the maps (another \
+                 mode's rules, kube-proxy's, serve until then)"
             );
         } else {
             // The maps are the ones being served from: the programs take over now, so that
@@ -682,8 +718,8 @@ impl EbpfDataplane {
     }
 
     /// Attaches the programs, unless they are already (or failed to be). Where the load
-    /// recreated maps, after the first sync (whatever could be written is); a failure then is
-    /// reported by every sync from then on.
+    /// created or recreated maps, after the first sync (whatever could be written is); a
+    /// failure then is reported by every sync from then on.
     fn take_over(&mut self) -> anyhow::Result<()> {
         let programs = std::mem::replace(&mut self.programs, Programs::Failed(String::new()));
         self.programs = match programs {
