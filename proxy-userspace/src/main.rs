@@ -81,7 +81,8 @@ impl ValueEnum for ModeFlag {
                 let tried: Vec<&str> = ProxyMode::AUTO.iter().map(|m| m.name()).collect();
                 Some(clap::builder::PossibleValue::new("auto").help(format!(
                     "The first of {} that starts on this node (each is tried for real: the BPF \
-                     programs loaded, the nftables table written)",
+                     programs loaded and, on maps pinned already, attached; the nftables table \
+                     written)",
                     tried.join(", ")
                 )))
             }

@@ -183,7 +183,6 @@ impl AgentRun {
                 arg(value);
             }
         }
-        let _ = arg;
         let extra_from = args.len();
         args.extend(extra.iter().map(Into::into));
         let mut run = Self {

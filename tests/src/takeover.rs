@@ -123,7 +123,11 @@ fn switch(sandbox: &mut Sandbox, agents: &mut [AgentRun], held: Vec<Held>) -> Re
     ensure!(asked > 0, "no connection was asked");
     // Each connection node1 saw translated is left to netfilter, by both of its 5-tuples.
     let flows = agents[0].inspect_cli("conntrack", &["--json"])?;
-    let kept = flows.matches("\"netfilter\"").count();
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&flows)?;
+    let kept = rows
+        .iter()
+        .filter(|r| r["direction"] == "netfilter")
+        .count();
     ensure!(
         kept == 2 * HELD_ON_NODE1,
         "node1 left {kept} entries to netfilter: {flows}"

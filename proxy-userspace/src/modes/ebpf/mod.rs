@@ -93,7 +93,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         );
     }
     bpffs::ensure(pin_dir)?;
-    let created = !installed(pin_dir);
+    let created = !filled(pin_dir);
     let (next_backend_id, recreated) = check_pinned_layout(pin_dir)?;
     warn_on_size_changes(pin_dir, sizes);
     let features = Features::of_this_kernel()?;
@@ -149,7 +149,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
 
 /// The loaded programs, and whether a pinned map of another layout was recreated for them
 /// (empty where the programs serving now, an earlier agent's, read their own old map), or the
-/// maps created (none was pinned: no program serves from them yet).
+/// maps created (none held a service: no program of this mode serves from them yet).
 pub struct Loaded {
     pub ebpf: Ebpf,
     pub recreated: bool,
@@ -582,6 +582,19 @@ pub fn installed(pin_dir: &Path) -> bool {
     pin_dir.join(proxy_common::MAP_SERVICES).exists()
 }
 
+/// Whether the maps pinned in `pin_dir` hold services: an earlier run synced (and took over)
+/// at least once. An agent loads the programs, creating the maps, before its first sync, and
+/// may stop before it (the API server unreachable, say).
+fn filled(pin_dir: &Path) -> bool {
+    aya::maps::MapData::from_pin(pin_dir.join(MAP_SERVICES))
+        .and_then(|data| {
+            aya::maps::HashMap::<_, ServiceKey, ServiceValue>::try_from(aya::maps::Map::HashMap(
+                data,
+            ))
+        })
+        .is_ok_and(|services| services.keys().next().is_some())
+}
+
 /// The ebpf [`Dataplane`]: the maps the programs read, and the programs, attached to the pod
 /// interfaces by a thread of their own (so that a new pod never waits for a sync).
 pub struct EbpfDataplane {
@@ -618,25 +631,15 @@ impl TakeOver {
     /// Removes what the programs replace, leaving the connections netfilter translates to it
     /// ([`netfilter_flows`]), and attaches the programs.
     fn attach(mut self) -> anyhow::Result<attach::AttachThread> {
-        let translating = netfilter_flows::prepare();
-        if let Some(remove) = self.remove_replaced.take() {
-            remove()?;
+        let held = netfilter_flows::hold();
+        if let Some(remove) = self.remove_replaced.take()
+            && let Err(e) = remove()
+        {
+            // The programs run ahead of whatever is left: the next start removes it.
+            tracing::warn!("removing another mode's rules failed ({e:#}); taking over anyway");
         }
-        if !translating {
-            netfilter_flows::release();
-        } else {
-            match netfilter_flows::keep(&self.pin_dir) {
-                Ok(0) => {}
-                Ok(connections) => tracing::info!(
-                    connections,
-                    "connections opened through kube-proxy's rules stay on their endpoints: \
-                     netfilter translates them to their end"
-                ),
-                Err(e) => tracing::warn!(
-                    "leaving kube-proxy's connections to netfilter failed ({e:#}): the programs \
-                     may send them to other endpoints"
-                ),
-            }
+        if held {
+            netfilter_flows::leave_to_netfilter(&self.pin_dir);
         }
         if let Some((cgroup, netns)) = &self.cgroup {
             cgroup::attach(&mut self.prepared.ebpf, cgroup, &self.pin_dir, *netns)?;

@@ -46,36 +46,45 @@ flush chain ip kube-proxy-ebpf-nat-hooks conntrack
 add rule ip kube-proxy-ebpf-nat-hooks conntrack ct state established accept
 ";
 
-/// Before the programs take over and kube-proxy's rules go: whether the kernel translates open
-/// TCP connections (to anything: the frontends are not known here), and if so the NAT hooks
-/// held. A failure is logged: the takeover goes on, and such connections may break.
-pub fn prepare() -> bool {
-    let flows = match translated_tcp_flows() {
-        Ok(flows) => flows,
+/// Before the programs take over and kube-proxy's rules go: connection tracking and NAT held
+/// on ([`NAT_HOOKS_TABLE`]); whether they are. A failure is logged: the takeover goes on, and
+/// connections opened through kube-proxy's rules are then left to the programs (they may be
+/// reset) rather than to a netfilter that may stop translating them (they would stall).
+pub fn hold() -> bool {
+    match crate::command::pipe("nft", &["-f", "-"], NAT_HOOKS) {
+        Ok(()) => true,
         Err(e) => {
             tracing::warn!(
-                "cannot read the kernel's conntrack table ({e:#}): connections opened through \
-                 kube-proxy's rules may be reset when the programs take over"
+                "cannot keep connection tracking and NAT on ({e:#}): connections opened \
+                 through kube-proxy's rules may be reset when the programs take over"
             );
-            return false;
+            false
         }
-    };
-    if flows.is_empty() {
-        return false;
     }
-    if let Err(e) = crate::command::pipe("nft", &["-f", "-"], NAT_HOOKS) {
-        tracing::warn!(
-            "cannot keep connection tracking and NAT on ({e:#}): connections opened through \
-             kube-proxy's rules may stall once those are removed"
-        );
-    }
-    true
 }
 
-/// Once kube-proxy's rules are gone (no connection through them can start any more): the open
-/// connections the kernel translated to a frontend of `pin_dir`'s maps are left to it (entries
-/// of kind [`CT_NETFILTER`]); how many. Where there are none, the NAT hooks are let go.
-pub fn keep(pin_dir: &Path) -> anyhow::Result<usize> {
+/// Once kube-proxy's rules are gone (no connection through them can start any more), with
+/// [`hold`] done: the open connections the kernel translated to a frontend of `pin_dir`'s maps
+/// are left to it ([`keep`]); where there are none, the hold is let go. A failure is logged and
+/// the hold kept (a connection an earlier takeover left may still need it).
+pub fn leave_to_netfilter(pin_dir: &Path) {
+    match keep(pin_dir) {
+        Ok(0) => release(),
+        Ok(connections) => tracing::info!(
+            connections,
+            "connections opened through kube-proxy's rules stay on their endpoints: netfilter \
+             translates them to their end"
+        ),
+        Err(e) => tracing::warn!(
+            "leaving kube-proxy's connections to netfilter failed ({e:#}): the programs may \
+             send them to other endpoints"
+        ),
+    }
+}
+
+/// The open TCP connections the kernel translated to a frontend of `pin_dir`'s maps, each left
+/// to netfilter by entries of kind [`CT_NETFILTER`]; how many.
+fn keep(pin_dir: &Path) -> anyhow::Result<usize> {
     let flows = translated_tcp_flows()?;
     let services: BpfHashMap<_, ServiceKey, ServiceValue> =
         Map::HashMap(MapData::from_pin(pin_dir.join(MAP_SERVICES))?).try_into()?;
@@ -101,9 +110,6 @@ pub fn keep(pin_dir: &Path) -> anyhow::Result<usize> {
             }
         }
         kept += 1;
-    }
-    if kept == 0 {
-        release();
     }
     Ok(kept)
 }
