@@ -93,7 +93,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         );
     }
     bpffs::ensure(pin_dir)?;
-    let created = !filled(pin_dir);
+    let empty = !filled(pin_dir);
     let (next_backend_id, recreated) = check_pinned_layout(pin_dir)?;
     warn_on_size_changes(pin_dir, sizes);
     let features = Features::of_this_kernel()?;
@@ -143,17 +143,18 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
     Ok(Loaded {
         ebpf,
         recreated,
-        created,
+        empty,
     })
 }
 
 /// The loaded programs, and whether a pinned map of another layout was recreated for them
-/// (empty where the programs serving now, an earlier agent's, read their own old map), or the
-/// maps created (none held a service: no program of this mode serves from them yet).
+/// (empty where the programs serving now, an earlier agent's, read their own old map), or
+/// the maps held no service (created now, or left by a run that stopped before its first
+/// sync): no program of this mode serves from them yet.
 pub struct Loaded {
     pub ebpf: Ebpf,
     pub recreated: bool,
-    pub created: bool,
+    pub empty: bool,
 }
 
 /// The constant of the socket programs that says whether they may call bpf_set_retval.
@@ -468,10 +469,10 @@ pub type RemoveReplaced = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
 
 /// Starts the mode: the pin directory locked (held as long as the dataplane lives), the
 /// programs loaded (ahead or now), the maps taken over, the programs attached (where the load
-/// created or recreated maps, once the first sync has filled them). `node_ips`: the Node
-/// object's addresses, for `node_port_addresses` (`--nodeport-addresses`). A failed start
-/// removes whatever it pinned: another mode may follow. Pins another agent holds are left
-/// alone.
+/// found the maps empty or recreated them, once the first sync has filled them). `node_ips`:
+/// the Node object's addresses, for `node_port_addresses` (`--nodeport-addresses`). A failed
+/// start removes whatever it pinned: another mode may follow. Pins another agent holds are
+/// left alone.
 pub fn start(
     node_ips: Vec<IpAddr>,
     node_port_addresses: NodePortAddresses,
@@ -608,8 +609,8 @@ pub struct EbpfDataplane {
     pin_dir_lock: Option<bpffs::PinDirLock>,
 }
 
-/// The programs: loaded and ready, then attached: at once, or where the load created or
-/// recreated maps, once the first sync has filled them (what serves meanwhile keeps serving:
+/// The programs: loaded and ready, then attached: at once, or where the load found the maps
+/// empty or recreated them, once the first sync has filled them (what serves meanwhile keeps serving:
 /// an earlier agent's programs with their own maps, or another mode's rules, kube-proxy's).
 enum Programs {
     Ready(Box<TakeOver>),
@@ -651,7 +652,7 @@ impl TakeOver {
 impl EbpfDataplane {
     /// Takes the programs [`load`] loaded from the pin directory, starts forwarding their logs
     /// and exporting their drop counters, and attaches them as `config` says (at once, or where
-    /// the load created or recreated maps, after the first sync: [`Programs`]): the socket
+    /// the load found the maps empty or recreated them, after the first sync: [`Programs`]): the socket
     /// programs to the cgroup (for the clients of this process's network namespace), the tc
     /// programs to every pod interface, then and as such interfaces appear, and the external
     /// programs to the interfaces carrying the node addresses `external` selects.
@@ -665,7 +666,7 @@ impl EbpfDataplane {
         let Loaded {
             mut ebpf,
             recreated,
-            created,
+            empty,
         } = loaded;
         let kernel = Features::of_this_kernel()?;
         let mut host_clients = None;
@@ -707,7 +708,7 @@ impl EbpfDataplane {
                 "maps were recreated: the programs serving now keep their own until the first \
                  sync has filled the new ones, then these programs take over"
             );
-        } else if created {
+        } else if empty {
             tracing::info!(
                 "the programs take over once the first sync has filled the maps (another \
                  mode's rules, kube-proxy's, serve until then)"
