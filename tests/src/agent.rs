@@ -72,6 +72,19 @@ pub struct AgentRun {
     kube_proxy: bool,
     /// Where the `extra` arguments it was started with begin in `args`.
     extra_from: usize,
+    /// Run from the agent's image, as the DaemonSet runs it ([`crate::image`]): the runc
+    /// bundle, and the container's name.
+    container: Option<(PathBuf, String)>,
+}
+
+/// How a test agent runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launch {
+    /// The binary the tests built, as a process in the node's network namespace.
+    Process,
+    /// That binary in the agent's image, run by runc with the DaemonSet's securityContext and
+    /// volumes ([`crate::image`]).
+    Image,
 }
 
 impl AgentRun {
@@ -109,7 +122,26 @@ impl AgentRun {
         expect_services: usize,
         extra: &[&str],
     ) -> Result<Self> {
-        Self::start_inner(sandbox, node, source, expect_services, extra, None)
+        Self::start_launched(
+            sandbox,
+            node,
+            source,
+            expect_services,
+            extra,
+            Launch::Process,
+        )
+    }
+
+    /// [`AgentRun::start_with_args`], run as `launch` says.
+    pub fn start_launched(
+        sandbox: &mut Sandbox,
+        node: &str,
+        source: AgentSource<'_>,
+        expect_services: usize,
+        extra: &[&str],
+        launch: Launch,
+    ) -> Result<Self> {
+        Self::start_inner(sandbox, node, source, expect_services, extra, None, launch)
     }
 
     /// Starts the agent as kube-proxy's DaemonSet starts kube-proxy: named `kube-proxy`, no
@@ -123,7 +155,15 @@ impl AgentRun {
         extra: &[&str],
     ) -> Result<Self> {
         let source = AgentSource::Manifest(manifest_text);
-        Self::start_inner(sandbox, node, source, 0, extra, Some(config))
+        Self::start_inner(
+            sandbox,
+            node,
+            source,
+            0,
+            extra,
+            Some(config),
+            Launch::Process,
+        )
     }
 
     fn start_inner(
@@ -133,6 +173,7 @@ impl AgentRun {
         expect_services: usize,
         extra: &[&str],
         kube_proxy_config: Option<&str>,
+        launch: Launch,
     ) -> Result<Self> {
         // One directory an agent: two nodes may run one each.
         let dir = std::env::temp_dir().join(format!("{}-agent-{node}", sandbox.prefix));
@@ -197,7 +238,14 @@ impl AgentRun {
             dir,
             kube_proxy: kube_proxy_config.is_some(),
             extra_from,
+            container: None,
         };
+        if launch == Launch::Image {
+            let bundle = run.dir.join("bundle");
+            crate::image::unpack(&bundle)?;
+            let name = format!("{}-{node}", sandbox.prefix);
+            run.container = Some((bundle, name));
+        }
         run.spawn(sandbox)?;
         // Its configuration file may name another mode.
         let ebpf = kube_proxy_config.is_none()
@@ -289,24 +337,59 @@ impl AgentRun {
     }
 
     fn spawn(&mut self, sandbox: &mut Sandbox) -> Result<()> {
-        let mut cmd = Command::new(agent_bin()?);
-        if self.kube_proxy {
-            // kube-proxy's DaemonSet names the program and no subcommand.
-            std::os::unix::process::CommandExt::arg0(&mut cmd, "kube-proxy");
-        } else {
-            cmd.arg("agent");
-        }
-        cmd.args(&self.args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&self.log)?,
-            );
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
         let ns = crate::Netns::open(&self.node_ns);
+        let mut cmd = match &self.container {
+            None => {
+                let mut cmd = Command::new(agent_bin()?);
+                if self.kube_proxy {
+                    // kube-proxy's DaemonSet names the program and no subcommand.
+                    std::os::unix::process::CommandExt::arg0(&mut cmd, "kube-proxy");
+                } else {
+                    cmd.arg("agent");
+                }
+                cmd.args(&self.args).env("RUST_LOG", "info");
+                cmd
+            }
+            Some((bundle, name)) => {
+                let program = match self.kube_proxy {
+                    true => ["/usr/local/bin/kube-proxy"].as_slice(),
+                    false => &["/usr/local/bin/proxy-userspace", "agent"],
+                };
+                // The DaemonSet's volumes, at its paths; the arguments naming them follow.
+                let volumes = [
+                    (self.dir.as_path(), self.dir.as_path()),
+                    (self.bpffs.path(), Path::new(crate::image::BPFFS)),
+                    (self.cgroup.path(), Path::new(crate::image::CGROUP)),
+                    (crate::image::xtables_lock()?, crate::image::xtables_lock()?),
+                ];
+                let args: Vec<String> = program
+                    .iter()
+                    .map(|a| a.to_string())
+                    .chain(self.args.iter().map(|a| {
+                        let host = Path::new(a);
+                        match volumes.iter().find(|(source, _)| *source == host) {
+                            Some((_, inside)) => inside.display().to_string(),
+                            None => a.to_string_lossy().into_owned(),
+                        }
+                    }))
+                    .collect();
+                crate::image::configure(
+                    bundle,
+                    &args,
+                    &["RUST_LOG=info".to_owned()],
+                    &ns.path(),
+                    &volumes,
+                )?;
+                let mut cmd = Command::new("runc");
+                cmd.arg("run").arg("--bundle").arg(bundle).arg(name);
+                cmd
+            }
+        };
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
         self.pid = sandbox.spawn(&ns, cmd)?;
         Ok(())
     }
@@ -319,6 +402,15 @@ impl AgentRun {
 
     /// Kills the agent with SIGKILL (a crash, an OOM kill: no chance to clean up) and reaps it.
     pub fn kill(&self, sandbox: &mut Sandbox) -> Result<()> {
+        if let Some((_, name)) = &self.container {
+            // The agent is the container's process, not runc (which then exits).
+            let status = Command::new("runc").args(["kill", name, "KILL"]).status()?;
+            if !status.success() {
+                bail!("runc kill {name}: {status}");
+            }
+            sandbox.stop(self.pid)?;
+            return Ok(());
+        }
         // SAFETY: kill(2) on our own child, not reaped yet (so its pid is still ours); the
         // sandbox reaps it just below.
         if unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) } != 0 {
@@ -440,6 +532,13 @@ impl AgentRun {
 
 impl Drop for AgentRun {
     fn drop(&mut self) {
+        if let Some((_, name)) = &self.container {
+            // Gone already unless its runc was killed.
+            let _ = Command::new("runc")
+                .args(["delete", "--force", name])
+                .stderr(Stdio::null())
+                .status();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

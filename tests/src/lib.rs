@@ -17,6 +17,7 @@ pub mod apiserver;
 mod client;
 pub mod example;
 pub mod fixtures;
+pub mod image;
 pub mod load;
 mod netns;
 pub mod packet;

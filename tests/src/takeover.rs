@@ -14,7 +14,7 @@ use anyhow::{Context, Result, ensure};
 
 use crate::{
     NODE1_IP, Sandbox, Shape, TcpConn,
-    agent::AgentRun,
+    agent::{AgentRun, Launch},
     example::{FRONT_NODE_PORT, REMOTE, WEB},
     privileged,
     scenarios::{self, World},
@@ -39,13 +39,18 @@ const ASK_EVERY: Duration = Duration::from_millis(20);
 /// NodePort (from outside, to a local and a remote endpoint), then switches both agents to the
 /// ebpf mode while every connection is asked, again and again, who answers it.
 pub fn from(test: &str, from: &str) {
+    from_launched(test, from, Launch::Process);
+}
+
+/// [`from`], with the agents run as `launch` says.
+pub fn from_launched(test: &str, from: &str, launch: Launch) {
     if !privileged(test) {
         return;
     }
     let World {
         mut sandbox,
         mut agents,
-    } = World::start(scenarios::mode(from), Shape::Routed);
+    } = World::start_launched(scenarios::mode(from), Shape::Routed, launch);
     let held = hold(&sandbox).expect("opening the connections");
     let result = switch(&mut sandbox, &mut agents, held);
     if let Err(e) = result {

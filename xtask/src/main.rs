@@ -51,6 +51,10 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Build the agent's OCI image from Debian's packages, no registry needed
+    /// (`deploy/image.sh` on the release build): `target/image/kube-proxy-ebpf.oci.tar`, for
+    /// `podman load`, `skopeo copy oci-archive:...` or `ctr images import`.
+    Image,
     /// Run a benchmark: `datapath` (the programs under BPF_PROG_TEST_RUN), `agent` (the agent
     /// on 1 to 30k services: time to its first full sync, memory), `external` (NodePorts from
     /// outside vs the pods) or `e2e` (ClusterIPs at 1 to 30k services vs the pods, sync time,
@@ -76,6 +80,10 @@ const DEB_PACKAGES: &[&str] = &[
     "netcat-openbsd",
     "procps",
     "kmod",
+    // The agent's image (deploy/image.sh) and its tests, which run it as the DaemonSet does.
+    "mmdebstrap",
+    "umoci",
+    "runc",
 ];
 const NIGHTLY: &str = "nightly";
 
@@ -110,7 +118,7 @@ fn main() -> anyhow::Result<()> {
             step("building the workspace");
             cargo(&["build", "--workspace", "--bins"])?;
             step("running the kernel-facing tests inside the VM (software emulation: slow)");
-            const KERNEL_FACING: [&str; 11] = [
+            const KERNEL_FACING: [&str; 12] = [
                 "datapath",
                 "xdp",
                 "change",
@@ -122,6 +130,7 @@ fn main() -> anyhow::Result<()> {
                 "policy",
                 "external",
                 "scenarios",
+                "takeover",
             ];
             let files: Vec<&str> = match only.is_empty() {
                 true => KERNEL_FACING.to_vec(),
@@ -176,6 +185,18 @@ fn main() -> anyhow::Result<()> {
         Cmd::Demo { args } => {
             build_release("building the agent and the sandbox (release)")?;
             run(Command::new(root.join("target/release/demo")).args(args))
+        }
+        Cmd::Image => {
+            build_release("building the agent (release)")?;
+            step("building the image from Debian's packages");
+            run(Command::new(root.join("deploy/image.sh"))
+                .arg(root.join("target/release/proxy-userspace"))
+                .arg(root.join("target/image")))?;
+            println!(
+                "{}",
+                root.join("target/image/kube-proxy-ebpf.oci.tar").display()
+            );
+            Ok(())
         }
         Cmd::Bench { which, args } => {
             build_release("building the benchmarks (release)")?;
