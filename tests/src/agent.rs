@@ -146,24 +146,18 @@ impl AgentRun {
 
     /// Starts the agent as kube-proxy's DaemonSet starts kube-proxy: named `kube-proxy`, no
     /// subcommand, `--config` a file holding `config` (see [`AgentRun::config_file`]), then
-    /// `extra`, on a copy of `manifest_text`; returns after its first full sync.
+    /// `extra`, on a copy of `manifest_text`, run as `launch` says; returns after its first full
+    /// sync.
     pub fn start_as_kube_proxy(
         sandbox: &mut Sandbox,
         node: &str,
         manifest_text: &str,
         config: &str,
         extra: &[&str],
+        launch: Launch,
     ) -> Result<Self> {
         let source = AgentSource::Manifest(manifest_text);
-        Self::start_inner(
-            sandbox,
-            node,
-            source,
-            0,
-            extra,
-            Some(config),
-            Launch::Process,
-        )
+        Self::start_inner(sandbox, node, source, 0, extra, Some(config), launch)
     }
 
     fn start_inner(

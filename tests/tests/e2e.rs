@@ -8,7 +8,7 @@ use std::{
 
 use proxy_tests::{
     BACKEND_PORT, NODE1_IP, Sandbox, TcpConn, UdpConn,
-    agent::{AgentRun, edit_manifest, remove_endpoint, set_conditions},
+    agent::{AgentRun, Launch, edit_manifest, remove_endpoint, set_conditions},
     example::{DNS, FRONT_NODE_PORT, MANIFEST as EXAMPLE, REMOTE, WEB, cluster},
     privileged, tcp_request, tcp_session, udp_request, udp_session,
 };
@@ -486,8 +486,15 @@ fn kube_proxys_command_line_and_config_file_run_the_agent() {
             "--detect-local-mode=NodeCIDR",
             "--iptables-sync-period=30s",
         ];
-        let agent = AgentRun::start_as_kube_proxy(&mut sandbox, "node1", EXAMPLE, &config, &extra)
-            .expect("starting the agent as kube-proxy");
+        let agent = AgentRun::start_as_kube_proxy(
+            &mut sandbox,
+            "node1",
+            EXAMPLE,
+            &config,
+            &extra,
+            Launch::Process,
+        )
+        .expect("starting the agent as kube-proxy");
         let log = agent.log_text();
         let dataplane = match mode {
             "" => "ebpf dataplane loaded",

@@ -1,7 +1,14 @@
 //! The agent's image (`deploy/image.sh`, built from Debian's packages) run as the DaemonSet runs
 //! it (`proxy_tests::image`: runc, hostNetwork, the container's exact securityContext and
-//! volumes): the scenario suite in the ebpf mode, and the takeover from kube-proxy's rules.
-use proxy_tests::{Shape, agent::Launch, scenarios, takeover};
+//! volumes): the scenario suite in the ebpf mode and two fallback modes, the takeovers from
+//! kube-proxy's rules, and kube-proxy's own command line (the image's `kube-proxy` name,
+//! kubeadm's config file).
+use proxy_tests::{
+    BACKEND_PORT, Sandbox, Shape,
+    agent::{AgentRun, Launch},
+    example::{MANIFEST, WEB},
+    privileged, scenarios, takeover, tcp_request,
+};
 
 #[test]
 fn scenarios_ebpf() {
@@ -11,6 +18,20 @@ fn scenarios_ebpf() {
         Shape::Routed,
         Launch::Image,
     );
+}
+
+/// The fallback modes' tools in the image, under the same privileges (the legacy backend needs
+/// CAP_NET_RAW and the host's xtables lock).
+#[test]
+fn scenarios_nftables() {
+    let test = "image::scenarios_nftables";
+    scenarios::run_launched(test, "nftables", Shape::Routed, Launch::Image);
+}
+
+#[test]
+fn scenarios_iptables_legacy() {
+    let test = "image::scenarios_iptables_legacy";
+    scenarios::run_launched(test, "iptables-legacy", Shape::Routed, Launch::Image);
 }
 
 #[test]
@@ -29,4 +50,32 @@ fn takeover_from_iptables_legacy() {
         "iptables-legacy",
         Launch::Image,
     );
+}
+
+#[test]
+fn takeover_from_nftables() {
+    takeover::from_launched("image::takeover_from_nftables", "nftables", Launch::Image);
+}
+
+/// kube-proxy's DaemonSet with only the image changed: `/usr/local/bin/kube-proxy
+/// --config=<kubeadm's config.conf> --hostname-override=node1` (tests/e2e.rs runs the same
+/// outside the image, with more checks).
+#[test]
+fn kube_proxys_command_line() {
+    if !privileged("image::kube_proxys_command_line") {
+        return;
+    }
+    let config = include_str!("../../proxy-userspace/src/kube_proxy/testdata/kubeadm.conf");
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let agent =
+        AgentRun::start_as_kube_proxy(&mut sandbox, "node1", MANIFEST, config, &[], Launch::Image)
+            .expect("starting the image's kube-proxy");
+    assert!(
+        agent.log_text().contains("ebpf dataplane loaded"),
+        "{}",
+        agent.log_text()
+    );
+    let answer = tcp_request(&sandbox.pod("client").ns, WEB, "hi").expect("web through the agent");
+    assert!(answer.starts_with("be"), "{answer}");
 }
