@@ -46,11 +46,30 @@ flush chain ip kube-proxy-ebpf-nat-hooks conntrack
 add rule ip kube-proxy-ebpf-nat-hooks conntrack ct state established accept
 ";
 
-/// Before the programs take over and kube-proxy's rules go: connection tracking and NAT held
-/// on ([`NAT_HOOKS_TABLE`]); whether they are. A failure is logged: the takeover goes on, and
-/// connections opened through kube-proxy's rules are then left to the programs (they may be
-/// reset) rather than to a netfilter that may stop translating them (they would stall).
+/// Before the programs take over and kube-proxy's rules go: whether the kernel translates open
+/// TCP connections (to anything: which are frontends' is known later), and if so connection
+/// tracking and NAT held on ([`NAT_HOOKS_TABLE`]). Where it translates none, netfilter is left
+/// untouched: on 5.10, holding conntrack even for a moment changed the namespace for good
+/// (after it, the scenario `spoofed-teardown`'s UDP NodePort datagrams went unanswered; likely
+/// the IPv4 defragmentation conntrack turns on, which that kernel never turns off again).
+/// A failure is logged: the takeover goes on, and
+/// such connections are then left to the programs (they may be reset) rather than to a
+/// netfilter that may stop translating them (they would stall).
 pub fn hold() -> bool {
+    match translated_tcp_flows() {
+        Ok(flows) if flows.is_empty() => {
+            release();
+            return false;
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(
+                "cannot read the kernel's conntrack table ({e:#}): connections opened through \
+                 kube-proxy's rules may be reset when the programs take over"
+            );
+            return false;
+        }
+    }
     match crate::command::pipe("nft", &["-f", "-"], NAT_HOOKS) {
         Ok(()) => true,
         Err(e) => {
