@@ -1,6 +1,7 @@
 //! What the program tests share (`tests/datapath.rs`, `tests/change.rs`): a small cluster's
 //! addresses, the programs loaded with a web (TCP) and a dns (UDP) service on one address, and
 //! checks every translated frame must pass.
+use proxy_common::{Be16, Be32, CtKey};
 use std::{net::Ipv4Addr, time::Duration};
 
 use proxy_userspace::{
@@ -146,4 +147,16 @@ pub fn restart_with(p: &mut Programs, sizes: MapSizes, writer: WriterConfig) {
         .unwrap()
         .ebpf;
     p.maps = MapWriter::take_from(&mut reloaded, writer).unwrap();
+}
+
+/// The conntrack key of the 5-tuple `src` -> `dst` of protocol `proto`.
+pub fn ct_key(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), proto: u8) -> CtKey {
+    CtKey {
+        saddr: Be32::from_octets(src.0.octets()),
+        daddr: Be32::from_octets(dst.0.octets()),
+        sport: Be16::new(src.1),
+        dport: Be16::new(dst.1),
+        proto,
+        pad: [0; 3],
+    }
 }

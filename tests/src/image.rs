@@ -51,51 +51,44 @@ pub struct DaemonSetContainer {
 impl DaemonSetContainer {
     pub fn read() -> Result<Self> {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kube-proxy-ebpf.yaml");
-        let text = std::fs::read_to_string(&path)?;
-        for doc in crate::rbac::yaml_documents(&text) {
-            let doc: serde_yaml::Value = serde_yaml::from_str(&doc)?;
-            if doc["kind"] != "DaemonSet" {
-                continue;
-            }
-            let containers = doc["spec"]["template"]["spec"]["containers"]
-                .as_sequence()
-                .context("the DaemonSet has no containers")?;
-            let container = containers
-                .iter()
-                .find(|c| c["name"] == "kube-proxy-ebpf")
-                .context("no container kube-proxy-ebpf")?;
-            let security = &container["securityContext"];
-            // What configure() applies besides the capabilities.
-            anyhow::ensure!(
-                security["runAsUser"] == 0
-                    && security["allowPrivilegeEscalation"] == false
-                    && security["readOnlyRootFilesystem"] == true
-                    && security["capabilities"]["drop"][0] == "ALL",
-                "the DaemonSet's securityContext changed: update tests/src/image.rs"
-            );
-            let strings = |v: &serde_yaml::Value| -> Vec<String> {
-                v.as_sequence()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|s| s.as_str().map(str::to_owned))
-                    .collect()
-            };
-            let capabilities = strings(&security["capabilities"]["add"])
-                .into_iter()
-                .map(|c| format!("CAP_{c}"))
-                .collect();
-            let mounts = container["volumeMounts"].as_sequence();
-            let mount_paths = mounts
+        let daemon_set = crate::rbac::load_document(&path, "DaemonSet")?;
+        let containers = daemon_set["spec"]["template"]["spec"]["containers"]
+            .as_sequence()
+            .context("the DaemonSet has no containers")?;
+        let container = containers
+            .iter()
+            .find(|c| c["name"] == "kube-proxy-ebpf")
+            .context("no container kube-proxy-ebpf")?;
+        let security = &container["securityContext"];
+        // What configure() applies besides the capabilities.
+        anyhow::ensure!(
+            security["runAsUser"] == 0
+                && security["allowPrivilegeEscalation"] == false
+                && security["readOnlyRootFilesystem"] == true
+                && security["capabilities"]["drop"][0] == "ALL",
+            "the DaemonSet's securityContext changed: update tests/src/image.rs"
+        );
+        let strings = |v: &serde_yaml::Value| -> Vec<String> {
+            v.as_sequence()
                 .into_iter()
                 .flatten()
-                .filter_map(|m| m["mountPath"].as_str().map(str::to_owned))
-                .collect();
-            return Ok(Self {
-                capabilities,
-                mount_paths,
-            });
-        }
-        bail!("no DaemonSet in {}", path.display())
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        };
+        let capabilities = strings(&security["capabilities"]["add"])
+            .into_iter()
+            .map(|c| format!("CAP_{c}"))
+            .collect();
+        let mounts = container["volumeMounts"].as_sequence();
+        let mount_paths = mounts
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m["mountPath"].as_str().map(str::to_owned))
+            .collect();
+        Ok(Self {
+            capabilities,
+            mount_paths,
+        })
     }
 }
 

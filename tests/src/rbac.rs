@@ -41,6 +41,11 @@ fn matches(rule: &Value, field: &str, want: &str) -> bool {
 
 /// The single ClusterRole document of the multi-document YAML file at `path`.
 pub fn load_cluster_role(path: impl AsRef<Path>) -> anyhow::Result<Value> {
+    load_document(path, "ClusterRole")
+}
+
+/// The single document of `kind` in the multi-document YAML file at `path`.
+pub fn load_document(path: impl AsRef<Path>, kind: &str) -> anyhow::Result<Value> {
     let path = path.as_ref();
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -48,13 +53,13 @@ pub fn load_cluster_role(path: impl AsRef<Path>) -> anyhow::Result<Value> {
     for (i, document) in yaml_documents(&text).iter().enumerate() {
         let value: Value = serde_yaml::from_str(document)
             .with_context(|| format!("{}: document {}", path.display(), i + 1))?;
-        if value.get("kind").and_then(Value::as_str) == Some("ClusterRole") {
+        if value.get("kind").and_then(Value::as_str) == Some(kind) {
             found.push(value);
         }
     }
     match found.len() {
         1 => Ok(found.pop().unwrap()),
-        n => bail!("{}: {n} ClusterRole documents, expected 1", path.display()),
+        n => bail!("{}: {n} {kind} documents, expected 1", path.display()),
     }
 }
 

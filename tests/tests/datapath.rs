@@ -1196,14 +1196,7 @@ fn a_connection_left_to_netfilter_passes_untouched_until_a_new_syn() {
     ) else {
         return;
     };
-    let key = |src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)| CtKey {
-        saddr: Be32::from_octets(src.0.octets()),
-        daddr: Be32::from_octets(dst.0.octets()),
-        sport: Be16::new(src.1),
-        dport: Be16::new(dst.1),
-        proto: TCP,
-        pad: [0; 3],
-    };
+    let key = |src, dst| ct_key(src, dst, TCP);
     let (client, vip, endpoint) = ((CLIENT, 48200), (VIP, 80), (BE2, 8080));
     let left = CtValue {
         vip: Be32::from_octets(VIP.octets()),

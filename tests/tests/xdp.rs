@@ -23,6 +23,7 @@ use proxy_common::{
 };
 use proxy_tests::{
     NS_PREFIX, Netns,
+    fixtures::ct_key,
     packet::{self, ETH_HLEN, Spec, TCP, UDP},
     privileged,
     programs::{
@@ -266,17 +267,6 @@ fn answer(spec: &Spec, from: (Ipv4Addr, u16), to: (Ipv4Addr, u16)) -> Spec {
         dport: to.1,
         tcp_flags: if spec.proto == TCP { SYN_ACK } else { 0 },
         ..spec.clone()
-    }
-}
-
-fn ct_key(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), proto: u8) -> CtKey {
-    CtKey {
-        saddr: Be32::from_octets(src.0.octets()),
-        daddr: Be32::from_octets(dst.0.octets()),
-        sport: Be16::new(src.1),
-        dport: Be16::new(dst.1),
-        proto,
-        pad: [0; 3],
     }
 }
 

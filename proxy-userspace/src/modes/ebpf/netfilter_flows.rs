@@ -51,10 +51,10 @@ add rule ip kube-proxy-ebpf-nat-hooks conntrack ct state established accept
 /// tracking and NAT held on ([`NAT_HOOKS_TABLE`]). Where it translates none, netfilter is left
 /// untouched: on 5.10, holding conntrack even for a moment changed the namespace for good
 /// (after it, the scenario `spoofed-teardown`'s UDP NodePort datagrams went unanswered; likely
-/// the IPv4 defragmentation conntrack turns on, which that kernel never turns off again).
-/// A failure is logged: the takeover goes on, and
-/// such connections are then left to the programs (they may be reset) rather than to a
-/// netfilter that may stop translating them (they would stall).
+/// the IPv4 defragmentation conntrack turns on, which that kernel never turns off again). A
+/// failure is logged: the takeover goes on, and such connections are then left to the programs
+/// (they may be reset) rather than to a netfilter that may stop translating them (they would
+/// stall).
 pub fn hold() -> bool {
     match translated_tcp_flows() {
         Ok(flows) if flows.is_empty() => {
