@@ -33,6 +33,31 @@ fn with_newline(msg: &str) -> String {
 fn tcp_connect(addr: SocketAddr) -> Result<(TcpStream, BufReader<TcpStream>)> {
     let stream = TcpStream::connect_timeout(&addr, client_timeout())
         .map_err(|e| io_context(e, "connect"))?;
+    tcp_ready(stream)
+}
+
+/// As [`tcp_connect`], from source port `port` (`None` when it is in use).
+fn tcp_connect_from(addr: SocketAddr, port: u16) -> Result<Option<(TcpStream, BufReader<TcpStream>)>> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    let local = match addr {
+        SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
+        SocketAddr::V6(_) => SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)),
+    };
+    match socket.bind(&local.into()) {
+        Err(e) if e.kind() == ErrorKind::AddrInUse => return Ok(None),
+        bound => bound.context("bind")?,
+    }
+    socket
+        .connect_timeout(&addr.into(), client_timeout())
+        .map_err(|e| io_context(e, "connect"))?;
+    tcp_ready(socket.into()).map(Some)
+}
+
+fn tcp_ready(stream: TcpStream) -> Result<(TcpStream, BufReader<TcpStream>)> {
     stream.set_read_timeout(Some(client_timeout()))?;
     stream.set_write_timeout(Some(client_timeout()))?;
     stream.set_nodelay(true)?;
@@ -104,11 +129,31 @@ impl TcpConn {
     }
 
     /// A connection from `from` to `addr` that the endpoint `want` answers (its name, asked):
-    /// new ones until it does, at most 100 (IPVS may give a new connection the real server of
-    /// an earlier one on the same 5-tuple, which an attacker scenario's flood leaves many of).
+    /// new ones until it does, at most 100, each from a source port drawn at random. IPVS
+    /// gives a new connection the real server of an earlier one on the same 5-tuple, which an
+    /// attacker scenario's flood leaves many of, and the kernel's own choice of port for
+    /// successive connections is every other port: the flood's round robin may have given all
+    /// of those one real server.
     pub fn open_to(from: &Netns, addr: SocketAddr, want: &str) -> Result<Self> {
+        let label = format!("TCP connection {addr} from {}", from.name);
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |t| t.subsec_nanos() | 1);
+        let mut random = Xorshift(seed);
         for _ in 0..100 {
-            let mut conn = Self::open(from, addr)?;
+            let port = 32768 + (random.next() % (61000 - 32768)) as u16;
+            let Some((stream, reader)) = from
+                .try_run(|| tcp_connect_from(addr, port))
+                .and_then(|r| r)
+                .with_context(|| format!("{label}, source port {port}"))?
+            else {
+                continue;
+            };
+            let mut conn = Self {
+                stream,
+                reader,
+                label: label.clone(),
+            };
             if conn.ask("hi")? == want {
                 return Ok(conn);
             }
