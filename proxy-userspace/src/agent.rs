@@ -1,6 +1,7 @@
 //! The agent: a source feeds the change tracker, a coalescing runner applies the changes to
 //! the desired state and hands them to the dataplane.
 use std::{
+    collections::BTreeSet,
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -11,7 +12,7 @@ use tokio::sync::{oneshot, watch};
 
 use crate::{
     dataplane::{Dataplane, NotProgrammable, Scope},
-    model::{ChangeTracker, DesiredState},
+    model::{ChangeTracker, DesiredState, ServicePortName},
     serve::health_check_ports,
     serve::healthz::{self, ProxyHealth},
     serve::http,
@@ -90,6 +91,7 @@ pub async fn run(
             }
         }));
     }
+    export_change_counts(tracker.clone());
     let (synced_tx, synced_rx) = oneshot::channel();
     // The Node object's addresses (API source only), for --nodeport-addresses primary.
     let mut node_ips = Vec::new();
@@ -156,6 +158,7 @@ pub async fn run(
     let mut last_full = Instant::now();
     // Trigger times of the changes applied but not yet programmed (a failed sync keeps them).
     let mut triggers = Vec::new();
+    let mut no_local = NoLocalEndpoints::default();
     let sync = move || {
         let changed = {
             let mut tracker = tracker.lock().unwrap();
@@ -201,6 +204,7 @@ pub async fn run(
                 full = unprogrammable;
                 METRICS.programmed(&triggers);
                 triggers.clear();
+                no_local.update(&state, scope);
                 // Replaced even when equal: each sync retries the ports that failed to bind.
                 health_checks.send_replace(health_check_ports::health_checks(&state));
             }
@@ -242,6 +246,42 @@ pub async fn run(
         server.abort();
     }
     outcome
+}
+
+/// On `/metrics`: kube-proxy's counts of Service and EndpointSlice changes.
+fn export_change_counts(tracker: Arc<Mutex<ChangeTracker>>) {
+    METRICS.add_collector(Box::new(move |out| {
+        metrics::render_change_counts(out, tracker.lock().unwrap().change_counts());
+    }));
+}
+
+/// The Service ports whose Local internal / external traffic policy finds no endpoint on this
+/// node, kept up to date sync by sync (a partial sync looks only at what changed).
+#[derive(Default)]
+struct NoLocalEndpoints {
+    ports: [BTreeSet<ServicePortName>; 2],
+}
+
+impl NoLocalEndpoints {
+    fn update(&mut self, state: &DesiredState, scope: Scope<'_>) {
+        if matches!(scope, Scope::All) {
+            self.ports = Default::default();
+        }
+        let look = |spn: &ServicePortName| {
+            for (ports, lacks) in self.ports.iter_mut().zip(state.lacks_local_endpoints(spn)) {
+                if lacks {
+                    ports.insert(spn.clone());
+                } else {
+                    ports.remove(spn);
+                }
+            }
+        };
+        match scope {
+            Scope::All => state.port_names().for_each(look),
+            Scope::Changed(changed) => changed.iter().for_each(look),
+        }
+        METRICS.no_local_endpoints(self.ports[0].len(), self.ports[1].len());
+    }
 }
 
 fn source_ended(r: Result<anyhow::Result<()>, tokio::task::JoinError>) -> anyhow::Result<()> {

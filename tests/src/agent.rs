@@ -463,6 +463,13 @@ impl AgentRun {
         Ok(body)
     }
 
+    /// Another path of the metrics port (`/proxyMode`, `/healthz`): its body, answered 200.
+    pub fn metrics_path(&self, sandbox: &Sandbox, path: &str) -> Result<String> {
+        let (code, body) = self.http_get(sandbox, METRICS_PORT, path)?;
+        anyhow::ensure!(code == 200, "{path} answered {code}: {body}");
+        Ok(body)
+    }
+
     fn http_get(&self, sandbox: &Sandbox, port: u16, path: &str) -> Result<(u16, String)> {
         let at = std::net::SocketAddr::from(([127, 0, 0, 1], port));
         crate::client::http_get(sandbox.node(&self.node), at, path)

@@ -66,13 +66,32 @@ fn tcp_and_udp_reach_every_backend_and_flows_stick() {
     let metrics = agent.metrics(&sandbox).unwrap();
     let syncs = metrics
         .lines()
-        .find_map(|l| l.strip_prefix("kubeproxy_sync_proxy_rules_duration_seconds_count "))
+        .find_map(|l| {
+            l.strip_prefix("kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} ")
+        })
         .and_then(|n| n.parse::<u64>().ok());
     assert!(syncs.is_some_and(|n| n >= 1), "{metrics}");
     assert!(
-        metrics.contains("kubeproxy_sync_proxy_rules_last_timestamp_seconds 1"),
+        metrics.contains("kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1"),
         "{metrics}"
     );
+    // Every Service and EndpointSlice of the manifest came in as a change; none waits.
+    for line in [
+        "kubeproxy_sync_proxy_rules_service_changes_pending 0",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line}: {metrics}");
+    }
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kubeproxy_sync_proxy_rules_service_changes_total ")
+                && !l.ends_with(" 0")),
+        "{metrics}"
+    );
+    // kube-proxy's other paths on the metrics port.
+    assert_eq!(agent.metrics_path(&sandbox, "/proxyMode").unwrap(), "ebpf");
+    assert_eq!(agent.metrics_path(&sandbox, "/healthz").unwrap(), "ok");
 
     // inspect, as people and scripts read it, while the agent runs.
     let table = agent.inspect_cli("services", &[]).unwrap();

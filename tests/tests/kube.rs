@@ -405,11 +405,11 @@ fn the_agent_serves_services_created_through_the_api() {
     let metrics = agent.metrics(&sandbox).unwrap();
     let count = metric_value(
         &metrics,
-        "kubeproxy_network_programming_duration_seconds_count",
+        "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}",
     );
     let sum = metric_value(
         &metrics,
-        "kubeproxy_network_programming_duration_seconds_sum",
+        "kubeproxy_network_programming_duration_seconds_sum{ip_family=\"IPv4\"}",
     );
     assert!(count >= 1.0 && sum < 5.0 * count, "{metrics}");
     // The NodePort, from outside, on the Node object's address only.

@@ -82,9 +82,14 @@ fn auto_mode_falls_back_to_nftables_where_ebpf_cannot_load() {
     assert!(["be1", "be2", "be3"].contains(&answer.as_str()), "{answer}");
     let metrics = agent.metrics(&sandbox).unwrap();
     assert!(
-        metrics.contains("kubeproxy_proxy_mode{mode=\"nftables\",requested=\"auto\"} 1"),
+        metrics.contains("kubeproxy_proxy_mode{mode=\"nftables\",requested=\"auto\"} 1")
+            && metrics.contains(
+                "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv4\"} 0"
+            )
+            && !metrics.contains("iptables_restore_failures"),
         "{metrics}"
     );
+    assert_eq!(agent.metrics_path(&sandbox, "/proxyMode").unwrap(), "nftables");
     let pins: Vec<_> = std::fs::read_dir(agent.bpffs.path())
         .map(|d| {
             d.flatten()

@@ -131,6 +131,19 @@ impl DesiredState {
         self.usable_endpoints(spn, local_only)
     }
 
+    /// Whether `spn` has a Local internal (first) and external (second) traffic policy whose
+    /// traffic has nowhere to go: no usable endpoint on this node (kube-proxy's
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`).
+    pub fn lacks_local_endpoints(&self, spn: &ServicePortName) -> [bool; 2] {
+        let Some(sp) = self.port(spn) else {
+            return [false; 2];
+        };
+        [
+            sp.internal_traffic_local && self.cluster_endpoints(spn).is_empty(),
+            sp.external_traffic_local && self.external_endpoints(spn).is_empty(),
+        ]
+    }
+
     /// Whether `ep` runs on this node.
     pub fn is_local(&self, ep: &Endpoint) -> bool {
         ep.node_name.as_deref() == Some(self.node_name.as_str())

@@ -2,7 +2,7 @@
 //! Service ports out.
 use std::{
     collections::BTreeMap,
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap, HashSet},
     net::IpAddr,
     sync::Arc,
     time::SystemTime,
@@ -111,6 +111,26 @@ pub struct ChangeTracker {
     node_zones: HashMap<Arc<str>, Option<Arc<str>>>,
     /// A Node changed since the last [`ChangeTracker::apply`].
     nodes_changed: bool,
+    /// Service and EndpointSlice events received (see [`ChangeTracker::change_counts`]).
+    service_changes: ChangeCount,
+    slice_changes: ChangeCount,
+}
+
+/// Events of one kind received: in all, and the objects changed since the last
+/// [`ChangeTracker::apply`].
+#[derive(Debug, Default)]
+struct ChangeCount {
+    total: u64,
+    pending: HashSet<NamespacedName>,
+}
+
+impl ChangeCount {
+    fn record(&mut self, key: &NamespacedName) {
+        self.total += 1;
+        if !self.pending.contains(key) {
+            self.pending.insert(key.clone());
+        }
+    }
 }
 
 impl ChangeTracker {
@@ -132,6 +152,7 @@ impl ChangeTracker {
     /// Records the latest version of a Service. One that is not proxied counts as deleted.
     pub fn upsert_service(&mut self, update: &ReducedService) {
         let key = &update.key;
+        self.service_changes.record(key);
         self.change(key, |t| match &update.ports {
             Some(ports) => t.services.insert(key.clone(), Arc::clone(ports)),
             None => t.services.remove(key),
@@ -139,6 +160,7 @@ impl ChangeTracker {
     }
 
     pub fn delete_service(&mut self, key: &NamespacedName) {
+        self.service_changes.record(key);
         if self.services.contains_key(key) {
             self.change(key, |t| t.services.remove(key));
         }
@@ -149,6 +171,7 @@ impl ChangeTracker {
     /// not already reported for this slice are returned, to be logged.
     pub fn upsert_slice(&mut self, update: &ReducedSlice) -> Vec<SkippedEndpoint> {
         let key = &update.key;
+        self.slice_changes.record(key);
         let Some(info) = &update.info else {
             self.delete_slice(key);
             return Vec::new();
@@ -194,6 +217,7 @@ impl ChangeTracker {
 
     /// Forgets the slice named `key` (its own namespace/name).
     pub fn delete_slice(&mut self, key: &NamespacedName) {
+        self.slice_changes.record(key);
         self.skipped.remove(key);
         let Some(owner) = self.slices.get(key).map(|s| s.service.clone()) else {
             return;
@@ -202,6 +226,12 @@ impl ChangeTracker {
             t.unlink_slice(&owner, key);
             t.slices.remove(key);
         });
+    }
+
+    /// kube-proxy's change counts: the Service events received and the Services changed
+    /// since the last [`ChangeTracker::apply`], then the same for EndpointSlices.
+    pub fn change_counts(&self) -> [(u64, usize); 2] {
+        [&self.service_changes, &self.slice_changes].map(|c| (c.total, c.pending.len()))
     }
 
     /// The Services the tracker holds (proxied ones, at their last valid version).
@@ -281,6 +311,8 @@ impl ChangeTracker {
     /// dropped. The work is proportional to the changed services, not to all of them.
     pub fn apply(&mut self, state: &mut DesiredState) -> BTreeSet<ServicePortName> {
         let pending = std::mem::take(&mut self.pending);
+        self.service_changes.pending = HashSet::new();
+        self.slice_changes.pending = HashSet::new();
         let mut changed = if state.services.is_empty() && state.endpoints.is_empty() {
             self.apply_fresh(pending.into_keys(), state)
         } else {

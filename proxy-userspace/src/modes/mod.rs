@@ -91,8 +91,18 @@ impl ProxyMode {
 
     /// On `/metrics`: `kubeproxy_proxy_mode{mode, requested}` 1, this mode running where
     /// `--proxy-mode` asked for `requested` (`auto` falls back where the ebpf mode cannot load).
+    /// Also sets what `/proxyMode` answers and the families kube-proxy exports only in this
+    /// mode.
     pub fn export(self, requested: &'static str) {
-        crate::serve::metrics::METRICS.add_collector(Box::new(move |out| {
+        use crate::serve::metrics::{METRICS, ModeFamilies};
+        let families = match self {
+            ProxyMode::Iptables => ModeFamilies::Iptables,
+            ProxyMode::Ipvs => ModeFamilies::Ipvs,
+            ProxyMode::Nftables => ModeFamilies::Nftables,
+            ProxyMode::Ebpf | ProxyMode::Userspace => ModeFamilies::Common,
+        };
+        METRICS.set_mode(self.name(), families);
+        METRICS.add_collector(Box::new(move |out| {
             use std::fmt::Write as _;
             let name = "kubeproxy_proxy_mode";
             let help = "The proxy mode this agent runs (mode) and the --proxy-mode it was given \

@@ -33,7 +33,12 @@ impl StaleUdp {
     /// Deletes the conntrack entries of UDP flows that the change to `state` (now programmed)
     /// left pointing nowhere: to an endpoint that left (kube-proxy's rule), or blackholed while
     /// a port had no endpoints.
+    ///
+    /// Its time and the entries deleted are kube-proxy's conntrack reconciler metrics.
     pub fn clear(&mut self, state: &DesiredState) {
+        let started = std::time::Instant::now();
+        let mut deleted = 0;
+        let mut conntrack_delete = |args: &[&str]| deleted += conntrack_delete(args);
         let mut now = BTreeMap::new();
         for (spn, port) in state.ports() {
             if port.protocol != Protocol::Udp {
@@ -89,26 +94,40 @@ impl StaleUdp {
             }
         }
         self.ports = now;
+        crate::serve::metrics::METRICS.conntrack_reconciled(started.elapsed(), deleted);
     }
 }
 
-/// `conntrack -D -p udp ARGS`; finding nothing to delete is not an error.
-fn conntrack_delete(args: &[&str]) {
+/// `conntrack -D -p udp ARGS`; the entries it deleted (finding none is not an error).
+fn conntrack_delete(args: &[&str]) -> u64 {
     let result = Command::new("conntrack")
         .args(["-D", "-p", "udp"])
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .output();
+    // "conntrack v1.4.7 (conntrack-tracking): 2 flow entries have been deleted."
+    let count = |stderr: &[u8]| -> Option<u64> {
+        let text = String::from_utf8_lossy(stderr);
+        let (before, _) = text.split_once(" flow entries")?;
+        before.rsplit(' ').next()?.parse().ok()
+    };
     match result {
-        Ok(o) if o.status.success() => {}
         // conntrack exits 1 when no entry matched.
-        Ok(o) if String::from_utf8_lossy(&o.stderr).contains("0 flow entries") => {}
-        Ok(o) => tracing::warn!(
-            ?args,
-            "deleting stale UDP conntrack entries: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        ),
-        Err(e) => tracing::warn!("deleting stale UDP conntrack entries: conntrack: {e}"),
+        Ok(o) if o.status.success() || count(&o.stderr) == Some(0) => {
+            count(&o.stderr).unwrap_or(0)
+        }
+        Ok(o) => {
+            tracing::warn!(
+                ?args,
+                "deleting stale UDP conntrack entries: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            0
+        }
+        Err(e) => {
+            tracing::warn!("deleting stale UDP conntrack entries: conntrack: {e}");
+            0
+        }
     }
 }

@@ -82,7 +82,7 @@ pub fn handler(health: Arc<ProxyHealth>) -> Arc<dyn Fn(&str) -> Response + Send 
     Arc::new(move |path| match path {
         "/healthz" | "/livez" => {
             let s = health.status(path == "/livez");
-            crate::serve::metrics::METRICS.probed(s.healthy);
+            crate::serve::metrics::METRICS.probed(path == "/livez", s.healthy);
             Response {
                 status: if s.healthy {
                     "200 OK"

@@ -29,6 +29,25 @@ static PROGRAMMING_BUCKETS: LazyLock<Vec<f64>> = LazyLock::new(|| {
         .collect()
 });
 
+/// kube-proxy's label for the IP family a metric is about. The agent programs IPv4 only, so
+/// that is the one family it reports.
+const IPV4: &str = "ip_family=\"IPv4\"";
+
+/// The families kube-proxy registers only in some of its modes (its `RegisterMetrics(mode)`);
+/// the agent exports them in the same modes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ModeFamilies {
+    /// No mode started yet, or one whose families are all common (ebpf, userspace).
+    #[default]
+    Common,
+    /// The iptables mode's restore failures and rule counts.
+    Iptables,
+    /// The IPVS mode's iptables restore failures.
+    Ipvs,
+    /// The nftables mode's sync and cleanup failures.
+    Nftables,
+}
+
 #[derive(Default)]
 pub struct Metrics {
     inner: Mutex<Inner>,
@@ -39,15 +58,32 @@ pub struct Metrics {
 /// when `/metrics` is scraped.
 pub type Collector = Box<dyn Fn(&mut String) + Send>;
 
+/// The two tables kube-proxy counts iptables rules in, in its label's order.
+pub const IPTABLES_TABLES: [&str; 2] = ["filter", "nat"];
+
 struct Inner {
     sync: Histogram,
     full_sync: Histogram,
     partial_sync: Histogram,
     network_programming: Histogram,
+    conntrack_reconcile: Histogram,
     last_synced: Option<SystemTime>,
     last_queued: Option<SystemTime>,
     sync_errors: u64,
+    /// Probes answered, healthy and not, of /healthz and of /livez.
     healthz: [u64; 2],
+    livez: [u64; 2],
+    conntrack_deleted: u64,
+    /// Service ports with a Local internal / external traffic policy and no local endpoint.
+    no_local_endpoints: [usize; 2],
+    mode: Option<&'static str>,
+    families: ModeFamilies,
+    iptables_restore_failures: u64,
+    iptables_partial_restore_failures: u64,
+    /// Rules written by the last sync, and rules owned, by [`IPTABLES_TABLES`].
+    iptables_rules_last: [usize; 2],
+    iptables_rules_total: [usize; 2],
+    nftables_sync_failures: u64,
 }
 
 impl Default for Inner {
@@ -57,10 +93,21 @@ impl Default for Inner {
             full_sync: Histogram::new(SYNC_BUCKETS),
             partial_sync: Histogram::new(SYNC_BUCKETS),
             network_programming: Histogram::new(PROGRAMMING_BUCKETS.as_slice()),
+            conntrack_reconcile: Histogram::new(SYNC_BUCKETS),
             last_synced: None,
             last_queued: None,
             sync_errors: 0,
             healthz: [0; 2],
+            livez: [0; 2],
+            conntrack_deleted: 0,
+            no_local_endpoints: [0; 2],
+            mode: None,
+            families: ModeFamilies::Common,
+            iptables_restore_failures: 0,
+            iptables_partial_restore_failures: 0,
+            iptables_rules_last: [0; 2],
+            iptables_rules_total: [0; 2],
+            nftables_sync_failures: 0,
         }
     }
 }
@@ -92,19 +139,49 @@ impl Histogram {
         self.sum += secs;
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
+    /// The family, its series labelled with `labels` (`name="value"` pairs, comma-joined).
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         header(out, name, help, "histogram");
         for (count, le) in self.counts.iter().zip(self.buckets) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {count}");
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {count}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(
+            out,
+            "{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}",
+            self.sum, self.count
+        );
     }
 }
 
 /// A metric family's `# HELP` and `# TYPE` lines (`kind`: counter, gauge, histogram).
 pub fn header(out: &mut String, name: &str, help: &str, kind: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// A family of one series: its header and `name{labels} value` (no braces without labels).
+pub fn single(out: &mut String, (name, help, kind): (&str, &str, &str), labels: &str, value: f64) {
+    header(out, name, help, kind);
+    match labels {
+        "" => writeln!(out, "{name} {value}"),
+        _ => writeln!(out, "{name}{{{labels}}} {value}"),
+    }
+    .unwrap_or(());
+}
+
+/// kube-proxy's counts of Service and EndpointSlice changes, in all and waiting for a sync
+/// (from [`crate::model::ChangeTracker::change_counts`]).
+pub fn render_change_counts(out: &mut String, [services, slices]: [(u64, usize); 2]) {
+    for (kind, what, (total, pending)) in [
+        ("service", "Service", services),
+        ("endpoint", "Endpoint", slices),
+    ] {
+        let name = format!("kubeproxy_sync_proxy_rules_{kind}_changes");
+        let help = format!("Cumulative proxy rules {what} changes");
+        single(out, (&format!("{name}_total"), &help, "counter"), "", total as f64);
+        let help = format!("Pending proxy rules {what} changes");
+        single(out, (&format!("{name}_pending"), &help, "gauge"), "", pending as f64);
+    }
 }
 
 fn unix_seconds(t: Option<SystemTime>) -> f64 {
@@ -147,86 +224,255 @@ impl Metrics {
         }
     }
 
+    /// After a sync: how many Service ports have a Local internal and external traffic policy
+    /// and no endpoint on this node.
+    pub fn no_local_endpoints(&self, internal: usize, external: usize) {
+        self.inner.lock().unwrap().no_local_endpoints = [internal, external];
+    }
+
+    /// A pass over the conntrack table for stale flows took `took` and deleted `deleted`.
+    pub fn conntrack_reconciled(&self, took: Duration, deleted: u64) {
+        let mut m = self.inner.lock().unwrap();
+        m.conntrack_reconcile.observe(took.as_secs_f64());
+        m.conntrack_deleted += deleted;
+    }
+
+    /// The running mode: its `--proxy-mode` name (served on `/proxyMode`) and the families
+    /// kube-proxy exports only in it.
+    pub fn set_mode(&self, name: &'static str, families: ModeFamilies) {
+        let mut m = self.inner.lock().unwrap();
+        m.mode = Some(name);
+        m.families = families;
+    }
+
+    pub fn mode(&self) -> Option<&'static str> {
+        self.inner.lock().unwrap().mode
+    }
+
+    /// An iptables-restore of a sync failed; `partial` when it wrote only the changed
+    /// Services' chains.
+    pub fn iptables_restore_failed(&self, partial: bool) {
+        let mut m = self.inner.lock().unwrap();
+        m.iptables_restore_failures += 1;
+        m.iptables_partial_restore_failures += u64::from(partial);
+    }
+
+    /// The iptables rules the last sync wrote and those the mode owns now, by
+    /// [`IPTABLES_TABLES`].
+    pub fn iptables_rules(&self, last: [usize; 2], total: [usize; 2]) {
+        let mut m = self.inner.lock().unwrap();
+        m.iptables_rules_last = last;
+        m.iptables_rules_total = total;
+    }
+
+    pub fn nftables_sync_failed(&self) {
+        self.inner.lock().unwrap().nftables_sync_failures += 1;
+    }
+
     /// Adds metrics that `collector` reads when they are scraped.
     pub fn add_collector(&self, collector: Collector) {
         self.collectors.lock().unwrap().push(collector);
     }
 
-    /// A health probe was answered.
-    pub fn probed(&self, healthy: bool) {
-        self.inner.lock().unwrap().healthz[usize::from(!healthy)] += 1;
+    /// A health probe was answered: of `/livez` or else of `/healthz`.
+    pub fn probed(&self, livez: bool, healthy: bool) {
+        let mut m = self.inner.lock().unwrap();
+        let probes = if livez { &mut m.livez } else { &mut m.healthz };
+        probes[usize::from(!healthy)] += 1;
     }
 
     pub fn render(&self) -> String {
         let m = self.inner.lock().unwrap();
         let mut out = String::new();
+        let out = &mut out;
         m.sync.render(
-            &mut out,
+            out,
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
+            IPV4,
         );
         m.full_sync.render(
-            &mut out,
+            out,
             "kubeproxy_sync_full_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds for full resyncs",
+            IPV4,
         );
         m.partial_sync.render(
-            &mut out,
+            out,
             "kubeproxy_sync_partial_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds for partial resyncs",
+            IPV4,
         );
         m.network_programming.render(
-            &mut out,
+            out,
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
+            IPV4,
         );
-        let gauges = [
-            (
+        m.conntrack_reconcile.render(
+            out,
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            IPV4,
+        );
+        let gauge = |name, help| (name, help, "gauge");
+        let counter = |name, help| (name, help, "counter");
+        single(
+            out,
+            counter(
+                "kubeproxy_conntrack_reconciler_deleted_entries_total",
+                "Cumulative conntrack flows deleted by conntrack reconciler",
+            ),
+            IPV4,
+            m.conntrack_deleted as f64,
+        );
+        single(
+            out,
+            gauge(
                 "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
                 "The last time proxy rules were successfully synced",
-                unix_seconds(m.last_synced),
             ),
-            (
+            IPV4,
+            unix_seconds(m.last_synced),
+        );
+        single(
+            out,
+            gauge(
                 "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
                 "The last time a sync of proxy rules was queued",
-                unix_seconds(m.last_queued),
             ),
-        ];
-        for (name, help, value) in gauges {
-            header(&mut out, name, help, "gauge");
-            let _ = writeln!(out, "{name} {value}");
-        }
-        let name = "kubeproxy_sync_proxy_rules_errors_total";
-        let help = "Syncs of the dataplane that failed (they are retried)";
-        header(&mut out, name, help, "counter");
-        let _ = writeln!(out, "{name} {}", m.sync_errors);
-        let name = "kubeproxy_proxy_healthz_total";
+            IPV4,
+            unix_seconds(m.last_queued),
+        );
+        let name = "kubeproxy_sync_proxy_rules_no_local_endpoints_total";
         header(
-            &mut out,
-            name,
-            "Cumulative proxy healthz HTTP status",
-            "counter",
-        );
-        let _ = writeln!(
             out,
-            "{name}{{code=\"200\"}} {}\n{name}{{code=\"503\"}} {}",
-            m.healthz[0], m.healthz[1]
+            name,
+            "Number of services with a Local traffic policy and no endpoints",
+            "gauge",
         );
-        for collect in self.collectors.lock().unwrap().iter() {
-            collect(&mut out);
+        for (policy, count) in ["internal", "external"].iter().zip(m.no_local_endpoints) {
+            let _ = writeln!(out, "{name}{{{IPV4},traffic_policy=\"{policy}\"}} {count}");
         }
-        out
+        single(
+            out,
+            counter(
+                "kubeproxy_sync_proxy_rules_errors_total",
+                "Syncs of the dataplane that failed (they are retried); not one of kube-proxy's",
+            ),
+            "",
+            m.sync_errors as f64,
+        );
+        for (name, help, probes) in [
+            (
+                "kubeproxy_proxy_healthz_total",
+                "Cumulative proxy healthz HTTP status",
+                m.healthz,
+            ),
+            (
+                "kubeproxy_proxy_livez_total",
+                "Cumulative proxy livez HTTP status",
+                m.livez,
+            ),
+        ] {
+            header(out, name, help, "counter");
+            let _ = writeln!(
+                out,
+                "{name}{{code=\"200\"}} {}\n{name}{{code=\"503\"}} {}",
+                probes[0], probes[1]
+            );
+        }
+        if matches!(m.families, ModeFamilies::Iptables | ModeFamilies::Ipvs) {
+            single(
+                out,
+                counter(
+                    "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                    "Cumulative proxy iptables restore failures",
+                ),
+                IPV4,
+                m.iptables_restore_failures as f64,
+            );
+        }
+        if m.families == ModeFamilies::Iptables {
+            single(
+                out,
+                counter(
+                    "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                    "Cumulative proxy iptables partial restore failures",
+                ),
+                IPV4,
+                m.iptables_partial_restore_failures as f64,
+            );
+            for (name, help, counts) in [
+                (
+                    "kubeproxy_sync_proxy_rules_iptables_last",
+                    "Number of iptables rules written by kube-proxy in last sync",
+                    m.iptables_rules_last,
+                ),
+                (
+                    "kubeproxy_sync_proxy_rules_iptables_total",
+                    "Total number of iptables rules owned by kube-proxy",
+                    m.iptables_rules_total,
+                ),
+            ] {
+                header(out, name, help, "gauge");
+                for (table, count) in IPTABLES_TABLES.iter().zip(counts) {
+                    let _ = writeln!(out, "{name}{{{IPV4},table=\"{table}\"}} {count}");
+                }
+            }
+        }
+        if m.families == ModeFamilies::Nftables {
+            single(
+                out,
+                counter(
+                    "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+                    "Cumulative proxy nftables sync failures",
+                ),
+                IPV4,
+                m.nftables_sync_failures as f64,
+            );
+            // Chains no longer wanted are deleted in the sync's own transaction: a failure
+            // there is a sync failure, and this stays 0.
+            single(
+                out,
+                counter(
+                    "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total",
+                    "Cumulative proxy nftables cleanup failures",
+                ),
+                IPV4,
+                0.0,
+            );
+        }
+        drop(m);
+        for collect in self.collectors.lock().unwrap().iter() {
+            collect(out);
+        }
+        crate::serve::process::render(out);
+        std::mem::take(out)
     }
 }
 
 /// `/metrics`, for [`crate::serve::http::serve`].
+/// Also, as on kube-proxy's metrics port, `/healthz` (the server answers: `ok`) and
+/// `/proxyMode` (the running mode's name; 503 until a mode has started).
 pub fn handler() -> Arc<dyn Fn(&str) -> Response + Send + Sync> {
-    Arc::new(|path| match path {
+    let text = |status, body: String| Response {
+        status,
+        content_type: "text/plain; charset=utf-8",
+        headers: Vec::new(),
+        body,
+    };
+    Arc::new(move |path| match path {
         "/metrics" => Response {
             status: "200 OK",
             content_type: "text/plain; version=0.0.4; charset=utf-8",
             headers: Vec::new(),
             body: METRICS.render(),
+        },
+        "/healthz" => text("200 OK", "ok".into()),
+        "/proxyMode" => match METRICS.mode() {
+            Some(mode) => text("200 OK", mode.into()),
+            None => text("503 Service Unavailable", "no proxy mode started yet\n".into()),
         },
         _ => Response::not_found(),
     })
@@ -234,7 +480,155 @@ pub fn handler() -> Arc<dyn Fn(&str) -> Response + Send + Sync> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
     use super::*;
+
+    /// kube-proxy's families that the agent's `Metrics` does not render itself, and why.
+    const RENDERED_ELSEWHERE: &[(&str, &str)] = &[
+        (
+            "kubeproxy_iptables_ct_state_invalid_dropped_packets_total",
+            "the iptables mode's collector reads it from its rule's counter at each scrape",
+        ),
+        (
+            "kubeproxy_iptables_localhost_nodeports_accepted_packets_total",
+            "not exported: NodePorts are never served on 127.0.0.0/8 (route_localnet stays off, \
+             CVE-2020-8558), so no packet is accepted there",
+        ),
+    ];
+
+    /// Each family in `text`: its type and the label names of its series (without `le`).
+    fn families(text: &str) -> BTreeMap<String, (String, BTreeSet<String>)> {
+        let mut found: BTreeMap<String, (String, BTreeSet<String>)> = BTreeMap::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                found.insert(name.into(), (kind.into(), BTreeSet::new()));
+            } else if !line.starts_with('#') {
+                let series = line.split_whitespace().next().unwrap();
+                let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| {
+                        let base = name.strip_suffix(suffix)?;
+                        found.contains_key(base).then_some(base)
+                    })
+                    .unwrap_or(name);
+                let entry = found.get_mut(family).unwrap_or_else(|| panic!("{line}: no TYPE"));
+                for pair in labels.trim_end_matches('}').split(',').filter(|p| !p.is_empty()) {
+                    let label = pair.split_once('=').unwrap().0;
+                    if label != "le" {
+                        entry.1.insert(label.into());
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn families_match_kube_proxys_documented_list() {
+        let documented = include_str!("testdata/kube_proxy_metrics.txt");
+        let mut rendered = BTreeMap::new();
+        for families_of in [
+            ModeFamilies::Common,
+            ModeFamilies::Iptables,
+            ModeFamilies::Ipvs,
+            ModeFamilies::Nftables,
+        ] {
+            let m = Metrics::default();
+            m.set_mode("test", families_of);
+            m.add_collector(Box::new(|out| render_change_counts(out, [(3, 1), (4, 2)])));
+            rendered.extend(families(&m.render()));
+        }
+        for line in documented.lines().filter(|l| !l.starts_with('#')) {
+            let [name, kind, labels] = line.split(' ').collect::<Vec<_>>()[..] else {
+                panic!("bad line {line:?}");
+            };
+            if RENDERED_ELSEWHERE.iter().any(|(n, _)| *n == name) {
+                continue;
+            }
+            let (got_kind, got_labels) = rendered
+                .get(name)
+                .unwrap_or_else(|| panic!("kube-proxy's {name} is not rendered"));
+            assert_eq!(got_kind, kind, "{name}'s type");
+            let want: BTreeSet<String> =
+                labels.split(',').filter(|l| *l != "-").map(String::from).collect();
+            assert_eq!(got_labels, &want, "{name}'s labels");
+        }
+        // And nothing under kube-proxy's prefix that kube-proxy does not have, apart from the
+        // agent's own families, which say so in their help.
+        let own = ["kubeproxy_sync_proxy_rules_errors_total"];
+        for name in rendered.keys().filter(|n| n.starts_with("kubeproxy_")) {
+            assert!(
+                documented.lines().any(|l| l.split(' ').next() == Some(name))
+                    || own.contains(&name.as_str()),
+                "{name} is not one of kube-proxy's"
+            );
+        }
+    }
+
+    #[test]
+    fn mode_families_only_in_their_modes() {
+        let m = Metrics::default();
+        assert!(!m.render().contains("iptables_restore_failures"));
+        m.set_mode("nftables", ModeFamilies::Nftables);
+        m.nftables_sync_failed();
+        let text = m.render();
+        assert!(text.contains(
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv4\"} 1"
+        ));
+        assert!(!text.contains("iptables_restore_failures"));
+        m.set_mode("iptables", ModeFamilies::Iptables);
+        m.iptables_restore_failed(true);
+        m.iptables_rules([3, 10], [5, 40]);
+        let text = m.render();
+        for line in [
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv4\",table=\"nat\"} 10",
+            "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv4\",table=\"filter\"} 5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn probes_counted_apart_and_process_metrics_present() {
+        let m = Metrics::default();
+        m.probed(false, true);
+        m.probed(true, false);
+        m.probed(true, true);
+        m.no_local_endpoints(2, 1);
+        let text = m.render();
+        for line in [
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+            "kubeproxy_proxy_healthz_total{code=\"503\"} 0",
+            "kubeproxy_proxy_livez_total{code=\"200\"} 1",
+            "kubeproxy_proxy_livez_total{code=\"503\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"} 2",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"external\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        let found = families(&text);
+        for name in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_virtual_memory_bytes",
+            "process_start_time_seconds",
+            "process_open_fds",
+            "process_max_fds",
+            "kubernetes_build_info",
+        ] {
+            assert!(found.contains_key(name), "{name} missing");
+        }
+        let rss = text
+            .lines()
+            .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
+            .unwrap();
+        assert!(rss.parse::<f64>().unwrap() > 1e6, "RSS {rss}");
+    }
 
     #[test]
     fn histogram_buckets_are_cumulative() {
@@ -244,13 +638,13 @@ mod tests {
         m.synced(Duration::from_secs(20), false, false);
         let text = m.render();
         for line in [
-            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 1",
-            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 2",
-            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"16.384\"} 2",
-            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"+Inf\"} 3",
-            "kubeproxy_sync_proxy_rules_duration_seconds_count 3",
-            "kubeproxy_sync_full_proxy_rules_duration_seconds_count 1",
-            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.001\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.004\"} 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"16.384\"} 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"+Inf\"} 3",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 3",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 2",
             "kubeproxy_sync_proxy_rules_errors_total 1",
             "# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge",
         ] {
@@ -281,13 +675,13 @@ mod tests {
             .count();
         assert_eq!(buckets, 81, "80 buckets and +Inf:\n{text}");
         for line in [
-            format!("{name}_bucket{{le=\"0.25\"}} 1"),
-            format!("{name}_bucket{{le=\"0.5\"}} 2"),
-            format!("{name}_bucket{{le=\"59\"}} 2"),
-            format!("{name}_bucket{{le=\"65\"}} 3"),
-            format!("{name}_bucket{{le=\"300\"}} 3"),
-            format!("{name}_bucket{{le=\"+Inf\"}} 4"),
-            format!("{name}_count 4"),
+            format!("{name}_bucket{{{IPV4},le=\"0.25\"}} 1"),
+            format!("{name}_bucket{{{IPV4},le=\"0.5\"}} 2"),
+            format!("{name}_bucket{{{IPV4},le=\"59\"}} 2"),
+            format!("{name}_bucket{{{IPV4},le=\"65\"}} 3"),
+            format!("{name}_bucket{{{IPV4},le=\"300\"}} 3"),
+            format!("{name}_bucket{{{IPV4},le=\"+Inf\"}} 4"),
+            format!("{name}_count{{{IPV4}}} 4"),
         ] {
             assert!(
                 text.lines().any(|l| l == line),

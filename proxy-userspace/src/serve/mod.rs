@@ -3,3 +3,4 @@ pub mod health_check_ports;
 pub mod healthz;
 pub mod http;
 pub mod metrics;
+mod process;

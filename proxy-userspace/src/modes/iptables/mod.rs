@@ -9,7 +9,7 @@
 pub mod inspect;
 pub mod rules;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use anyhow::Context;
 
@@ -21,6 +21,7 @@ use crate::{
         rules::NetfilterConfig,
         stale_udp::StaleUdp,
     },
+    serve::metrics::{IPTABLES_TABLES, METRICS},
 };
 
 /// What the mode is configured with (kube-proxy's flags).
@@ -82,6 +83,7 @@ pub struct IptablesDataplane {
     config: IptablesConfig,
     /// The per-Service nat chains programmed now.
     chains: BTreeSet<String>,
+    rules: RuleCounts,
     jumps_checked: bool,
     udp: StaleUdp,
 }
@@ -93,9 +95,11 @@ impl IptablesDataplane {
         let chains = service_chains(config.backend, "nat").context(
             "the iptables mode needs iptables-save and iptables-restore (the iptables package)",
         )?;
+        export_invalid_drops(config.backend);
         Ok(Self {
             config,
             chains,
+            rules: RuleCounts::default(),
             jumps_checked: false,
             udp: StaleUdp::default(),
         })
@@ -111,8 +115,13 @@ impl Dataplane for IptablesDataplane {
             _ => None,
         };
         let rendered = rules::render(state, &settings, &self.chains, changed);
-        iptables::restore(self.config.backend, &rendered.text)?;
+        if let Err(e) = iptables::restore(self.config.backend, &rendered.text) {
+            METRICS.iptables_restore_failed(changed.is_some());
+            return Err(e);
+        }
         self.chains = rendered.chains;
+        let last = self.rules.written(&rendered.text);
+        METRICS.iptables_rules(last, self.rules.totals());
         // The chains exist now; the jumps to them are checked once and at each full or
         // periodic sync (something else may have flushed the built-in chains).
         if !self.jumps_checked || scope.checks_jumps() {
@@ -121,6 +130,84 @@ impl Dataplane for IptablesDataplane {
         }
         self.udp.clear(state);
         Ok(())
+    }
+}
+
+/// On `/metrics`: kube-proxy's `kubeproxy_iptables_ct_state_invalid_dropped_packets_total`,
+/// the packets KUBE-FORWARD's `--ctstate INVALID` rule dropped, read from its counter at
+/// each scrape (kube-proxy reads an nfacct object its rule updates). Left out when it cannot
+/// be read (before the first sync wrote the chain).
+fn export_invalid_drops(backend: Backend) {
+    METRICS.add_collector(Box::new(move |out| {
+        let listed = std::process::Command::new(backend.tool("iptables"))
+            .args(["-w", "-t", "filter", "-L", "KUBE-FORWARD", "-v", "-x", "-n"])
+            .stderr(std::process::Stdio::null())
+            .output();
+        let Ok(listed) = listed.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()) else {
+            return;
+        };
+        // "   12   720 DROP  0  --  *  *  0.0.0.0/0  0.0.0.0/0  ctstate INVALID"
+        let packets = listed.lines().find_map(|line| {
+            let mut words = line.split_whitespace();
+            let packets = words.next()?.parse::<u64>().ok()?;
+            (words.nth(1) == Some("DROP") && line.contains("ctstate INVALID")).then_some(packets)
+        });
+        if let Some(packets) = packets {
+            crate::serve::metrics::single(
+                out,
+                (
+                    "kubeproxy_iptables_ct_state_invalid_dropped_packets_total",
+                    "packets dropped by iptables to work around conntrack problems",
+                    "counter",
+                ),
+                "",
+                packets as f64,
+            );
+        }
+    }));
+}
+
+/// The rules in each chain the mode wrote, by table, as kube-proxy counts them for
+/// `kubeproxy_sync_proxy_rules_iptables_{last,total}` (the jumps from the built-in chains are
+/// not counted). A partial sync leaves the chains it does not declare as they were.
+#[derive(Debug, Default)]
+struct RuleCounts {
+    chains: HashMap<(usize, String), usize>,
+}
+
+impl RuleCounts {
+    /// Takes in an iptables-restore input that was applied; returns the rules it wrote, by
+    /// [`IPTABLES_TABLES`].
+    fn written(&mut self, text: &str) -> [usize; 2] {
+        let mut written = [0; 2];
+        let mut table = None;
+        for line in text.lines() {
+            if let Some(name) = line.strip_prefix('*') {
+                table = IPTABLES_TABLES.iter().position(|t| *t == name);
+                continue;
+            }
+            let Some(t) = table else { continue };
+            let chain_of = |rest: &str| rest.split_whitespace().next().unwrap_or("").to_owned();
+            if let Some(rest) = line.strip_prefix(':') {
+                // Declared: flushed, and rewritten by the rules that follow.
+                self.chains.insert((t, chain_of(rest)), 0);
+            } else if let Some(rest) = line.strip_prefix("-A ") {
+                *self.chains.entry((t, chain_of(rest))).or_default() += 1;
+                written[t] += 1;
+            } else if let Some(rest) = line.strip_prefix("-X ") {
+                self.chains.remove(&(t, chain_of(rest)));
+            }
+        }
+        written
+    }
+
+    /// The rules in the mode's chains now, by [`IPTABLES_TABLES`].
+    fn totals(&self) -> [usize; 2] {
+        let mut totals = [0; 2];
+        for ((t, _), n) in &self.chains {
+            totals[*t] += n;
+        }
+        totals
     }
 }
 
@@ -180,4 +267,43 @@ pub fn installed() -> bool {
                 .any(|c| c == "KUBE-NODEPORTS" || is_service_chain(c))
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{SERVICES, fixture, netfilter_settings};
+
+    /// kube-proxy's rule counts: a partial sync writes fewer rules, and the mode still owns
+    /// as many as after the full one; a Service removed takes its rules with it.
+    #[test]
+    fn rule_counts_follow_full_and_partial_syncs() {
+        let settings = netfilter_settings();
+        let mut state = fixture(SERVICES);
+        let mut counts = RuleCounts::default();
+        let full = rules::render(&state, &settings, &BTreeSet::new(), None);
+        let written = counts.written(&full.text);
+        let lines = |table: &str| {
+            let section = full.text.split(&format!("*{table}\n")).nth(1).unwrap();
+            let section = section.split("COMMIT").next().unwrap();
+            section.lines().filter(|l| l.starts_with("-A ")).count()
+        };
+        assert_eq!(written, [lines("filter"), lines("nat")]);
+        assert_eq!(counts.totals(), written);
+        let web = state
+            .port_names()
+            .find(|spn| spn.to_string() == "shop/web:http")
+            .unwrap()
+            .clone();
+        let changed = BTreeSet::from([web.clone()]);
+        let partial = rules::render(&state, &settings, &full.chains, Some(&changed));
+        let written_partial = counts.written(&partial.text);
+        assert!(written_partial[1] < written[1], "{written_partial:?} {written:?}");
+        assert_eq!(counts.totals(), written, "the same rules are owned");
+        state.remove_port(&web);
+        let gone = rules::render(&state, &settings, &partial.chains, Some(&changed));
+        counts.written(&gone.text);
+        let after = rules::render(&state, &settings, &BTreeSet::new(), None);
+        assert_eq!(counts.totals(), RuleCounts::default().written(&after.text));
+    }
 }

@@ -434,10 +434,14 @@ impl IpvsDataplane {
         self.bind(&bound, &plan.bind)?;
         // The sets first: the rules refer to them.
         ipset_restore(&rules::ipset_restore(&plan.sets))?;
-        iptables::restore(
+        let restored = iptables::restore(
             self.config.backend,
             &rules::iptables_restore(&plan, &settings),
-        )?;
+        );
+        if restored.is_err() {
+            crate::serve::metrics::METRICS.iptables_restore_failed(false);
+        }
+        restored?;
         if full || scope.checks_jumps() {
             iptables::ensure_jumps(self.config.backend, JUMPS)?;
             self.jumps_checked = true;

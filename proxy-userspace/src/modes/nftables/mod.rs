@@ -58,8 +58,11 @@ impl Dataplane for NftablesDataplane {
         let settings = self.config.settings()?;
         // Taken: if the transaction fails, the next sync starts from an unknown table.
         let rendered = rules::render(state, &settings, self.programmed.take(), scope);
-        if !rendered.text.is_empty() {
-            nft(&rendered.text)?;
+        if !rendered.text.is_empty()
+            && let Err(e) = nft(&rendered.text)
+        {
+            crate::serve::metrics::METRICS.nftables_sync_failed();
+            return Err(e);
         }
         self.programmed = Some(rendered.programmed);
         self.udp.clear(state);
