@@ -42,7 +42,8 @@ pub struct AgentConfig {
 
 /// Where the desired state comes from.
 pub enum Source {
-    /// A manifest file holding Services and EndpointSlices, watched for changes.
+    /// A manifest file holding Services and EndpointSlices (and Nodes: this node's gives its
+    /// zone and addresses), watched for changes.
     File(PathBuf),
     /// The API server: from a kubeconfig, or in-cluster when None.
     Kubernetes { kubeconfig: Option<PathBuf> },
@@ -92,6 +93,7 @@ pub async fn run(
         }));
     }
     export_change_counts(tracker.clone());
+    let from_file = matches!(config.source, Source::File(_));
     let (synced_tx, synced_rx) = oneshot::channel();
     // The Node object's addresses (API source only), for --nodeport-addresses primary.
     let mut node_ips = Vec::new();
@@ -127,7 +129,17 @@ pub async fn run(
         r = &mut source => return source_ended(r),
     }
 
+    if from_file {
+        // A Node object in the manifest stands in for the API's.
+        let tracker = tracker.lock().unwrap();
+        node_ips = (tracker.node_addresses(&config.node_name))
+            .map_or_else(Vec::new, <[_]>::to_vec);
+    }
     let dataplane = Arc::new(Mutex::new(make_dataplane(&node_ips)?));
+    // kube-proxy exits when its Node's addresses change, so that it starts again with them
+    // (the DaemonSet restarts it): they decide where NodePorts answer and what the node's
+    // address is. Seen by the sync after the change.
+    let (addresses_changed, mut addresses_changed_rx) = tokio::sync::mpsc::channel(1);
     let housekeeping = {
         let dataplane = dataplane.clone();
         tokio::spawn(async move {
@@ -164,6 +176,14 @@ pub async fn run(
             let mut tracker = tracker.lock().unwrap();
             let changed = tracker.apply(&mut state);
             triggers.extend(tracker.take_trigger_times());
+            if let Some(now) = tracker.node_addresses(state.node_name())
+                && now != node_ips
+            {
+                let _ = addresses_changed.try_send(format!(
+                    "the Node's addresses changed from {node_ips:?} to {now:?}: exiting, as \
+                     kube-proxy does, so that the agent starts again with them"
+                ));
+            }
             changed
         };
         let scope = if full || last_full.elapsed() >= FULL_SYNC_PERIOD {
@@ -229,6 +249,7 @@ pub async fn run(
     let outcome = tokio::select! {
         () = runner.run(sync) => Ok(()),
         r = config_changed => r,
+        Some(why) = addresses_changed_rx.recv() => Err(anyhow::anyhow!(why)),
         r = &mut source => source_ended(r),
         r = tokio::signal::ctrl_c() => {
             r.context("waiting for SIGINT")?;

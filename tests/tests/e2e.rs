@@ -542,3 +542,54 @@ fn kube_proxys_command_line_and_config_file_run_the_agent() {
         );
     }
 }
+
+/// With the manifest source, this node's Node object in the file gives its addresses, as the
+/// API's would: NodePorts answer on them alone (`--nodeport-addresses primary`); when they
+/// change, the agent exits to start again with them, as kube-proxy does.
+#[test]
+fn the_manifests_node_gives_the_node_addresses() {
+    if !privileged("the_manifests_node_gives_the_node_addresses") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox
+        .start_backends(BACKEND_PORT)
+        .expect("starting the backends");
+    // A second address on the default route's interface, which the Node does not name.
+    sandbox
+        .node1
+        .ip(&["addr", "add", "192.0.2.111/24", "dev", "eth0"])
+        .unwrap();
+    let node = |address: &str| {
+        format!(
+            "\n---\napiVersion: v1\nkind: Node\nmetadata: {{name: node1}}\n\
+             status: {{addresses: [{{type: InternalIP, address: {address}}}, \
+             {{type: Hostname, address: node1}}]}}\n"
+        )
+    };
+    let manifest = format!("{EXAMPLE}{}", node(&NODE1_IP.to_string()));
+    let agent = AgentRun::start(&mut sandbox, "node1", &manifest, 5).expect("starting the agent");
+    let log = agent.log_text();
+    assert!(
+        log.contains("addresses=192.0.2.11 (eth0)") && !log.contains("192.0.2.111"),
+        "NodePorts should answer on the Node's InternalIP alone:\n{log}"
+    );
+    let answer = tcp_request(&sandbox.ext, SocketAddr::from((NODE1_IP, FRONT_NODE_PORT)), "hi");
+    assert!(answer.is_ok(), "{answer:?}");
+    edit_manifest(&agent.manifest, |objects| {
+        for object in objects.iter_mut() {
+            if let Object::Node(n) = object {
+                let status = n.status.as_mut().unwrap();
+                status.addresses.as_mut().unwrap()[0].address = "192.0.2.111".into();
+            }
+        }
+    })
+    .unwrap();
+    let status = agent.wait_for_exit(&mut sandbox).unwrap();
+    let log = agent.log_text();
+    assert!(
+        !status.success()
+            && log.contains("the Node's addresses changed from [192.0.2.11] to [192.0.2.111]"),
+        "{status}: {log}"
+    );
+}

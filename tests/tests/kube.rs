@@ -501,6 +501,15 @@ fn the_agent_serves_services_created_through_the_api() {
             "the ClusterRole does not allow {r:?}"
         );
     }
+
+    // The Node's address changes: the agent exits, as kube-proxy does, to start again with it.
+    api.apply(apiserver::node("node1", "192.0.2.111"));
+    let status = agent.wait_for_exit(&mut sandbox).unwrap();
+    let log = agent.log_text();
+    assert!(
+        !status.success() && log.contains("the Node's addresses changed from [192.0.2.11] to [192.0.2.111]"),
+        "{status}: {log}"
+    );
 }
 
 /// The value of the sample named `name` (no labels) in a Prometheus text page.

@@ -1,12 +1,15 @@
-//! The only code that knows the Kubernetes API's shapes: Services and EndpointSlices validated
-//! and reduced to what the tracker records of them.
+//! The only code that knows the Kubernetes API's shapes: Services, EndpointSlices and Nodes
+//! validated and reduced to what the tracker records of them.
 mod service;
 mod slice;
 
 use std::net::IpAddr;
 
 use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
@@ -24,6 +27,36 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// Set on the EndpointSlices of headless services, which kube-proxy's informers also filter out.
 pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+
+/// The Node label topology hints name zones by.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// What the agent reads of a Node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Its [`ZONE_LABEL`], for topology hints.
+    pub zone: Option<String>,
+    /// Its InternalIP and ExternalIP addresses, in the Node's order: what kube-proxy's
+    /// `--nodeport-addresses primary` serves NodePorts on, and whose change makes kube-proxy
+    /// exit to start again with them.
+    pub addresses: Vec<IpAddr>,
+}
+
+impl NodeInfo {
+    pub fn of(node: &Node) -> Self {
+        let labels = node.metadata.labels.as_ref();
+        let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+        Self {
+            zone: labels.and_then(|l| l.get(ZONE_LABEL)).cloned(),
+            addresses: addresses
+                .into_iter()
+                .flatten()
+                .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+                .filter_map(|a| a.address.parse().ok())
+                .collect(),
+        }
+    }
+}
 
 /// An object that cannot be programmed. The tracker keeps the last valid version of it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -18,6 +18,16 @@ fn slice(yaml: &str) -> EndpointSlice {
     serde_yaml::from_str(yaml).expect("test EndpointSlice must deserialize")
 }
 
+impl ChangeTracker {
+    fn upsert_node_zone(&mut self, name: &str, zone: Option<&str>) {
+        let info = NodeInfo {
+            zone: zone.map(String::from),
+            addresses: Vec::new(),
+        };
+        self.upsert_node(name, &info);
+    }
+}
+
 fn nn(ns: &str, name: &str) -> NamespacedName {
     NamespacedName::new(ns, name)
 }
@@ -1016,13 +1026,13 @@ fn topology_hints_keep_traffic_in_the_node_or_zone() {
     tracker.apply(&mut state);
     let all = ["10.244.1.11", "10.244.2.11", "10.244.3.11"];
     assert_eq!(cluster(&state), all, "the node's zone is not known yet");
-    tracker.upsert_node("node2", Some("zone-b"));
+    tracker.upsert_node_zone("node2", Some("zone-b"));
     assert!(tracker.has_pending());
     assert!(
         applied(&mut tracker, &mut state).is_empty(),
         "another node's zone"
     );
-    tracker.upsert_node("node1", Some("zone-a"));
+    tracker.upsert_node_zone("node1", Some("zone-a"));
     assert_eq!(
         applied(&mut tracker, &mut state),
         ["default/web:http", "default/web:metrics"]
@@ -1033,10 +1043,10 @@ fn topology_hints_keep_traffic_in_the_node_or_zone() {
     assert_eq!(cluster(&state), ["10.244.1.11"]);
     Arc::make_mut(state.services.get_mut(&http).unwrap()).internal_traffic_local = false;
     // No endpoint for this zone, or one without hints: hints are ignored.
-    tracker.upsert_node("node1", Some("zone-d"));
+    tracker.upsert_node_zone("node1", Some("zone-d"));
     tracker.apply(&mut state);
     assert_eq!(cluster(&state), all);
-    tracker.upsert_node("node1", Some("zone-a"));
+    tracker.upsert_node_zone("node1", Some("zone-a"));
     set(
         &mut tracker,
         "

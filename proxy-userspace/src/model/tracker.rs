@@ -8,6 +8,8 @@ use std::{
     time::SystemTime,
 };
 
+use crate::kubernetes::NodeInfo;
+
 use super::{
     DesiredState, Endpoint, Hints, NamespacedName, Protocol, ServicePort, ServicePortName,
 };
@@ -109,6 +111,8 @@ pub struct ChangeTracker {
     started: Option<SystemTime>,
     /// The Node objects known, by name: their `topology.kubernetes.io/zone` label.
     node_zones: HashMap<Arc<str>, Option<Arc<str>>>,
+    /// Their addresses (see [`NodeInfo::addresses`]).
+    node_addresses: HashMap<Arc<str>, Vec<IpAddr>>,
     /// A Node changed since the last [`ChangeTracker::apply`].
     nodes_changed: bool,
     /// Service and EndpointSlice events received (see [`ChangeTracker::change_counts`]).
@@ -253,18 +257,30 @@ impl ChangeTracker {
         !self.pending.is_empty() || self.nodes_changed
     }
 
-    /// Records a Node's zone (its `topology.kubernetes.io/zone` label): this node's decides
-    /// which endpoints topology hints give it.
-    pub fn upsert_node(&mut self, name: &str, zone: Option<&str>) {
-        let zone = zone.filter(|z| !z.is_empty()).map(Arc::from);
+    /// Records a Node's zone (its `topology.kubernetes.io/zone` label: this node's decides
+    /// which endpoints topology hints give it) and addresses.
+    pub fn upsert_node(&mut self, name: &str, info: &NodeInfo) {
+        let zone = info.zone.as_deref().filter(|z| !z.is_empty()).map(Arc::from);
         if self.node_zones.get(name) != Some(&zone) {
             self.node_zones.insert(name.into(), zone);
+            self.nodes_changed = true;
+        }
+        if self.node_addresses.get(name) != Some(&info.addresses) {
+            self.node_addresses
+                .insert(name.into(), info.addresses.clone());
+            // Nothing to program, but the sync after it tells the agent (see agent.rs).
             self.nodes_changed = true;
         }
     }
 
     pub fn delete_node(&mut self, name: &str) {
         self.nodes_changed |= self.node_zones.remove(name).is_some();
+        self.node_addresses.remove(name);
+    }
+
+    /// The addresses of the Node called `name`, when it is known.
+    pub fn node_addresses(&self, name: &str) -> Option<&[IpAddr]> {
+        self.node_addresses.get(name).map(Vec::as_slice)
     }
 
     /// The names of the Nodes known.

@@ -33,7 +33,7 @@ use kube::{
 use tokio::sync::oneshot;
 
 use crate::{
-    kubernetes::InvalidObject,
+    kubernetes::{InvalidObject, NodeInfo},
     model::{ChangeTracker, NamespacedName},
     serve::healthz::ProxyHealth,
     sync::SyncHandle,
@@ -107,9 +107,8 @@ pub async fn run(
                         let eligible = node_eligible(&node);
                         tracing::debug!(node = %name, eligible, "node updated");
                         health.set_node_eligible(eligible);
-                        let labels = node.metadata.labels.as_ref();
-                        let zone = labels.and_then(|l| l.get(ZONE_LABEL)).map(String::as_str);
-                        tracker.lock().unwrap().upsert_node(&name, zone);
+                        let info = NodeInfo::of(&node);
+                        tracker.lock().unwrap().upsert_node(&name, &info);
                     }
                     Change::Delete(_) => {
                         seen.store(false, Ordering::Relaxed);
@@ -131,9 +130,6 @@ pub async fn run(
     tokio::try_join!(services, slices, node)?;
     anyhow::bail!("the API watches ended")
 }
-
-/// The Node label topology hints name zones by.
-pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 /// Watches one kind into the tracker: every change is applied there and requests a sync.
 async fn feed_tracker<K>(
@@ -196,13 +192,7 @@ pub async fn node_ips(client: &Client, node_name: &str) -> Vec<std::net::IpAddr>
             return Vec::new();
         }
     };
-    let ips: Vec<std::net::IpAddr> = nodes
-        .iter()
-        .filter_map(|n| n.status.as_ref()?.addresses.as_ref())
-        .flatten()
-        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
-        .filter_map(|a| a.address.parse().ok())
-        .collect();
+    let ips: Vec<std::net::IpAddr> = nodes.iter().flat_map(|n| NodeInfo::of(n).addresses).collect();
     if ips.is_empty() {
         tracing::warn!(
             node = node_name,

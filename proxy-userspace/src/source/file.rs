@@ -21,12 +21,9 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
 
-use crate::kubernetes::InvalidObject;
+use crate::kubernetes::{InvalidObject, NodeInfo};
 use crate::model::{ChangeTracker, NamespacedName, ReducedService, ReducedSlice};
-use crate::source::{
-    api::ZONE_LABEL,
-    manifest::{self, ManifestError, Object},
-};
+use crate::source::manifest::{self, ManifestError, Object};
 use crate::sync::SyncHandle;
 
 /// How long the directory must stay quiet before a reload: one save is often several events
@@ -150,8 +147,8 @@ type ObjectKey = (&'static str, NamespacedName);
 enum Entry {
     Service(Result<ReducedService, InvalidObject>),
     Slice(Result<ReducedSlice, InvalidObject>),
-    /// A Node: its name and zone label.
-    Node(NamespacedName, Option<String>),
+    /// A Node: its name, zone label and addresses.
+    Node(NamespacedName, NodeInfo),
 }
 
 impl Entry {
@@ -159,11 +156,7 @@ impl Entry {
         match object {
             Object::Service(svc) => Entry::Service(ReducedService::parse(svc)),
             Object::EndpointSlice(slice) => Entry::Slice(ReducedSlice::parse(slice)),
-            Object::Node(node) => {
-                let labels = node.metadata.labels.as_ref();
-                let zone = labels.and_then(|l| l.get(ZONE_LABEL)).cloned();
-                Entry::Node(object.key(), zone)
-            }
+            Object::Node(node) => Entry::Node(object.key(), NodeInfo::of(node)),
         }
     }
 
@@ -312,8 +305,8 @@ impl FileSource {
                     }
                     None
                 }
-                Entry::Node(key, zone) => {
-                    tracker.upsert_node(&key.name, zone.as_deref());
+                Entry::Node(key, info) => {
+                    tracker.upsert_node(&key.name, info);
                     None
                 }
                 Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => Some(invalid),
