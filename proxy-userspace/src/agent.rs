@@ -12,6 +12,7 @@ use tokio::sync::{oneshot, watch};
 
 use crate::{
     dataplane::{Dataplane, NotProgrammable, Scope},
+    events::{self, Regarding},
     model::{ChangeTracker, DesiredState, ServicePortName},
     serve::health_check_ports,
     serve::healthz::{self, ProxyHealth},
@@ -20,6 +21,8 @@ use crate::{
     source,
     sync::{RunnerConfig, SyncRunner},
 };
+
+const HEALTHZ_FLAG: &str = "--healthz-bind-address";
 
 /// The longest time between two full syncs (kube-proxy's `proxyutil.FullSyncPeriod`).
 const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
@@ -71,7 +74,7 @@ pub async fn run(
     let servers = [
         (
             config.healthz_bind_address,
-            "--healthz-bind-address",
+            HEALTHZ_FLAG,
             healthz::handler(health.clone()),
         ),
         (
@@ -80,11 +83,33 @@ pub async fn run(
             metrics::handler(),
         ),
     ];
+    // The API client first, so that Events can say what fails from here on (it does not
+    // contact the API server yet).
+    let client = match &config.source {
+        Source::Kubernetes { kubeconfig } => {
+            let client = source::api::client(kubeconfig.as_deref()).await?;
+            events::start(client.clone(), &config.node_name);
+            Some(client)
+        }
+        Source::File(_) => None,
+    };
     // Bound before anything else, so that a taken port fails the start with a clear error.
     let mut running = Vec::new();
     for (addr, flag, handler) in servers {
         let Some(addr) = addr else { continue };
-        let listener = http::bind(&addr, flag).await?;
+        let listener = match http::bind(&addr, flag).await {
+            Ok(listener) => listener,
+            Err(e) => {
+                if flag == HEALTHZ_FLAG {
+                    let node = Regarding::Node(&config.node_name);
+                    let note = Some(format!("{e:#}"));
+                    let (reason, action) = ("FailedToStartProxierHealthcheck", "StartKubeProxy");
+                    events::record(node, true, reason, action, note);
+                    events::flush(Duration::from_secs(2)).await;
+                }
+                return Err(e);
+            }
+        };
         tracing::info!(%addr, "serving {flag}");
         running.push(tokio::spawn(async move {
             if let Err(e) = http::serve(listener, handler).await {
@@ -104,9 +129,9 @@ pub async fn run(
             sync_handle,
             synced_tx,
         )),
-        Source::Kubernetes { kubeconfig } => {
+        Source::Kubernetes { .. } => {
             let node_name = config.node_name.clone();
-            let client = source::api::client(kubeconfig.as_deref()).await?;
+            let client = client.expect("made above for the API source");
             node_ips = source::api::node_ips(&client, &node_name).await;
             tracing::info!(node = %node_name, "watching the API server");
             tokio::spawn(source::api::run(
@@ -119,6 +144,9 @@ pub async fn run(
             ))
         }
     };
+    // kube-proxy's "birth cry".
+    let node = Regarding::Node(&config.node_name);
+    events::record(node, false, "Starting", "StartKubeProxy", None);
     // Nothing is programmed before the source has delivered its first complete view: a
     // partial view would delete services that are merely not loaded yet.
     tokio::select! {

@@ -6,6 +6,7 @@ pub mod agent;
 pub mod command;
 pub mod dataplane;
 pub mod duration;
+pub mod events;
 pub mod inspect;
 pub mod kube_proxy;
 pub mod kubernetes;

@@ -28,16 +28,20 @@
 //!   than the compaction point gets one ERROR event with the 410 Expired Status, then the end
 //!   of the stream. `timeoutSeconds` ends the stream (default 1800 s).
 //! - Errors as Status objects: 403 Forbidden ([`ApiServer::forbid`]), 404 for unknown paths and
-//!   objects, 405 for anything but GET, 400/422 for bad parameters, including the ListOptions
-//!   rules a client most easily breaks (`resourceVersionMatch` without `resourceVersion` or with
-//!   `continue`, or on a watch without `sendInitialEvents`; `sendInitialEvents` without
-//!   `resourceVersionMatch=NotOlderThan` and `allowWatchBookmarks=true`).
+//!   objects, 405 for anything but GET (and Events' writes), 400/422 for bad parameters,
+//!   including the ListOptions rules a client most easily breaks (`resourceVersionMatch`
+//!   without `resourceVersion` or with `continue`, or on a watch without `sendInitialEvents`;
+//!   `sendInitialEvents` without `resourceVersionMatch=NotOlderThan` and
+//!   `allowWatchBookmarks=true`).
 //! - HTTP/1.1 keep-alive for ordinary responses (`Content-Length`); a connection is closed
 //!   after a watch ends. `GET /version`, `/healthz`, `/livez`, `/readyz` answer too.
 //!
+//! - Events (events.k8s.io/v1) can be created (POST) and merge-patched (PATCH) over HTTP, and
+//!   are read back with [`ApiServer::events`]; they are not listed or watched.
+//!
 //! Not covered: TLS and authentication (the kubeconfig has a user without credentials; RBAC is
 //! only what [`ApiServer::forbid`] switches off, and [`ApiServer::requests`] records the verbs
-//! used), writes over HTTP (objects change only through [`ApiServer::apply`] /
+//! used), other writes over HTTP (objects change only through [`ApiServer::apply`] /
 //! [`ApiServer::delete`], which replace whole objects, without validation, defaulting,
 //! managedFields, generation, finalizers or owner references), protobuf, table output, other
 //! resources and discovery (`/api`, `/apis`), `watch` path prefixes, periodic bookmarks,
@@ -70,6 +74,8 @@ const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 const LIVENESS_CHECK: Duration = Duration::from_millis(200);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_HEAD: usize = 64 * 1024;
+/// The largest request body read (Events are a few hundred bytes).
+const MAX_BODY: usize = 1024 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Resource {
@@ -219,6 +225,8 @@ struct State {
     stopped: bool,
     forbidden: HashSet<Resource>,
     requests: Vec<Request>,
+    /// Events posted (events.k8s.io/v1), with the patches made to them merged in.
+    posted_events: Vec<Value>,
     watchers: [usize; 3],
     conns: HashMap<u64, TcpStream>,
     next_conn: u64,
@@ -302,6 +310,7 @@ impl ApiServer {
                 stopped: false,
                 forbidden: HashSet::new(),
                 requests: Vec::new(),
+                posted_events: Vec::new(),
                 watchers: [0; 3],
                 conns: HashMap::new(),
                 next_conn: 0,
@@ -533,6 +542,12 @@ preferences: {{}}
         }
     }
 
+    /// The Events posted so far (events.k8s.io/v1, as created, with later merge patches
+    /// applied), in order.
+    pub fn events(&self) -> Vec<Value> {
+        self.shared.lock().posted_events.clone()
+    }
+
     /// Every request received so far, in order.
     pub fn requests(&self) -> Vec<Request> {
         self.shared.lock().requests.clone()
@@ -671,9 +686,10 @@ struct Head {
     method: String,
     target: String,
     keep_alive: bool,
+    body: Vec<u8>,
 }
 
-/// Reads a request head (and discards any body). None at a clean end of the connection.
+/// Reads a request head and its body. None at a clean end of the connection.
 fn read_head(reader: &mut BufReader<TcpStream>) -> io::Result<Option<Head>> {
     let mut line = String::new();
     let mut total = 0;
@@ -741,14 +757,16 @@ fn read_head(reader: &mut BufReader<TcpStream>) -> io::Result<Option<Head>> {
             _ => {}
         }
     }
-    io::copy(
-        &mut reader.by_ref().take(content_length as u64),
-        &mut io::sink(),
-    )?;
+    if content_length > MAX_BODY {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "body too long"));
+    }
+    let mut body = vec![0; content_length];
+    reader.read_exact(&mut body)?;
     Ok(Some(Head {
         method,
         target,
         keep_alive,
+        body,
     }))
 }
 
@@ -929,6 +947,37 @@ fn parse_api_path(path: &str) -> Option<ApiPath> {
     Some((s(group), s(version), namespace, resource, name))
 }
 
+/// An Event created (POST, no name) or merge-patched (PATCH, by name), as stored.
+fn post_event(shared: &Shared, method: &str, name: Option<&str>, body: &[u8]) -> Reply {
+    let Ok(Value::Object(object)) = serde_json::from_slice::<Value>(body) else {
+        return bad_request("the body is not a JSON object");
+    };
+    let mut st = shared.lock();
+    match (method, name) {
+        ("POST", None) => {
+            let object = Value::Object(object);
+            st.posted_events.push(object.clone());
+            Reply::json(201, &object)
+        }
+        ("PATCH", Some(name)) => {
+            let stored = st
+                .posted_events
+                .iter_mut()
+                .find(|e| e["metadata"]["name"] == name);
+            let Some(Value::Object(stored)) = stored else {
+                let message = format!("events.events.k8s.io \"{name}\" not found");
+                return Reply::status(404, "NotFound", &message, json!({}));
+            };
+            stored.extend(object);
+            Reply::json(200, &Value::Object(stored.clone()))
+        }
+        _ => {
+            let message = "the server does not allow this method on the requested resource";
+            Reply::status(405, "MethodNotAllowed", message, json!({}))
+        }
+    }
+}
+
 /// Serves one request; returns true when the connection must be closed.
 fn handle(shared: &Shared, head: &Head, stream: &TcpStream) -> io::Result<bool> {
     let (path, raw_query) = head
@@ -974,6 +1023,14 @@ fn handle(shared: &Shared, head: &Head, stream: &TcpStream) -> io::Result<bool> 
             json!({}),
         )
     };
+    if let Some(("events.k8s.io", "v1", Some(_), "events", name)) = api
+        .as_ref()
+        .map(|a| (a.0.as_str(), a.1.as_str(), a.2.as_deref(), a.3.as_str(), a.4.as_deref()))
+    {
+        let reply = post_event(shared, &head.method, name, &head.body);
+        reply.write(stream, keep)?;
+        return Ok(false);
+    }
     if head.method != "GET" {
         let message = "the server does not allow this method on the requested resource";
         Reply::status(405, "MethodNotAllowed", message, json!({})).write(stream, keep)?;

@@ -12,13 +12,16 @@ use serde_yaml::Value;
 /// The Kubernetes version the manifest is validated against.
 const KUBERNETES_VERSION: &str = "1.34.0";
 
-/// What the agent calls: list+watch of Services, EndpointSlices and (its own) Node.
+/// What the agent calls: list+watch of Services, EndpointSlices and (its own) Node, and the
+/// Events it posts (created, and patched when one repeats).
 const WATCHED: &[(&str, &str)] = &[
     ("", "services"),
     ("discovery.k8s.io", "endpointslices"),
     ("", "nodes"),
 ];
 const VERBS: &[&str] = &["list", "watch"];
+const POSTED: (&str, &str) = ("events.k8s.io", "events");
+const POST_VERBS: &[&str] = &["create", "patch"];
 
 fn manifest() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kube-proxy-ebpf.yaml")
@@ -61,6 +64,9 @@ fn cluster_role_allows_list_and_watch_of_what_the_agent_watches() {
             );
         }
     }
+    for &verb in POST_VERBS {
+        assert!(rbac_allows(&role, verb, POSTED.0, POSTED.1), "{verb} events");
+    }
 }
 
 #[test]
@@ -80,7 +86,8 @@ fn cluster_role_denies_everything_else() {
         ("list", "discovery.k8s.io", "services"),
         ("watch", "", "pods"),
         ("create", "", "events"),
-        ("create", "events.k8s.io", "events"),
+        ("list", "events.k8s.io", "events"),
+        ("delete", "events.k8s.io", "events"),
     ] {
         assert!(
             !rbac_allows(&role, verb, group, resource),
@@ -103,7 +110,9 @@ fn cluster_role_denies_everything_else() {
         for group in strings(rule, "apiGroups") {
             for resource in strings(rule, "resources") {
                 for verb in strings(rule, "verbs") {
-                    if !(WATCHED.contains(&(group, resource)) && VERBS.contains(&verb)) {
+                    let watched = WATCHED.contains(&(group, resource)) && VERBS.contains(&verb);
+                    let posted = POSTED == (group, resource) && POST_VERBS.contains(&verb);
+                    if !(watched || posted) {
                         extra.push(format!("{verb} {resource} (group {group:?})"));
                     }
                 }

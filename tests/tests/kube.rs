@@ -371,7 +371,39 @@ fn the_agent_serves_services_created_through_the_api() {
         .node1
         .ip(&["addr", "add", "192.0.2.111/24", "dev", "eth0"])
         .unwrap();
+    // A health check node port something else holds on the node.
+    let squatter = sandbox
+        .node1
+        .try_run(|| TcpListener::bind((Ipv4Addr::UNSPECIFIED, 32199)))
+        .unwrap()
+        .unwrap();
     let agent = AgentRun::start_from(&mut sandbox, "node1", AgentSource::Api(&api), 0).unwrap();
+    // kube-proxy's Events: it started, on its Node.
+    let starting = eventually_event(&api, "Starting");
+    assert_eq!(starting["regarding"]["kind"], "Node", "{starting}");
+    assert_eq!(starting["regarding"]["name"], "node1", "{starting}");
+    assert_eq!(starting["type"], "Normal", "{starting}");
+    assert_eq!(starting["reportingController"], "kube-proxy", "{starting}");
+    assert_eq!(starting["reportingInstance"], "node1", "{starting}");
+    assert_eq!(starting["action"], "StartKubeProxy", "{starting}");
+    let mut lb = apiserver::service("demo", "lb", "10.96.0.30", &[("http", 80, "TCP", 8080)]);
+    lb["spec"]["type"] = "LoadBalancer".into();
+    lb["spec"]["externalTrafficPolicy"] = "Local".into();
+    lb["spec"]["healthCheckNodePort"] = 32199.into();
+    lb["spec"]["ports"][0]["nodePort"] = 30091.into();
+    api.apply(lb);
+    let failed = eventually_event(&api, "FailedToStartServiceHealthcheck");
+    assert_eq!(failed["regarding"]["kind"], "Service", "{failed}");
+    assert_eq!(failed["regarding"]["namespace"], "demo", "{failed}");
+    assert_eq!(failed["regarding"]["name"], "lb", "{failed}");
+    assert_eq!(failed["metadata"]["namespace"], "demo", "{failed}");
+    assert_eq!(failed["type"], "Warning", "{failed}");
+    assert!(
+        failed["note"].as_str().unwrap().contains("port 32199"),
+        "{failed}"
+    );
+    drop(squatter);
+    api.delete("Service", Some("demo"), "lb");
 
     let mut web = apiserver::service("demo", "web", "10.96.0.10", &[("http", 80, "TCP", 8080)]);
     web["spec"]["type"] = "NodePort".into();
@@ -512,9 +544,61 @@ fn the_agent_serves_services_created_through_the_api() {
     );
 }
 
-/// The value of the sample named `name` (no labels) in a Prometheus text page.
+/// The first Event with `reason` the agent posted (waiting for it, 10 s at most).
+fn eventually_event(api: &ApiServer, reason: &str) -> serde_json::Value {
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
+    loop {
+        if let Some(event) = api.events().into_iter().find(|e| e["reason"] == reason) {
+            return event;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {reason} Event: {:#?}",
+            api.events()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The value of the sample named `name` (with its labels, if any) in a Prometheus text page.
 fn metric_value(page: &str, name: &str) -> f64 {
     page.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or_else(|| panic!("no {name} in:\n{page}"))
+}
+
+/// The health server's port is taken (by kube-proxy, still running, say): the start fails with
+/// what to do, and kube-proxy's Event says so on the Node.
+#[test]
+fn a_taken_health_port_fails_the_start_with_an_event() {
+    if !privileged("a_taken_health_port_fails_the_start_with_an_event") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().unwrap();
+    let listener = sandbox
+        .node1
+        .try_run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .unwrap()
+        .unwrap();
+    let api = ApiServer::start_with_listener(listener).unwrap();
+    api.apply(apiserver::node("node1", &NODE1_IP.to_string()));
+    let _kube_proxy = sandbox
+        .node1
+        .try_run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 10256)))
+        .unwrap()
+        .unwrap();
+    let Err(e) = AgentRun::start_from(&mut sandbox, "node1", AgentSource::Api(&api), 0) else {
+        panic!("the agent started on a taken health port");
+    };
+    assert!(
+        format!("{e:#}").contains("is kube-proxy still running on this node?"),
+        "{e:#}"
+    );
+    let event = eventually_event(&api, "FailedToStartProxierHealthcheck");
+    assert_eq!(event["regarding"]["kind"], "Node", "{event}");
+    assert_eq!(event["type"], "Warning", "{event}");
+    assert!(
+        event["note"].as_str().unwrap().contains("127.0.0.1:10256"),
+        "{event}"
+    );
 }

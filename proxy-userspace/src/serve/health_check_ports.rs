@@ -204,6 +204,17 @@ impl ServiceHealthServer {
                             port = check.port,
                             "cannot serve the health check on {addr} (retried at every sync): {e}"
                         );
+                        let note = format!(
+                            "failed to start healthcheck \"{name}\" on port {}: {e}",
+                            check.port
+                        );
+                        crate::events::record(
+                            crate::events::Regarding::Service(name),
+                            true,
+                            "FailedToStartServiceHealthcheck",
+                            "Listen",
+                            Some(note),
+                        );
                     }
                 }
             }
