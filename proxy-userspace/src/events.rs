@@ -28,7 +28,7 @@ pub enum Regarding<'a> {
 }
 
 enum Queued {
-    Event(ObjectReference, Event),
+    Event(Box<(ObjectReference, Event)>),
     /// Answered once everything queued before it has been posted (or failed).
     Flush(oneshot::Sender<()>),
 }
@@ -51,7 +51,8 @@ pub fn start(client: Client, node_name: &str) {
         let mut failed_reasons = HashSet::new();
         while let Some(queued) = rx.recv().await {
             match queued {
-                Queued::Event(regarding, event) => {
+                Queued::Event(queued) => {
+                    let (regarding, event) = *queued;
                     if let Err(e) = recorder.publish(&event, &regarding).await
                         && failed_reasons.insert(event.reason.clone())
                     {
@@ -108,7 +109,7 @@ pub fn record(
         action: action.into(),
         secondary: None,
     };
-    let _ = queue.send(Queued::Event(reference, event));
+    let _ = queue.send(Queued::Event(Box::new((reference, event))));
 }
 
 /// Waits (at most `timeout`) until the Events recorded so far are posted: before the agent

@@ -357,14 +357,7 @@ fn the_agent_serves_services_created_through_the_api() {
     }
     let mut sandbox = Sandbox::build().unwrap();
     sandbox.start_backends(BACKEND_PORT).unwrap();
-    // The API server listens on node1's loopback, where the agent runs.
-    let listener = sandbox
-        .node1
-        .try_run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .unwrap()
-        .unwrap();
-    let api = ApiServer::start_with_listener(listener).unwrap();
-    api.apply(apiserver::node("node1", &NODE1_IP.to_string()));
+    let api = api_on_node1(&sandbox);
     // A second address on the default route's interface: the Node object names only the first,
     // so NodePorts answer there alone (without the Node, both would be taken).
     sandbox
@@ -544,6 +537,18 @@ fn the_agent_serves_services_created_through_the_api() {
     );
 }
 
+/// The stand-in API server on node1's loopback, where the agent runs, holding node1's Node.
+fn api_on_node1(sandbox: &Sandbox) -> ApiServer {
+    let listener = sandbox
+        .node1
+        .try_run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .unwrap()
+        .unwrap();
+    let api = ApiServer::start_with_listener(listener).unwrap();
+    api.apply(apiserver::node("node1", &NODE1_IP.to_string()));
+    api
+}
+
 /// The first Event with `reason` the agent posted (waiting for it, 10 s at most).
 fn eventually_event(api: &ApiServer, reason: &str) -> serde_json::Value {
     let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
@@ -575,13 +580,7 @@ fn a_taken_health_port_fails_the_start_with_an_event() {
         return;
     }
     let mut sandbox = Sandbox::build().unwrap();
-    let listener = sandbox
-        .node1
-        .try_run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .unwrap()
-        .unwrap();
-    let api = ApiServer::start_with_listener(listener).unwrap();
-    api.apply(apiserver::node("node1", &NODE1_IP.to_string()));
+    let api = api_on_node1(&sandbox);
     let _kube_proxy = sandbox
         .node1
         .try_run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 10256)))
