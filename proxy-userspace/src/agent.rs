@@ -160,8 +160,7 @@ pub async fn run(
     if from_file {
         // A Node object in the manifest stands in for the API's.
         let tracker = tracker.lock().unwrap();
-        node_ips = (tracker.node_addresses(&config.node_name))
-            .map_or_else(Vec::new, <[_]>::to_vec);
+        node_ips = (tracker.node_addresses(&config.node_name)).map_or_else(Vec::new, <[_]>::to_vec);
     }
     let dataplane = Arc::new(Mutex::new(make_dataplane(&node_ips)?));
     // kube-proxy exits when its Node's addresses change, so that it starts again with them

@@ -1023,10 +1023,15 @@ fn handle(shared: &Shared, head: &Head, stream: &TcpStream) -> io::Result<bool> 
             json!({}),
         )
     };
-    if let Some(("events.k8s.io", "v1", Some(_), "events", name)) = api
-        .as_ref()
-        .map(|a| (a.0.as_str(), a.1.as_str(), a.2.as_deref(), a.3.as_str(), a.4.as_deref()))
-    {
+    if let Some(("events.k8s.io", "v1", Some(_), "events", name)) = api.as_ref().map(|a| {
+        (
+            a.0.as_str(),
+            a.1.as_str(),
+            a.2.as_deref(),
+            a.3.as_str(),
+            a.4.as_deref(),
+        )
+    }) {
         let reply = post_event(shared, &head.method, name, &head.body);
         reply.write(stream, keep)?;
         return Ok(false);

@@ -37,7 +37,10 @@ fn tcp_connect(addr: SocketAddr) -> Result<(TcpStream, BufReader<TcpStream>)> {
 }
 
 /// As [`tcp_connect`], from source port `port` (`None` when it is in use).
-fn tcp_connect_from(addr: SocketAddr, port: u16) -> Result<Option<(TcpStream, BufReader<TcpStream>)>> {
+fn tcp_connect_from(
+    addr: SocketAddr,
+    port: u16,
+) -> Result<Option<(TcpStream, BufReader<TcpStream>)>> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM,

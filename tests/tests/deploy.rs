@@ -65,7 +65,10 @@ fn cluster_role_allows_list_and_watch_of_what_the_agent_watches() {
         }
     }
     for &verb in POST_VERBS {
-        assert!(rbac_allows(&role, verb, POSTED.0, POSTED.1), "{verb} events");
+        assert!(
+            rbac_allows(&role, verb, POSTED.0, POSTED.1),
+            "{verb} events"
+        );
     }
 }
 

@@ -83,10 +83,10 @@ fn tcp_and_udp_reach_every_backend_and_flows_stick() {
         assert!(metrics.lines().any(|l| l == line), "{line}: {metrics}");
     }
     assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("kubeproxy_sync_proxy_rules_service_changes_total ")
-                && !l.ends_with(" 0")),
+        metrics.lines().any(
+            |l| l.starts_with("kubeproxy_sync_proxy_rules_service_changes_total ")
+                && !l.ends_with(" 0")
+        ),
         "{metrics}"
     );
     // kube-proxy's other paths on the metrics port.
@@ -574,7 +574,11 @@ fn the_manifests_node_gives_the_node_addresses() {
         log.contains("addresses=192.0.2.11 (eth0)") && !log.contains("192.0.2.111"),
         "NodePorts should answer on the Node's InternalIP alone:\n{log}"
     );
-    let answer = tcp_request(&sandbox.ext, SocketAddr::from((NODE1_IP, FRONT_NODE_PORT)), "hi");
+    let answer = tcp_request(
+        &sandbox.ext,
+        SocketAddr::from((NODE1_IP, FRONT_NODE_PORT)),
+        "hi",
+    );
     assert!(answer.is_ok(), "{answer:?}");
     edit_manifest(&agent.manifest, |objects| {
         for object in objects.iter_mut() {

@@ -532,7 +532,8 @@ fn the_agent_serves_services_created_through_the_api() {
     let status = agent.wait_for_exit(&mut sandbox).unwrap();
     let log = agent.log_text();
     assert!(
-        !status.success() && log.contains("the Node's addresses changed from [192.0.2.11] to [192.0.2.111]"),
+        !status.success()
+            && log.contains("the Node's addresses changed from [192.0.2.11] to [192.0.2.111]"),
         "{status}: {log}"
     );
 }

@@ -89,7 +89,10 @@ fn auto_mode_falls_back_to_nftables_where_ebpf_cannot_load() {
             && !metrics.contains("iptables_restore_failures"),
         "{metrics}"
     );
-    assert_eq!(agent.metrics_path(&sandbox, "/proxyMode").unwrap(), "nftables");
+    assert_eq!(
+        agent.metrics_path(&sandbox, "/proxyMode").unwrap(),
+        "nftables"
+    );
     let pins: Vec<_> = std::fs::read_dir(agent.bpffs.path())
         .map(|d| {
             d.flatten()

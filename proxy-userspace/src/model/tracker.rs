@@ -260,7 +260,11 @@ impl ChangeTracker {
     /// Records a Node's zone (its `topology.kubernetes.io/zone` label: this node's decides
     /// which endpoints topology hints give it) and addresses.
     pub fn upsert_node(&mut self, name: &str, info: &NodeInfo) {
-        let zone = info.zone.as_deref().filter(|z| !z.is_empty()).map(Arc::from);
+        let zone = info
+            .zone
+            .as_deref()
+            .filter(|z| !z.is_empty())
+            .map(Arc::from);
         if self.node_zones.get(name) != Some(&zone) {
             self.node_zones.insert(name.into(), zone);
             self.nodes_changed = true;

@@ -273,7 +273,7 @@ const NFTABLES: Mode = Mode {
     },
     installed: |_| nftables::installed(),
     cleanup: |_| nftables::cleanup(),
-    inspect: |what, _| nftables::inspect::read(what),
+    inspect: |what, _| nftables::inspect::read(what, nftables::rules::TABLE),
 };
 
 const IPTABLES: Mode = Mode {

@@ -114,9 +114,7 @@ fn conntrack_delete(args: &[&str]) -> u64 {
     };
     match result {
         // conntrack exits 1 when no entry matched.
-        Ok(o) if o.status.success() || count(&o.stderr) == Some(0) => {
-            count(&o.stderr).unwrap_or(0)
-        }
+        Ok(o) if o.status.success() || count(&o.stderr) == Some(0) => count(&o.stderr).unwrap_or(0),
         Ok(o) => {
             tracing::warn!(
                 ?args,

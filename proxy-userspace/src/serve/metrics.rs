@@ -178,9 +178,19 @@ pub fn render_change_counts(out: &mut String, [services, slices]: [(u64, usize);
     ] {
         let name = format!("kubeproxy_sync_proxy_rules_{kind}_changes");
         let help = format!("Cumulative proxy rules {what} changes");
-        single(out, (&format!("{name}_total"), &help, "counter"), "", total as f64);
+        single(
+            out,
+            (&format!("{name}_total"), &help, "counter"),
+            "",
+            total as f64,
+        );
         let help = format!("Pending proxy rules {what} changes");
-        single(out, (&format!("{name}_pending"), &help, "gauge"), "", pending as f64);
+        single(
+            out,
+            (&format!("{name}_pending"), &help, "gauge"),
+            "",
+            pending as f64,
+        );
     }
 }
 
@@ -472,7 +482,10 @@ pub fn handler() -> Arc<dyn Fn(&str) -> Response + Send + Sync> {
         "/healthz" => text("200 OK", "ok".into()),
         "/proxyMode" => match METRICS.mode() {
             Some(mode) => text("200 OK", mode.into()),
-            None => text("503 Service Unavailable", "no proxy mode started yet\n".into()),
+            None => text(
+                "503 Service Unavailable",
+                "no proxy mode started yet\n".into(),
+            ),
         },
         _ => Response::not_found(),
     })
@@ -514,8 +527,14 @@ mod tests {
                         found.contains_key(base).then_some(base)
                     })
                     .unwrap_or(name);
-                let entry = found.get_mut(family).unwrap_or_else(|| panic!("{line}: no TYPE"));
-                for pair in labels.trim_end_matches('}').split(',').filter(|p| !p.is_empty()) {
+                let entry = found
+                    .get_mut(family)
+                    .unwrap_or_else(|| panic!("{line}: no TYPE"));
+                for pair in labels
+                    .trim_end_matches('}')
+                    .split(',')
+                    .filter(|p| !p.is_empty())
+                {
                     let label = pair.split_once('=').unwrap().0;
                     if label != "le" {
                         entry.1.insert(label.into());
@@ -552,8 +571,11 @@ mod tests {
                 .get(name)
                 .unwrap_or_else(|| panic!("kube-proxy's {name} is not rendered"));
             assert_eq!(got_kind, kind, "{name}'s type");
-            let want: BTreeSet<String> =
-                labels.split(',').filter(|l| *l != "-").map(String::from).collect();
+            let want: BTreeSet<String> = labels
+                .split(',')
+                .filter(|l| *l != "-")
+                .map(String::from)
+                .collect();
             assert_eq!(got_labels, &want, "{name}'s labels");
         }
         // And nothing under kube-proxy's prefix that kube-proxy does not have, apart from the
@@ -561,7 +583,9 @@ mod tests {
         let own = ["kubeproxy_sync_proxy_rules_errors_total"];
         for name in rendered.keys().filter(|n| n.starts_with("kubeproxy_")) {
             assert!(
-                documented.lines().any(|l| l.split(' ').next() == Some(name))
+                documented
+                    .lines()
+                    .any(|l| l.split(' ').next() == Some(name))
                     || own.contains(&name.as_str()),
                 "{name} is not one of kube-proxy's"
             );
@@ -589,7 +613,10 @@ mod tests {
             "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv4\",table=\"nat\"} 10",
             "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv4\",table=\"filter\"} 5",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
         }
     }
 
@@ -609,7 +636,10 @@ mod tests {
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"} 2",
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"external\"} 1",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
         }
         let found = families(&text);
         for name in [

@@ -37,7 +37,12 @@ pub fn render(out: &mut String) {
     }
     if let Some(rss) = field(24) {
         let help = "Resident memory size in bytes.";
-        single(out, gauge("process_resident_memory_bytes", help), "", rss * page);
+        single(
+            out,
+            gauge("process_resident_memory_bytes", help),
+            "",
+            rss * page,
+        );
     }
     let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
         s.lines()
@@ -45,7 +50,12 @@ pub fn render(out: &mut String) {
     });
     if let (Some(boot), Some(start)) = (boot, field(22)) {
         let help = "Start time of the process since unix epoch in seconds.";
-        single(out, gauge("process_start_time_seconds", help), "", boot + start / ticks);
+        single(
+            out,
+            gauge("process_start_time_seconds", help),
+            "",
+            boot + start / ticks,
+        );
     }
     if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
         let help = "Number of open file descriptors.";
@@ -67,7 +77,12 @@ pub fn render(out: &mut String) {
     }
     if let Some(max) = soft_limit("Max address space") {
         let help = "Maximum amount of virtual memory available in bytes.";
-        single(out, gauge("process_virtual_memory_max_bytes", help), "", max);
+        single(
+            out,
+            gauge("process_virtual_memory_max_bytes", help),
+            "",
+            max,
+        );
     }
     let version = env!("CARGO_PKG_VERSION");
     let mut parts = version.split('.');

@@ -192,7 +192,10 @@ pub async fn node_ips(client: &Client, node_name: &str) -> Vec<std::net::IpAddr>
             return Vec::new();
         }
     };
-    let ips: Vec<std::net::IpAddr> = nodes.iter().flat_map(|n| NodeInfo::of(n).addresses).collect();
+    let ips: Vec<std::net::IpAddr> = nodes
+        .iter()
+        .flat_map(|n| NodeInfo::of(n).addresses)
+        .collect();
     if ips.is_empty() {
         tracing::warn!(
             node = node_name,

@@ -298,7 +298,10 @@ mod tests {
         let changed = BTreeSet::from([web.clone()]);
         let partial = rules::render(&state, &settings, &full.chains, Some(&changed));
         let written_partial = counts.written(&partial.text);
-        assert!(written_partial[1] < written[1], "{written_partial:?} {written:?}");
+        assert!(
+            written_partial[1] < written[1],
+            "{written_partial:?} {written:?}"
+        );
         assert_eq!(counts.totals(), written, "the same rules are owned");
         state.remove_port(&web);
         let gone = rules::render(&state, &settings, &partial.chains, Some(&changed));

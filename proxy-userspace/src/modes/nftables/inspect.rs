@@ -13,13 +13,14 @@ use anyhow::Context;
 use serde_json::Value;
 
 use crate::{
+    modes::nftables::rules::Table,
     netfilter::{conntrack, rules::source_ranges_of},
     rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, protocol, range, row},
 };
 
 /// The parts of the table inspect reads.
 #[derive(Default)]
-struct Table {
+struct Listed {
     /// Map name -> its elements (key, value).
     maps: HashMap<String, Vec<(Value, Value)>>,
     /// Set name -> its default timeout (seconds) and its elements.
@@ -28,10 +29,10 @@ struct Table {
     chains: HashMap<String, Vec<Vec<Value>>>,
 }
 
-impl Table {
+impl Listed {
     fn parse(json: &str) -> anyhow::Result<Self> {
         let doc: Value = serde_json::from_str(json).context("parsing nft's JSON")?;
-        let mut table = Table::default();
+        let mut table = Listed::default();
         let items = doc["nftables"].as_array().map(Vec::as_slice).unwrap_or(&[]);
         for item in items {
             let Some((kind, object)) = item.as_object().and_then(|o| o.iter().next()) else {
@@ -248,7 +249,7 @@ struct Resolved {
 
 /// Follows `external-*` (the way in from outside: its last jump to a `service-*` or `local-*`
 /// chain is the policy's) to the chain that picks an endpoint, to the `endpoint-*` chains.
-fn resolve(table: &Table, chain: &str) -> Resolved {
+fn resolve(table: &Listed, chain: &str) -> Resolved {
     let rules = table.rules(chain);
     if chain.starts_with("external-") {
         let policy = rules
@@ -291,7 +292,7 @@ fn resolve(table: &Table, chain: &str) -> Resolved {
 /// The table does not tell external IPs from load balancer IPs: a load balancer IP with
 /// loadBalancerSourceRanges (in `firewall-ips`) shows as LoadBalancer, the others as ExternalIP.
 pub fn services(json: &str) -> anyhow::Result<Vec<ServiceRow>> {
-    let table = Table::parse(json)?;
+    let table = Listed::parse(json)?;
     let mut rows: BTreeMap<(String, &'static str), ServiceRow> = BTreeMap::new();
     let address = |addr: Option<String>, port: u16| match addr {
         Some(ip) => format!("{ip}:{port}"),
@@ -365,7 +366,7 @@ pub fn services(json: &str) -> anyhow::Result<Vec<ServiceRow>> {
 
 /// Every endpoint the table DNATs to (the `endpoint-*` chains).
 pub fn backends(json: &str) -> anyhow::Result<Vec<BackendRow>> {
-    let table = Table::parse(json)?;
+    let table = Listed::parse(json)?;
     let mut rows: Vec<BackendRow> = table
         .chains
         .iter()
@@ -401,7 +402,7 @@ fn affinity_name(set: &str) -> Option<(String, &'static str, String)> {
 /// The session affinity the kernel remembers: the elements of the `affinity-*` sets, each a
 /// client sent to the set's endpoint, with the seconds until it is forgotten.
 pub fn affinity(json: &str) -> anyhow::Result<Vec<ClientAffinityRow>> {
-    let table = Table::parse(json)?;
+    let table = Listed::parse(json)?;
     // The endpoint each set's chain DNATs to (the chain updates the set).
     let mut endpoints: HashMap<&str, String> = HashMap::new();
     for (chain, rules) in &table.chains {
@@ -441,17 +442,15 @@ pub fn affinity(json: &str) -> anyhow::Result<Vec<ClientAffinityRow>> {
     Ok(rows)
 }
 
-/// The nftables mode's table, as nft lists it in JSON.
-pub(crate) fn nft_list() -> anyhow::Result<String> {
-    let (family, table) = crate::modes::nftables::rules::TABLE
-        .split_once(' ')
-        .expect("family and name");
-    crate::command::run("nft", &["-j", "list", "table", family, table], "nftables")
+/// `table`, as nft lists it in JSON.
+pub(crate) fn nft_list(table: Table) -> anyhow::Result<String> {
+    let (family, name) = table.name.split_once(' ').expect("family and name");
+    crate::command::run("nft", &["-j", "list", "table", family, name], "nftables")
 }
 
-/// `what` of the mode's table.
-pub fn read(what: What) -> anyhow::Result<Rows> {
-    let listed = nft_list()?;
+/// `what` of `table` (the nftables mode's: [`crate::modes::nftables::rules::TABLE`]).
+pub fn read(what: What, table: Table) -> anyhow::Result<Rows> {
+    let listed = nft_list(table)?;
     Ok(match what {
         What::Services => Rows::Services {
             rows: services(&listed)?,
@@ -471,14 +470,14 @@ mod tests {
     use super::*;
     use crate::{
         dataplane::Scope,
-        modes::nftables::rules::render,
+        modes::nftables::rules::{TABLE, render},
         testing::{fixture, rule_backends},
     };
 
     fn rendered() -> String {
         let settings = crate::testing::netfilter_settings();
         let state = fixture(crate::testing::SERVICES);
-        render(&state, &settings, None, Scope::All).text
+        render(&state, &settings, TABLE, None, Scope::All).text
     }
 
     /// The golden ruleset (nftables/testdata/ruleset.golden) as `nft -j` lists it: only nft
@@ -629,7 +628,7 @@ mod tests {
         }
         let listed = crate::testing::in_new_netns(|| {
             crate::command::pipe("nft", &["-f", "-"], &rendered())?;
-            nft_list()
+            nft_list(TABLE)
         });
         check(&services(&listed).unwrap());
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -57,7 +57,13 @@ impl Dataplane for NftablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let settings = self.config.settings()?;
         // Taken: if the transaction fails, the next sync starts from an unknown table.
-        let rendered = rules::render(state, &settings, self.programmed.take(), scope);
+        let rendered = rules::render(
+            state,
+            &settings,
+            rules::TABLE,
+            self.programmed.take(),
+            scope,
+        );
         if !rendered.text.is_empty()
             && let Err(e) = nft(&rendered.text)
         {

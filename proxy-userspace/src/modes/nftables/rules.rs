@@ -49,7 +49,18 @@ use crate::{
 };
 
 /// The table, as nft commands name it.
-pub const TABLE: &str = "ip kube-proxy";
+pub const TABLE: Table = Table {
+    name: "ip kube-proxy",
+    comment: "kube-proxy's Services (kube-proxy-ebpf, nftables mode)",
+};
+
+/// An nftables table the rules are written to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// Family and name, as nft commands take them.
+    pub name: &'static str,
+    pub comment: &'static str,
+}
 
 /// The base chains: name, type, hook, priority; kube-proxy's. The source ranges are checked
 /// before DNAT (-100), on the frontend; the endpoint and cluster-IP checks after it (filter,
@@ -178,15 +189,17 @@ struct Transaction {
 pub fn render(
     state: &DesiredState,
     settings: &Settings,
+    table: Table,
     programmed: Option<Programmed>,
     scope: Scope<'_>,
 ) -> Rendered {
+    let t = table.name;
     let mut tx = Transaction::default();
     let (mut programmed, ports): (Programmed, BTreeSet<ServicePortName>) = match programmed {
         Some(p) if p.settings == *settings => match scope {
             Scope::Changed(changed) => (p, changed.clone()),
             Scope::All => {
-                fixed(&mut tx.head, settings, true);
+                fixed(&mut tx.head, settings, table, true);
                 let mut p = p;
                 // The sets and maps were flushed above: every element is written again.
                 p.elements.clear();
@@ -198,9 +211,9 @@ pub fn render(
         // gone, in the same transaction that writes it again. Adding first makes the delete
         // valid when there is no table.
         _ => {
-            let _ = writeln!(tx.head, "add table {TABLE}");
-            let _ = writeln!(tx.head, "delete table {TABLE}");
-            fixed(&mut tx.head, settings, false);
+            let _ = writeln!(tx.head, "add table {t}");
+            let _ = writeln!(tx.head, "delete table {t}");
+            fixed(&mut tx.head, settings, table, false);
             let fresh = Programmed {
                 settings: settings.clone(),
                 ..Programmed::default()
@@ -220,7 +233,7 @@ pub fn render(
         let out = &mut tx.ports;
         // First, so that nothing refers to the sets and chains replaced below.
         for chain in &old.chains {
-            let _ = writeln!(out, "flush chain {TABLE} {chain}");
+            let _ = writeln!(out, "flush chain {t} {chain}");
         }
         // An affinity set keeps its entries unless its timeout changed.
         let kept: BTreeSet<&String> = if old.affinity_timeout == new.affinity_timeout {
@@ -229,28 +242,28 @@ pub fn render(
             BTreeSet::new()
         };
         for set in old.affinity.iter().filter(|s| !kept.contains(s)) {
-            let _ = writeln!(out, "delete set {TABLE} {set}");
+            let _ = writeln!(out, "delete set {t} {set}");
         }
         for set in new.affinity.iter().filter(|s| !kept.contains(s)) {
             let _ = writeln!(
                 out,
-                "add set {TABLE} {set} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {}s ; }}",
+                "add set {t} {set} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {}s ; }}",
                 new.affinity_timeout
             );
         }
         for (chain, _) in &new.chains {
             if !old.chains.contains(chain) {
-                let _ = writeln!(out, "add chain {TABLE} {chain}");
+                let _ = writeln!(out, "add chain {t} {chain}");
             }
         }
         for (chain, rules) in &new.chains {
             for rule in rules {
-                let _ = writeln!(out, "add rule {TABLE} {chain} {rule}");
+                let _ = writeln!(out, "add rule {t} {chain} {rule}");
             }
         }
         let chains: BTreeSet<String> = new.chains.into_iter().map(|(c, _)| c).collect();
         for chain in old.chains.difference(&chains) {
-            let _ = writeln!(tx.tail, "delete chain {TABLE} {chain}");
+            let _ = writeln!(tx.tail, "delete chain {t} {chain}");
         }
 
         for key in &old.elements {
@@ -298,13 +311,10 @@ pub fn render(
         }
         let (container, key) = key;
         if was.is_some() {
-            let _ = writeln!(tx.deleted, "delete element {TABLE} {container} {{ {key} }}");
+            let _ = writeln!(tx.deleted, "delete element {t} {container} {{ {key} }}");
         }
         if let Some(rest) = now {
-            let _ = writeln!(
-                tx.added,
-                "add element {TABLE} {container} {{ {key}{rest} }}"
-            );
+            let _ = writeln!(tx.added, "add element {t} {container} {{ {key}{rest} }}");
         }
     }
 
@@ -330,30 +340,28 @@ fn winner(
 }
 
 /// The table and its fixed objects; `in_place`: they may exist already, and are emptied.
-fn fixed(out: &mut String, settings: &Settings, in_place: bool) {
-    let _ = writeln!(
-        out,
-        "add table {TABLE} {{ comment \"kube-proxy's Services (kube-proxy-ebpf, nftables mode)\" ; }}"
-    );
+fn fixed(out: &mut String, settings: &Settings, table: Table, in_place: bool) {
+    let t = table.name;
+    let _ = writeln!(out, "add table {t} {{ comment \"{}\" ; }}", table.comment);
     for (name, kind, hook, priority) in BASE_CHAINS {
         let _ = writeln!(
             out,
-            "add chain {TABLE} {name} {{ type {kind} hook {hook} priority {priority} ; }}"
+            "add chain {t} {name} {{ type {kind} hook {hook} priority {priority} ; }}"
         );
     }
     for name in FIXED_CHAINS {
-        let _ = writeln!(out, "add chain {TABLE} {name}");
+        let _ = writeln!(out, "add chain {t} {name}");
     }
     for (kind, name, what, comment) in CONTAINERS {
         let _ = writeln!(
             out,
-            "add {kind} {TABLE} {name} {{ type {what} ; comment \"{comment}\" ; }}"
+            "add {kind} {t} {name} {{ type {what} ; comment \"{comment}\" ; }}"
         );
     }
     if settings.node_port_addresses.is_some() {
         let _ = writeln!(
             out,
-            "add set {TABLE} {NODEPORT_IPS} {{ type ipv4_addr ; comment \"node addresses that NodePorts answer on\" ; }}"
+            "add set {t} {NODEPORT_IPS} {{ type ipv4_addr ; comment \"node addresses that NodePorts answer on\" ; }}"
         );
     }
     if in_place {
@@ -362,18 +370,18 @@ fn fixed(out: &mut String, settings: &Settings, in_place: bool) {
             .map(|c| c.0)
             .chain(FIXED_CHAINS.iter().copied());
         for name in chains {
-            let _ = writeln!(out, "flush chain {TABLE} {name}");
+            let _ = writeln!(out, "flush chain {t} {name}");
         }
         for (kind, name, _, _) in CONTAINERS {
-            let _ = writeln!(out, "flush {kind} {TABLE} {name}");
+            let _ = writeln!(out, "flush {kind} {t} {name}");
         }
         if settings.node_port_addresses.is_some() {
-            let _ = writeln!(out, "flush set {TABLE} {NODEPORT_IPS}");
+            let _ = writeln!(out, "flush set {t} {NODEPORT_IPS}");
         }
     }
 
     let mut rule = |chain: &str, rule: &str| {
-        let _ = writeln!(out, "add rule {TABLE} {chain} {rule}");
+        let _ = writeln!(out, "add rule {t} {chain} {rule}");
     };
     for (from, new_only, to) in JUMPS {
         let ct = if *new_only { "ct state new " } else { "" };
@@ -426,7 +434,7 @@ fn fixed(out: &mut String, settings: &Settings, in_place: bool) {
                 let addrs: Vec<String> = addrs.iter().map(Ipv4Addr::to_string).collect();
                 let _ = writeln!(
                     out,
-                    "add element {TABLE} {NODEPORT_IPS} {{ {} }}",
+                    "add element {t} {NODEPORT_IPS} {{ {} }}",
                     addrs.join(", ")
                 );
             }
@@ -732,18 +740,19 @@ pub(super) mod tests {
 
     #[test]
     fn ruleset_matches_the_golden_file() {
-        let rendered = render(&fixture(FIXTURE), &settings(), None, Scope::All);
+        let rendered = render(&fixture(FIXTURE), &settings(), TABLE, None, Scope::All);
         golden("modes/nftables", "ruleset.golden", &rendered.text);
     }
 
     #[test]
     fn partial_sync_matches_the_golden_file() {
         let state = fixture(FIXTURE);
-        let full = render(&state, &settings(), None, Scope::All);
+        let full = render(&state, &settings(), TABLE, None, Scope::All);
         let (next, changed) = changed(state);
         let partial = render(
             &next,
             &settings(),
+            TABLE,
             Some(full.programmed),
             Scope::Changed(&changed),
         );
@@ -765,6 +774,7 @@ pub(super) mod tests {
         let none = render(
             &next,
             &settings(),
+            TABLE,
             Some(partial.programmed),
             Scope::Changed(&BTreeSet::new()),
         );
@@ -774,7 +784,7 @@ pub(super) mod tests {
     #[test]
     fn full_sync_with_a_record_rewrites_in_place() {
         let state = fixture(FIXTURE);
-        let full = render(&state, &settings(), None, Scope::All);
+        let full = render(&state, &settings(), TABLE, None, Scope::All);
         assert!(
             full.text
                 .starts_with("add table ip kube-proxy\ndelete table ip kube-proxy\n")
@@ -782,6 +792,7 @@ pub(super) mod tests {
         let again = render(
             &state,
             &settings(),
+            TABLE,
             Some(full.programmed.clone()),
             Scope::All,
         );
@@ -799,6 +810,7 @@ pub(super) mod tests {
         let anew = render(
             &state,
             &other,
+            TABLE,
             Some(full.programmed),
             Scope::Changed(&BTreeSet::new()),
         );
@@ -808,7 +820,7 @@ pub(super) mod tests {
     #[test]
     fn without_a_cluster_cidr_or_with_masquerade_all() {
         let state = fixture(FIXTURE);
-        let text = render(&state, &Settings::default(), None, Scope::All).text;
+        let text = render(&state, &Settings::default(), TABLE, None, Scope::All).text;
         assert!(text.contains(
             "add rule ip kube-proxy services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports\n"
         ));
@@ -824,7 +836,7 @@ pub(super) mod tests {
             masquerade_all: true,
             ..Settings::default()
         };
-        let text = render(&state, &all, None, Scope::All).text;
+        let text = render(&state, &all, TABLE, None, Scope::All).text;
         assert!(
             text.contains("add rule ip kube-proxy service-KHN6ECMT-shop/web/tcp/http ip daddr 10.96.0.10 tcp dport 80 jump mark-for-masquerade\n"),
             "{text}"
@@ -892,10 +904,10 @@ pub(super) mod tests {
         );
         let mut programmed = None;
         let mut sync = |state: &DesiredState, settings: &Settings, scope: Scope<'_>| {
-            let rendered = render(state, settings, programmed.take(), scope);
+            let rendered = render(state, settings, TABLE, programmed.take(), scope);
             ns.apply(&rendered.text);
             programmed = Some(rendered.programmed);
-            fresh.apply(&render(state, settings, None, Scope::All).text);
+            fresh.apply(&render(state, settings, TABLE, None, Scope::All).text);
             assert_eq!(ns.table(), fresh.table(), "after:\n{}", rendered.text);
             ns.nft(&["list", "table", "ip", "kube-proxy"], "").unwrap()
         };
