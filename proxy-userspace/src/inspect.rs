@@ -48,7 +48,8 @@ fn services_table_of(rows: &[ServiceRow], ids: bool) -> String {
         let list: Vec<String> = r
             .backends
             .iter()
-            .map(|b| match ids {
+            // Id 0: none (the ebpf mode's SCTP ports, which netfilter serves).
+            .map(|b| match ids && b.id != 0 {
                 true => format!("{} {}", b.id, b.address),
                 false => b.address.clone(),
             })

@@ -63,7 +63,8 @@ fn tcp_connect_from(
 fn tcp_ready(stream: TcpStream) -> Result<(TcpStream, BufReader<TcpStream>)> {
     stream.set_read_timeout(Some(client_timeout()))?;
     stream.set_write_timeout(Some(client_timeout()))?;
-    stream.set_nodelay(true)?;
+    // SCTP sockets have no such option.
+    let _ = stream.set_nodelay(true);
     let reader = BufReader::new(stream.try_clone()?);
     Ok((stream, reader))
 }
@@ -84,6 +85,70 @@ fn tcp_exchange(
         bail!("connection closed without a reply");
     }
     Ok(String::from_utf8_lossy(&reply).trim_end().to_string())
+}
+
+/// An SCTP socket (one-to-one style: it connects, reads and writes as a TCP one does), or
+/// `None` where this kernel has no SCTP.
+fn sctp_socket(addr: SocketAddr) -> Result<Option<socket2::Socket>> {
+    let created = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::from(libc::IPPROTO_SCTP)),
+    );
+    match created {
+        Ok(socket) => Ok(Some(socket)),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EPROTONOSUPPORT | libc::ESOCKTNOSUPPORT)
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e).context("creating an SCTP socket"),
+    }
+}
+
+/// Why SCTP cannot be used in the current namespace's kernel, if it cannot.
+pub fn sctp_available() -> std::result::Result<(), String> {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    match sctp_socket(addr) {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(
+            "this kernel has no SCTP (the sctp module is neither built in nor \
+                         loadable)"
+                .into(),
+        ),
+        Err(e) => Err(format!("{e:#}")),
+    }
+}
+
+/// An SCTP listener on `addr` (accepting as a TCP one does), or `None` where this kernel has
+/// no SCTP.
+pub fn sctp_listener(addr: SocketAddr) -> Result<Option<std::net::TcpListener>> {
+    let Some(socket) = sctp_socket(addr)? else {
+        return Ok(None);
+    };
+    socket.set_reuse_address(true)?;
+    socket
+        .bind(&addr.into())
+        .with_context(|| format!("bind SCTP {addr}"))?;
+    socket.listen(128)?;
+    Ok(Some(socket.into()))
+}
+
+/// One SCTP association from inside `from`: sends `msg` as a line, returns the reply line.
+pub fn sctp_request(from: &Netns, addr: SocketAddr, msg: &str) -> Result<String> {
+    from.try_run(|| -> Result<String> {
+        let socket = sctp_socket(addr)?.context("this kernel has no SCTP")?;
+        socket
+            .connect_timeout(&addr.into(), client_timeout())
+            .map_err(|e| io_context(e, "connect"))?;
+        let (mut stream, mut reader) = tcp_ready(socket.into())?;
+        tcp_exchange(&mut stream, &mut reader, msg)
+    })
+    .and_then(|r| r)
+    .with_context(|| format!("SCTP {addr} from {}", from.name))
 }
 
 /// One TCP connection from inside `from`: sends `msg` as a line, returns the reply line

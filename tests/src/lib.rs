@@ -32,8 +32,8 @@ use std::io::Write;
 use std::sync::OnceLock;
 
 pub use client::{
-    TcpConn, UdpConn, bulk_transfer, client_timeout, http_get, spoof_tcp, tcp_request, tcp_session,
-    udp_request, udp_session,
+    TcpConn, UdpConn, bulk_transfer, client_timeout, http_get, sctp_available, sctp_listener,
+    sctp_request, spoof_tcp, tcp_request, tcp_session, udp_request, udp_session,
 };
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{

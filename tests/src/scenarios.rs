@@ -21,7 +21,7 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use proxy_userspace::{
     modes::ebpf::features::{self, Feature, Features},
-    source::manifest::Object,
+    source::manifest::{self, Object},
 };
 
 use crate::{
@@ -38,7 +38,7 @@ use crate::{
         ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, ICMP_PORT_UNREACH, Spec, fragments, icmp_error,
         set_ip_id,
     },
-    privileged, spoof_tcp, tcp_request, udp_request,
+    privileged, sctp_request, spoof_tcp, tcp_request, udp_request,
 };
 
 /// Four 4 KB UDP datagrams (fragmented both ways) from `from` to `addr`, each echoed whole.
@@ -174,6 +174,7 @@ pub const MODES: &[Mode] = &[
             ("agent-restart", PROXIED_RESTART),
             ("local-policy-shortcut", PROXIED_LOCAL),
             ("local-policy-shortcut-host", PROXIED_LOCAL),
+            ("sctp", PROXIED_SCTP),
         ],
         needs: &[],
     },
@@ -207,6 +208,27 @@ const IPVS_HOST_LOCAL: &str = "the node's own connection to a load balancer addr
 const PROXIED_LOCAL: &str = "the userspace proxy's socket for a Service's external frontends serves \
                              their policy's endpoints to every client, pods too: no in-cluster \
                              short-circuit (as with kube-proxy's userspace mode)";
+
+const PROXIED_SCTP: &str = "the userspace mode proxies TCP and UDP only (as kube-proxy's \
+                            userspace mode did); each SCTP Service port is reported as not \
+                            served";
+
+/// Scenarios that need something of the kernel whatever the mode, and how to tell; without it
+/// they are not applicable, unless `SANDBOX_NEED_SCTP` says this kernel has it (the VMs'
+/// kernels do).
+const KERNEL_NEEDS: &[KernelNeed] = &[KernelNeed {
+    scenario: "sctp",
+    has: crate::sctp_available,
+    required_by: "SANDBOX_NEED_SCTP",
+}];
+
+struct KernelNeed {
+    scenario: &'static str,
+    /// Ok, or why the kernel lacks it.
+    has: fn() -> Result<(), String>,
+    /// The variable that says the kernel must have it.
+    required_by: &'static str,
+}
 
 const PROXIED_RESTART: &str = "the userspace proxy holds both halves of every connection in its \
                                own sockets, which end with its process (as with kube-proxy's \
@@ -362,6 +384,26 @@ kind: Node
 metadata: {name: node2, labels: {topology.kubernetes.io/zone: zone-b}}
 ";
 
+/// An SCTP Service, added by its scenario alone: SCTP Service ports have the ebpf mode turn on
+/// netfilter's NAT (and with it conntrack) in the node's namespace, which the other scenarios
+/// run without.
+const SCTP_SERVICE: &str = "
+apiVersion: v1
+kind: Service
+metadata: {name: sctp, namespace: demo}
+spec: {type: NodePort, clusterIP: 10.96.0.95,
+  ports: [{name: assoc, port: 9000, protocol: SCTP, targetPort: 8080, nodePort: 30095}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: sctp-1, namespace: demo, labels: {kubernetes.io/service-name: sctp}}
+addressType: IPv4
+ports: [{name: assoc, port: 8080, protocol: SCTP}]
+endpoints:
+- {addresses: [10.244.1.11], nodeName: node1}
+- {addresses: [10.244.2.11], nodeName: node2}
+";
+
 /// The example manifest and [`EXTRA`].
 pub fn manifest() -> String {
     format!("{MANIFEST}{EXTRA}")
@@ -375,6 +417,8 @@ const STICKY: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 5
 const EMPTY: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 60)), 80);
 const RANGED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 12)), 80);
 const FENCED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 13)), 80);
+const SCTP: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 95)), 9000);
+const SCTP_NODE_PORT: u16 = 30095;
 
 fn at(ip: Ipv4Addr, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(ip), port)
@@ -1012,6 +1056,33 @@ pub const SCENARIOS: &[Scenario] = &[
         },
     },
     Scenario {
+        name: "sctp",
+        checks: "SCTP associations through a ClusterIP (from a pod) and a NodePort (from \
+                 outside) reach the endpoints on both nodes, the Service's port translated to \
+                 the target port (SCTP's checksum covers the ports)",
+        run: |w| {
+            let added = manifest::parse(SCTP_SERVICE)?.objects;
+            w.edit(|objects| objects.extend(added.iter().cloned()))?;
+            let spread = |from: &Netns, addr: SocketAddr| -> Result<BTreeSet<String>> {
+                (0..16)
+                    .map(|i| {
+                        sctp_request(from, addr, "hi").with_context(|| format!("association {i}"))
+                    })
+                    .collect()
+            };
+            eventually("the SCTP Service served", || {
+                expect_spread(spread(w.pod("client"), SCTP)?, &["be1", "be4"], "ClusterIP")
+            })?;
+            let node_port = at(NODE1_IP, SCTP_NODE_PORT);
+            expect_spread(
+                spread(&w.sandbox.ext, node_port)?,
+                &["be1", "be4"],
+                "NodePort",
+            )?;
+            w.edit(|objects| objects.retain(|o| !added.iter().any(|a| a.key() == o.key())))
+        },
+    },
+    Scenario {
         name: "inspect",
         checks: "`inspect services` reads the mode's own state: web's endpoints, the NodePort",
         run: |w| {
@@ -1220,6 +1291,16 @@ pub fn run_launched(test: &str, mode_id: &str, shape: Shape, launch: Launch) {
                     .iter()
                     .find(|(name, f)| *name == scenario.name && !kernel.has(f))?;
                 Some(lacking.lacking())
+            })
+            .or_else(|| {
+                let need = KERNEL_NEEDS.iter().find(|n| n.scenario == scenario.name)?;
+                let lacking = (need.has)().err()?;
+                let required_by = need.required_by;
+                assert!(
+                    std::env::var_os(required_by).is_none(),
+                    "{test}: {lacking} ({required_by} is set)"
+                );
+                Some(lacking)
             });
         let outcome = match not_applicable {
             Some(why) => Outcome::NotApplicable(why),

@@ -168,12 +168,13 @@ fn main() -> anyhow::Result<()> {
                     // that run only here (IPVS) from them.
                     .env("VM_RW_DIR", &parity_vm)
                     .env("PARITY_RESULTS_DIR", &parity_vm)
-                    // These kernels have IPVS: its tests must run, not skip.
+                    // These kernels have IPVS and SCTP: their tests must run, not skip.
                     .env("SANDBOX_NEED_IPVS", "1")
+                    .env("SANDBOX_NEED_SCTP", "1")
                     .env(
                         "VM_PASS_ENV",
                         "SANDBOX_TIMEOUT_SCALE RUST_TEST_THREADS SANDBOX_NO_SKIP RUST_BACKTRACE \
-                     PARITY_RESULTS_DIR SANDBOX_NEED_IPVS",
+                     PARITY_RESULTS_DIR SANDBOX_NEED_IPVS SANDBOX_NEED_SCTP",
                     );
                 run(&mut cmd)
             };

@@ -81,6 +81,23 @@ impl DesiredState {
         self.endpoints.retain(|spn, _| services.contains_key(spn));
     }
 
+    /// A copy holding only the Service ports `keep` says yes to, with their endpoints (the
+    /// ports are shared, not copied).
+    pub fn only(&self, keep: impl Fn(&ServicePortName) -> bool) -> Self {
+        Self {
+            services: (self.services.iter())
+                .filter(|(spn, _)| keep(spn))
+                .map(|(spn, port)| (spn.clone(), Arc::clone(port)))
+                .collect(),
+            endpoints: (self.endpoints.iter())
+                .filter(|(spn, _)| keep(spn))
+                .map(|(spn, eps)| (spn.clone(), eps.clone()))
+                .collect(),
+            node_name: self.node_name.clone(),
+            node_zone: self.node_zone.clone(),
+        }
+    }
+
     /// A Service port to change in place (copied first if the tracker shares it).
     pub fn port_mut(&mut self, spn: &ServicePortName) -> Option<&mut ServicePort> {
         self.services.get_mut(spn).map(Arc::make_mut)

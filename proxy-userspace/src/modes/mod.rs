@@ -247,10 +247,12 @@ const EBPF: Mode = Mode {
         let node_ips = config.node_ips.clone();
         let addresses = config.node_port_addresses.clone();
         let lifetimes = config.ct_lifetimes;
+        let netfilter = config.netfilter();
         Ok(Box::new(ebpf::start(
             node_ips,
             addresses,
             lifetimes,
+            netfilter,
             &mut config.ebpf,
         )?))
     },

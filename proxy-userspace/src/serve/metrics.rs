@@ -84,6 +84,7 @@ struct Inner {
     iptables_rules_last: [usize; 2],
     iptables_rules_total: [usize; 2],
     nftables_sync_failures: u64,
+    unserved_sctp_ports: usize,
 }
 
 impl Default for Inner {
@@ -108,6 +109,7 @@ impl Default for Inner {
             iptables_rules_last: [0; 2],
             iptables_rules_total: [0; 2],
             nftables_sync_failures: 0,
+            unserved_sctp_ports: 0,
         }
     }
 }
@@ -279,6 +281,12 @@ impl Metrics {
         self.inner.lock().unwrap().nftables_sync_failures += 1;
     }
 
+    /// How many SCTP Service ports the mode cannot serve (each is also logged and reported
+    /// in an Event).
+    pub fn unserved_sctp_ports(&self, count: usize) {
+        self.inner.lock().unwrap().unserved_sctp_ports = count;
+    }
+
     /// Adds metrics that `collector` reads when they are scraped.
     pub fn add_collector(&self, collector: Collector) {
         self.collectors.lock().unwrap().push(collector);
@@ -372,6 +380,16 @@ impl Metrics {
             ),
             "",
             m.sync_errors as f64,
+        );
+        single(
+            out,
+            gauge(
+                "kubeproxy_unserved_service_ports",
+                "Service ports the running mode cannot serve (SCTP in the userspace mode, and in \
+                 the ebpf mode where nft cannot run); not one of kube-proxy's",
+            ),
+            "protocol=\"SCTP\"",
+            m.unserved_sctp_ports as f64,
         );
         for (name, help, probes) in [
             (
@@ -580,7 +598,10 @@ mod tests {
         }
         // And nothing under kube-proxy's prefix that kube-proxy does not have, apart from the
         // agent's own families, which say so in their help.
-        let own = ["kubeproxy_sync_proxy_rules_errors_total"];
+        let own = [
+            "kubeproxy_sync_proxy_rules_errors_total",
+            "kubeproxy_unserved_service_ports",
+        ];
         for name in rendered.keys().filter(|n| n.starts_with("kubeproxy_")) {
             assert!(
                 documented

@@ -1,4 +1,5 @@
-//! The backend server of the sandbox pods: answers with its name over TCP and UDP.
+//! The backend server of the sandbox pods: answers with its name over TCP and UDP (and SCTP
+//! where the kernel has it).
 //!
 //! `sandbox-backend --name be1 --port 8080`
 //! - UDP: replies `<name>\n` to each datagram.
@@ -9,6 +10,7 @@
 //!   `<name> <client ip>:<client port>` instead: the source address the backend sees.
 //! - A UDP datagram or TCP line starting with `echo ` gets `<name> ` and itself back: a big
 //!   request gets as big an answer (fragmented both ways over UDP).
+//! - SCTP (one-to-one sockets, on the same port) answers as TCP does, lines only.
 //! - A TCP line `bulk <n>` gets `<name>\n`, then the next `n` bytes the client sends echoed
 //!   back as they come, then the connection closes: a bulk transfer both ways, checked by the
 //!   client.
@@ -40,6 +42,13 @@ fn main() -> Result<()> {
     let udp = UdpSocket::bind(addr).with_context(|| format!("bind UDP {addr}"))?;
     let tcp = TcpListener::bind(addr).with_context(|| format!("bind TCP {addr}"))?;
     let name: &'static str = Box::leak(args.name.into_boxed_str());
+    if let Some(sctp) = proxy_tests::sctp_listener(addr)? {
+        std::thread::spawn(move || {
+            for stream in sctp.incoming().flatten() {
+                std::thread::spawn(move || serve_tcp(stream, name));
+            }
+        });
+    }
 
     std::thread::spawn(move || serve_udp(udp, name));
     for stream in tcp.incoming() {
@@ -99,7 +108,8 @@ const HTTP_METHODS: &[&[u8]] = &[
 
 fn serve_tcp(mut stream: TcpStream, name: &str) -> std::io::Result<()> {
     let peer = stream.peer_addr()?;
-    stream.set_nodelay(true)?;
+    // SCTP sockets have no such option.
+    let _ = stream.set_nodelay(true);
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = Vec::new();
     if reader.read_until(b'\n', &mut line)? == 0 {

@@ -293,16 +293,30 @@ pub fn monotonic_ns() -> u64 {
 }
 
 /// `what` of the maps pinned in `pin_dir`.
+/// The SCTP Service ports, which netfilter translates, are listed from their nftables table
+/// beside the maps' frontends and backends (without ids).
 pub fn read(what: What, pin_dir: &Path) -> anyhow::Result<Rows> {
+    let sctp = |what| -> anyhow::Result<Option<Rows>> {
+        if !crate::modes::nftables::exists(super::sctp::TABLE.name) {
+            return Ok(None);
+        }
+        crate::modes::nftables::inspect::read(what, super::sctp::TABLE).map(Some)
+    };
     Ok(match what {
-        What::Services => Rows::Services {
-            rows: services(pin_dir)?,
-            ids: true,
-        },
-        What::Backends => Rows::Backends {
-            rows: backends(pin_dir)?,
-            ids: true,
-        },
+        What::Services => {
+            let mut rows = services(pin_dir)?;
+            if let Some(Rows::Services { rows: more, .. }) = sctp(what)? {
+                rows.extend(more);
+            }
+            Rows::Services { rows, ids: true }
+        }
+        What::Backends => {
+            let mut rows = backends(pin_dir)?;
+            if let Some(Rows::Backends { rows: more, .. }) = sctp(what)? {
+                rows.extend(more);
+            }
+            Rows::Backends { rows, ids: true }
+        }
         What::Conntrack => Rows::Flows(conntrack(pin_dir)?),
         What::Affinity => Rows::Affinity(affinity(pin_dir)?),
     })

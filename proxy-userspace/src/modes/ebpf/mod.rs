@@ -12,6 +12,7 @@ pub mod maglev;
 pub mod netfilter_flows;
 pub mod plan;
 pub mod pod_interfaces;
+pub mod sctp;
 mod stale_sockets;
 pub mod writer;
 
@@ -50,6 +51,7 @@ use super::CtLifetimes;
 use crate::{
     dataplane::{Dataplane, Scope},
     model::DesiredState,
+    netfilter::rules::NetfilterConfig,
     node::NodePortAddresses,
 };
 
@@ -425,6 +427,7 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
 pub fn cleanup(pin_dir: &Path) -> anyhow::Result<()> {
     let detached = detach_all(pin_dir)? + cgroup::detach_all(pin_dir)?;
     netfilter_flows::release();
+    sctp::remove_table()?;
     let mut removed = 0;
     // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
     for name in LAYOUTS.map(|l| l.name) {
@@ -477,6 +480,7 @@ pub fn start(
     node_ips: Vec<IpAddr>,
     node_port_addresses: NodePortAddresses,
     ct_lifetimes: CtLifetimes,
+    netfilter: NetfilterConfig,
     config: &mut StartConfig,
 ) -> anyhow::Result<EbpfDataplane> {
     let lock = config.preload.lock(&config.pin_dir)?;
@@ -491,7 +495,7 @@ pub fn start(
                 mode: config.xdp_mode,
                 snat_ports: config.snat_ports,
             };
-            EbpfDataplane::new(loaded, config, external)
+            EbpfDataplane::new(loaded, config, external, netfilter)
         });
     match started {
         Ok(mut dp) => {
@@ -578,9 +582,10 @@ pub fn lock_pin_dir(pin_dir: &Path) -> anyhow::Result<bpffs::PinDirLock> {
     bpffs::PinDirLock::acquire(pin_dir)
 }
 
-/// Whether an ebpf-mode run's maps are pinned in `pin_dir`.
+/// Whether an ebpf-mode run's maps are pinned in `pin_dir`, or its SCTP ports' table is here.
 pub fn installed(pin_dir: &Path) -> bool {
     pin_dir.join(proxy_common::MAP_SERVICES).exists()
+        || crate::modes::nftables::exists(sctp::TABLE.name)
 }
 
 /// Whether the maps pinned in `pin_dir` hold services: an earlier run synced (and took over)
@@ -600,6 +605,8 @@ fn filled(pin_dir: &Path) -> bool {
 /// interfaces by a thread of their own (so that a new pod never waits for a sync).
 pub struct EbpfDataplane {
     maps: MapWriter,
+    /// The SCTP Service ports, which netfilter translates.
+    sctp: sctp::SctpPorts,
     programs: Programs,
     pin_dir: PathBuf,
     /// Host-network UDP sockets are told when their endpoint leaves: the socket programs serve
@@ -660,6 +667,7 @@ impl EbpfDataplane {
         loaded: Loaded,
         config: &mut StartConfig,
         external: ExternalConfig,
+        netfilter: NetfilterConfig,
     ) -> anyhow::Result<Self> {
         let pin_dir = config.pin_dir.as_path();
         let cgroup = config.cgroup_path.as_path();
@@ -693,6 +701,7 @@ impl EbpfDataplane {
         )?;
         let mut dataplane = Self {
             maps,
+            sctp: sctp::SctpPorts::new(netfilter),
             pin_dir: pin_dir.to_owned(),
             tell_host_udp_sockets: host_clients.is_some(),
             programs: Programs::Ready(Box::new(TakeOver {
@@ -785,7 +794,8 @@ impl Dataplane for EbpfDataplane {
         let synced = self.maps.sync(state, scope);
         self.take_over()?;
         self.tell_stale_udp_sockets();
-        synced
+        synced?;
+        self.sctp.sync(state, scope)
     }
 
     /// Also ends the drains whose period is over (full syncs do too, but they come once an

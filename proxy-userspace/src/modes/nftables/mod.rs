@@ -30,21 +30,7 @@ impl NftablesDataplane {
     /// Checks that nft works here. What an earlier run left in the table is replaced at the
     /// first sync.
     pub fn new(config: NetfilterConfig) -> anyhow::Result<Self> {
-        let output = Command::new("nft")
-            .args(["list", "tables"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-            .context(
-                "running nft: the nftables mode needs the nft command (the nftables package)",
-            )?;
-        if !output.status.success() {
-            bail!(
-                "nft list tables failed ({}): {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            );
-        }
+        available()?;
         Ok(Self {
             config,
             programmed: None,
@@ -76,8 +62,26 @@ impl Dataplane for NftablesDataplane {
     }
 }
 
+/// Whether nft runs here: Ok, or why not.
+pub(crate) fn available() -> anyhow::Result<()> {
+    let output = Command::new("nft")
+        .args(["list", "tables"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .context("running nft: the nftables mode needs the nft command (the nftables package)")?;
+    if !output.status.success() {
+        bail!(
+            "nft list tables failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 /// Runs `nft -f -` on `input`: one transaction, all or nothing.
-fn nft(input: &str) -> anyhow::Result<()> {
+pub(crate) fn nft(input: &str) -> anyhow::Result<()> {
     crate::command::pipe("nft", &["-f", "-"], input)
 }
 
@@ -86,7 +90,7 @@ fn nft(input: &str) -> anyhow::Result<()> {
 const TABLES: &[&str] = &["ip kube-proxy", "ip6 kube-proxy"];
 
 /// Whether `table` exists here (false also when nft cannot be run).
-fn exists(table: &str) -> bool {
+pub(crate) fn exists(table: &str) -> bool {
     Command::new("nft")
         .args(["list", "table"])
         .args(table.split(' '))

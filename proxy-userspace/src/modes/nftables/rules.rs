@@ -156,6 +156,11 @@ struct PortObjects {
 }
 
 impl Programmed {
+    /// Whether the table holds no Service port.
+    pub fn is_empty(&self) -> bool {
+        self.ports.is_empty()
+    }
+
     /// The per-Service-port chains in the table.
     pub fn chains(&self) -> impl Iterator<Item = &str> {
         self.ports

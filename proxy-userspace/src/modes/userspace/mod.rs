@@ -226,7 +226,17 @@ impl UserspaceDataplane {
                 && self.unsupported.insert(spn.clone())
             {
                 tracing::warn!(service = %spn, "not proxied: the userspace mode has no SCTP");
+                let note = format!(
+                    "SCTP port {spn} is not served on this node: the userspace mode has no SCTP \
+                     (as kube-proxy's had none)"
+                );
+                let service = crate::events::Regarding::Service(&spn.service);
+                crate::events::record(service, true, "SCTPNotServed", "Sync", Some(note));
             }
+            if port.is_none() {
+                self.unsupported.remove(spn);
+            }
+            crate::serve::metrics::METRICS.unserved_sctp_ports(self.unsupported.len());
             return Ok(());
         };
         let affinity = port
