@@ -376,6 +376,20 @@ endpoints:
 - {addresses: [10.244.2.11], nodeName: node2, zone: zone-b, hints: {forZones: [{name: zone-b}]}}
 ---
 apiVersion: v1
+kind: Service
+metadata: {name: proxied, namespace: demo}
+spec: {type: LoadBalancer, clusterIP: 10.96.0.72,
+  ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30092}]}
+status: {loadBalancer: {ingress: [{ip: 203.0.113.14, ipMode: Proxy}, {ip: 203.0.113.15, ipMode: VIP}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: proxied-1, namespace: demo, labels: {kubernetes.io/service-name: proxied}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.244.1.12], nodeName: node1}]
+---
+apiVersion: v1
 kind: Node
 metadata: {name: node1, labels: {topology.kubernetes.io/zone: zone-a}}
 ---
@@ -417,6 +431,8 @@ const STICKY: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 5
 const EMPTY: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 60)), 80);
 const RANGED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 12)), 80);
 const FENCED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 13)), 80);
+const PROXIED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 14)), 80);
+const VIP_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 15)), 80);
 const SCTP: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 95)), 9000);
 const SCTP_NODE_PORT: u16 = 30095;
 
@@ -760,6 +776,20 @@ pub const SCENARIOS: &[Scenario] = &[
                 &["be2", "be4"],
                 "LB",
             )
+        },
+    },
+    Scenario {
+        name: "load-balancer-ip-mode",
+        checks: "a load balancer address with ipMode Proxy is left to the load balancer (not \
+                 programmed: the node does not answer it, KEP-1860), one with ipMode VIP is \
+                 served",
+        run: |w| {
+            expect_spread(
+                tcp_spread(&w.sandbox.ext, VIP_LB, 4)?,
+                &["be2"],
+                "ipMode VIP",
+            )?;
+            not_served(&w.sandbox.ext, PROXIED_LB, "ipMode Proxy").map(drop)
         },
     },
     Scenario {
