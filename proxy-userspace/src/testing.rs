@@ -60,6 +60,10 @@ pub(crate) fn fixture(text: &str) -> DesiredState {
                 tracker.update_slice(slice).unwrap();
             }
             Object::Node(_) => {}
+            Object::ServiceCidr(cidr) => {
+                let name = cidr.metadata.name.as_deref().unwrap_or_default();
+                tracker.upsert_service_cidr(name, crate::kubernetes::service_cidrs_of(cidr));
+            }
         }
     }
     let mut state = DesiredState::new("node1");

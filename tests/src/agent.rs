@@ -668,6 +668,7 @@ pub fn edit_manifest(path: &Path, edit: impl FnOnce(&mut Vec<Object>)) -> Result
             Object::Service(s) => serde_yaml::to_string(s)?,
             Object::EndpointSlice(s) => serde_yaml::to_string(s)?,
             Object::Node(n) => serde_yaml::to_string(n)?,
+            Object::ServiceCidr(c) => serde_yaml::to_string(c)?,
         });
     }
     let tmp = path.with_extension("tmp");

@@ -3,8 +3,8 @@
 //! the JSON the API returns. Point a client at it with [`ApiServer::kubeconfig`].
 //!
 //! Covered, as the real API server does it:
-//! - Resources `services` and `endpointslices` (namespaced, also listed across namespaces) and
-//!   `nodes` (cluster-scoped): list, watch, and GET of one object by name.
+//! - Resources `services` and `endpointslices` (namespaced, also listed across namespaces),
+//!   `nodes` and `servicecidrs` (cluster-scoped): list, watch, and GET of one object by name.
 //! - One global resourceVersion counter, as etcd has: every write bumps it and stamps
 //!   `metadata.resourceVersion`; creation sets `uid` and `creationTimestamp`, which updates keep.
 //!   An update that changes nothing is a no-op (no new version, no event), as in the API.
@@ -82,10 +82,16 @@ enum Resource {
     Services,
     EndpointSlices,
     Nodes,
+    ServiceCidrs,
 }
 
 impl Resource {
-    const ALL: [Resource; 3] = [Self::Services, Self::EndpointSlices, Self::Nodes];
+    const ALL: [Resource; 4] = [
+        Self::Services,
+        Self::EndpointSlices,
+        Self::Nodes,
+        Self::ServiceCidrs,
+    ];
 
     fn index(self) -> usize {
         self as usize
@@ -96,6 +102,7 @@ impl Resource {
             Self::Services => "services",
             Self::EndpointSlices => "endpointslices",
             Self::Nodes => "nodes",
+            Self::ServiceCidrs => "servicecidrs",
         }
     }
 
@@ -104,12 +111,14 @@ impl Resource {
             Self::Services => "Service",
             Self::EndpointSlices => "EndpointSlice",
             Self::Nodes => "Node",
+            Self::ServiceCidrs => "ServiceCIDR",
         }
     }
 
     fn group(self) -> &'static str {
         match self {
             Self::EndpointSlices => "discovery.k8s.io",
+            Self::ServiceCidrs => "networking.k8s.io",
             _ => "",
         }
     }
@@ -117,12 +126,13 @@ impl Resource {
     fn api_version(self) -> &'static str {
         match self {
             Self::EndpointSlices => "discovery.k8s.io/v1",
+            Self::ServiceCidrs => "networking.k8s.io/v1",
             _ => "v1",
         }
     }
 
     fn namespaced(self) -> bool {
-        self != Self::Nodes
+        !matches!(self, Self::Nodes | Self::ServiceCidrs)
     }
 
     /// By kind ("Service") or resource ("services").
@@ -214,7 +224,7 @@ struct State {
     rv: u64,
     /// Watches and exact lists from before this version get 410.
     compacted: u64,
-    stores: [Store; 3],
+    stores: [Store; 4],
     /// Every event after `compacted`, in resourceVersion order.
     history: Vec<Event>,
     /// Bumped by `bookmark()`.
@@ -227,7 +237,7 @@ struct State {
     requests: Vec<Request>,
     /// Events posted (events.k8s.io/v1), with the patches made to them merged in.
     posted_events: Vec<Value>,
-    watchers: [usize; 3],
+    watchers: [usize; 4],
     conns: HashMap<u64, TcpStream>,
     next_conn: u64,
     next_uid: u64,
@@ -311,7 +321,7 @@ impl ApiServer {
                 forbidden: HashSet::new(),
                 requests: Vec::new(),
                 posted_events: Vec::new(),
-                watchers: [0; 3],
+                watchers: [0; 4],
                 conns: HashMap::new(),
                 next_conn: 0,
                 next_uid: 0,

@@ -389,6 +389,11 @@ addressType: IPv4
 ports: [{name: http, port: 8080, protocol: TCP}]
 endpoints: [{addresses: [10.244.1.12], nodeName: node1}]
 ---
+apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata: {name: kubernetes}
+spec: {cidrs: [10.96.0.0/16]}
+---
 apiVersion: v1
 kind: Node
 metadata: {name: node1, labels: {topology.kubernetes.io/zone: zone-a}}

@@ -12,12 +12,13 @@ use serde_yaml::Value;
 /// The Kubernetes version the manifest is validated against.
 const KUBERNETES_VERSION: &str = "1.34.0";
 
-/// What the agent calls: list+watch of Services, EndpointSlices and (its own) Node, and the
-/// Events it posts (created, and patched when one repeats).
+/// What the agent calls: list+watch of Services, EndpointSlices, (its own) Node and
+/// ServiceCIDRs, and the Events it posts (created, and patched when one repeats).
 const WATCHED: &[(&str, &str)] = &[
     ("", "services"),
     ("discovery.k8s.io", "endpointslices"),
     ("", "nodes"),
+    ("networking.k8s.io", "servicecidrs"),
 ];
 const VERBS: &[&str] = &["list", "watch"];
 const POSTED: (&str, &str) = ("events.k8s.io", "events");

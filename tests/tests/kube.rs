@@ -602,3 +602,54 @@ fn a_taken_health_port_fails_the_start_with_an_event() {
         "{event}"
     );
 }
+
+/// The ServiceCIDR objects the API serves reach the nftables mode, which drops traffic to the
+/// unallocated cluster IPs in them, as kube-proxy's does; a range deleted is dropped no more.
+#[test]
+fn service_cidrs_from_the_api_drop_unallocated_cluster_ips() {
+    if !privileged("service_cidrs_from_the_api_drop_unallocated_cluster_ips") {
+        return;
+    }
+    let mut sandbox = Sandbox::build().unwrap();
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let api = api_on_node1(&sandbox);
+    let extra = ["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"];
+    let agent =
+        AgentRun::start_with_args(&mut sandbox, "node1", AgentSource::Api(&api), 0, &extra).unwrap();
+    let check_chain = |sandbox: &Sandbox| -> String {
+        sandbox
+            .node1
+            .try_run(|| {
+                std::process::Command::new("nft")
+                    .args(["list", "chain", "ip", "kube-proxy", "cluster-ips-check"])
+                    .output()
+            })
+            .unwrap()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap()
+    };
+    let drops = |text: &str| text.contains("ip daddr 10.96.0.0/16 drop");
+    assert!(!drops(&check_chain(&sandbox)), "no ServiceCIDR yet");
+    api.apply(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": "kubernetes"},
+        "spec": {"cidrs": ["10.96.0.0/16", "fd00:10:96::/112"]},
+    }));
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
+    while !drops(&check_chain(&sandbox)) {
+        assert!(
+            Instant::now() < deadline,
+            "no drop rule: {}\n{}",
+            check_chain(&sandbox),
+            agent.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    api.delete("ServiceCIDR", None, "kubernetes");
+    let deadline = Instant::now() + proxy_tests::patience(Duration::from_secs(10));
+    while drops(&check_chain(&sandbox)) {
+        assert!(Instant::now() < deadline, "the drop rule stays");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

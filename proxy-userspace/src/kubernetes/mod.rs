@@ -9,6 +9,7 @@ use k8s_openapi::{
     api::{
         core::v1::{Node, Service},
         discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
@@ -18,7 +19,8 @@ pub use self::{
     slice::LAST_CHANGE_TRIGGER_TIME,
 };
 use crate::model::{
-    ChangeTracker, NamespacedName, Protocol, ReducedService, ReducedSlice, SkippedEndpoint, shared,
+    ChangeTracker, Cidr, NamespacedName, Protocol, ReducedService, ReducedSlice, SkippedEndpoint,
+    shared,
 };
 
 /// Links an EndpointSlice to the Service it belongs to (in the slice's namespace).
@@ -56,6 +58,25 @@ impl NodeInfo {
                 .collect(),
         }
     }
+}
+
+/// The IPv4 ranges a ServiceCIDR object allocates cluster IPs from (`spec.cidrs`); a range
+/// that does not parse is left out with a warning (the API server validates them).
+pub fn service_cidrs_of(object: &ServiceCIDR) -> Vec<Cidr> {
+    let name = object.metadata.name.as_deref().unwrap_or_default();
+    let cidrs = object.spec.as_ref().and_then(|s| s.cidrs.as_ref());
+    cidrs
+        .into_iter()
+        .flatten()
+        .filter_map(|text| match text.parse::<Cidr>() {
+            Ok(cidr) => Some(cidr),
+            Err(e) => {
+                tracing::warn!(service_cidr = name, "skipping the range {text:?}: {e}");
+                None
+            }
+        })
+        .filter(|cidr| cidr.as_v4().is_some())
+        .collect()
 }
 
 /// An object that cannot be programmed. The tracker keeps the last valid version of it.

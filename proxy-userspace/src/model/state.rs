@@ -2,7 +2,7 @@
 //! sends to.
 use std::{collections::BTreeMap, sync::Arc};
 
-use super::{Endpoint, Hints, ServicePort, ServicePortName};
+use super::{Cidr, Endpoint, Hints, ServicePort, ServicePortName};
 
 /// What the dataplane should program. Read through its methods: the modes do not depend on
 /// how it is kept.
@@ -17,6 +17,8 @@ pub struct DesiredState {
     node_name: String,
     /// This node's zone (its Node's `topology.kubernetes.io/zone` label), for topology hints.
     pub(super) node_zone: Option<Arc<str>>,
+    /// The ranges cluster IPs are allocated from (the ServiceCIDR objects'), sorted.
+    pub(super) service_cidrs: Vec<Cidr>,
 }
 
 impl DesiredState {
@@ -31,6 +33,12 @@ impl DesiredState {
     /// This node's name: endpoints whose `nodeName` it is are local.
     pub fn node_name(&self) -> &str {
         &self.node_name
+    }
+
+    /// The ranges cluster IPs are allocated from (the ServiceCIDR objects'), sorted; empty
+    /// when none is known.
+    pub fn service_cidrs(&self) -> &[Cidr] {
+        &self.service_cidrs
     }
 
     /// Every Service port, in name order.
@@ -95,6 +103,7 @@ impl DesiredState {
                 .collect(),
             node_name: self.node_name.clone(),
             node_zone: self.node_zone.clone(),
+            service_cidrs: self.service_cidrs.clone(),
         }
     }
 

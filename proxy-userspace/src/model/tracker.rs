@@ -11,7 +11,7 @@ use std::{
 use crate::kubernetes::NodeInfo;
 
 use super::{
-    DesiredState, Endpoint, Hints, NamespacedName, Protocol, ServicePort, ServicePortName,
+    Cidr, DesiredState, Endpoint, Hints, NamespacedName, Protocol, ServicePort, ServicePortName,
 };
 
 /// An endpoint left out of an EndpointSlice whose other endpoints are used, as kube-proxy skips
@@ -115,6 +115,10 @@ pub struct ChangeTracker {
     node_addresses: HashMap<Arc<str>, Vec<IpAddr>>,
     /// A Node changed since the last [`ChangeTracker::apply`].
     nodes_changed: bool,
+    /// The ServiceCIDR objects' IPv4 ranges, by name.
+    service_cidrs: HashMap<Arc<str>, Vec<Cidr>>,
+    /// A ServiceCIDR changed since the last [`ChangeTracker::apply`].
+    service_cidrs_changed: bool,
     /// Service and EndpointSlice events received (see [`ChangeTracker::change_counts`]).
     service_changes: ChangeCount,
     slice_changes: ChangeCount,
@@ -254,7 +258,7 @@ impl ChangeTracker {
     ///
     /// [`apply`]: ChangeTracker::apply
     pub fn has_pending(&self) -> bool {
-        !self.pending.is_empty() || self.nodes_changed
+        !self.pending.is_empty() || self.nodes_changed || self.service_cidrs_changed
     }
 
     /// Records a Node's zone (its `topology.kubernetes.io/zone` label: this node's decides
@@ -280,6 +284,26 @@ impl ChangeTracker {
     pub fn delete_node(&mut self, name: &str) {
         self.nodes_changed |= self.node_zones.remove(name).is_some();
         self.node_addresses.remove(name);
+    }
+
+    /// Records the ranges of the ServiceCIDR object `name`.
+    pub fn upsert_service_cidr(&mut self, name: &str, cidrs: Vec<Cidr>) {
+        if self.service_cidrs.get(name) != Some(&cidrs) {
+            self.service_cidrs.insert(name.into(), cidrs);
+            self.service_cidrs_changed = true;
+        }
+    }
+
+    pub fn delete_service_cidr(&mut self, name: &str) {
+        self.service_cidrs_changed |= self.service_cidrs.remove(name).is_some();
+    }
+
+    /// The names of the ServiceCIDR objects known.
+    pub fn service_cidr_keys(&self) -> Vec<NamespacedName> {
+        self.service_cidrs
+            .keys()
+            .map(|name| NamespacedName::new("", Arc::clone(name)))
+            .collect()
     }
 
     /// The addresses of the Node called `name`, when it is known.
@@ -347,6 +371,12 @@ impl ChangeTracker {
             changed
         };
         self.apply_node_zone(state, &mut changed);
+        if std::mem::take(&mut self.service_cidrs_changed) {
+            let mut cidrs: Vec<Cidr> = self.service_cidrs.values().flatten().copied().collect();
+            cidrs.sort();
+            cidrs.dedup();
+            state.service_cidrs = cidrs;
+        }
         changed
     }
 

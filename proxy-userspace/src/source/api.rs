@@ -1,5 +1,5 @@
-//! The Kubernetes source: Services, EndpointSlices and this node's Node, watched through the API
-//! server with kube-runtime watchers, as kube-proxy's informers do.
+//! The Kubernetes source: Services, EndpointSlices, this node's Node and the ServiceCIDRs,
+//! watched through the API server with kube-runtime watchers, as kube-proxy's informers do.
 //!
 //! Each watcher lists, then watches from the list's resourceVersion. When a watch cannot resume
 //! (410 Gone after compaction, or a restart after the server was unreachable) the watcher lists
@@ -22,6 +22,7 @@ use k8s_openapi::{
     api::{
         core::v1::{Node, Service},
         discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
     },
     serde::de::DeserializeOwned,
 };
@@ -33,7 +34,7 @@ use kube::{
 use tokio::sync::oneshot;
 
 use crate::{
-    kubernetes::{InvalidObject, NodeInfo},
+    kubernetes::{InvalidObject, NodeInfo, service_cidrs_of},
     model::{ChangeTracker, NamespacedName},
     serve::healthz::ProxyHealth,
     sync::SyncHandle,
@@ -92,6 +93,7 @@ pub async fn run(
         ChangeTracker::slice_keys,
         move || gate.lock().unwrap().done(|g| &mut g.slices),
     );
+    let service_cidrs = watch_service_cidrs(client.clone(), tracker.clone(), sync.clone());
     let node = {
         let name = node_name.clone();
         // Whether the node was seen (and not deleted since): a re-list without it deletes it.
@@ -127,8 +129,52 @@ pub async fn run(
             || {},
         )
     };
-    tokio::try_join!(services, slices, node)?;
+    tokio::try_join!(services, slices, node, service_cidrs)?;
     anyhow::bail!("the API watches ended")
+}
+
+/// Watches the ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33) into the tracker.
+/// Where the API has none (an older cluster) or the agent may not list them, says so once and
+/// does without: traffic to unallocated cluster IPs is then not dropped.
+async fn watch_service_cidrs(
+    client: Client,
+    tracker: Arc<Mutex<ChangeTracker>>,
+    sync: SyncHandle,
+) -> anyhow::Result<()> {
+    let api: Api<ServiceCIDR> = Api::all(client);
+    if let Err(kube::Error::Api(status)) =
+        api.list(&kube::api::ListParams::default().limit(1)).await
+        && (status.code == 404 || status.is_forbidden())
+    {
+        tracing::info!(
+            "no ServiceCIDRs ({}): traffic to unallocated cluster IPs is not dropped",
+            if status.code == 404 {
+                "the API server has no networking.k8s.io/v1 servicecidrs: before Kubernetes 1.33"
+            } else {
+                "the agent's ClusterRole does not allow listing servicecidrs"
+            }
+        );
+        return std::future::pending().await;
+    }
+    let known_tracker = Arc::clone(&tracker);
+    watch(
+        api,
+        watcher::Config::default(),
+        move |change| {
+            let mut t = tracker.lock().unwrap();
+            match change {
+                Change::Apply(object) => {
+                    let name = object.metadata.name.as_deref().unwrap_or_default();
+                    t.upsert_service_cidr(name, service_cidrs_of(&object));
+                }
+                Change::Delete(key) => t.delete_service_cidr(&key.name),
+            }
+            sync.request();
+        },
+        move || known_tracker.lock().unwrap().service_cidr_keys(),
+        || {},
+    )
+    .await
 }
 
 /// Watches one kind into the tracker: every change is applied there and requests a sync.

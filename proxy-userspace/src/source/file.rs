@@ -21,8 +21,8 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
 
-use crate::kubernetes::{InvalidObject, NodeInfo};
-use crate::model::{ChangeTracker, NamespacedName, ReducedService, ReducedSlice};
+use crate::kubernetes::{InvalidObject, NodeInfo, service_cidrs_of};
+use crate::model::{ChangeTracker, Cidr, NamespacedName, ReducedService, ReducedSlice};
 use crate::source::manifest::{self, ManifestError, Object};
 use crate::sync::SyncHandle;
 
@@ -149,6 +149,8 @@ enum Entry {
     Slice(Result<ReducedSlice, InvalidObject>),
     /// A Node: its name, zone label and addresses.
     Node(NamespacedName, NodeInfo),
+    /// A ServiceCIDR: its name and IPv4 ranges.
+    ServiceCidr(NamespacedName, Vec<Cidr>),
 }
 
 impl Entry {
@@ -157,6 +159,7 @@ impl Entry {
             Object::Service(svc) => Entry::Service(ReducedService::parse(svc)),
             Object::EndpointSlice(slice) => Entry::Slice(ReducedSlice::parse(slice)),
             Object::Node(node) => Entry::Node(object.key(), NodeInfo::of(node)),
+            Object::ServiceCidr(cidr) => Entry::ServiceCidr(object.key(), service_cidrs_of(cidr)),
         }
     }
 
@@ -166,7 +169,7 @@ impl Entry {
             Entry::Service(Ok(update)) => &update.key,
             Entry::Slice(Ok(update)) => &update.key,
             Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => &invalid.key,
-            Entry::Node(key, _) => key,
+            Entry::Node(key, _) | Entry::ServiceCidr(key, _) => key,
         }
     }
 }
@@ -309,6 +312,10 @@ impl FileSource {
                     tracker.upsert_node(&key.name, info);
                     None
                 }
+                Entry::ServiceCidr(key, cidrs) => {
+                    tracker.upsert_service_cidr(&key.name, cidrs.clone());
+                    None
+                }
                 Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => Some(invalid),
             };
             if let Some(invalid) = invalid {
@@ -325,6 +332,7 @@ impl FileSource {
                 Entry::Service(_) => tracker.delete_service(&key.1),
                 Entry::Slice(_) => tracker.delete_slice(&key.1),
                 Entry::Node(..) => tracker.delete_node(&key.1.name),
+                Entry::ServiceCidr(..) => tracker.delete_service_cidr(&key.1.name),
             }
         }
         drop(tracker);

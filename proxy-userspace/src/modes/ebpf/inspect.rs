@@ -296,12 +296,7 @@ pub fn monotonic_ns() -> u64 {
 /// The SCTP Service ports, which netfilter translates, are listed from their nftables table
 /// beside the maps' frontends and backends (without ids).
 pub fn read(what: What, pin_dir: &Path) -> anyhow::Result<Rows> {
-    let sctp = |what| -> anyhow::Result<Option<Rows>> {
-        if !crate::modes::nftables::exists(super::sctp::TABLE.name) {
-            return Ok(None);
-        }
-        crate::modes::nftables::inspect::read(what, super::sctp::TABLE).map(Some)
-    };
+    let sctp = super::sctp::read;
     Ok(match what {
         What::Services => {
             let mut rows = services(pin_dir)?;

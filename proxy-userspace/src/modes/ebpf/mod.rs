@@ -584,8 +584,7 @@ pub fn lock_pin_dir(pin_dir: &Path) -> anyhow::Result<bpffs::PinDirLock> {
 
 /// Whether an ebpf-mode run's maps are pinned in `pin_dir`, or its SCTP ports' table is here.
 pub fn installed(pin_dir: &Path) -> bool {
-    pin_dir.join(proxy_common::MAP_SERVICES).exists()
-        || crate::modes::nftables::exists(sctp::TABLE.name)
+    pin_dir.join(proxy_common::MAP_SERVICES).exists() || sctp::installed()
 }
 
 /// Whether the maps pinned in `pin_dir` hold services: an earlier run synced (and took over)

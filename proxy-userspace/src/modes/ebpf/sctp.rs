@@ -20,12 +20,14 @@ use crate::{
         rules::{Programmed, Table},
     },
     netfilter::rules::NetfilterConfig,
+    rows::{Rows, What},
     serve::metrics::METRICS,
 };
 
 pub const TABLE: Table = Table {
     name: "ip kube-proxy-ebpf-sctp",
     comment: "SCTP Service ports (kube-proxy-ebpf, ebpf mode: netfilter translates SCTP)",
+    drops_unallocated: false,
 };
 
 fn is_sctp(spn: &ServicePortName) -> bool {
@@ -131,9 +133,22 @@ impl SctpPorts {
     }
 }
 
+/// Whether the table is here.
+pub fn installed() -> bool {
+    nftables::exists(TABLE.name)
+}
+
+/// `what` of the table, as the nftables mode's reader reads it; None without the table.
+pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
+    match installed() {
+        true => nftables::inspect::read(what, TABLE).map(Some),
+        false => Ok(None),
+    }
+}
+
 /// Removes the table (`--cleanup`, and a start with no SCTP port); none: nothing done.
 pub fn remove_table() -> anyhow::Result<()> {
-    if nftables::exists(TABLE.name) {
+    if installed() {
         nftables::nft(&format!("delete table {}\n", TABLE.name))?;
         tracing::info!(table = TABLE.name, "removed the SCTP Service ports' table");
     }

@@ -52,6 +52,7 @@ use crate::{
 pub const TABLE: Table = Table {
     name: "ip kube-proxy",
     comment: "kube-proxy's Services (kube-proxy-ebpf, nftables mode)",
+    drops_unallocated: true,
 };
 
 /// An nftables table the rules are written to.
@@ -60,6 +61,9 @@ pub struct Table {
     /// Family and name, as nft commands take them.
     pub name: &'static str,
     pub comment: &'static str,
+    /// Whether traffic to an unallocated cluster IP in the state's Service CIDRs is dropped
+    /// (kube-proxy's `cluster-ips-check`): by the table that serves every Service.
+    pub drops_unallocated: bool,
 }
 
 /// The base chains: name, type, hook, priority; kube-proxy's. The source ranges are checked
@@ -137,6 +141,8 @@ type ElementKey = (&'static str, String);
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Programmed {
     settings: Settings,
+    /// The Service CIDRs the fixed rules drop unallocated cluster IPs of.
+    service_cidrs: Vec<String>,
     ports: BTreeMap<ServicePortName, PortObjects>,
     /// Every element with the Service ports that want it and what each wants after its key
     /// (comment, verdict); the first port's is written. Several ports want one element: every
@@ -199,12 +205,19 @@ pub fn render(
     scope: Scope<'_>,
 ) -> Rendered {
     let t = table.name;
+    let cidrs: Vec<String> = match table.drops_unallocated {
+        true => (state.service_cidrs().iter())
+            .filter(|c| c.as_v4().is_some())
+            .map(ToString::to_string)
+            .collect(),
+        false => Vec::new(),
+    };
     let mut tx = Transaction::default();
     let (mut programmed, ports): (Programmed, BTreeSet<ServicePortName>) = match programmed {
-        Some(p) if p.settings == *settings => match scope {
+        Some(p) if p.settings == *settings && p.service_cidrs == cidrs => match scope {
             Scope::Changed(changed) => (p, changed.clone()),
             Scope::All => {
-                fixed(&mut tx.head, settings, table, true);
+                fixed(&mut tx.head, settings, table, &cidrs, true);
                 let mut p = p;
                 // The sets and maps were flushed above: every element is written again.
                 p.elements.clear();
@@ -218,9 +231,10 @@ pub fn render(
         _ => {
             let _ = writeln!(tx.head, "add table {t}");
             let _ = writeln!(tx.head, "delete table {t}");
-            fixed(&mut tx.head, settings, table, false);
+            fixed(&mut tx.head, settings, table, &cidrs, false);
             let fresh = Programmed {
                 settings: settings.clone(),
+                service_cidrs: cidrs.clone(),
                 ..Programmed::default()
             };
             (fresh, state.port_names().cloned().collect())
@@ -345,7 +359,7 @@ fn winner(
 }
 
 /// The table and its fixed objects; `in_place`: they may exist already, and are emptied.
-fn fixed(out: &mut String, settings: &Settings, table: Table, in_place: bool) {
+fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], in_place: bool) {
     let t = table.name;
     let _ = writeln!(out, "add table {t} {{ comment \"{}\" ; }}", table.comment);
     for (name, kind, hook, priority) in BASE_CHAINS {
@@ -406,6 +420,17 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, in_place: bool) {
         "cluster-ips-check",
         &format!("ip daddr @{CLUSTER_IPS} reject comment \"undefined port of a cluster IP\""),
     );
+    // Then, past every allocated one, a cluster IP no Service has (kube-proxy's rule, from the
+    // ServiceCIDR objects).
+    if !cidrs.is_empty() {
+        rule(
+            "cluster-ips-check",
+            &format!(
+                "ip daddr {{ {} }} drop comment \"drop traffic to unallocated cluster IPs\"",
+                cidrs.join(", ")
+            ),
+        );
+    }
     let by_frontend = "ip daddr . meta l4proto . th dport vmap";
     rule("services", &format!("{by_frontend} @{SERVICE_IPS}"));
     rule(

@@ -2,14 +2,18 @@
 //! `kubectl get -o yaml`.
 //!
 //! A file may hold several documents (`---`), `kind: List` objects with `items` (also
-//! ServiceList, EndpointSliceList...), or JSON values. Services, EndpointSlices and Nodes (this
-//! node's gives its zone) are kept, other kinds are counted and skipped. One broken object does not spoil the rest; only a file that is
-//! not YAML at all is rejected as a whole, because then nothing in it can be trusted.
+//! ServiceList, EndpointSliceList...), or JSON values. Services, EndpointSlices, Nodes (this
+//! node's gives its zone and addresses) and ServiceCIDRs are kept, other kinds are counted and
+//! skipped. One broken object does not spoil the rest; only a file that is not YAML at all is
+//! rejected as a whole, because then nothing in it can be trusted.
 
 use std::fmt;
 
-use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    networking::v1::ServiceCIDR,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -34,6 +38,9 @@ pub enum Object {
     /// Nodes: this node's gives its zone (for topology hints), as its Node object does from
     /// the API server.
     Node(Node),
+    /// The cluster's Service IP ranges: traffic to an unallocated cluster IP in them is dropped
+    /// (the nftables mode, as kube-proxy's).
+    ServiceCidr(ServiceCIDR),
 }
 
 impl Object {
@@ -42,6 +49,7 @@ impl Object {
             Object::Service(_) => "Service",
             Object::EndpointSlice(_) => "EndpointSlice",
             Object::Node(_) => "Node",
+            Object::ServiceCidr(_) => "ServiceCIDR",
         }
     }
 
@@ -62,6 +70,7 @@ impl Object {
             Object::Service(svc) => &svc.metadata,
             Object::EndpointSlice(slice) => &slice.metadata,
             Object::Node(node) => &node.metadata,
+            Object::ServiceCidr(cidr) => &cidr.metadata,
         }
     }
 
@@ -70,6 +79,7 @@ impl Object {
             Object::Service(svc) => &mut svc.metadata,
             Object::EndpointSlice(slice) => &mut slice.metadata,
             Object::Node(node) => &mut node.metadata,
+            Object::ServiceCidr(cidr) => &mut cidr.metadata,
         }
     }
 }
@@ -282,6 +292,7 @@ impl<F: FnMut(Object)> Parser<'_, F> {
             "Service" => self.deserialize(index, path, value, &kind, Object::Service),
             "EndpointSlice" => self.deserialize(index, path, value, &kind, Object::EndpointSlice),
             "Node" => self.deserialize(index, path, value, &kind, Object::Node),
+            "ServiceCIDR" => self.deserialize(index, path, value, &kind, Object::ServiceCidr),
             // `kubectl get -o yaml` prints a List; typed lists (ServiceList...) look the same.
             list if list.ends_with("List") => {
                 let items = value.as_mapping_mut().and_then(|m| m.remove("items"));
@@ -736,7 +747,7 @@ endpoints:
                 Object::EndpointSlice(slice) => {
                     tracker.update_slice(slice).unwrap();
                 }
-                Object::Node(_) => {}
+                Object::Node(_) | Object::ServiceCidr(_) => {}
             }
         }
         let mut state = crate::model::DesiredState::default();
@@ -762,7 +773,7 @@ endpoints:
                 Object::EndpointSlice(slice) => {
                     assert_eq!(tracker.update_slice(slice).unwrap(), []);
                 }
-                Object::Node(_) => {}
+                Object::Node(_) | Object::ServiceCidr(_) => {}
             }
         }
         let mut state = crate::model::DesiredState::default();
