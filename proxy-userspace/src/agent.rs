@@ -93,7 +93,7 @@ pub async fn run(
         }
         Source::File(_) => None,
     };
-    // Bound before anything else, so that a taken port fails the start with a clear error.
+    // Bound before the source starts, so that a taken port fails the start with a clear error.
     let mut running = Vec::new();
     for (addr, flag, handler) in servers {
         let Some(addr) = addr else { continue };
@@ -102,8 +102,8 @@ pub async fn run(
             Err(e) => {
                 if flag == HEALTHZ_FLAG {
                     let node = Regarding::Node(&config.node_name);
-                    let note = Some(format!("{e:#}"));
-                    let (reason, action) = ("FailedToStartProxierHealthcheck", "StartKubeProxy");
+                    let note = Some(format!("failed to start proxier healthz on {addr}: {e:#}"));
+                    let (reason, action) = ("FailedToStartProxierHealthcheck", "Listen");
                     events::record(node, true, reason, action, note);
                     events::flush(Duration::from_secs(2)).await;
                 }
@@ -120,7 +120,8 @@ pub async fn run(
     export_change_counts(tracker.clone());
     let from_file = matches!(config.source, Source::File(_));
     let (synced_tx, synced_rx) = oneshot::channel();
-    // The Node object's addresses (API source only), for --nodeport-addresses primary.
+    // The Node object's addresses, for --nodeport-addresses primary: read from the API here,
+    // from the manifest once it is loaded.
     let mut node_ips = Vec::new();
     let mut source = match config.source {
         Source::File(path) => tokio::spawn(source::file::run(

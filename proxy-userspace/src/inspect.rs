@@ -95,11 +95,12 @@ pub fn backends_table(rows: &[BackendRow]) -> String {
     let mut out = format!("{:>8} {:<24} {:<5} STATE\n", "ID", "ADDRESS", "PROTO");
     for r in rows {
         let state = if r.draining { "draining" } else { "active" };
-        let _ = writeln!(
-            out,
-            "{:>8} {:<24} {:<5} {state}",
-            r.id, r.address, r.protocol
-        );
+        // Id 0: none (the ebpf mode's SCTP ports, which netfilter serves).
+        let id = match r.id {
+            0 => "-".to_owned(),
+            id => id.to_string(),
+        };
+        let _ = writeln!(out, "{id:>8} {:<24} {:<5} {state}", r.address, r.protocol);
     }
     out
 }

@@ -613,9 +613,14 @@ fn service_cidrs_from_the_api_drop_unallocated_cluster_ips() {
     let mut sandbox = Sandbox::build().unwrap();
     sandbox.start_backends(BACKEND_PORT).unwrap();
     let api = api_on_node1(&sandbox);
-    let extra = ["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"];
-    let agent =
-        AgentRun::start_with_args(&mut sandbox, "node1", AgentSource::Api(&api), 0, &extra).unwrap();
+    let extra = [
+        "--proxy-mode",
+        "nftables",
+        "--cluster-cidr",
+        "10.244.0.0/16",
+    ];
+    let agent = AgentRun::start_with_args(&mut sandbox, "node1", AgentSource::Api(&api), 0, &extra)
+        .unwrap();
     let check_chain = |sandbox: &Sandbox| -> String {
         sandbox
             .node1

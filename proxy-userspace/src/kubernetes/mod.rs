@@ -38,24 +38,34 @@ pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 pub struct NodeInfo {
     /// Its [`ZONE_LABEL`], for topology hints.
     pub zone: Option<String>,
-    /// Its InternalIP and ExternalIP addresses, in the Node's order: what kube-proxy's
-    /// `--nodeport-addresses primary` serves NodePorts on, and whose change makes kube-proxy
-    /// exit to start again with them.
+    /// Its host addresses as kube-proxy's `GetNodeHostIPs` takes them: the first InternalIP
+    /// (else ExternalIP) address, then the first of the other family, if any. NodePorts
+    /// answer on them with `--nodeport-addresses primary`, and kube-proxy exits to start
+    /// again when they change.
     pub addresses: Vec<IpAddr>,
 }
 
 impl NodeInfo {
     pub fn of(node: &Node) -> Self {
         let labels = node.metadata.labels.as_ref();
-        let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
-        Self {
-            zone: labels.and_then(|l| l.get(ZONE_LABEL)).cloned(),
-            addresses: addresses
+        let listed = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+        let of_type = |kind: &'static str| {
+            listed
                 .into_iter()
                 .flatten()
-                .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
-                .filter_map(|a| a.address.parse().ok())
-                .collect(),
+                .filter(move |a| a.type_ == kind)
+                .filter_map(|a| a.address.parse::<IpAddr>().ok())
+        };
+        let all: Vec<IpAddr> = of_type("InternalIP").chain(of_type("ExternalIP")).collect();
+        let mut addresses: Vec<IpAddr> = all.first().copied().into_iter().collect();
+        if let Some(first) = all.first()
+            && let Some(other) = all.iter().find(|ip| ip.is_ipv6() != first.is_ipv6())
+        {
+            addresses.push(*other);
+        }
+        Self {
+            zone: labels.and_then(|l| l.get(ZONE_LABEL)).cloned(),
+            addresses,
         }
     }
 }

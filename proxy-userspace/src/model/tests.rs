@@ -206,6 +206,32 @@ fn add_update_delete_service() {
     assert!(!tracker.has_pending());
 }
 
+/// kube-proxy's change counts: every Service event, pending until applied; EndpointSlices
+/// only where proxied (kube-proxy's informers never see the others).
+#[test]
+fn change_counts() {
+    let mut tracker = ChangeTracker::new();
+    let mut state = DesiredState::default();
+    tracker.update_service(&service(WEB)).unwrap();
+    tracker
+        .update_service(&service(&WEB.replace("port: 9090", "port: 9100")))
+        .unwrap();
+    tracker
+        .update_slice(&web_slice("web-1", &["10.244.1.11"]))
+        .unwrap();
+    assert_eq!(tracker.change_counts(), [(2, 1), (1, 1)]);
+    tracker.apply(&mut state);
+    assert_eq!(tracker.change_counts(), [(2, 0), (1, 0)]);
+    let mut headless = web_slice("web-2", &["10.244.1.12"]);
+    let labels = headless.metadata.labels.get_or_insert_default();
+    labels.insert(HEADLESS_LABEL.into(), String::new());
+    tracker.update_slice(&headless).unwrap();
+    tracker.delete_slice(&nn("default", "never-seen"));
+    assert_eq!(tracker.change_counts(), [(2, 0), (1, 0)]);
+    tracker.delete_slice(&nn("default", "web-1"));
+    assert_eq!(tracker.change_counts(), [(2, 0), (2, 1)]);
+}
+
 #[test]
 fn service_fields() {
     let svc = service(

@@ -179,11 +179,13 @@ impl ChangeTracker {
     /// not already reported for this slice are returned, to be logged.
     pub fn upsert_slice(&mut self, update: &ReducedSlice) -> Vec<SkippedEndpoint> {
         let key = &update.key;
-        self.slice_changes.record(key);
+        // One not proxied is not counted (kube-proxy's informers never see it), unless it
+        // was proxied before: then it is gone.
         let Some(info) = &update.info else {
             self.delete_slice(key);
             return Vec::new();
         };
+        self.slice_changes.record(key);
         let skipped = &update.skipped;
         let reported = self.skipped.remove(key).unwrap_or_default();
         let new: Vec<SkippedEndpoint> = skipped
@@ -225,11 +227,11 @@ impl ChangeTracker {
 
     /// Forgets the slice named `key` (its own namespace/name).
     pub fn delete_slice(&mut self, key: &NamespacedName) {
-        self.slice_changes.record(key);
         self.skipped.remove(key);
         let Some(owner) = self.slices.get(key).map(|s| s.service.clone()) else {
             return;
         };
+        self.slice_changes.record(key);
         self.change(&owner, |t| {
             t.unlink_slice(&owner, key);
             t.slices.remove(key);

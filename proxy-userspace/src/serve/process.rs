@@ -63,11 +63,11 @@ pub fn render(out: &mut String) {
     }
     let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
     // "Max open files            1024                 524288               files": the soft
-    // limit; "unlimited" is reported as -1, as the Go collector does.
+    // limit; "unlimited" is reported as the largest 64-bit value, as the Go collector does.
     let soft_limit = |name: &str| -> Option<f64> {
         let value = limits.lines().find_map(|l| l.strip_prefix(name))?;
         match value.split_whitespace().next()? {
-            "unlimited" => Some(-1.0),
+            "unlimited" => Some(u64::MAX as f64),
             n => n.parse().ok(),
         }
     };

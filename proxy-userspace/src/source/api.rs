@@ -225,9 +225,9 @@ impl Gate {
     }
 }
 
-/// This node's primary addresses, as kube-proxy's `--nodeport-addresses primary` takes them: the
-/// Node object's InternalIP and ExternalIP addresses. Empty (with a warning) when the Node
-/// cannot be read: the caller then falls back to the default route's interface.
+/// This node's primary addresses, as kube-proxy's `--nodeport-addresses primary` takes them
+/// ([`NodeInfo::addresses`]). Empty (with a warning) when the Node cannot be read: the caller
+/// then falls back to the default route's interface.
 pub async fn node_ips(client: &Client, node_name: &str) -> Vec<std::net::IpAddr> {
     let api: Api<Node> = Api::all(client.clone());
     let params = kube::api::ListParams::default().fields(&format!("metadata.name={node_name}"));

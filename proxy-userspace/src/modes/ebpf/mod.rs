@@ -793,8 +793,9 @@ impl Dataplane for EbpfDataplane {
         let synced = self.maps.sync(state, scope);
         self.take_over()?;
         self.tell_stale_udp_sockets();
-        synced?;
-        self.sctp.sync(state, scope)
+        // Whatever the maps could take (a full map is reported, and the sync is not failed).
+        let sctp = self.sctp.sync(state, scope);
+        synced.and(sctp)
     }
 
     /// Also ends the drains whose period is over (full syncs do too, but they come once an

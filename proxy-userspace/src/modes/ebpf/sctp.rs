@@ -27,7 +27,8 @@ use crate::{
 pub const TABLE: Table = Table {
     name: "ip kube-proxy-ebpf-sctp",
     comment: "SCTP Service ports (kube-proxy-ebpf, ebpf mode: netfilter translates SCTP)",
-    drops_unallocated: false,
+    // The programs serve the other protocols' ports of these cluster IPs.
+    checks_cluster_ips: false,
 };
 
 fn is_sctp(spn: &ServicePortName) -> bool {
@@ -55,31 +56,28 @@ impl SctpPorts {
     }
 
     /// Writes the SCTP ports of `state` that `scope` names (all of them when the table's
-    /// content is not known).
+    /// content is not known). The renderer sees the SCTP ports alone, whichever way it goes
+    /// (a settings change, say, makes it write the table anew).
     pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let changed: BTreeSet<ServicePortName>;
-        let only_sctp: DesiredState;
-        let (state, scope) = match scope {
+        let scope = match scope {
             Scope::Changed(all) => {
                 changed = all.iter().filter(|spn| is_sctp(spn)).cloned().collect();
                 if changed.is_empty() {
                     return Ok(());
                 }
                 match self.programmed {
-                    Some(_) => (state, Scope::Changed(&changed)),
-                    None => {
-                        only_sctp = state.only(is_sctp);
-                        (&only_sctp, Scope::All)
-                    }
+                    Some(_) => Scope::Changed(&changed),
+                    None => Scope::All,
                 }
             }
-            Scope::All => {
-                only_sctp = state.only(is_sctp);
-                (&only_sctp, Scope::All)
-            }
+            Scope::All => Scope::All,
         };
+        let state = &state.only(is_sctp);
         if self.programmed.is_none() && state.port_count() == 0 {
-            // Nothing to serve, and maybe a table of an earlier run to remove.
+            // Nothing to serve (nor to report as not served), and maybe a table of an earlier
+            // run to remove.
+            self.report(state, "");
             return remove_table();
         }
         if let Some(why) = self.unavailable.clone() {

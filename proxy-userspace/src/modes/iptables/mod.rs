@@ -95,7 +95,6 @@ impl IptablesDataplane {
         let chains = service_chains(config.backend, "nat").context(
             "the iptables mode needs iptables-save and iptables-restore (the iptables package)",
         )?;
-        export_invalid_drops(config.backend);
         Ok(Self {
             config,
             chains,
@@ -122,6 +121,8 @@ impl Dataplane for IptablesDataplane {
         self.chains = rendered.chains;
         let last = self.rules.written(&rendered.text);
         METRICS.iptables_rules(last, self.rules.totals());
+        // Read here rather than at each scrape: the sync holds no runtime thread it would block.
+        METRICS.iptables_invalid_drops(invalid_drops(self.config.backend));
         // The chains exist now; the jumps to them are checked once and at each full or
         // periodic sync (something else may have flushed the built-in chains).
         if !self.jumps_checked || scope.checks_jumps() {
@@ -133,38 +134,32 @@ impl Dataplane for IptablesDataplane {
     }
 }
 
-/// On `/metrics`: kube-proxy's `kubeproxy_iptables_ct_state_invalid_dropped_packets_total`,
-/// the packets KUBE-FORWARD's `--ctstate INVALID` rule dropped, read from its counter at
-/// each scrape (kube-proxy reads an nfacct object its rule updates). Left out when it cannot
-/// be read (before the first sync wrote the chain).
-fn export_invalid_drops(backend: Backend) {
-    METRICS.add_collector(Box::new(move |out| {
-        let listed = std::process::Command::new(backend.tool("iptables"))
-            .args(["-w", "-t", "filter", "-L", "KUBE-FORWARD", "-v", "-x", "-n"])
-            .stderr(std::process::Stdio::null())
-            .output();
-        let Ok(listed) = listed.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()) else {
-            return;
-        };
-        // "   12   720 DROP  0  --  *  *  0.0.0.0/0  0.0.0.0/0  ctstate INVALID"
-        let packets = listed.lines().find_map(|line| {
+/// The packets KUBE-FORWARD's `--ctstate INVALID` rule dropped, from its counter (kube-proxy
+/// reads an nfacct object its rule updates); None when it cannot be read.
+fn invalid_drops(backend: Backend) -> Option<u64> {
+    let listed = std::process::Command::new(backend.tool("iptables"))
+        .args([
+            "-w",
+            "5",
+            "-t",
+            "filter",
+            "-L",
+            "KUBE-FORWARD",
+            "-v",
+            "-x",
+            "-n",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    // "   12   720 DROP  0  --  *  *  0.0.0.0/0  0.0.0.0/0  ctstate INVALID"
+    String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .find_map(|line| {
             let mut words = line.split_whitespace();
             let packets = words.next()?.parse::<u64>().ok()?;
             (words.nth(1) == Some("DROP") && line.contains("ctstate INVALID")).then_some(packets)
-        });
-        if let Some(packets) = packets {
-            crate::serve::metrics::single(
-                out,
-                (
-                    "kubeproxy_iptables_ct_state_invalid_dropped_packets_total",
-                    "packets dropped by iptables to work around conntrack problems",
-                    "counter",
-                ),
-                "",
-                packets as f64,
-            );
-        }
-    }));
+        })
 }
 
 /// The rules in each chain the mode wrote, by table, as kube-proxy counts them for

@@ -52,7 +52,7 @@ use crate::{
 pub const TABLE: Table = Table {
     name: "ip kube-proxy",
     comment: "kube-proxy's Services (kube-proxy-ebpf, nftables mode)",
-    drops_unallocated: true,
+    checks_cluster_ips: true,
 };
 
 /// An nftables table the rules are written to.
@@ -61,9 +61,10 @@ pub struct Table {
     /// Family and name, as nft commands take them.
     pub name: &'static str,
     pub comment: &'static str,
-    /// Whether traffic to an unallocated cluster IP in the state's Service CIDRs is dropped
-    /// (kube-proxy's `cluster-ips-check`): by the table that serves every Service.
-    pub drops_unallocated: bool,
+    /// Whether traffic to a cluster IP at a port no Service has is rejected, and traffic to an
+    /// unallocated cluster IP in the state's Service CIDRs dropped (kube-proxy's
+    /// `cluster-ips-check`): by the table that serves every protocol.
+    pub checks_cluster_ips: bool,
 }
 
 /// The base chains: name, type, hook, priority; kube-proxy's. The source ranges are checked
@@ -205,7 +206,7 @@ pub fn render(
     scope: Scope<'_>,
 ) -> Rendered {
     let t = table.name;
-    let cidrs: Vec<String> = match table.drops_unallocated {
+    let cidrs: Vec<String> = match table.checks_cluster_ips {
         true => (state.service_cidrs().iter())
             .filter(|c| c.as_v4().is_some())
             .map(ToString::to_string)
@@ -214,11 +215,14 @@ pub fn render(
     };
     let mut tx = Transaction::default();
     let (mut programmed, ports): (Programmed, BTreeSet<ServicePortName>) = match programmed {
-        Some(p) if p.settings == *settings && p.service_cidrs == cidrs => match scope {
-            Scope::Changed(changed) => (p, changed.clone()),
-            Scope::All => {
+        Some(p) if p.settings == *settings => match scope {
+            Scope::Changed(changed) if p.service_cidrs == cidrs => (p, changed.clone()),
+            // Everything, in place (a Service CIDR change too: affinity sets keep their
+            // entries).
+            _ => {
                 fixed(&mut tx.head, settings, table, &cidrs, true);
                 let mut p = p;
+                p.service_cidrs.clone_from(&cidrs);
                 // The sets and maps were flushed above: every element is written again.
                 p.elements.clear();
                 let all = state.port_names().chain(p.ports.keys()).cloned().collect();
@@ -416,10 +420,12 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], 
     rule("masquerading", "masquerade fully-random");
     rule("reject-chain", "reject");
     // After DNAT: a cluster IP still there was sent to a port no Service port defines.
-    rule(
-        "cluster-ips-check",
-        &format!("ip daddr @{CLUSTER_IPS} reject comment \"undefined port of a cluster IP\""),
-    );
+    if table.checks_cluster_ips {
+        rule(
+            "cluster-ips-check",
+            &format!("ip daddr @{CLUSTER_IPS} reject comment \"undefined port of a cluster IP\""),
+        );
+    }
     // Then, past every allocated one, a cluster IP no Service has (kube-proxy's rule, from the
     // ServiceCIDR objects).
     if !cidrs.is_empty() {
@@ -845,6 +851,48 @@ pub(super) mod tests {
             Scope::Changed(&BTreeSet::new()),
         );
         assert!(anew.text.contains("delete table ip kube-proxy\n"));
+    }
+
+    /// A ServiceCIDR appearing rewrites the fixed rules in place, with the drop of unallocated
+    /// cluster IPs after the undefined-port reject; the affinity sets keep their entries.
+    #[test]
+    fn a_service_cidr_change_rewrites_in_place() {
+        let cut = FIXTURE
+            .find("kind: ServiceCIDR")
+            .expect("the fixture's ServiceCIDR");
+        let without = fixture(&FIXTURE[..FIXTURE[..cut].rfind("---").unwrap()]);
+        assert!(without.service_cidrs().is_empty());
+        let full = render(&without, &settings(), TABLE, None, Scope::All);
+        assert!(!full.text.contains("unallocated"), "{}", full.text);
+        let with = fixture(FIXTURE);
+        let changed = render(
+            &with,
+            &settings(),
+            TABLE,
+            Some(full.programmed),
+            Scope::Changed(&BTreeSet::new()),
+        );
+        let text = &changed.text;
+        assert!(!text.contains("delete table"), "{text}");
+        assert!(!text.contains("set ip kube-proxy affinity-"), "{text}");
+        let reject = text
+            .find("cluster-ips-check ip daddr @cluster-ips reject")
+            .unwrap();
+        let drop = text
+            .find("cluster-ips-check ip daddr { 10.96.0.0/16 } drop")
+            .unwrap();
+        assert!(reject < drop, "{text}");
+        // The SCTP table of the ebpf mode checks no cluster IP.
+        let sctp = Table {
+            name: "ip other",
+            comment: "",
+            checks_cluster_ips: false,
+        };
+        let text = render(&with, &settings(), sctp, None, Scope::All).text;
+        assert!(
+            !text.contains("add rule ip other cluster-ips-check"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -35,8 +35,8 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 pub enum Object {
     Service(Service),
     EndpointSlice(EndpointSlice),
-    /// Nodes: this node's gives its zone (for topology hints), as its Node object does from
-    /// the API server.
+    /// Nodes: this node's gives its zone (for topology hints) and addresses, as its Node
+    /// object does from the API server.
     Node(Node),
     /// The cluster's Service IP ranges: traffic to an unallocated cluster IP in them is dropped
     /// (the nftables mode, as kube-proxy's).
