@@ -136,11 +136,16 @@ pub fn installed() -> bool {
     nftables::exists(TABLE.name)
 }
 
-/// `what` of the table, as the nftables mode's reader reads it; None without the table.
+/// `what` of the table, as the nftables mode's reader reads it; None without the table (also
+/// when the running agent removes it meanwhile: its last SCTP port went).
 pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
-    match installed() {
-        true => nftables::inspect::read(what, TABLE).map(Some),
-        false => Ok(None),
+    if !installed() {
+        return Ok(None);
+    }
+    match nftables::inspect::read(what, TABLE) {
+        Ok(rows) => Ok(Some(rows)),
+        Err(_) if !installed() => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
