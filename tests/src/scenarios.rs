@@ -68,7 +68,15 @@ fn fragment_flood(
     let SocketAddr::V4(dst) = dst else {
         unreachable!("IPv4 frontends")
     };
-    let ids: Vec<(u16, u16)> = (0..500)
+    // 200 datagrams, 400 fragments: well under the kernel's reassembly memory
+    // (`ipfrag_high_thresh`, 4 MB a namespace). Where netfilter defragments (every netfilter
+    // mode, and the ebpf mode where conntrack is on), each incomplete datagram is held 30 s,
+    // and past that limit every new fragment is dropped until they expire: a flood of that
+    // size denies fragmented traffic to any defragmenting proxy, kube-proxy's included, and is
+    // not what this checks. With 500, 4 KB datagrams after the flood went unanswered on 6.1
+    // in the IPVS mode (bridge shape, once) and in the ebpf mode while conntrack was on; this
+    // limit is the likely cause, not proven.
+    let ids: Vec<(u16, u16)> = (0..200)
         .map(|_| (random.next() as u16, random.next() as u16))
         .collect();
     ids.into_iter()
