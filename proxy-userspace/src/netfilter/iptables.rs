@@ -149,6 +149,13 @@ impl Jump {
         if op == "-I" {
             args.push("1");
         }
+        args.extend(self.rule());
+        iptables(b, self.table, &args)
+    }
+
+    /// The rule's matches and target.
+    fn rule(&self) -> Vec<&'static str> {
+        let mut args = Vec::new();
         if self.new_only {
             args.extend(["-m", "conntrack", "--ctstate", "NEW"]);
         }
@@ -161,7 +168,14 @@ impl Jump {
             "-j",
             self.target,
         ]);
-        iptables(b, self.table, &args)
+        args
+    }
+
+    /// The jump added to a model of the tables (the packet tracer's).
+    #[cfg(test)]
+    pub(crate) fn add_to(&self, tables: &mut super::tracer::Iptables) {
+        let rule = self.rule().into_iter().map(str::to_owned).collect();
+        tables.add(self.table, self.chain, self.first, rule);
     }
 }
 

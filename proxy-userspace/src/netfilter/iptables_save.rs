@@ -91,7 +91,7 @@ pub(crate) fn parse_save(text: &str) -> Vec<SavedRule> {
 
 /// Splits a rule into its words as a shell would: `"..."` quotes (with `\"` and `\\` in them)
 /// hold one word.
-fn split_words(line: &str) -> Vec<String> {
+pub(crate) fn split_words(line: &str) -> Vec<String> {
     let mut words = Vec::new();
     let mut word = String::new();
     let mut in_word = false;

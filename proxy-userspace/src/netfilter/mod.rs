@@ -5,6 +5,8 @@ pub mod iptables;
 pub mod iptables_save;
 pub mod rules;
 pub mod stale_udp;
+#[cfg(test)]
+pub(crate) mod tracer;
 
 use anyhow::Context;
 

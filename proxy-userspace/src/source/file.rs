@@ -228,7 +228,7 @@ struct LoadStats {
     errors: usize,
 }
 
-struct FileSource {
+pub(crate) struct FileSource {
     path: PathBuf,
     /// The objects of the last load as the tracker was given them (invalid ones included: the
     /// tracker kept their previous valid version, and they are not retried until they change).
@@ -350,6 +350,26 @@ impl FileSource {
             "loaded the manifest {path}"
         );
         Ok(stats)
+    }
+}
+
+#[cfg(test)]
+impl FileSource {
+    /// A source that is given its manifests as text (tests stepping through versions of one).
+    pub(crate) fn in_memory() -> Self {
+        Self::new(PathBuf::from("(test manifest)"))
+    }
+
+    /// `text` applied as a load of the file is; panics on anything the load reports.
+    pub(crate) fn load_text(&mut self, text: &str, tracker: &Mutex<ChangeTracker>) {
+        let load = read(text).expect("the manifest parses");
+        assert!(load.errors.is_empty(), "{:?}", load.errors);
+        assert!(load.duplicates.is_empty(), "{:?}", load.duplicates);
+        let stats = self.apply(load, tracker).unwrap();
+        assert_eq!(
+            stats.errors, 0,
+            "invalid objects or endpoints (see the log)"
+        );
     }
 }
 

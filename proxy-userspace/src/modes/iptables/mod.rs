@@ -33,7 +33,7 @@ pub struct IptablesConfig {
 
 /// The jumps from the built-in chains to kube-proxy's.
 #[rustfmt::skip]
-const JUMPS: &[Jump] = &[
+pub(crate) const JUMPS: &[Jump] = &[
     Jump::new("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
     Jump::new("nat", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
     Jump::new("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),

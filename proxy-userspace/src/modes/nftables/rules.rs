@@ -32,9 +32,7 @@
 //!
 //! Unlike the iptables mode there is no accept for health check node ports or forwarded
 //! traffic: an nftables accept ends only this table's base chain, it cannot override another
-//! table's drop (kube-proxy's nftables mode has none either). Not reproduced from kube-proxy:
-//! dropping traffic to unallocated cluster IPs (it needs the ServiceCIDR objects), and
-//! exempting the node's own address from loadBalancerSourceRanges.
+//! table's drop (kube-proxy's nftables mode has none either).
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,

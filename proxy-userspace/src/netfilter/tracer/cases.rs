@@ -1,0 +1,336 @@
+//! kube-proxy's proxier tests as cases for the tracer: each file of `testdata/` holds one
+//! test's Services and EndpointSlices (in steps, where the test changes them), the node it runs
+//! on, and its packet flows with the outcome kube-proxy's test expects. Each step is synced as
+//! the agent syncs (the first in full, the later ones with only the changed Service ports) and
+//! also rendered afresh; every flow is traced through both, in the iptables and the nftables
+//! modes. Where this project differs from kube-proxy on purpose, the flow says so (`ours`,
+//! with the reason).
+use std::{collections::BTreeSet, net::Ipv4Addr, sync::Mutex};
+
+use serde::Deserialize;
+
+use super::{Iptables, Nftables, Node, Packet, Rules, Trace, trace};
+use crate::{
+    dataplane::Scope,
+    model::{ChangeTracker, Cidr, DesiredState},
+    modes::{iptables as ipt, nftables as nft},
+    netfilter::rules::Settings,
+    node::{self, InterfaceAddr, NodePortAddresses},
+    source::file::FileSource,
+};
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Case {
+    kube_proxy_test: String,
+    node_name: String,
+    settings: CaseSettings,
+    steps: Vec<Step>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct CaseSettings {
+    #[serde(rename = "clusterCIDR")]
+    cluster_cidr: Option<String>,
+    #[serde(default)]
+    masquerade_all: bool,
+    /// kube-proxy's `--nodeport-addresses` (CIDRs); None: every local address.
+    node_port_addresses: Option<Vec<String>>,
+    #[serde(rename = "nodeIPs")]
+    node_ips: Vec<Ipv4Addr>,
+    local_addresses: Vec<Ipv4Addr>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Step {
+    name: String,
+    /// The manifest at this step: every object (those missing since the last step are gone).
+    objects: String,
+    flows: Vec<Flow>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Flow {
+    name: String,
+    source: Ipv4Addr,
+    protocol: String,
+    destination: Ipv4Addr,
+    port: u16,
+    /// kube-proxy's expectation, in its tracer's words (see [`Trace::output`]).
+    output: String,
+    masq: bool,
+    /// kube-proxy's iptables mode's expectation, where it differs from its nftables mode's.
+    iptables: Option<Expected>,
+    /// The modes whose kube-proxy tests have this flow, where only one has it.
+    modes: Option<Vec<Mode>>,
+    /// This project's, where it differs from kube-proxy on purpose, by mode.
+    #[serde(default)]
+    ours: Vec<Ours>,
+}
+
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Expected {
+    output: String,
+    masq: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Ours {
+    mode: Mode,
+    output: String,
+    masq: bool,
+    because: String,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum Mode {
+    Iptables,
+    Nftables,
+}
+
+impl Flow {
+    fn packet(&self) -> Packet {
+        let protocol = match self.protocol.as_str() {
+            "TCP" => "tcp",
+            "UDP" => "udp",
+            "SCTP" => "sctp",
+            other => panic!("flow {:?}: protocol {other:?}", self.name),
+        };
+        Packet::new(self.source, protocol, self.destination, self.port)
+    }
+
+    fn expected(&self, mode: Mode) -> Expected {
+        if let Some(ours) = self.ours.iter().find(|o| o.mode == mode) {
+            assert!(!ours.because.is_empty());
+            return Expected {
+                output: ours.output.clone(),
+                masq: ours.masq,
+            };
+        }
+        match (mode, &self.iptables) {
+            (Mode::Iptables, Some(iptables)) => iptables.clone(),
+            _ => Expected {
+                output: self.output.clone(),
+                masq: self.masq,
+            },
+        }
+    }
+}
+
+/// Whether `trace` is what `expected` says: the same endpoints in any order, and the
+/// masquerading of delivered packets.
+fn agrees(trace: &Trace, expected: &Expected) -> bool {
+    let words =
+        |s: &str| -> BTreeSet<String> { s.split(", ").map(|w| w.trim().to_owned()).collect() };
+    let delivered = !matches!(expected.output.as_str(), "DROP" | "REJECT");
+    words(&trace.output()) == words(&expected.output)
+        && (!delivered || trace.masquerade() == Some(expected.masq))
+}
+
+/// The models of one mode: synced step by step as the agent syncs them, and rendered afresh.
+trait Model {
+    const MODE: Mode;
+    fn new() -> Self;
+    /// `changed`: the Service ports changed since the last sync (None: a full sync).
+    fn sync(&mut self, state: &DesiredState, settings: &Settings, changed: Option<&Changed>);
+    fn fresh(state: &DesiredState, settings: &Settings) -> Self
+    where
+        Self: Sized,
+    {
+        let mut model = Self::new();
+        model.sync(state, settings, None);
+        model
+    }
+    fn rules(&self) -> &dyn Rules;
+}
+
+struct IptablesModel {
+    tables: Iptables,
+    chains: BTreeSet<String>,
+}
+
+impl Model for IptablesModel {
+    const MODE: Mode = Mode::Iptables;
+
+    fn new() -> Self {
+        let mut tables = Iptables::default();
+        for jump in ipt::JUMPS {
+            jump.add_to(&mut tables);
+        }
+        Self {
+            tables,
+            chains: BTreeSet::new(),
+        }
+    }
+
+    fn sync(&mut self, state: &DesiredState, settings: &Settings, changed: Option<&Changed>) {
+        let rendered = ipt::rules::render(state, settings, &self.chains, changed);
+        self.tables.restore(&rendered.text);
+        self.chains = rendered.chains;
+    }
+
+    fn rules(&self) -> &dyn Rules {
+        &self.tables
+    }
+}
+
+struct NftablesModel {
+    tables: Nftables,
+    programmed: Option<nft::rules::Programmed>,
+}
+
+impl Model for NftablesModel {
+    const MODE: Mode = Mode::Nftables;
+
+    fn new() -> Self {
+        Self {
+            tables: Nftables::default(),
+            programmed: None,
+        }
+    }
+
+    fn sync(&mut self, state: &DesiredState, settings: &Settings, changed: Option<&Changed>) {
+        let scope = changed.map_or(Scope::All, Scope::Changed);
+        let programmed = self.programmed.take();
+        let rendered = nft::rules::render(state, settings, nft::rules::TABLE, programmed, scope);
+        self.tables.apply(&rendered.text);
+        self.programmed = Some(rendered.programmed);
+    }
+
+    fn rules(&self) -> &dyn Rules {
+        &self.tables
+    }
+}
+
+/// The Service ports a step changed.
+type Changed = BTreeSet<crate::model::ServicePortName>;
+
+impl CaseSettings {
+    fn settings(&self) -> Settings {
+        Settings {
+            cluster_cidr: (self.cluster_cidr.as_ref()).map(|c| c.parse::<Cidr>().unwrap()),
+            masquerade_all: self.masquerade_all,
+            node_port_addresses: self.node_port_addresses.as_ref().and_then(|cidrs| {
+                let spec =
+                    NodePortAddresses::Cidrs(cidrs.iter().map(|c| c.parse().unwrap()).collect());
+                let on = |interface: &str, addr| InterfaceAddr {
+                    interface: interface.to_owned(),
+                    addr,
+                };
+                let addresses: Vec<InterfaceAddr> = (self.node().addresses.into_iter())
+                    .map(|addr| on("eth0", addr))
+                    .chain([on("lo", Ipv4Addr::LOCALHOST)])
+                    .collect();
+                node::node_port_ips(&spec, &[], &addresses)
+            }),
+            node_ips: self.node_ips.clone(),
+        }
+    }
+
+    fn node(&self) -> Node {
+        let mut addresses = self.local_addresses.clone();
+        addresses.extend(&self.node_ips);
+        Node { addresses }
+    }
+}
+
+/// Runs every step of `case` in the mode of `M`; the flows whose trace differs from what is
+/// expected, one line each.
+fn run<M: Model>(file: &str, case: &Case) -> Vec<String> {
+    let settings = case.settings.settings();
+    let node = case.settings.node();
+    let tracker = Mutex::new(ChangeTracker::new());
+    let mut source = FileSource::in_memory();
+    let mut state = DesiredState::new(&case.node_name);
+    let mut synced = M::new();
+    let mut failures = Vec::new();
+    for (i, step) in case.steps.iter().enumerate() {
+        source.load_text(&step.objects, &tracker);
+        let changed = tracker.lock().unwrap().apply(&mut state);
+        synced.sync(&state, &settings, (i > 0).then_some(&changed));
+        let fresh = M::fresh(&state, &settings);
+        let flows = (step.flows.iter()).filter(|f| {
+            f.modes
+                .as_ref()
+                .is_none_or(|modes| modes.contains(&M::MODE))
+        });
+        for flow in flows {
+            let expected = flow.expected(M::MODE);
+            for (how, model) in [("synced", &synced), ("fresh", &fresh)] {
+                let got = trace(model.rules(), &node, &flow.packet());
+                if !agrees(&got, &expected) {
+                    failures.push(format!(
+                        "{file} ({}), step {:?}, {:?} mode, {how}: flow {:?} ({} {} -> {}:{}): \
+                         {got}; expected {:?}, {}",
+                        case.kube_proxy_test,
+                        step.name,
+                        M::MODE,
+                        flow.name,
+                        flow.protocol,
+                        flow.source,
+                        flow.destination,
+                        flow.port,
+                        expected.output,
+                        if expected.masq {
+                            "masqueraded"
+                        } else {
+                            "not masqueraded"
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    failures
+}
+
+/// The cases, by file name.
+fn cases() -> Vec<(String, Case)> {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/netfilter/tracer/testdata");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    files
+        .into_iter()
+        .map(|path| {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(&path).unwrap();
+            let case = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            (name, case)
+        })
+        .collect()
+}
+
+/// Every case in the modes it concerns: `iptables_*` files hold tests of kube-proxy's iptables
+/// mode alone; the others, tests both its modes have.
+#[test]
+fn kube_proxys_packet_flows() {
+    let cases = cases();
+    assert!(!cases.is_empty());
+    let mut failures = Vec::new();
+    let mut flows = 0;
+    for (file, case) in &cases {
+        flows += case.steps.iter().map(|s| s.flows.len()).sum::<usize>();
+        failures.extend(run::<IptablesModel>(file, case));
+        if !file.starts_with("iptables_") {
+            failures.extend(run::<NftablesModel>(file, case));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of the {flows} flows of {} cases went elsewhere than expected:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}

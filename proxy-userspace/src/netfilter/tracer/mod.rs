@@ -1,0 +1,358 @@
+//! A packet tracer over the rules the iptables and nftables modes render (as kube-proxy's
+//! proxier tests trace theirs): a model of the netfilter hooks a new connection's first packet
+//! passes, fed with the rule text itself, that says where the packet goes (the endpoints it can
+//! be DNATed to, dropped, rejected, or untouched) and whether it is masqueraded. The cases in
+//! `testdata/` carry the Services and packet flows of kube-proxy's own proxier tests, with the
+//! outcomes kube-proxy's tests expect; [`cases`] runs them through both modes.
+//!
+//! What the model knows of netfilter: hooks in kernel order (a packet from one of the node's
+//! addresses takes OUTPUT, POSTROUTING and, when it stays on the node, INPUT; any other takes
+//! PREROUTING, then INPUT or FORWARD after DNAT, then POSTROUTING), base chains by priority,
+//! NAT chains only for a connection not yet translated, DNAT and MASQUERADE terminal, a drop
+//! or reject final, an accept ending only its base chain. Random choices (`statistic`,
+//! `numgen`) are followed both ways, so a trace lists every endpoint a packet can reach.
+//! Affinity sets are empty (a first packet). Anything in a rule the model does not know fails
+//! the test: a new construct in the renderers has to be taught to it.
+mod cases;
+mod iptables;
+mod nftables;
+
+use std::{
+    collections::BTreeSet,
+    fmt,
+    net::{Ipv4Addr, SocketAddrV4},
+};
+
+pub(crate) use iptables::Iptables;
+pub(crate) use nftables::Nftables;
+
+/// A netfilter hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Hook {
+    Prerouting,
+    Input,
+    Forward,
+    Output,
+    Postrouting,
+}
+
+/// The first packet of a connection, as the rules see it at some point of its way.
+#[derive(Clone, Debug)]
+pub(crate) struct Packet {
+    pub source: Ipv4Addr,
+    /// `tcp`, `udp` or `sctp`.
+    pub protocol: &'static str,
+    pub destination: Ipv4Addr,
+    pub port: u16,
+    pub mark: u32,
+    /// Where DNAT sent it.
+    pub dnat: Option<SocketAddrV4>,
+    /// Whether NAT was set up for its connection (NAT chains are then skipped).
+    pub nat_done: bool,
+    /// Whether POSTROUTING masqueraded it.
+    pub masqueraded: bool,
+    /// Whether a filter rule accepted it.
+    pub accepted: bool,
+}
+
+impl Packet {
+    pub fn new(source: Ipv4Addr, protocol: &'static str, destination: Ipv4Addr, port: u16) -> Self {
+        Self {
+            source,
+            protocol,
+            destination,
+            port,
+            mark: 0,
+            dnat: None,
+            nat_done: false,
+            masqueraded: false,
+            accepted: false,
+        }
+    }
+
+    pub fn translate(&mut self, to: SocketAddrV4) {
+        self.destination = *to.ip();
+        self.port = to.port();
+        self.dnat = Some(to);
+    }
+}
+
+/// What a rule or a chain decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Go on: with the next rule, or in the calling chain at the end of a chain.
+    Continue,
+    /// End this chain, going on in the one that called it (`return`, and the end of a chain
+    /// entered by `goto`).
+    Return,
+    /// This base chain is done (`accept`, and a NAT statement).
+    Accept,
+    Drop,
+    Reject,
+}
+
+/// The addresses the node owns: `addrtype LOCAL`, `fib ... type local`, and the way a packet
+/// takes through the hooks.
+#[derive(Clone, Debug)]
+pub(crate) struct Node {
+    pub addresses: Vec<Ipv4Addr>,
+}
+
+impl Node {
+    pub fn is_local(&self, ip: Ipv4Addr) -> bool {
+        ip.is_loopback() || self.addresses.contains(&ip)
+    }
+}
+
+/// The choices of one way through the rules, and the next way to try: a depth-first walk over
+/// every random choice the rules make.
+#[derive(Default)]
+pub(crate) struct Choices {
+    taken: Vec<bool>,
+    at: usize,
+}
+
+impl Choices {
+    /// Whether this way takes the random branch met now (first yes, then no).
+    pub fn take(&mut self) -> bool {
+        if self.at == self.taken.len() {
+            self.taken.push(true);
+        }
+        self.at += 1;
+        self.taken[self.at - 1]
+    }
+
+    /// Moves on to the next way; false when every way was walked.
+    fn next(&mut self) -> bool {
+        self.at = 0;
+        while let Some(last) = self.taken.pop() {
+            if last {
+                self.taken.push(false);
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// Rules that the tracer can walk: the chains of one hook, in the order the kernel runs them.
+pub(crate) trait Rules {
+    fn hook(&self, hook: Hook, node: &Node, packet: &mut Packet, choices: &mut Choices) -> Verdict;
+}
+
+/// Where one way through the rules ends.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Fate {
+    Dropped,
+    Rejected,
+    /// Accepted by a filter rule, untouched.
+    Accepted,
+    /// Delivered, to where DNAT sent it (None: untouched), and whether it was masqueraded.
+    Passed(Option<SocketAddrV4>, bool),
+}
+
+/// Every way a packet can take through `rules`.
+pub(crate) fn trace(rules: &dyn Rules, node: &Node, packet: &Packet) -> Trace {
+    let mut fates = BTreeSet::new();
+    let mut choices = Choices::default();
+    loop {
+        fates.insert(walk(rules, node, packet.clone(), &mut choices));
+        if !choices.next() {
+            return Trace(fates);
+        }
+    }
+}
+
+fn walk(rules: &dyn Rules, node: &Node, mut packet: Packet, choices: &mut Choices) -> Fate {
+    let mut run = |hook, packet: &mut Packet| match rules.hook(hook, node, packet, choices) {
+        Verdict::Drop => Err(Fate::Dropped),
+        Verdict::Reject => Err(Fate::Rejected),
+        Verdict::Continue | Verdict::Return | Verdict::Accept => Ok(()),
+    };
+    let outcome = (|| {
+        if node.is_local(packet.source) {
+            run(Hook::Output, &mut packet)?;
+            packet.nat_done = true;
+            run(Hook::Postrouting, &mut packet)?;
+            if node.is_local(packet.destination) {
+                // Back in through the loopback: its connection is translated already.
+                run(Hook::Prerouting, &mut packet)?;
+                run(Hook::Input, &mut packet)?;
+            }
+        } else {
+            run(Hook::Prerouting, &mut packet)?;
+            packet.nat_done = true;
+            if node.is_local(packet.destination) {
+                run(Hook::Input, &mut packet)?;
+            } else {
+                run(Hook::Forward, &mut packet)?;
+                run(Hook::Postrouting, &mut packet)?;
+            }
+        }
+        Ok(())
+    })();
+    match outcome {
+        Err(fate) => fate,
+        Ok(()) if packet.accepted && packet.dnat.is_none() => Fate::Accepted,
+        // Delivered here, it never met POSTROUTING: the mark says what it would do.
+        Ok(()) => Fate::Passed(
+            packet.dnat,
+            packet.masqueraded || packet.mark & MASQ_BIT != 0,
+        ),
+    }
+}
+
+/// The masquerade mark's bit (`MASQ_MARK`).
+const MASQ_BIT: u32 = 0x4000;
+
+/// Every way a packet can end.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Trace(BTreeSet<Fate>);
+
+impl Trace {
+    /// kube-proxy's tracer's words for it: the endpoints (`10.180.0.1:80, 10.180.0.2:80`),
+    /// `DROP`, `REJECT`, `ACCEPT`, or nothing for a packet left untouched.
+    pub fn output(&self) -> String {
+        let words: BTreeSet<String> = (self.0.iter())
+            .map(|fate| match fate {
+                Fate::Dropped => "DROP".to_owned(),
+                Fate::Rejected => "REJECT".to_owned(),
+                Fate::Accepted => "ACCEPT".to_owned(),
+                Fate::Passed(to, _) => to.map(|to| to.to_string()).unwrap_or_default(),
+            })
+            .collect();
+        words.into_iter().collect::<Vec<_>>().join(", ")
+    }
+
+    /// Whether the delivered packets are masqueraded; None when some are and some not.
+    pub fn masquerade(&self) -> Option<bool> {
+        let masq: BTreeSet<bool> = (self.0.iter())
+            .filter_map(|fate| match fate {
+                Fate::Passed(_, masq) => Some(*masq),
+                _ => None,
+            })
+            .collect();
+        match masq.len() {
+            0 => Some(false),
+            1 => masq.first().copied(),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Trace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let masq = match self.masquerade() {
+            Some(true) => "masqueraded",
+            Some(false) => "not masqueraded",
+            None => "masqueraded on some ways only",
+        };
+        write!(f, "{:?}, {masq}", self.output())
+    }
+}
+
+/// Whether `ip` is in `range` (`a.b.c.d` or `a.b.c.d/len`).
+pub(crate) fn in_range(range: &str, ip: Ipv4Addr) -> bool {
+    let (net, len) = match range.split_once('/') {
+        Some((net, len)) => (net, len.parse::<u32>().expect("a prefix length")),
+        None => (range, 32),
+    };
+    let net: Ipv4Addr = net
+        .parse()
+        .unwrap_or_else(|_| panic!("{range:?} is no IPv4 range"));
+    let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
+    u32::from(ip) & mask == u32::from(net) & mask
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+
+    fn node() -> Node {
+        Node {
+            addresses: vec![NODE_IP],
+        }
+    }
+
+    fn packet(source: [u8; 4], destination: [u8; 4], port: u16) -> Packet {
+        Packet::new(source.into(), "tcp", destination.into(), port)
+    }
+
+    fn nft(rules: &str) -> Nftables {
+        let mut tables = Nftables::default();
+        tables.apply(&format!(
+            "add table ip t\n\
+             add chain ip t pre {{ type nat hook prerouting priority -100 ; }}\n\
+             add chain ip t out {{ type nat hook output priority -100 ; }}\n\
+             add chain ip t fwd {{ type filter hook forward priority 0 ; }}\n\
+             add chain ip t post {{ type nat hook postrouting priority 100 ; }}\n\
+             add chain ip t a\nadd chain ip t b\n{rules}"
+        ));
+        tables
+    }
+
+    /// `goto` goes on in the caller's caller, `jump` and `return` in the caller.
+    #[test]
+    fn nft_jump_goto_and_return() {
+        let through = [10, 0, 0, 1];
+        let jumped =
+            nft("add rule ip t fwd jump a\nadd rule ip t fwd drop\nadd rule ip t a return");
+        let traced = trace(&jumped, &node(), &packet(through, [10, 0, 0, 2], 80));
+        assert_eq!(traced.output(), "DROP");
+        let gone = nft("add rule ip t fwd jump a\nadd rule ip t fwd drop\n\
+                        add rule ip t a goto b\nadd rule ip t a accept\nadd rule ip t b return");
+        let traced = trace(&gone, &node(), &packet(through, [10, 0, 0, 2], 80));
+        assert_eq!(
+            traced.output(),
+            "DROP",
+            "after the goto, a's accept is skipped"
+        );
+    }
+
+    /// Every random choice is followed; the node's own packets take the output hook.
+    #[test]
+    fn every_endpoint_and_the_nodes_own_way() {
+        let tables = nft("add rule ip t out ip daddr 10.96.0.1 goto a\n\
+             add rule ip t a numgen random mod 3 == 0 dnat to 10.1.0.1:80\n\
+             add rule ip t a numgen random mod 2 == 0 dnat to 10.1.0.2:80\n\
+             add rule ip t a dnat to 10.1.0.3:80");
+        let from_node = packet(NODE_IP.octets(), [10, 96, 0, 1], 80);
+        let traced = trace(&tables, &node(), &from_node);
+        assert_eq!(traced.output(), "10.1.0.1:80, 10.1.0.2:80, 10.1.0.3:80");
+        assert_eq!(traced.masquerade(), Some(false));
+        let from_outside = packet([10, 0, 0, 1], [10, 96, 0, 1], 80);
+        assert_eq!(trace(&tables, &node(), &from_outside).output(), "");
+    }
+
+    /// Masquerading is decided in POSTROUTING, by the mark the rules left.
+    #[test]
+    fn iptables_masquerade_by_mark() {
+        let mut tables = Iptables::default();
+        tables.restore(
+            "*nat\n:PREROUTING - [0:0]\n:POSTROUTING - [0:0]\n:MASQ - [0:0]\n\
+             -A PREROUTING -d 10.96.0.1 -m statistic --mode random --probability 0.5 -j DNAT --to-destination 10.1.0.1:80\n\
+             -A PREROUTING -d 10.96.0.1 -j MASQ\n\
+             -A PREROUTING -d 10.96.0.1 -j DNAT --to-destination 10.1.0.2:80\n\
+             -A MASQ -j MARK --or-mark 0x4000\n\
+             -A POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
+             -A POSTROUTING -j MASQUERADE\n\
+             COMMIT\n",
+        );
+        let traced = trace(&tables, &node(), &packet([10, 0, 0, 1], [10, 96, 0, 1], 80));
+        assert_eq!(traced.output(), "10.1.0.1:80, 10.1.0.2:80");
+        assert_eq!(
+            traced.masquerade(),
+            None,
+            "one way is masqueraded, the other not"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "does not know")]
+    fn what_the_model_does_not_know_fails() {
+        let tables = nft("add rule ip t fwd meta skuid 0 drop");
+        trace(&tables, &node(), &packet([10, 0, 0, 1], [10, 0, 0, 2], 80));
+    }
+}
