@@ -6,6 +6,8 @@ pub mod ebpf;
 pub mod iptables;
 pub mod ipvs;
 pub mod nftables;
+#[cfg(test)]
+mod packet_flows;
 pub mod userspace;
 
 use std::{

@@ -31,23 +31,25 @@ pub struct IptablesConfig {
     pub netfilter: NetfilterConfig,
 }
 
-/// The jumps from the built-in chains to kube-proxy's.
+/// The jumps from the built-in chains to kube-proxy's: kube-proxy's `iptablesJumpChains`, in
+/// its order. Each is inserted first in its chain, so the last of a chain comes first in it:
+/// INPUT holds the firewall, then the health check ports, then the external services, as
+/// kube-proxy's.
 #[rustfmt::skip]
 pub(crate) const JUMPS: &[Jump] = &[
-    Jump::new("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
-    Jump::new("nat", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
-    Jump::new("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
-    Jump::new("filter", "INPUT", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL").new_only(),
-    Jump::new("filter", "INPUT", "kubernetes health check service ports", "KUBE-NODEPORTS"),
     Jump::new("filter", "INPUT", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES").new_only(),
-    Jump::new("filter", "FORWARD", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL").new_only(),
-    Jump::new("filter", "FORWARD", "kubernetes forwarding rules", "KUBE-FORWARD"),
-    Jump::new("filter", "FORWARD", "kubernetes service portals", "KUBE-SERVICES").new_only(),
     Jump::new("filter", "FORWARD", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES").new_only(),
-    Jump::new("filter", "OUTPUT", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL").new_only(),
+    Jump::new("filter", "INPUT", "kubernetes health check service ports", "KUBE-NODEPORTS"),
+    Jump::new("filter", "FORWARD", "kubernetes service portals", "KUBE-SERVICES").new_only(),
     Jump::new("filter", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES").new_only(),
+    Jump::new("filter", "FORWARD", "kubernetes forwarding rules", "KUBE-FORWARD"),
+    Jump::new("filter", "INPUT", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL").new_only(),
+    Jump::new("filter", "OUTPUT", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL").new_only(),
+    Jump::new("filter", "FORWARD", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL").new_only(),
+    Jump::new("nat", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
+    Jump::new("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
+    Jump::new("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
 ];
-
 /// Chains the mode owns, by table: the fixed ones, and prefixes of the per-Service ones.
 #[rustfmt::skip]
 const FIXED_CHAINS: &[(&str, &[&str])] = &[

@@ -1,8 +1,9 @@
-//! The iptables model: tables of chains of rules, written with `iptables-restore --noflush`
-//! input as the iptables mode writes it, and walked as the kernel walks them.
+//! The iptables model: the nat and filter tables' chains of rules, written with
+//! `iptables-restore --noflush` input as the iptables mode writes it, checked as
+//! `iptables-restore` checks it, and walked as the kernel walks them.
 use std::{collections::HashMap, net::SocketAddrV4};
 
-use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range};
+use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark};
 use crate::netfilter::iptables_save::split_words;
 
 /// The built-in chains of each table a hook runs, in the kernel's order.
@@ -14,6 +15,29 @@ const HOOKS: &[(Hook, &[(&str, &str)])] = &[
     (Hook::Postrouting, &[("nat", "POSTROUTING")]),
 ];
 
+const BUILT_IN: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
+const TARGETS: &[&str] = &[
+    "ACCEPT",
+    "DROP",
+    "REJECT",
+    "RETURN",
+    "DNAT",
+    "MARK",
+    "MASQUERADE",
+];
+/// The match modules the renderers use.
+const MODULES: &[&str] = &[
+    "comment",
+    "tcp",
+    "udp",
+    "sctp",
+    "addrtype",
+    "mark",
+    "conntrack",
+    "statistic",
+    "recent",
+];
+
 /// The tables, each chain with its rules (the words after `-A CHAIN`).
 #[derive(Default)]
 pub(crate) struct Iptables {
@@ -22,21 +46,40 @@ pub(crate) struct Iptables {
 
 impl Iptables {
     /// Applies `text` as `iptables-restore --noflush` does: a declared chain is created or
-    /// emptied, `-A` appends, `-X` deletes; the other chains keep their rules.
+    /// emptied, `-A` appends, `-X` deletes; the other chains keep their rules. Panics where
+    /// `iptables-restore` would fail.
     pub fn restore(&mut self, text: &str) {
-        let mut table = None;
+        let mut table: Option<&str> = None;
         for line in text.lines().map(str::trim) {
             if let Some(name) = line.strip_prefix('*') {
-                table = Some(self.tables.entry(name.to_owned()).or_default());
+                assert!(
+                    ["nat", "filter"].contains(&name),
+                    "the tracer does not know the table {name}"
+                );
+                table = Some(name);
                 continue;
             }
-            if line == "COMMIT" || line.is_empty() || line.starts_with('#') {
+            if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let chains = table.as_mut().expect("a rule before any *table line");
+            let name = table.expect("a rule before any *table line");
+            if line == "COMMIT" {
+                self.check(name);
+                table = None;
+                continue;
+            }
+            let chains = self.tables.entry(name.to_owned()).or_default();
             if let Some(declared) = line.strip_prefix(':') {
-                let name = declared.split_whitespace().next().expect("a chain name");
-                chains.insert(name.to_owned(), Vec::new());
+                let words: Vec<&str> = declared.split_whitespace().collect();
+                let [chain, policy, _counters] = words[..] else {
+                    panic!("the tracer does not know the declaration {line:?}")
+                };
+                let built_in = BUILT_IN.contains(&chain);
+                assert!(
+                    policy == if built_in { "ACCEPT" } else { "-" },
+                    "{line:?}: the tracer knows built-in chains with an ACCEPT policy only"
+                );
+                chains.insert(chain.to_owned(), Vec::new());
             } else if let Some(rest) = line.strip_prefix("-A ") {
                 let mut words = split_words(rest);
                 let chain = words.remove(0);
@@ -44,14 +87,45 @@ impl Iptables {
                     .unwrap_or_else(|| panic!("-A to the undeclared chain {chain}"))
                     .push(words);
             } else if let Some(chain) = line.strip_prefix("-X ") {
-                let rules = chains.remove(chain.trim());
+                let chain = chain.trim();
+                let rules = chains.remove(chain);
                 assert!(
                     rules.is_some_and(|r| r.is_empty()),
                     "-X of {chain}: not empty"
                 );
+                let used = (chains.values().flatten()).any(|rule| target(rule) == chain);
+                assert!(!used, "-X of {chain}: a rule still jumps to it");
             } else {
                 panic!("the tracer does not know the restore line {line:?}");
             }
+        }
+        assert!(table.is_none(), "a table without COMMIT");
+    }
+
+    /// What `iptables-restore` checks at COMMIT: every jump goes to a target or a chain of
+    /// the table, each target in a table that has it.
+    fn check(&self, table: &str) {
+        let Some(chains) = self.tables.get(table) else {
+            return;
+        };
+        for (chain, rule) in chains
+            .iter()
+            .flat_map(|(c, rules)| rules.iter().map(move |r| (c, r)))
+        {
+            let to = target(rule);
+            assert!(
+                TARGETS.contains(&to) || chains.contains_key(to),
+                "{table} {chain}: a jump to the missing chain {to}"
+            );
+            let valid = match to {
+                "DNAT" | "MASQUERADE" => table == "nat",
+                "REJECT" => table == "filter",
+                _ => true,
+            };
+            assert!(
+                valid,
+                "{table} {chain}: {to} is not valid in the {table} table"
+            );
         }
     }
 
@@ -66,6 +140,20 @@ impl Iptables {
         }
     }
 
+    /// The rules, sorted: to compare two models.
+    pub fn dump(&self) -> String {
+        let mut lines: Vec<String> = (self.tables.iter())
+            .flat_map(|(table, chains)| {
+                chains.iter().map(move |(chain, rules)| {
+                    let rules: Vec<String> = rules.iter().map(|r| r.join(" ")).collect();
+                    format!("{table} {chain}: {}", rules.join(" | "))
+                })
+            })
+            .collect();
+        lines.sort();
+        lines.join("\n")
+    }
+
     fn run(
         &self,
         table: &str,
@@ -74,43 +162,48 @@ impl Iptables {
         packet: &mut Packet,
         choices: &mut Choices,
     ) -> Verdict {
-        let Some(rules) = self.tables.get(table).and_then(|t| t.get(chain)) else {
-            // A built-in chain nothing was added to; a jump to a missing chain cannot be
-            // restored, so it is not met here.
+        let rules = self.tables.get(table).and_then(|t| t.get(chain));
+        let Some(rules) = rules else {
+            assert!(BUILT_IN.contains(&chain), "{table} {chain}: no such chain");
             return Verdict::Continue;
         };
         for rule in rules {
-            let Some(target) = matches(rule, node, packet, choices) else {
+            let Some((target, options)) = matches(chain, rule, node, packet, choices) else {
                 continue;
             };
-            let verdict = match target.name {
-                "ACCEPT" => {
+            let verdict = match (target, options) {
+                ("ACCEPT", []) => {
                     packet.accepted = true;
                     Verdict::Accept
                 }
-                "DROP" => Verdict::Drop,
-                "REJECT" => Verdict::Reject,
-                "RETURN" => return Verdict::Continue,
-                "DNAT" => {
-                    let to = target.option("--to-destination");
-                    packet.translate(to.parse::<SocketAddrV4>().expect("DNAT to ip:port"));
+                ("DROP", []) => Verdict::Drop,
+                ("REJECT", []) => Verdict::Reject,
+                ("RETURN", []) => return Verdict::Continue,
+                ("DNAT", [option, to]) if option == "--to-destination" => {
+                    let to = to.parse::<SocketAddrV4>();
+                    packet.translate(to.unwrap_or_else(|_| panic!("{rule:?}: DNAT to ip:port")));
                     Verdict::Accept
                 }
-                "MASQUERADE" => {
+                ("MASQUERADE", [] | [_]) => {
+                    assert!(
+                        options.iter().all(|o| o == "--random-fully"),
+                        "{rule:?}: the tracer does not know these options"
+                    );
                     packet.masqueraded = true;
                     Verdict::Accept
                 }
-                "MARK" => {
-                    let (op, value) = target.options[..2].split_first().expect("MARK option");
-                    let value = mark(&value[0]);
+                ("MARK", [op, value]) => {
                     match op.as_str() {
-                        "--or-mark" => packet.mark |= value,
-                        "--xor-mark" => packet.mark ^= value,
+                        "--or-mark" => packet.mark |= mark(value),
+                        "--xor-mark" => packet.mark ^= mark(value),
                         other => panic!("the tracer does not know MARK {other}"),
                     }
                     Verdict::Continue
                 }
-                chain => self.run(table, chain, node, packet, choices),
+                (chain, []) if !TARGETS.contains(&chain) => {
+                    self.run(table, chain, node, packet, choices)
+                }
+                _ => panic!("the tracer does not know the target of {rule:?}"),
             };
             if verdict != Verdict::Continue {
                 return verdict;
@@ -121,10 +214,17 @@ impl Iptables {
 }
 
 impl Rules for Iptables {
-    fn hook(&self, hook: Hook, node: &Node, packet: &mut Packet, choices: &mut Choices) -> Verdict {
+    fn hook(
+        &self,
+        hook: Hook,
+        nat: bool,
+        node: &Node,
+        packet: &mut Packet,
+        choices: &mut Choices,
+    ) -> Verdict {
         let (_, chains) = HOOKS.iter().find(|(h, _)| *h == hook).expect("a hook");
         for (table, chain) in *chains {
-            if *table == "nat" && packet.nat_done && hook != Hook::Postrouting {
+            if *table == "nat" && !nat {
                 continue;
             }
             match self.run(table, chain, node, packet, choices) {
@@ -136,73 +236,94 @@ impl Rules for Iptables {
     }
 }
 
-/// A rule's target and the options after it.
-struct Target<'a> {
-    name: &'a str,
-    options: &'a [String],
+/// The target of a rule (the word after `-j`).
+fn target(rule: &[String]) -> &str {
+    let at = rule
+        .iter()
+        .position(|w| w == "-j")
+        .expect("a rule without -j");
+    &rule[at + 1]
 }
 
-impl Target<'_> {
-    fn option(&self, name: &str) -> &str {
-        let at = (self.options.iter().position(|o| o == name))
-            .unwrap_or_else(|| panic!("{} without {name}", self.name));
-        &self.options[at + 1]
-    }
-}
-
-/// The target of `rule` if it matches `packet` (a random match last, so that only a packet
-/// the rest matches makes a choice).
+/// The target of `rule` (in `chain`) and the options after it, if the rule matches `packet`
+/// (a random match last, so that only a packet the rest matches makes a choice).
 fn matches<'a>(
+    chain: &str,
     rule: &'a [String],
     node: &Node,
     packet: &Packet,
     choices: &mut Choices,
-) -> Option<Target<'a>> {
-    let mut random = false;
+) -> Option<(&'a str, &'a [String])> {
+    let mut probability = None;
     let mut matched = true;
     let mut i = 0;
+    let name = |i: usize| -> &str { rule.get(i).map_or("", String::as_str) };
     while i < rule.len() {
         let negated = rule[i] == "!";
         if negated {
             i += 1;
         }
         let option = rule[i].as_str();
-        let value = rule.get(i + 1).map(String::as_str).unwrap_or_default();
+        let value = name(i + 1);
         let (hit, words) = match option {
             "-j" => {
-                let target = Target {
-                    name: value,
-                    options: &rule[i + 2..],
-                };
-                let hit = matched && (!random || choices.take());
-                return hit.then_some(target);
+                let hit = matched && probability.is_none_or(|p| choices.take(p));
+                return hit.then_some((value, &rule[i + 2..]));
             }
-            "-m" => (true, 2),
-            "--comment" | "--mode" | "--name" | "--seconds" => (true, 2),
-            "--reap" => (true, 1),
-            "-p" => (value == packet.protocol, 2),
-            "-s" => (in_range(value, packet.source), 2),
-            "-d" => (in_range(value, packet.destination), 2),
-            "--dport" => (value.parse() == Ok(packet.port), 2),
+            "-m" => {
+                assert!(
+                    MODULES.contains(&value),
+                    "the tracer does not know -m {value}"
+                );
+                (true, 2)
+            }
+            "--comment" => (true, 2),
+            "--mode" => {
+                assert_eq!(value, "random", "the tracer knows statistic random only");
+                (true, 2)
+            }
+            "-p" => {
+                assert!(["tcp", "udp", "sctp"].contains(&value), "-p {value}");
+                (value == packet.protocol, 2)
+            }
+            "-s" | "-d" => (in_range(value, packet.address(option == "-s")), 2),
+            "--dport" => {
+                let port: u16 = (value.parse()).unwrap_or_else(|_| panic!("--dport {value}"));
+                (port == packet.port, 2)
+            }
             "--src-type" | "--dst-type" => {
                 assert_eq!(value, "LOCAL", "the tracer knows addrtype LOCAL only");
-                let ip = match option {
-                    "--src-type" => packet.source,
-                    _ => packet.destination,
-                };
-                (node.is_local(ip), 2)
+                (node.is_local(packet.address(option == "--src-type")), 2)
             }
             "--mark" => {
                 let (value, mask) = value.split_once('/').expect("--mark value/mask");
                 (packet.mark & mark(mask) == mark(value), 2)
             }
             // Every traced packet opens a connection.
-            "--ctstate" => (value.split(',').any(|s| s == "NEW"), 2),
+            "--ctstate" => {
+                let states: Vec<&str> = value.split(',').collect();
+                let known = ["NEW", "ESTABLISHED", "RELATED", "INVALID"];
+                assert!(
+                    states.iter().all(|s| known.contains(s)),
+                    "--ctstate {value}"
+                );
+                (states.contains(&"NEW"), 2)
+            }
             "--probability" => {
-                random = true;
+                let p = (value.parse()).unwrap_or_else(|_| panic!("--probability {value}"));
+                probability = Some(p);
                 (true, 2)
             }
-            // Affinity: no client was seen before.
+            // Affinity: the endpoint a client was sent to last, remembered under the name of
+            // that endpoint's chain, which the rule jumps to, and which records it there.
+            "--name" => {
+                let remembers = rule.iter().any(|w| w == "--set");
+                let expected = if remembers { chain } else { target(rule) };
+                assert_eq!(value, expected, "{rule:?}: affinity under another name");
+                (true, 2)
+            }
+            "--seconds" | "--reap" => (true, if option == "--reap" { 1 } else { 2 }),
+            // No client was seen before.
             "--rcheck" => (false, 1),
             "--set" => (true, 1),
             other => panic!("the tracer does not know {other:?} in {rule:?}"),
@@ -211,9 +332,4 @@ fn matches<'a>(
         i += words;
     }
     panic!("a rule without a target: {rule:?}")
-}
-
-fn mark(text: &str) -> u32 {
-    let hex = text.strip_prefix("0x").expect("a hexadecimal mark");
-    u32::from_str_radix(hex, 16).expect("a mark")
 }

@@ -2,23 +2,25 @@
 //! proxier tests trace theirs): a model of the netfilter hooks a new connection's first packet
 //! passes, fed with the rule text itself, that says where the packet goes (the endpoints it can
 //! be DNATed to, dropped, rejected, or untouched) and whether it is masqueraded. The cases in
-//! `testdata/` carry the Services and packet flows of kube-proxy's own proxier tests, with the
-//! outcomes kube-proxy's tests expect; [`cases`] runs them through both modes.
+//! `modes/testdata/packet_flows/` carry the Services and packet flows of kube-proxy's own
+//! proxier tests, with the outcomes kube-proxy's tests expect; `modes/packet_flows.rs` runs
+//! them through both modes.
 //!
 //! What the model knows of netfilter: hooks in kernel order (a packet from one of the node's
-//! addresses takes OUTPUT, POSTROUTING and, when it stays on the node, INPUT; any other takes
-//! PREROUTING, then INPUT or FORWARD after DNAT, then POSTROUTING), base chains by priority,
-//! NAT chains only for a connection not yet translated, DNAT and MASQUERADE terminal, a drop
-//! or reject final, an accept ending only its base chain. Random choices (`statistic`,
-//! `numgen`) are followed both ways, so a trace lists every endpoint a packet can reach.
-//! Affinity sets are empty (a first packet). Anything in a rule the model does not know fails
-//! the test: a new construct in the renderers has to be taught to it.
-mod cases;
+//! addresses takes OUTPUT and POSTROUTING and, when it stays on the node, PREROUTING and INPUT
+//! through the loopback; any other takes PREROUTING, then INPUT or FORWARD after DNAT, then
+//! POSTROUTING when it leaves), base chains by priority, destination NAT chains only until the
+//! connection's destination is decided, DNAT and MASQUERADE terminal, a drop or reject final,
+//! an accept ending only its base chain. Random choices (`statistic`, `numgen`) are followed
+//! both ways with their probabilities, so a trace lists every endpoint a packet can reach and
+//! how often. Affinity sets are empty (a first packet). Anything in the rules the model does
+//! not know, or that the kernel would refuse, fails the test: a new construct in the renderers
+//! has to be taught to it.
 mod iptables;
 mod nftables;
 
 use std::{
-    collections::BTreeSet,
+    collections::BTreeMap,
     fmt,
     net::{Ipv4Addr, SocketAddrV4},
 };
@@ -47,11 +49,9 @@ pub(crate) struct Packet {
     pub mark: u32,
     /// Where DNAT sent it.
     pub dnat: Option<SocketAddrV4>,
-    /// Whether NAT was set up for its connection (NAT chains are then skipped).
-    pub nat_done: bool,
-    /// Whether POSTROUTING masqueraded it.
+    /// Whether a MASQUERADE rule took it.
     pub masqueraded: bool,
-    /// Whether a filter rule accepted it.
+    /// Whether an accept rule took it.
     pub accepted: bool,
 }
 
@@ -64,7 +64,6 @@ impl Packet {
             port,
             mark: 0,
             dnat: None,
-            nat_done: false,
             masqueraded: false,
             accepted: false,
         }
@@ -74,6 +73,15 @@ impl Packet {
         self.destination = *to.ip();
         self.port = to.port();
         self.dnat = Some(to);
+    }
+
+    /// Its source address (`source`) or its destination.
+    pub fn address(&self, source: bool) -> Ipv4Addr {
+        if source {
+            self.source
+        } else {
+            self.destination
+        }
     }
 }
 
@@ -110,21 +118,38 @@ impl Node {
 pub(crate) struct Choices {
     taken: Vec<bool>,
     at: usize,
+    /// How likely the way walked now is.
+    probability: f64,
 }
 
 impl Choices {
-    /// Whether this way takes the random branch met now (first yes, then no).
-    pub fn take(&mut self) -> bool {
+    /// Whether this way takes the random branch met now, which the kernel takes with
+    /// `probability` (first yes, then no).
+    pub fn take(&mut self, probability: f64) -> bool {
+        assert!(
+            (0.0..=1.0).contains(&probability),
+            "a probability of {probability}"
+        );
         if self.at == self.taken.len() {
             self.taken.push(true);
         }
         self.at += 1;
-        self.taken[self.at - 1]
+        let taken = self.taken[self.at - 1];
+        self.probability *= if taken {
+            probability
+        } else {
+            1.0 - probability
+        };
+        taken
+    }
+
+    fn start(&mut self) {
+        self.at = 0;
+        self.probability = 1.0;
     }
 
     /// Moves on to the next way; false when every way was walked.
     fn next(&mut self) -> bool {
-        self.at = 0;
         while let Some(last) = self.taken.pop() {
             if last {
                 self.taken.push(false);
@@ -136,8 +161,17 @@ impl Choices {
 }
 
 /// Rules that the tracer can walk: the chains of one hook, in the order the kernel runs them.
+/// `nat`: whether destination NAT chains run (not once the connection's destination is
+/// decided); source NAT at POSTROUTING always does.
 pub(crate) trait Rules {
-    fn hook(&self, hook: Hook, node: &Node, packet: &mut Packet, choices: &mut Choices) -> Verdict;
+    fn hook(
+        &self,
+        hook: Hook,
+        nat: bool,
+        node: &Node,
+        packet: &mut Packet,
+        choices: &mut Choices,
+    ) -> Verdict;
 }
 
 /// Where one way through the rules ends.
@@ -147,16 +181,18 @@ pub(crate) enum Fate {
     Rejected,
     /// Accepted by a filter rule, untouched.
     Accepted,
-    /// Delivered, to where DNAT sent it (None: untouched), and whether it was masqueraded.
+    /// Let through, to where DNAT sent it (None: untouched), and whether it was masqueraded.
     Passed(Option<SocketAddrV4>, bool),
 }
 
-/// Every way a packet can take through `rules`.
+/// Every way a packet can take through `rules`, with its probability.
 pub(crate) fn trace(rules: &dyn Rules, node: &Node, packet: &Packet) -> Trace {
-    let mut fates = BTreeSet::new();
+    let mut fates = BTreeMap::new();
     let mut choices = Choices::default();
     loop {
-        fates.insert(walk(rules, node, packet.clone(), &mut choices));
+        choices.start();
+        let fate = walk(rules, node, packet.clone(), &mut choices);
+        *fates.entry(fate).or_insert(0.0) += choices.probability;
         if !choices.next() {
             return Trace(fates);
         }
@@ -164,56 +200,65 @@ pub(crate) fn trace(rules: &dyn Rules, node: &Node, packet: &Packet) -> Trace {
 }
 
 fn walk(rules: &dyn Rules, node: &Node, mut packet: Packet, choices: &mut Choices) -> Fate {
-    let mut run = |hook, packet: &mut Packet| match rules.hook(hook, node, packet, choices) {
-        Verdict::Drop => Err(Fate::Dropped),
-        Verdict::Reject => Err(Fate::Rejected),
-        Verdict::Continue | Verdict::Return | Verdict::Accept => Ok(()),
-    };
+    let mut run =
+        |hook, nat, packet: &mut Packet| match rules.hook(hook, nat, node, packet, choices) {
+            Verdict::Drop => Err(Fate::Dropped),
+            Verdict::Reject => Err(Fate::Rejected),
+            Verdict::Continue | Verdict::Return | Verdict::Accept => Ok(()),
+        };
     let outcome = (|| {
-        if node.is_local(packet.source) {
-            run(Hook::Output, &mut packet)?;
-            packet.nat_done = true;
-            run(Hook::Postrouting, &mut packet)?;
+        let masqueraded = if node.is_local(packet.source) {
+            run(Hook::Output, true, &mut packet)?;
+            run(Hook::Postrouting, true, &mut packet)?;
             if node.is_local(packet.destination) {
-                // Back in through the loopback: its connection is translated already.
-                run(Hook::Prerouting, &mut packet)?;
-                run(Hook::Input, &mut packet)?;
+                // Back in through the loopback: its destination is decided already.
+                run(Hook::Prerouting, false, &mut packet)?;
+                run(Hook::Input, false, &mut packet)?;
             }
+            packet.masqueraded
         } else {
-            run(Hook::Prerouting, &mut packet)?;
-            packet.nat_done = true;
+            run(Hook::Prerouting, true, &mut packet)?;
             if node.is_local(packet.destination) {
-                run(Hook::Input, &mut packet)?;
+                run(Hook::Input, false, &mut packet)?;
+                // Delivered here, it never meets POSTROUTING: the mark says what it would do
+                // (as kube-proxy's tracers report it).
+                packet.mark & MASQ_BIT != 0
             } else {
-                run(Hook::Forward, &mut packet)?;
-                run(Hook::Postrouting, &mut packet)?;
+                run(Hook::Forward, false, &mut packet)?;
+                run(Hook::Postrouting, true, &mut packet)?;
+                packet.masqueraded
             }
-        }
-        Ok(())
+        };
+        Ok(masqueraded)
     })();
     match outcome {
         Err(fate) => fate,
-        Ok(()) if packet.accepted && packet.dnat.is_none() => Fate::Accepted,
-        // Delivered here, it never met POSTROUTING: the mark says what it would do.
-        Ok(()) => Fate::Passed(
-            packet.dnat,
-            packet.masqueraded || packet.mark & MASQ_BIT != 0,
-        ),
+        Ok(_) if packet.accepted && packet.dnat.is_none() => Fate::Accepted,
+        Ok(masqueraded) => Fate::Passed(packet.dnat, masqueraded),
     }
 }
 
 /// The masquerade mark's bit (`MASQ_MARK`).
 const MASQ_BIT: u32 = 0x4000;
 
-/// Every way a packet can end.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Trace(BTreeSet<Fate>);
+/// A mark as the renderers write it (`0x4000`, `0`).
+pub(crate) fn mark(text: &str) -> u32 {
+    let parsed = match text.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.unwrap_or_else(|_| panic!("{text:?}: not a mark"))
+}
+
+/// Every way a packet can end, with its probability.
+#[derive(Debug)]
+pub(crate) struct Trace(BTreeMap<Fate, f64>);
 
 impl Trace {
     /// kube-proxy's tracer's words for it: the endpoints (`10.180.0.1:80, 10.180.0.2:80`),
     /// `DROP`, `REJECT`, `ACCEPT`, or nothing for a packet left untouched.
     pub fn output(&self) -> String {
-        let words: BTreeSet<String> = (self.0.iter())
+        let words: std::collections::BTreeSet<String> = (self.0.keys())
             .map(|fate| match fate {
                 Fate::Dropped => "DROP".to_owned(),
                 Fate::Rejected => "REJECT".to_owned(),
@@ -224,9 +269,9 @@ impl Trace {
         words.into_iter().collect::<Vec<_>>().join(", ")
     }
 
-    /// Whether the delivered packets are masqueraded; None when some are and some not.
+    /// Whether the packets let through are masqueraded; None when some are and some not.
     pub fn masquerade(&self) -> Option<bool> {
-        let masq: BTreeSet<bool> = (self.0.iter())
+        let masq: std::collections::BTreeSet<bool> = (self.0.keys())
             .filter_map(|fate| match fate {
                 Fate::Passed(_, masq) => Some(*masq),
                 _ => None,
@@ -238,6 +283,19 @@ impl Trace {
             _ => None,
         }
     }
+
+    /// Whether every endpoint the packet can be sent to gets the same share of such packets.
+    pub fn even(&self) -> bool {
+        let mut shares: BTreeMap<SocketAddrV4, f64> = BTreeMap::new();
+        for (fate, p) in &self.0 {
+            if let Fate::Passed(Some(to), _) = fate {
+                *shares.entry(*to).or_default() += p;
+            }
+        }
+        let (min, max) =
+            (shares.values()).fold((f64::MAX, 0.0f64), |(lo, hi), p| (lo.min(*p), hi.max(*p)));
+        shares.is_empty() || max - min < 1e-6
+    }
 }
 
 impl fmt::Display for Trace {
@@ -247,19 +305,22 @@ impl fmt::Display for Trace {
             Some(false) => "not masqueraded",
             None => "masqueraded on some ways only",
         };
-        write!(f, "{:?}, {masq}", self.output())
+        write!(f, "{:?}, {masq}", self.output())?;
+        if !self.even() {
+            write!(f, ", endpoints chosen unevenly: {:?}", self.0)?;
+        }
+        Ok(())
     }
 }
 
 /// Whether `ip` is in `range` (`a.b.c.d` or `a.b.c.d/len`).
 pub(crate) fn in_range(range: &str, ip: Ipv4Addr) -> bool {
     let (net, len) = match range.split_once('/') {
-        Some((net, len)) => (net, len.parse::<u32>().expect("a prefix length")),
-        None => (range, 32),
+        Some((net, len)) => (net, len.parse::<u32>().ok().filter(|l| *l <= 32)),
+        None => (range, Some(32)),
     };
-    let net: Ipv4Addr = net
-        .parse()
-        .unwrap_or_else(|_| panic!("{range:?} is no IPv4 range"));
+    let len = len.unwrap_or_else(|| panic!("{range:?}: no prefix length"));
+    let net: Ipv4Addr = (net.parse()).unwrap_or_else(|_| panic!("{range:?} is no IPv4 range"));
     let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
     u32::from(ip) & mask == u32::from(net) & mask
 }
@@ -326,27 +387,70 @@ mod tests {
         assert_eq!(trace(&tables, &node(), &from_outside).output(), "");
     }
 
-    /// Masquerading is decided in POSTROUTING, by the mark the rules left.
-    #[test]
-    fn iptables_masquerade_by_mark() {
+    fn iptables(nat: &str) -> Iptables {
         let mut tables = Iptables::default();
-        tables.restore(
-            "*nat\n:PREROUTING - [0:0]\n:POSTROUTING - [0:0]\n:MASQ - [0:0]\n\
-             -A PREROUTING -d 10.96.0.1 -m statistic --mode random --probability 0.5 -j DNAT --to-destination 10.1.0.1:80\n\
-             -A PREROUTING -d 10.96.0.1 -j MASQ\n\
-             -A PREROUTING -d 10.96.0.1 -j DNAT --to-destination 10.1.0.2:80\n\
-             -A MASQ -j MARK --or-mark 0x4000\n\
-             -A POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
-             -A POSTROUTING -j MASQUERADE\n\
-             COMMIT\n",
-        );
-        let traced = trace(&tables, &node(), &packet([10, 0, 0, 1], [10, 96, 0, 1], 80));
+        tables.restore(&format!(
+            "*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:SVC - [0:0]\n:MASQ - [0:0]\n\
+             -A MASQ -j MARK --or-mark 0x4000\n{nat}COMMIT\n"
+        ));
+        tables
+    }
+
+    /// Masquerading is what POSTROUTING does, not the mark: a mark left set by a wrong rule
+    /// there is no masquerade.
+    #[test]
+    fn iptables_masquerade_in_postrouting() {
+        let rules = |postrouting: &str| {
+            iptables(&format!(
+                "-A PREROUTING -d 10.96.0.1 -m statistic --mode random --probability 0.5 -j DNAT --to-destination 10.1.0.1:80\n\
+                 -A PREROUTING -d 10.96.0.1 -j MASQ\n\
+                 -A PREROUTING -d 10.96.0.1 -j DNAT --to-destination 10.1.0.2:80\n\
+                 -A POSTROUTING -m mark {postrouting} --mark 0x4000/0x4000 -j RETURN\n\
+                 -A POSTROUTING -j MASQUERADE\n"
+            ))
+        };
+        let from = packet([10, 0, 0, 1], [10, 96, 0, 1], 80);
+        let traced = trace(&rules("!"), &node(), &from);
         assert_eq!(traced.output(), "10.1.0.1:80, 10.1.0.2:80");
+        assert!(traced.even());
         assert_eq!(
             traced.masquerade(),
             None,
             "one way is masqueraded, the other not"
         );
+        let inverted = trace(&rules(""), &node(), &from);
+        assert!(
+            inverted
+                .to_string()
+                .contains("masqueraded on some ways only"),
+            "{inverted}"
+        );
+        assert_ne!(
+            inverted.0, traced.0,
+            "the inverted check masquerades the other way"
+        );
+    }
+
+    /// Probabilities that do not give each endpoint its share are seen.
+    #[test]
+    fn uneven_choices() {
+        let rules = |p: &str| {
+            iptables(&format!(
+                "-A PREROUTING -j SVC\n\
+                 -A SVC -m statistic --mode random --probability {p} -j DNAT --to-destination 10.1.0.1:80\n\
+                 -A SVC -m statistic --mode random --probability 0.5000000000 -j DNAT --to-destination 10.1.0.2:80\n\
+                 -A SVC -j DNAT --to-destination 10.1.0.3:80\n"
+            ))
+        };
+        let from = packet([10, 0, 0, 1], [10, 96, 0, 1], 80);
+        assert!(trace(&rules("0.3333333333"), &node(), &from).even());
+        assert!(!trace(&rules("0.5000000000"), &node(), &from).even());
+    }
+
+    #[test]
+    #[should_panic(expected = "missing chain")]
+    fn a_jump_to_a_missing_chain_fails() {
+        iptables("-A PREROUTING -j KUBE-SVC-TYPO\n");
     }
 
     #[test]

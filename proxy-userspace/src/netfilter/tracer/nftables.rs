@@ -1,11 +1,12 @@
 //! The nftables model: tables of chains, sets and verdict maps, written with the `nft -f`
-//! transactions the nftables mode renders, and walked as the kernel walks them.
+//! transactions the nftables mode renders, checked as the kernel checks them, and walked as the
+//! kernel walks them.
 use std::{
     collections::{BTreeMap, HashMap},
     net::SocketAddrV4,
 };
 
-use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range};
+use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark};
 use crate::netfilter::iptables_save::split_words;
 
 #[derive(Default)]
@@ -18,9 +19,31 @@ struct Table {
 
 #[derive(Default)]
 struct Chain {
-    /// Type, hook and priority of a base chain.
-    base: Option<(String, Hook, i32)>,
+    base: Option<Base>,
     rules: Vec<Vec<String>>,
+}
+
+/// A base chain's type, hook and priority.
+#[derive(Clone, Copy)]
+struct Base {
+    nat: bool,
+    hook: Hook,
+    priority: i32,
+}
+
+impl Table {
+    /// Whether a rule or a map element names `object` (a chain, or `@set`).
+    fn refers_to(&self, object: &str) -> bool {
+        let words = (self.chains.values().flat_map(|c| &c.rules).flatten())
+            .flat_map(|w| w.split(' '))
+            .chain(
+                self.sets
+                    .values()
+                    .flat_map(|s| s.values())
+                    .flat_map(|v| v.split(' ')),
+            );
+        words.into_iter().any(|w| w == object)
+    }
 }
 
 /// The tables, by family and name (`ip kube-proxy`).
@@ -29,50 +52,79 @@ pub(crate) struct Nftables {
     tables: BTreeMap<String, Table>,
 }
 
+/// Where a rule runs: its table, and the base chain it was reached from.
+struct At<'a> {
+    table: &'a Table,
+    base: Base,
+}
+
 impl Nftables {
-    /// Applies an `nft -f` transaction.
+    /// Applies an `nft -f` transaction; panics where the kernel would refuse it.
     pub fn apply(&mut self, text: &str) {
         for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
             let words = split_words(line);
             let words: Vec<&str> = words.iter().map(String::as_str).collect();
-            let (op, kind, table, rest) = match words.as_slice() {
-                [op, kind, family, name, rest @ ..] => {
-                    (*op, *kind, format!("{family} {name}"), rest)
-                }
-                _ => panic!("the tracer does not know the command {line:?}"),
+            let [op, kind, family, name, rest @ ..] = words.as_slice() else {
+                panic!("the tracer does not know the command {line:?}")
             };
-            match (op, kind) {
+            assert_eq!(
+                *family, "ip",
+                "{line:?}: the tracer knows the ip family only"
+            );
+            let table = format!("{family} {name}");
+            match (*op, *kind) {
                 ("add", "table") => {
                     self.tables.entry(table).or_default();
                 }
                 ("delete", "table") => {
-                    self.tables
-                        .remove(&table)
-                        .expect("delete of a missing table");
+                    found(self.tables.remove(&table), line);
                 }
-                (_, _) => self.apply_in(&table, op, kind, rest, line),
+                _ => self.apply_in(&table, op, kind, rest, line),
             }
         }
     }
 
     fn apply_in(&mut self, table: &str, op: &str, kind: &str, rest: &[&str], line: &str) {
-        let t = (self.tables.get_mut(table)).unwrap_or_else(|| panic!("no table for {line:?}"));
+        let t = found(self.tables.get_mut(table), line);
         let name = rest[0].to_owned();
         match (op, kind) {
             ("add", "chain") => {
+                let base = match rest[1..] {
+                    [] => None,
+                    [
+                        "{",
+                        "type",
+                        kind,
+                        "hook",
+                        hook,
+                        "priority",
+                        priority,
+                        ";",
+                        "}",
+                    ] => Some(Base {
+                        nat: match kind {
+                            "nat" => true,
+                            "filter" => false,
+                            other => panic!("{line:?}: chain type {other}"),
+                        },
+                        hook: hook_of(hook),
+                        priority: priority.parse().expect("a priority"),
+                    }),
+                    _ => panic!("the tracer does not know the chain {line:?}"),
+                };
                 let chain = t.chains.entry(name).or_default();
-                if let ["{", "type", kind, "hook", hook, "priority", priority, ..] = rest[1..] {
-                    chain.base = Some((kind.to_owned(), hook_of(hook), priority.parse().unwrap()));
+                if chain.base.is_none() {
+                    chain.base = base;
                 }
             }
             ("flush", "chain") => found(t.chains.get_mut(&name), line).rules.clear(),
             ("delete", "chain") => {
                 let chain = found(t.chains.remove(&name), line);
                 assert!(chain.rules.is_empty(), "{line:?}: the chain has rules");
-                let used = (t.chains.values().flat_map(|c| &c.rules).flatten())
-                    .chain(t.sets.values().flat_map(|s| s.values()))
-                    .any(|w| w.split(' ').any(|w| w == name));
-                assert!(!used, "{line:?}: the chain is still referred to");
+                assert!(
+                    !t.refers_to(&name),
+                    "{line:?}: the chain is still referred to"
+                );
             }
             ("add", "set" | "map") => {
                 t.sets.entry(name).or_default();
@@ -80,6 +132,8 @@ impl Nftables {
             ("flush", "set" | "map") => found(t.sets.get_mut(&name), line).clear(),
             ("delete", "set" | "map") => {
                 found(t.sets.remove(&name), line);
+                let used = t.refers_to(&format!("@{name}"));
+                assert!(!used, "{line:?}: a rule still uses the set");
             }
             ("add", "rule") => {
                 let rule = rest[1..].iter().map(|w| w.to_string()).collect();
@@ -88,29 +142,52 @@ impl Nftables {
             ("add" | "delete", "element") => {
                 let set = found(t.sets.get_mut(&name), line);
                 for (key, verdict) in elements(&rest[1..]) {
-                    if op == "add" {
-                        set.insert(key, verdict);
-                    } else {
+                    if op == "delete" {
                         found(set.remove(&key), line);
+                    } else if let Some(old) = set.insert(key.clone(), verdict.clone()) {
+                        assert_eq!(old, verdict, "{line:?}: {key} is there with another value");
                     }
                 }
             }
             _ => panic!("the tracer does not know the command {line:?}"),
         }
+        let referred = (t.chains.values().flat_map(|c| &c.rules).flatten())
+            .filter_map(|w| w.strip_prefix('@'))
+            .find(|set| !t.sets.contains_key(*set));
+        assert!(
+            referred.is_none(),
+            "{line:?}: a rule uses the missing set {referred:?}"
+        );
     }
 
-    /// Runs `chain` of `table`: its verdict (Continue when it ran to its end or returned).
+    /// The tables, sorted: to compare two models.
+    pub fn dump(&self) -> String {
+        let mut lines = Vec::new();
+        for (name, table) in &self.tables {
+            for (chain, c) in &table.chains {
+                let rules: Vec<String> = c.rules.iter().map(|r| r.join(" ")).collect();
+                lines.push(format!("{name} chain {chain}: {}", rules.join(" | ")));
+            }
+            for (set, elements) in &table.sets {
+                lines.push(format!("{name} set {set}: {elements:?}"));
+            }
+        }
+        lines.sort();
+        lines.join("\n")
+    }
+
+    /// Runs `chain`: its verdict (Continue when it ran to its end or returned).
     fn run(
         &self,
-        table: &Table,
+        at: &At,
         chain: &str,
         node: &Node,
         packet: &mut Packet,
         choices: &mut Choices,
     ) -> Verdict {
-        let chain = (table.chains.get(chain)).unwrap_or_else(|| panic!("no chain {chain}"));
+        let chain = (at.table.chains.get(chain)).unwrap_or_else(|| panic!("no chain {chain}"));
         for rule in &chain.rules {
-            match self.rule(table, rule, node, packet, choices) {
+            match self.rule(at, rule, node, packet, choices) {
                 Verdict::Continue => {}
                 Verdict::Return => return Verdict::Continue,
                 end => return end,
@@ -122,7 +199,7 @@ impl Nftables {
     /// Runs one rule: Continue when it did not match or ended without a verdict.
     fn rule(
         &self,
-        table: &Table,
+        at: &At,
         rule: &[String],
         node: &Node,
         packet: &mut Packet,
@@ -131,32 +208,36 @@ impl Nftables {
         let words: Vec<&str> = rule.iter().map(String::as_str).collect();
         let mut w = words.as_slice();
         loop {
-            // Each arm matches one statement: Some(rest) when the packet matches it.
-            let rest: &[&str] = match w {
+            // Each arm is one statement: a match that fails ends the rule, one that holds (or
+            // a statement that is no match) leaves the words after it.
+            w = match w {
                 [] | ["comment", _] => return Verdict::Continue,
                 ["ct", "state", state, rest @ ..] => {
-                    if !state.split(',').any(|s| s == "new") {
+                    let known = ["new", "established", "related", "invalid"];
+                    let states: Vec<&str> = state.split(',').collect();
+                    assert!(states.iter().all(|s| known.contains(s)), "ct state {state}");
+                    if !states.contains(&"new") {
                         return Verdict::Continue;
                     }
                     rest
                 }
                 // A concatenation looked up in a verdict map.
                 [_, _, ".", ..] => {
-                    let at = (w.iter().position(|x| *x == "vmap")).expect("a vmap lookup");
-                    let key = concat(&w[..at], packet);
-                    let map = w[at + 1].strip_prefix('@').expect("vmap @map");
-                    let map = (table.sets.get(map)).unwrap_or_else(|| panic!("no map {map}"));
-                    let Some(verdict) = map.get(&key) else {
+                    let at_vmap = (w.iter().position(|x| *x == "vmap")).expect("a vmap lookup");
+                    let key = concat(&w[..at_vmap], packet);
+                    let [map, rest @ ..] = &w[at_vmap + 1..] else {
+                        panic!("vmap without a map")
+                    };
+                    end_of_rule(rest);
+                    let map = map.strip_prefix('@').expect("vmap @map");
+                    let Some(verdict) = at.table.sets[map].get(&key) else {
                         return Verdict::Continue;
                     };
                     let verdict: Vec<&str> = verdict.split(' ').collect();
-                    return self.verdict(table, &verdict, node, packet, choices);
+                    return self.verdict(at, &verdict, node, packet, choices);
                 }
                 ["ip", field @ ("saddr" | "daddr"), rest @ ..] => {
-                    let ip = match *field {
-                        "saddr" => packet.source,
-                        _ => packet.destination,
-                    };
+                    let ip = packet.address(*field == "saddr");
                     let (negated, rest) = match rest {
                         ["!=", rest @ ..] => (true, rest),
                         rest => (false, rest),
@@ -164,7 +245,7 @@ impl Nftables {
                     let (set, rest) = set_of(rest);
                     let hit = match set.as_slice() {
                         [named] if named.starts_with('@') => {
-                            let set = &table.sets[&named[1..]];
+                            let set = &at.table.sets[&named[1..]];
                             set.keys().any(|k| in_range(k, ip))
                         }
                         ranges => ranges.iter().any(|r| in_range(r, ip)),
@@ -175,12 +256,17 @@ impl Nftables {
                     rest
                 }
                 [proto @ ("tcp" | "udp" | "sctp"), "dport", port, rest @ ..] => {
-                    if packet.protocol != *proto || port.parse() != Ok(packet.port) {
+                    let port: u16 = (port.parse()).unwrap_or_else(|_| panic!("dport {port}"));
+                    if packet.protocol != *proto || port != packet.port {
                         return Verdict::Continue;
                     }
                     rest
                 }
                 ["meta", "l4proto", proto, rest @ ..] => {
+                    assert!(
+                        ["tcp", "udp", "sctp"].contains(proto),
+                        "meta l4proto {proto}"
+                    );
                     if packet.protocol != *proto {
                         return Verdict::Continue;
                     }
@@ -193,17 +279,14 @@ impl Nftables {
                     "local",
                     rest @ ..,
                 ] => {
-                    let ip = match *field {
-                        "saddr" => packet.source,
-                        _ => packet.destination,
-                    };
-                    if !node.is_local(ip) {
+                    if !node.is_local(packet.address(*field == "saddr")) {
                         return Verdict::Continue;
                     }
                     rest
                 }
-                ["numgen", "random", "mod", _, "==", "0", rest @ ..] => {
-                    if !choices.take() {
+                ["numgen", "random", "mod", n, "==", "0", rest @ ..] => {
+                    let n: u32 = (n.parse()).unwrap_or_else(|_| panic!("numgen mod {n}"));
+                    if !choices.take(1.0 / f64::from(n)) {
                         return Verdict::Continue;
                     }
                     rest
@@ -223,41 +306,68 @@ impl Nftables {
                     rest
                 }
                 // Affinity: the first packet adds its client; nothing to trace.
-                ["update", set, "{", "ip", "saddr", "}", rest @ ..] if set.starts_with('@') => rest,
-                ["dnat", "to", to, ..] => {
-                    packet.translate(to.parse::<SocketAddrV4>().expect("dnat to ip:port"));
+                ["update", set, "{", "ip", "saddr", "}", rest @ ..] => {
+                    let set = set.strip_prefix('@').expect("update @set");
+                    assert!(
+                        at.table.sets.contains_key(set),
+                        "update of the missing set {set}"
+                    );
+                    rest
+                }
+                ["dnat", "to", to, rest @ ..] => {
+                    end_of_rule(rest);
+                    assert!(at.base.nat, "dnat outside a nat chain");
+                    let to = to.parse::<SocketAddrV4>();
+                    packet.translate(to.unwrap_or_else(|_| panic!("{rule:?}: dnat to ip:port")));
                     return Verdict::Accept;
                 }
-                ["masquerade", ..] => {
+                ["masquerade", rest @ ..] => {
+                    end_of_rule(rest.strip_prefix(&["fully-random"]).unwrap_or(rest));
+                    assert!(
+                        at.base.nat && at.base.hook == Hook::Postrouting,
+                        "masquerade outside nat postrouting"
+                    );
                     packet.masqueraded = true;
                     return Verdict::Accept;
                 }
-                verdict => return self.verdict(table, verdict, node, packet, choices),
+                verdict => return self.verdict(at, verdict, node, packet, choices),
             };
-            w = rest;
         }
     }
 
     /// A verdict statement (and an optional comment after it).
     fn verdict(
         &self,
-        table: &Table,
+        at: &At,
         words: &[&str],
         node: &Node,
         packet: &mut Packet,
         choices: &mut Choices,
     ) -> Verdict {
-        match words {
-            ["accept", ..] => {
+        let (verdict, rest) = match words {
+            ["jump" | "goto", _, rest @ ..] => (&words[..2], rest),
+            [_, rest @ ..] => (&words[..1], rest),
+            [] => panic!("a rule without a statement"),
+        };
+        end_of_rule(rest);
+        match verdict {
+            ["accept"] => {
                 packet.accepted = true;
                 Verdict::Accept
             }
-            ["drop", ..] => Verdict::Drop,
-            ["reject", ..] => Verdict::Reject,
-            ["return", ..] => Verdict::Return,
+            ["drop"] => Verdict::Drop,
+            ["reject"] => {
+                // Not on the prerouting hook (before Linux 5.9).
+                assert!(
+                    at.base.hook != Hook::Prerouting,
+                    "reject in a prerouting chain"
+                );
+                Verdict::Reject
+            }
+            ["return"] => Verdict::Return,
             // A jump comes back here when its chain ends; a goto goes on in this chain's caller.
-            ["jump", chain, ..] => self.run(table, chain, node, packet, choices),
-            ["goto", chain, ..] => match self.run(table, chain, node, packet, choices) {
+            ["jump", chain] => self.run(at, chain, node, packet, choices),
+            ["goto", chain] => match self.run(at, chain, node, packet, choices) {
                 Verdict::Continue => Verdict::Return,
                 end => end,
             },
@@ -267,26 +377,44 @@ impl Nftables {
 }
 
 impl Rules for Nftables {
-    fn hook(&self, hook: Hook, node: &Node, packet: &mut Packet, choices: &mut Choices) -> Verdict {
-        let mut chains: Vec<(i32, &Table, &str, &str)> = (self.tables.values())
+    fn hook(
+        &self,
+        hook: Hook,
+        nat: bool,
+        node: &Node,
+        packet: &mut Packet,
+        choices: &mut Choices,
+    ) -> Verdict {
+        let mut chains: Vec<(Base, &Table, &str)> = (self.tables.values())
             .flat_map(|t| t.chains.iter().map(move |(name, c)| (t, name, c)))
-            .filter_map(|(t, name, c)| {
-                let (kind, h, priority) = c.base.as_ref()?;
-                (*h == hook).then_some((*priority, t, name.as_str(), kind.as_str()))
-            })
+            .filter_map(|(t, name, c)| Some((c.base?, t, name.as_str())))
+            .filter(|(base, _, _)| base.hook == hook)
             .collect();
-        chains.sort_by_key(|c| c.0);
-        for (_, table, chain, kind) in chains {
-            if kind == "nat" && packet.nat_done && hook != Hook::Postrouting {
+        chains.sort_by_key(|(base, _, _)| base.priority);
+        let priorities: Vec<i32> = chains.iter().map(|(b, _, _)| b.priority).collect();
+        assert!(
+            priorities.windows(2).all(|p| p[0] != p[1]),
+            "base chains of one priority on {hook:?}: the kernel's order between them is not the tracer's"
+        );
+        for (base, table, chain) in chains {
+            if base.nat && !nat {
                 continue;
             }
-            match self.run(table, chain, node, packet, choices) {
+            match self.run(&At { table, base }, chain, node, packet, choices) {
                 Verdict::Continue | Verdict::Return | Verdict::Accept => {}
                 end => return end,
             }
         }
         Verdict::Continue
     }
+}
+
+/// What may follow a statement that ends a rule: a comment, or nothing.
+fn end_of_rule(rest: &[&str]) {
+    assert!(
+        matches!(rest, [] | ["comment", _]),
+        "the tracer does not know {rest:?} after a rule's last statement"
+    );
 }
 
 /// The object a command names; panics when the table has none.
@@ -355,11 +483,4 @@ fn elements(words: &[&str]) -> Vec<(String, String)> {
         out.push((key.trim().to_owned(), verdict));
     }
     out
-}
-
-fn mark(text: &str) -> u32 {
-    match text.strip_prefix("0x") {
-        Some(hex) => u32::from_str_radix(hex, 16).expect("a mark"),
-        None => text.parse().expect("a mark"),
-    }
 }

@@ -1,20 +1,24 @@
-//! kube-proxy's proxier tests as cases for the tracer: each file of `testdata/` holds one
-//! test's Services and EndpointSlices (in steps, where the test changes them), the node it runs
-//! on, and its packet flows with the outcome kube-proxy's test expects. Each step is synced as
-//! the agent syncs (the first in full, the later ones with only the changed Service ports) and
-//! also rendered afresh; every flow is traced through both, in the iptables and the nftables
-//! modes. Where this project differs from kube-proxy on purpose, the flow says so (`ours`,
-//! with the reason).
+//! kube-proxy's proxier tests as cases for the packet tracer (`netfilter/tracer`): each file of
+//! `testdata/packet_flows/` holds one test's Services and EndpointSlices (in steps, where the
+//! test changes them), the node it runs on, and its packet flows with the outcome kube-proxy's
+//! test expects. Each step is synced as
+//! the agent syncs (the first in full, the later ones with only the changed Service ports),
+//! rendered afresh, and synced in full over what the step left (the periodic full sync); the
+//! three must hold the same rules, and every flow is traced through them, in the iptables and
+//! the nftables modes. Where this project differs from kube-proxy on purpose, the flow says so
+//! (`ours`, with the reason).
 use std::{collections::BTreeSet, net::Ipv4Addr, sync::Mutex};
 
 use serde::Deserialize;
 
-use super::{Iptables, Nftables, Node, Packet, Rules, Trace, trace};
 use crate::{
     dataplane::Scope,
     model::{ChangeTracker, Cidr, DesiredState},
     modes::{iptables as ipt, nftables as nft},
-    netfilter::rules::Settings,
+    netfilter::{
+        rules::Settings,
+        tracer::{Iptables, Nftables, Node, Packet, Rules, Trace, trace},
+    },
     node::{self, InterfaceAddr, NodePortAddresses},
     source::file::FileSource,
 };
@@ -123,13 +127,14 @@ impl Flow {
     }
 }
 
-/// Whether `trace` is what `expected` says: the same endpoints in any order, and the
-/// masquerading of delivered packets.
+/// Whether `trace` is what `expected` says: the same endpoints in any order, each as likely,
+/// and the masquerading of the packets let through.
 fn agrees(trace: &Trace, expected: &Expected) -> bool {
     let words =
         |s: &str| -> BTreeSet<String> { s.split(", ").map(|w| w.trim().to_owned()).collect() };
     let delivered = !matches!(expected.output.as_str(), "DROP" | "REJECT");
     words(&trace.output()) == words(&expected.output)
+        && trace.even()
         && (!delivered || trace.masquerade() == Some(expected.masq))
 }
 
@@ -148,6 +153,8 @@ trait Model {
         model
     }
     fn rules(&self) -> &dyn Rules;
+    /// What it holds, sorted.
+    fn dump(&self) -> String;
 }
 
 struct IptablesModel {
@@ -178,6 +185,10 @@ impl Model for IptablesModel {
     fn rules(&self) -> &dyn Rules {
         &self.tables
     }
+
+    fn dump(&self) -> String {
+        self.tables.dump()
+    }
 }
 
 struct NftablesModel {
@@ -205,6 +216,10 @@ impl Model for NftablesModel {
 
     fn rules(&self) -> &dyn Rules {
         &self.tables
+    }
+
+    fn dump(&self) -> String {
+        self.tables.dump()
     }
 }
 
@@ -255,6 +270,23 @@ fn run<M: Model>(file: &str, case: &Case) -> Vec<String> {
         let changed = tracker.lock().unwrap().apply(&mut state);
         synced.sync(&state, &settings, (i > 0).then_some(&changed));
         let fresh = M::fresh(&state, &settings);
+        let mut resynced = M::fresh(&state, &settings);
+        resynced.sync(&state, &settings, None);
+        let at = format!(
+            "{file} ({}), step {:?}, {:?} mode",
+            case.kube_proxy_test,
+            step.name,
+            M::MODE
+        );
+        for (how, model) in [("synced", &synced), ("resynced in full", &resynced)] {
+            if model.dump() != fresh.dump() {
+                failures.push(format!(
+                    "{at}: {how}, the rules differ from those rendered afresh:\n{}\n-- afresh:\n{}",
+                    model.dump(),
+                    fresh.dump()
+                ));
+            }
+        }
         let flows = (step.flows.iter()).filter(|f| {
             f.modes
                 .as_ref()
@@ -262,15 +294,15 @@ fn run<M: Model>(file: &str, case: &Case) -> Vec<String> {
         });
         for flow in flows {
             let expected = flow.expected(M::MODE);
-            for (how, model) in [("synced", &synced), ("fresh", &fresh)] {
+            for (how, model) in [
+                ("synced", &synced),
+                ("fresh", &fresh),
+                ("resynced", &resynced),
+            ] {
                 let got = trace(model.rules(), &node, &flow.packet());
                 if !agrees(&got, &expected) {
                     failures.push(format!(
-                        "{file} ({}), step {:?}, {:?} mode, {how}: flow {:?} ({} {} -> {}:{}): \
-                         {got}; expected {:?}, {}",
-                        case.kube_proxy_test,
-                        step.name,
-                        M::MODE,
+                        "{at}, {how}: flow {:?} ({} {} -> {}:{}): {got}; expected {:?}, {}",
                         flow.name,
                         flow.protocol,
                         flow.source,
@@ -293,7 +325,7 @@ fn run<M: Model>(file: &str, case: &Case) -> Vec<String> {
 /// The cases, by file name.
 fn cases() -> Vec<(String, Case)> {
     let dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/netfilter/tracer/testdata");
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/modes/testdata/packet_flows");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -320,9 +352,23 @@ fn kube_proxys_packet_flows() {
     let mut failures = Vec::new();
     let mut flows = 0;
     for (file, case) in &cases {
-        flows += case.steps.iter().map(|s| s.flows.len()).sum::<usize>();
+        let modes = match file.starts_with("iptables_") {
+            true => vec![Mode::Iptables],
+            false => vec![Mode::Iptables, Mode::Nftables],
+        };
+        for flow in case.steps.iter().flat_map(|s| &s.flows) {
+            flows += 1;
+            let named = (flow.modes.iter().flatten()).chain(flow.ours.iter().map(|o| &o.mode));
+            for mode in named {
+                assert!(
+                    modes.contains(mode),
+                    "{file}: flow {:?} names {mode:?}, which does not run the case",
+                    flow.name
+                );
+            }
+        }
         failures.extend(run::<IptablesModel>(file, case));
-        if !file.starts_with("iptables_") {
+        if modes.contains(&Mode::Nftables) {
             failures.extend(run::<NftablesModel>(file, case));
         }
     }
@@ -332,5 +378,42 @@ fn kube_proxys_packet_flows() {
         failures.len(),
         cases.len(),
         failures.join("\n")
+    );
+}
+
+/// The jumps from the built-in chains end up in kube-proxy's order.
+#[test]
+fn iptables_jumps_in_kube_proxys_order() {
+    let mut tables = Iptables::default();
+    for jump in ipt::JUMPS {
+        jump.add_to(&mut tables);
+    }
+    let dump = tables.dump();
+    let targets = |chain: &str| -> Vec<String> {
+        let line = dump.lines().find(|l| l.starts_with(chain)).unwrap();
+        let words: Vec<&str> = line.split(' ').collect();
+        let at = words.iter().enumerate().filter(|(_, w)| **w == "-j");
+        at.map(|(i, _)| words[i + 1].to_owned()).collect()
+    };
+    assert_eq!(
+        targets("filter INPUT:"),
+        [
+            "KUBE-PROXY-FIREWALL",
+            "KUBE-NODEPORTS",
+            "KUBE-EXTERNAL-SERVICES"
+        ]
+    );
+    assert_eq!(
+        targets("filter FORWARD:"),
+        [
+            "KUBE-PROXY-FIREWALL",
+            "KUBE-FORWARD",
+            "KUBE-SERVICES",
+            "KUBE-EXTERNAL-SERVICES"
+        ]
+    );
+    assert_eq!(
+        targets("filter OUTPUT:"),
+        ["KUBE-PROXY-FIREWALL", "KUBE-SERVICES"]
     );
 }
