@@ -236,6 +236,9 @@ pub async fn run(
         }
         let elapsed = started.elapsed();
         METRICS.synced(elapsed, matches!(scope, Scope::All), result.is_ok());
+        if matches!(scope, Scope::All) {
+            release_free_memory();
+        }
         match &result {
             Ok(()) => {
                 match scope {
@@ -339,4 +342,12 @@ fn source_ended(r: Result<anyhow::Result<()>, tokio::task::JoinError>) -> anyhow
         Ok(Err(e)) => Err(e),
         Err(e) => Err(e).context("the source panicked"),
     }
+}
+
+/// Hands the pages malloc holds free back to the kernel: a full sync follows a load of the
+/// whole state (the first one, a manifest's parse), whose garbage is spread through the heap,
+/// where glibc would otherwise keep it (it returns only the heap's free top by itself).
+fn release_free_memory() {
+    // SAFETY: malloc_trim has no preconditions.
+    unsafe { libc::malloc_trim(0) };
 }
