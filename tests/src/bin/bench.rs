@@ -30,6 +30,8 @@ use proxy_userspace::{
 
 #[path = "bench/agent.rs"]
 mod agent;
+#[path = "bench/chart.rs"]
+mod chart;
 #[path = "bench/connections.rs"]
 mod connections;
 #[path = "bench/e2e.rs"]
@@ -86,6 +88,10 @@ struct Args {
     /// e2e: a short run for CI: 1 and 1000 services, 2 rounds of 1 s, 10 changes.
     #[arg(long)]
     quick: bool,
+    /// e2e: measure nothing; draw the charts again from the table of an earlier run's e2e.md
+    /// (such as docs/bench/e2e.md), beside it.
+    #[arg(long)]
+    replot: Option<std::path::PathBuf>,
 }
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
@@ -111,6 +117,10 @@ fn vip(i: u32) -> Ipv4Addr {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(table) = &args.replot {
+        anyhow::ensure!(args.which == "e2e", "--replot is for bench e2e");
+        return e2e::replot(table);
+    }
     let modes = match args.modes.clone() {
         Some(modes) => modes,
         None => e2e::DEFAULT_MODES

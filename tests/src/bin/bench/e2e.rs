@@ -34,6 +34,7 @@ use proxy_tests::{
 
 use crate::{
     agent::{Running, Sample, mib},
+    chart::{Series, line_chart},
     connections::{self, Failures, Load, median, percentile},
 };
 
@@ -152,54 +153,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     println!("\n{table}");
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     std::fs::create_dir_all(&dir)?;
-    let labels: Vec<String> = opts.services.iter().map(u32::to_string).collect();
-    // One value a count (NaN where the mode was not run: no point there).
-    let of_mode = |mode: &str, value: fn(&Cell) -> f64| -> Vec<f64> {
-        opts.services
-            .iter()
-            .map(|&n| {
-                cells
-                    .iter()
-                    .find(|c| c.mode == mode && c.services == n)
-                    .map_or(f64::NAN, value)
-            })
-            .collect()
-    };
-    let direct = |c: &Cell| c.paths[0].0;
-    let last = |c: &Cell| c.paths[2].0;
-    let synced = |c: &Cell| c.start.synced.as_secs_f64();
-    let per_mode = |value: fn(&Cell) -> f64| -> Vec<(&str, Vec<f64>)> {
-        opts.modes
-            .iter()
-            .map(|m| (m.id, of_mode(m.id, value)))
-            .collect()
-    };
-    // Direct as the first mode measured it (each mode's own direct rounds are in the table).
-    let mut rates = vec![("direct to the pods", of_mode(opts.modes[0].id, direct))];
-    rates.extend(per_mode(last));
-    let charts = [
-        (
-            "e2e-rate.svg",
-            chart(
-                "Short TCP connections a second to the last Service, by number of Services",
-                "connections/s",
-                &labels,
-                &rates,
-            ),
-        ),
-        (
-            "e2e-sync.svg",
-            chart(
-                "Agent start to first full sync, by number of Services",
-                "seconds",
-                &labels,
-                &per_mode(synced),
-            ),
-        ),
-    ];
-    for (name, svg) in &charts {
-        std::fs::write(dir.join(name), svg)?;
-    }
+    let points: Vec<Point> = cells.iter().map(Point::of).collect();
+    write_charts(&dir, &points)?;
     std::fs::write(
         dir.join("e2e.md"),
         format!("{machine}\n\n{table}\n![rate](e2e-rate.svg)\n![sync](e2e-sync.svg)\n"),
@@ -454,101 +409,143 @@ fn machine() -> String {
     )
 }
 
-/// A line chart of `series` over the categories `labels` (evenly spaced), from 0 up.
-fn chart(title: &str, unit: &str, labels: &[String], series: &[(&str, Vec<f64>)]) -> String {
-    const W: f64 = 640.0;
-    const H: f64 = 360.0;
-    const LEFT: f64 = 70.0;
-    const RIGHT: f64 = 20.0;
-    const TOP: f64 = 40.0;
-    const BOTTOM: f64 = 90.0;
-    const COLOURS: [&str; 7] = [
-        "#555555", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
-    ];
-    let max = series
-        .iter()
-        .flat_map(|(_, v)| v.iter().copied())
-        .fold(0.0, f64::max)
-        .max(f64::MIN_POSITIVE)
-        * 1.1;
-    let x = |i: usize| {
-        let span = (labels.len().max(2) - 1) as f64;
-        LEFT + (W - LEFT - RIGHT) * i as f64 / span
-    };
-    let y = |v: f64| TOP + (H - TOP - BOTTOM) * (1.0 - v / max);
-    let mut svg = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">{title}</text>\n",
-        W / 2.0
-    );
-    for tick in 0..=4 {
-        let v = max / 1.1 * f64::from(tick) / 4.0;
-        let _ = writeln!(
-            svg,
-            "<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{y0:.1}\" y2=\"{y0:.1}\" stroke=\"#dddddd\"/>\
-             <text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
-            W - RIGHT,
-            LEFT - 6.0,
-            y(v) + 4.0,
-            if max >= 100.0 {
-                format!("{v:.0}")
-            } else {
-                format!("{v:.2}")
-            },
-            y0 = y(v),
-        );
-    }
-    for (i, label) in labels.iter().enumerate() {
-        let _ = writeln!(
-            svg,
-            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{label}</text>",
-            x(i),
-            H - BOTTOM + 18.0
-        );
-    }
-    let _ = writeln!(
-        svg,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">Services</text>\
-         <text x=\"16\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {})\">{unit}</text>",
-        (LEFT + W - RIGHT) / 2.0,
-        H - BOTTOM + 36.0,
-        (TOP + H - BOTTOM) / 2.0,
-        (TOP + H - BOTTOM) / 2.0,
-    );
-    for (k, (name, values)) in series.iter().enumerate() {
-        let colour = COLOURS[k % COLOURS.len()];
-        let points: Vec<String> = values
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, v)| format!("{:.1},{:.1}", x(i), y(*v)))
-            .collect();
-        let _ = writeln!(
-            svg,
-            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>",
-            points.join(" ")
-        );
-        for p in &points {
-            let (px, py) = p.split_once(',').unwrap();
-            let _ = writeln!(
-                svg,
-                "<circle cx=\"{px}\" cy=\"{py}\" r=\"3\" fill=\"{colour}\"/>"
-            );
+/// What the charts show of one N in one mode.
+struct Point {
+    services: u32,
+    mode: String,
+    /// Connections a second straight to the pods, and to the last Service.
+    direct: f64,
+    last: f64,
+    /// Seconds from the agent's start to its first full sync.
+    synced: f64,
+}
+
+impl Point {
+    fn of(cell: &Cell) -> Self {
+        Self {
+            services: cell.services,
+            mode: cell.mode.to_owned(),
+            direct: cell.paths[0].0,
+            last: cell.paths[2].0,
+            synced: cell.start.synced.as_secs_f64(),
         }
-        let ly = H - BOTTOM + 56.0;
-        let lx = LEFT + 190.0 * k as f64;
-        let _ = writeln!(
-            svg,
-            "<line x1=\"{lx}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{colour}\" stroke-width=\"2\"/>\
-             <text x=\"{}\" y=\"{}\">{name}</text>",
-            lx + 20.0,
-            lx + 26.0,
-            ly + 4.0
-        );
     }
-    svg.push_str("</svg>\n");
-    svg
+
+    /// A row of the table [`table`] writes.
+    fn parse(row: &str) -> Option<Self> {
+        let cells: Vec<&str> = row
+            .trim()
+            .trim_matches('|')
+            .split('|')
+            .map(str::trim)
+            .collect();
+        let first = |cell: &str| -> Option<f64> { cell.split_whitespace().next()?.parse().ok() };
+        Some(Self {
+            services: cells.first()?.parse().ok()?,
+            mode: (*cells.get(1)?).to_owned(),
+            direct: first(cells.get(2)?)?,
+            last: first(cells.get(5)?)?,
+            synced: first(cells.get(7)?)?,
+        })
+    }
+}
+
+/// e2e-rate.svg and e2e-sync.svg in `dir`: each mode in its own colour, the rate to its last
+/// Service beside its own direct rate (dashed: the ceiling its ratio is taken against).
+fn write_charts(dir: &Path, points: &[Point]) -> anyhow::Result<()> {
+    let mut services: Vec<u32> = points.iter().map(|p| p.services).collect();
+    services.sort_unstable();
+    services.dedup();
+    let mut modes: Vec<&str> = Vec::new();
+    for p in points {
+        if !modes.contains(&p.mode.as_str()) {
+            modes.push(&p.mode);
+        }
+    }
+    let labels: Vec<String> = services.iter().map(u32::to_string).collect();
+    // One value a count (NaN where the mode was not run: no point there).
+    let of_mode = |mode: &str, value: fn(&Point) -> f64| -> Vec<f64> {
+        (services.iter())
+            .map(|&n| {
+                (points.iter())
+                    .find(|p| p.mode == mode && p.services == n)
+                    .map_or(f64::NAN, value)
+            })
+            .collect()
+    };
+    let series = |name: String, colour, values, dashed| Series {
+        name,
+        values,
+        colour,
+        dashed,
+    };
+    let mut rates = Vec::new();
+    let mut synced = Vec::new();
+    for (k, mode) in modes.iter().enumerate() {
+        rates.push(series(
+            mode.to_string(),
+            k,
+            of_mode(mode, |p| p.last),
+            false,
+        ));
+        rates.push(series(
+            format!("{mode}: direct"),
+            k,
+            of_mode(mode, |p| p.direct),
+            true,
+        ));
+        synced.push(series(
+            mode.to_string(),
+            k,
+            of_mode(mode, |p| p.synced),
+            false,
+        ));
+    }
+    let charts = [
+        (
+            "e2e-rate.svg",
+            line_chart(
+                "Short TCP connections a second to the last Service, by number of Services",
+                "connections/s",
+                &labels,
+                &rates,
+            ),
+        ),
+        (
+            "e2e-sync.svg",
+            line_chart(
+                "Agent start to first full sync, by number of Services",
+                "seconds",
+                &labels,
+                &synced,
+            ),
+        ),
+    ];
+    for (name, svg) in &charts {
+        std::fs::write(dir.join(name), svg)?;
+    }
+    Ok(())
+}
+
+/// Draws the charts again from an e2e.md table a run wrote (`--replot`), beside it: a change of
+/// the charts' drawing needs no new measurement.
+pub fn replot(table: &Path) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(table).with_context(|| format!("reading {}", table.display()))?;
+    let points: Vec<Point> = text.lines().filter_map(Point::parse).collect();
+    anyhow::ensure!(
+        !points.is_empty(),
+        "{} holds no table row of bench e2e",
+        table.display()
+    );
+    let dir = table.parent().unwrap_or(Path::new("."));
+    write_charts(dir, &points)?;
+    println!(
+        "written from {} rows: {}/e2e-rate.svg, e2e-sync.svg",
+        points.len(),
+        dir.display()
+    );
+    Ok(())
 }
 
 #[cfg(test)]
@@ -556,23 +553,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_chart_places_every_point_inside_its_plot() {
-        let labels: Vec<String> = ["1", "1000", "30000"].map(String::from).to_vec();
-        let svg = chart(
-            "t",
-            "u",
-            &labels,
-            &[("a", vec![0.0, 50.0, 100.0]), ("b", vec![10.0, 20.0, 30.0])],
-        );
-        assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
-        assert_eq!(svg.matches("<polyline").count(), 2);
-        for circle in svg.lines().filter(|l| l.starts_with("<circle")) {
-            let attr = |name: &str| -> f64 {
-                let at = circle.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
-                circle[at..].split('"').next().unwrap().parse().unwrap()
-            };
-            assert!((70.0..=620.0).contains(&attr("cx")), "{circle}");
-            assert!((40.0..=270.0).contains(&attr("cy")), "{circle}");
-        }
+    fn rows_of_the_table_are_read_back() {
+        let row = "| 30000 | ebpf | 10155 (0.35 / 1.07 ms) | 9830 (0.36 / 1.12 ms) | 0.97 | 9754 (0.36 / 1.16 ms) | 0.96 | 1.42 s | 80.8 MiB | 1.83 / 1.99 ms (20) |";
+        let p = Point::parse(row).unwrap();
+        assert_eq!((p.services, p.mode.as_str()), (30000, "ebpf"));
+        assert_eq!((p.direct, p.last, p.synced), (10155.0, 9754.0, 1.42));
+        assert!(Point::parse("| ---: | --- |").is_none());
+        assert!(Point::parse("| services | mode | direct").is_none());
     }
 }
