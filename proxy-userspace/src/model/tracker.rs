@@ -157,6 +157,33 @@ impl ChangeTracker {
         }
     }
 
+    /// Whether the tracker holds this version of the Service already (one not proxied: when it
+    /// holds none), so that a source reading it again need not keep its own copy to know.
+    pub fn holds_service(&self, update: &ReducedService) -> bool {
+        self.services.get(&update.key) == update.ports.as_ref()
+    }
+
+    /// Whether the tracker holds this version of the EndpointSlice already (see
+    /// [`ChangeTracker::holds_service`]), its skipped endpoints included.
+    pub fn holds_slice(&self, update: &ReducedSlice) -> bool {
+        let skipped = self.skipped.get(&update.key).map_or(&[][..], Vec::as_slice);
+        self.slices.get(&update.key) == update.info.as_ref() && skipped == update.skipped
+    }
+
+    /// Whether the tracker holds this version of the Node already.
+    pub fn holds_node(&self, name: &str, info: &NodeInfo) -> bool {
+        let zone = info.zone.as_deref().filter(|z| !z.is_empty());
+        self.node_zones
+            .get(name)
+            .is_some_and(|z| z.as_deref() == zone)
+            && self.node_addresses.get(name) == Some(&info.addresses)
+    }
+
+    /// Whether the tracker holds these ranges of the ServiceCIDR `name` already.
+    pub fn holds_service_cidr(&self, name: &str, cidrs: &[Cidr]) -> bool {
+        self.service_cidrs.get(name).is_some_and(|c| c == cidrs)
+    }
+
     /// Records the latest version of a Service. One that is not proxied counts as deleted.
     pub fn upsert_service(&mut self, update: &ReducedService) {
         let key = &update.key;

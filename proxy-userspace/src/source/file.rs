@@ -9,7 +9,7 @@
 //! cannot be read or parsed after the first load changes nothing: the last good state stays
 //! programmed until the file is fixed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -230,16 +230,25 @@ struct LoadStats {
 
 pub(crate) struct FileSource {
     path: PathBuf,
-    /// The objects of the last load as the tracker was given them (invalid ones included: the
-    /// tracker kept their previous valid version, and they are not retried until they change).
-    snapshot: BTreeMap<ObjectKey, Entry>,
+    /// The objects of the last load the tracker does not hold as they were read, and what was
+    /// reported of them: invalid ones (the tracker kept their previous valid version; they are
+    /// not retried until they change) and Services it does not proxy. Only these: the tracker
+    /// says whether it holds any other object as it is now.
+    reported: HashMap<ObjectKey, Reported>,
+}
+
+/// What was reported of an object (see [`FileSource::reported`]).
+#[derive(Debug, PartialEq)]
+enum Reported {
+    Invalid(InvalidObject),
+    NotProxied(&'static str),
 }
 
 impl FileSource {
     fn new(path: PathBuf) -> Self {
         Self {
             path,
-            snapshot: BTreeMap::new(),
+            reported: HashMap::new(),
         }
     }
 
@@ -287,61 +296,127 @@ impl FileSource {
         }
         let mut changed = 0;
         let mut tracker = lock(tracker)?;
+        let mut reported = HashMap::new();
         for (key, entry) in &load.entries {
-            if self.snapshot.get(key) == Some(entry) {
+            // Reported once, until it changes.
+            let mut report = |what: Reported| {
+                let new = self.reported.get(key) != Some(&what);
+                reported.insert(key.clone(), what);
+                new
+            };
+            let (new, invalid) = match entry {
+                Entry::Service(Ok(update)) => {
+                    let reason = update.skip_reason;
+                    let new_reason = reason.is_some_and(|r| report(Reported::NotProxied(r)));
+                    if new_reason {
+                        let reason = reason.unwrap_or_default();
+                        tracing::info!("{path}: {} is not proxied: {reason}", describe(key));
+                    }
+                    let new = !tracker.holds_service(update);
+                    if new {
+                        tracker.upsert_service(update);
+                    }
+                    (new || new_reason, None)
+                }
+                Entry::Slice(Ok(update)) => {
+                    let new = !tracker.holds_slice(update);
+                    if new {
+                        let skipped = tracker.upsert_slice(update);
+                        errors += skipped.len();
+                        for endpoint in skipped {
+                            tracing::warn!("{path}: {endpoint}");
+                        }
+                    }
+                    (new, None)
+                }
+                Entry::Node(key, info) => {
+                    let new = !tracker.holds_node(&key.name, info);
+                    if new {
+                        tracker.upsert_node(&key.name, info);
+                    }
+                    (new, None)
+                }
+                Entry::ServiceCidr(key, cidrs) => {
+                    let new = !tracker.holds_service_cidr(&key.name, cidrs);
+                    if new {
+                        tracker.upsert_service_cidr(&key.name, cidrs.clone());
+                    }
+                    (new, None)
+                }
+                Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => {
+                    (report(Reported::Invalid(invalid.clone())), Some(invalid))
+                }
+            };
+            if !new {
                 continue;
             }
             changed += 1;
-            let invalid = match entry {
-                Entry::Service(Ok(update)) => {
-                    if let Some(reason) = update.skip_reason {
-                        tracing::info!("{path}: {} is not proxied: {reason}", describe(key));
-                    }
-                    tracker.upsert_service(update);
-                    None
-                }
-                Entry::Slice(Ok(update)) => {
-                    let skipped = tracker.upsert_slice(update);
-                    errors += skipped.len();
-                    for endpoint in skipped {
-                        tracing::warn!("{path}: {endpoint}");
-                    }
-                    None
-                }
-                Entry::Node(key, info) => {
-                    tracker.upsert_node(&key.name, info);
-                    None
-                }
-                Entry::ServiceCidr(key, cidrs) => {
-                    tracker.upsert_service_cidr(&key.name, cidrs.clone());
-                    None
-                }
-                Entry::Service(Err(invalid)) | Entry::Slice(Err(invalid)) => Some(invalid),
-            };
             if let Some(invalid) = invalid {
                 errors += 1;
                 tracing::warn!("{path}: {invalid}; this version is not applied");
             }
         }
-        for (key, entry) in &self.snapshot {
-            if load.entries.contains_key(key) {
-                continue;
-            }
-            changed += 1;
-            match entry {
-                Entry::Service(_) => tracker.delete_service(&key.1),
-                Entry::Slice(_) => tracker.delete_slice(&key.1),
-                Entry::Node(..) => tracker.delete_node(&key.1.name),
-                Entry::ServiceCidr(..) => tracker.delete_service_cidr(&key.1.name),
+        // What the tracker holds that the file no longer has.
+        let names = |kind: &str| -> HashSet<&str> {
+            (load.entries.keys())
+                .filter(|(k, _)| *k == kind)
+                .map(|(_, key)| &*key.name)
+                .collect()
+        };
+        let (nodes, cidrs) = (names("Node"), names("ServiceCIDR"));
+        let gone = |kind: &'static str, key: &NamespacedName| {
+            !load.entries.contains_key(&(kind, key.clone()))
+        };
+        let services = tracker.service_keys();
+        let slices = tracker.slice_keys();
+        // Reported objects gone that the tracker does not hold (not proxied, or never valid);
+        // those it holds are counted with its deletions below.
+        let gone_reported: Vec<&ObjectKey> = (self.reported.keys())
+            .filter(|key| !load.entries.contains_key(*key))
+            .collect();
+        if !gone_reported.is_empty() {
+            let held = |keys: &[NamespacedName]| -> HashSet<NamespacedName> {
+                keys.iter().cloned().collect()
+            };
+            let (held_services, held_slices) = (held(&services), held(&slices));
+            changed += (gone_reported.into_iter())
+                .filter(|(kind, key)| match *kind {
+                    "Service" => !held_services.contains(key),
+                    _ => !held_slices.contains(key),
+                })
+                .count();
+        }
+        for key in services {
+            if gone("Service", &key) {
+                tracker.delete_service(&key);
+                changed += 1;
             }
         }
+        for key in slices {
+            if gone("EndpointSlice", &key) {
+                tracker.delete_slice(&key);
+                changed += 1;
+            }
+        }
+        for key in tracker.node_keys() {
+            if !nodes.contains(&*key.name) {
+                tracker.delete_node(&key.name);
+                changed += 1;
+            }
+        }
+        for key in tracker.service_cidr_keys() {
+            if !cidrs.contains(&*key.name) {
+                tracker.delete_service_cidr(&key.name);
+                changed += 1;
+            }
+        }
+        self.reported = reported;
         drop(tracker);
         let stats = LoadStats {
             objects: load.entries.len(),
             changed,
             errors,
         };
-        self.snapshot = load.entries;
         tracing::info!(
             objects = stats.objects,
             changed = stats.changed,
@@ -695,6 +770,31 @@ endpoints: [{}]
         assert_eq!(stats.objects, 2);
         tracker.lock().unwrap().apply(&mut state);
         assert_eq!(summary(&state), ["demo/web:http -> 10.244.1.11:8080"]);
+    }
+
+    /// Without a copy of the file's objects, what the tracker does not hold is still reported
+    /// once and counted when it goes: a Service it does not proxy, an object never valid.
+    #[test]
+    fn objects_the_tracker_does_not_hold_are_reported_once() {
+        let tracker = Mutex::new(ChangeTracker::new());
+        let mut source = FileSource::new(PathBuf::from("test.yaml"));
+        let headless = "apiVersion: v1\nkind: Service\nmetadata: {name: db, namespace: demo}\n\
+                        spec: {clusterIP: None, ports: [{port: 5432}]}\n---\n";
+        let invalid = "apiVersion: v1\nkind: Service\nmetadata: {name: bad, namespace: demo}\n\
+                       spec: {clusterIP: 10.96.0.999, ports: [{port: 80}]}\n---\n";
+        let text = format!("{headless}{invalid}{}", manifest(&[WEB]));
+        let mut load = |text: &str| source.apply(read(text).unwrap(), &tracker).unwrap();
+        let stats = load(&text);
+        assert_eq!((stats.objects, stats.changed, stats.errors), (4, 4, 1));
+        tracker.lock().unwrap().apply(&mut DesiredState::default());
+        let stats = load(&text);
+        assert_eq!((stats.changed, stats.errors), (0, 0), "reported already");
+        let stats = load(&manifest(&[WEB]));
+        assert_eq!((stats.objects, stats.changed), (2, 2), "both gone");
+        assert!(
+            !tracker.lock().unwrap().has_pending(),
+            "the tracker held neither"
+        );
     }
 
     #[test]
