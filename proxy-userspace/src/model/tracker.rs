@@ -236,6 +236,8 @@ impl ChangeTracker {
         self.change(owner, |t| {
             let slices = t.slices_by_service.entry(owner.clone()).or_default();
             if let Err(at) = slices.binary_search(key) {
+                // Most services have one slice: no room for four.
+                slices.reserve_exact(1);
                 slices.insert(at, key.clone());
             }
             t.slices.insert(key.clone(), Arc::clone(info));
@@ -501,6 +503,8 @@ impl ChangeTracker {
             .zip(endpoints)
             .filter_map(|((spn, _), mut eps)| {
                 dedup_endpoints(&mut eps);
+                // Kept until the next change: no spare room (a Vec grows to four at least).
+                eps.shrink_to_fit();
                 (!eps.is_empty()).then(|| (spn.clone(), eps))
             })
             .collect();

@@ -272,6 +272,8 @@ impl MapWriter {
             }
             previous.push(old);
             if !owned.is_empty() {
+                // Kept until the port changes: no spare room.
+                owned.shrink_to_fit();
                 self.owners.insert(spn.clone(), owned);
             }
         }
