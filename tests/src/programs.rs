@@ -391,7 +391,6 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
             serving: true,
             terminating: false,
             node_name: None,
-            zone: None,
             hints: None,
         })
         .collect();

@@ -419,7 +419,6 @@ fn endpoint(pod: Ipv4Addr, port: u16) -> Endpoint {
         terminating: false,
         // Pods of 10.244.1.0/24 run on this node.
         node_name: Some(if pod.octets()[2] == 1 { NODE } else { "node2" }.into()),
-        zone: None,
         hints: None,
     }
 }

@@ -56,7 +56,6 @@ fn ep(ip: Ipv4Addr, node: &str, ready: bool, serving: bool, terminating: bool) -
         serving,
         terminating,
         node_name: Some(node.into()),
-        zone: None,
         hints: None,
     }
 }

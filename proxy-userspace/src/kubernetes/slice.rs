@@ -110,7 +110,6 @@ fn parse_slice(
             serving: condition(|c| c.serving).unwrap_or(true),
             terminating: condition(|c| c.terminating).unwrap_or(false),
             node_name: ep.node_name.as_deref().map(shared),
-            zone: ep.zone.as_deref().map(shared),
             hints: hints(ep.hints.as_ref()),
         });
     }

@@ -105,7 +105,6 @@ pub struct Endpoint {
     pub terminating: bool,
     /// Shared with the tracker's copy of the slice (and with every port the endpoint serves).
     pub node_name: Option<Arc<str>>,
-    pub zone: Option<Arc<str>>,
     /// The EndpointSlice's topology hints (`hints.forZones`, `hints.forNodes`), if any.
     pub hints: Option<Arc<Hints>>,
 }

@@ -738,7 +738,6 @@ endpoints:
             serving: true,
             terminating: false,
             node_name: Some("node1".into()),
-            zone: Some("zone-a".into()),
             hints: None,
         }
     );

@@ -51,7 +51,6 @@ pub(crate) struct SliceEndpoint {
     pub(crate) serving: bool,
     pub(crate) terminating: bool,
     pub(crate) node_name: Option<Arc<str>>,
-    pub(crate) zone: Option<Arc<str>>,
     pub(crate) hints: Option<Arc<Hints>>,
 }
 
@@ -493,7 +492,6 @@ impl ChangeTracker {
                     serving: ep.serving,
                     terminating: ep.terminating,
                     node_name: ep.node_name.clone(),
-                    zone: ep.zone.clone(),
                     hints: ep.hints.clone(),
                 }));
             }

@@ -293,7 +293,6 @@ mod tests {
             serving: ready || terminating,
             terminating,
             node_name: Some(node.into()),
-            zone: None,
             hints: None,
         }
     }

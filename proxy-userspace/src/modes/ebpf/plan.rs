@@ -266,7 +266,6 @@ mod tests {
             serving: true,
             terminating: false,
             node_name: Some(Arc::from(node)),
-            zone: None,
             hints: None,
         }
     }

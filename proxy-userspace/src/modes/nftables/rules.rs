@@ -934,7 +934,6 @@ pub(super) mod tests {
             serving: true,
             terminating: false,
             node_name: None,
-            zone: None,
             hints: None,
         };
         assert_eq!(

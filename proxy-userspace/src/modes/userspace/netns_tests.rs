@@ -247,7 +247,6 @@ fn endpoints(addrs: &[(Ipv4Addr, u16)]) -> Vec<Endpoint> {
             serving: true,
             terminating: false,
             node_name: Some(Arc::from("node1")),
-            zone: None,
             hints: None,
         })
         .collect()
