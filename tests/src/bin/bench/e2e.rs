@@ -64,6 +64,8 @@ struct Cell {
     mode: &'static str,
     /// Direct, first Service, last Service: median rate, p50 and p99 connection time.
     paths: [(f64, Duration, Duration); 3],
+    /// The last Service's rate over direct, per round: with the load's threads, then with one.
+    ratios: [Ratio; 2],
     start: Sample,
     change_p50: Duration,
     change_p99: Duration,
@@ -258,17 +260,36 @@ fn measure(
     let mut rates: [Vec<f64>; 3] = Default::default();
     let mut latencies: [Vec<Duration>; 3] = Default::default();
     let mut failures: [Failures; 3] = Default::default();
-    for round in 0..opts.rounds {
+    let mut round = |load: Load, rates: &mut [Vec<f64>; 3], latencies: &mut [Vec<Duration>; 3]| {
         for (path, target) in targets.iter().enumerate() {
-            eprint!(
-                "\r{n} services, {mode}: round {}/{}, path {}/3 ",
-                round + 1,
-                opts.rounds,
-                path + 1
-            );
-            let r = connections::measure(client, target, opts.load, &mut failures[path])?;
+            let r = connections::measure(client, target, load, &mut failures[path])?;
             rates[path].push(r.rate);
             latencies[path].extend(r.latencies);
+        }
+        anyhow::Ok(())
+    };
+    // Rounds until the last Service's ratio is told apart from 0.97 and 0.90 (or the cap).
+    let mut ratios = [Ratio::default(), Ratio::default()];
+    let (mut one_rates, mut one_latencies) = (Default::default(), Default::default());
+    for (k, threads) in [opts.load.threads, 1].into_iter().enumerate() {
+        let load = Load {
+            threads,
+            ..opts.load
+        };
+        let (rates, latencies) = match k {
+            0 => (&mut rates, &mut latencies),
+            _ => (&mut one_rates, &mut one_latencies),
+        };
+        for r in 0..opts.rounds * MORE_ROUNDS {
+            eprint!(
+                "\r{n} services, {mode}: {threads} threads, round {} ",
+                r + 1
+            );
+            round(load, rates, latencies)?;
+            ratios[k] = Ratio::of(&rates[2], &rates[0]);
+            if r + 1 >= opts.rounds && ratios[k].decided() {
+                break;
+            }
         }
     }
     eprintln!();
@@ -286,6 +307,7 @@ fn measure(
         services: n,
         mode,
         paths,
+        ratios,
         start,
         change_p50: percentile(&mut changes, 50.0),
         change_p99: percentile(&mut changes, 99.0),
@@ -341,11 +363,11 @@ fn table(cells: &[Cell]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| services | mode | direct conn/s (p50 / p99) | first Service | ratio | last Service | ratio | start to first full sync | VmRSS | one change p50 / p99 (changes) |"
+        "| services | mode | direct conn/s (p50 / p99) | first Service | ratio | last Service | ratio | start to first full sync | VmRSS | one change p50 / p99 (changes) | last / direct, 95% interval (rounds) | the same, 1 thread |"
     );
     let _ = writeln!(
         out,
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     for c in cells {
@@ -355,7 +377,7 @@ fn table(cells: &[Cell]) -> String {
         let direct = c.paths[0].0;
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.2} | {} | {:.2} | {:.2} s | {:.1} MiB | {:.2} / {:.2} ms ({}) |",
+            "| {} | {} | {} | {} | {:.2} | {} | {:.2} | {:.2} s | {:.1} MiB | {:.2} / {:.2} ms ({}) | {} | {} |",
             c.services,
             c.mode,
             path(c.paths[0]),
@@ -368,13 +390,19 @@ fn table(cells: &[Cell]) -> String {
             ms(c.change_p50),
             ms(c.change_p99),
             c.changes,
+            c.ratios[0],
+            c.ratios[1],
         );
     }
     let _ = writeln!(
         out,
         "\nRates are medians of the rounds, connection times over all of them; ratio: through \
          the Service / direct, in the same mode's rounds (direct is the ceiling here: client, \
-         node and servers share the machine). The API source: start to first full sync includes \
+         node and servers share the machine). The interval: of the mean of the rounds' own \
+         ratios (last Service over direct in one round; Student's t), rounds added (up to three \
+         times those asked for) until it lies above 0.90 or below 0.97, so that a ratio near 1 \
+         is told from one near 0.9; 'undecided' otherwise. The same again with one client \
+         thread. The API source: start to first full sync includes \
          listing the Services. One change: a fourth endpoint added to (or removed from) one \
          Service, from the write to the stand-in API server until the agent logs the sync that \
          programmed it; the changes come a second apart (with --min-sync-period at its default \
@@ -561,4 +589,91 @@ mod tests {
         assert!(Point::parse("| ---: | --- |").is_none());
         assert!(Point::parse("| services | mode | direct").is_none());
     }
+
+    #[test]
+    fn ratios_are_decided_when_their_interval_leaves_out_090_or_097() {
+        let direct = [10000.0; 4];
+        let near_one = Ratio::of(&[9950.0, 10010.0, 9980.0, 10020.0], &direct);
+        assert!(near_one.decided() && near_one.low > 0.90, "{near_one}");
+        let near_090 = Ratio::of(&[9000.0, 9050.0, 8950.0, 9020.0], &direct);
+        assert!(near_090.decided() && near_090.high < 0.97, "{near_090}");
+        let noisy = Ratio::of(&[8000.0, 10500.0, 9100.0, 9900.0], &direct);
+        assert!(!noisy.decided(), "{noisy}");
+        assert!(noisy.to_string().ends_with("(4) undecided"), "{noisy}");
+        assert!(
+            !Ratio::of(&[9900.0], &direct[..1]).decided(),
+            "one round decides nothing"
+        );
+    }
+}
+
+/// Rounds at most, as a multiple of those asked for, while a ratio is undecided.
+const MORE_ROUNDS: u32 = 3;
+
+/// The last Service's rate over direct: the mean of the rounds' own ratios and its 95%
+/// interval.
+#[derive(Clone, Copy, Debug, Default)]
+struct Ratio {
+    mean: f64,
+    low: f64,
+    high: f64,
+    rounds: usize,
+}
+
+impl Ratio {
+    fn of(service: &[f64], direct: &[f64]) -> Self {
+        let ratios: Vec<f64> = service.iter().zip(direct).map(|(s, d)| s / d).collect();
+        let n = ratios.len();
+        if n == 0 {
+            return Self::default();
+        }
+        let mean = ratios.iter().sum::<f64>() / n as f64;
+        if n == 1 {
+            return Self {
+                mean,
+                low: f64::NEG_INFINITY,
+                high: f64::INFINITY,
+                rounds: 1,
+            };
+        }
+        let variance = ratios.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+        let half = student_t95(n - 1) * (variance / n as f64).sqrt();
+        Self {
+            mean,
+            low: mean - half,
+            high: mean + half,
+            rounds: n,
+        }
+    }
+
+    /// Whether the interval tells 0.97 from 0.90: it lies above the one or below the other.
+    fn decided(&self) -> bool {
+        self.low > 0.90 || self.high < 0.97
+    }
+}
+
+impl std::fmt::Display for Ratio {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.rounds < 2 {
+            return write!(f, "{:.2} ({})", self.mean, self.rounds);
+        }
+        write!(
+            f,
+            "{:.2} [{:.2}, {:.2}] ({}){}",
+            self.mean,
+            self.low,
+            self.high,
+            self.rounds,
+            if self.decided() { "" } else { " undecided" }
+        )
+    }
+}
+
+/// Student's t for a two-sided 95% interval with `df` degrees of freedom.
+fn student_t95(df: usize) -> f64 {
+    const T: [f64; 20] = [
+        12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13,
+        2.12, 2.11, 2.10, 2.09, 2.09,
+    ];
+    T.get(df.wrapping_sub(1)).copied().unwrap_or(2.0)
 }
