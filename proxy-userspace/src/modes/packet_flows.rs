@@ -139,15 +139,12 @@ fn agrees(trace: &Trace, expected: &Expected) -> bool {
 }
 
 /// The models of one mode: synced step by step as the agent syncs them, and rendered afresh.
-trait Model {
+trait Model: Clone {
     const MODE: Mode;
     fn new() -> Self;
     /// `changed`: the Service ports changed since the last sync (None: a full sync).
     fn sync(&mut self, state: &DesiredState, settings: &Settings, changed: Option<&Changed>);
-    fn fresh(state: &DesiredState, settings: &Settings) -> Self
-    where
-        Self: Sized,
-    {
+    fn fresh(state: &DesiredState, settings: &Settings) -> Self {
         let mut model = Self::new();
         model.sync(state, settings, None);
         model
@@ -157,6 +154,7 @@ trait Model {
     fn dump(&self) -> String;
 }
 
+#[derive(Clone)]
 struct IptablesModel {
     tables: Iptables,
     chains: BTreeSet<String>,
@@ -191,6 +189,7 @@ impl Model for IptablesModel {
     }
 }
 
+#[derive(Clone)]
 struct NftablesModel {
     tables: Nftables,
     programmed: Option<nft::rules::Programmed>,
@@ -270,7 +269,8 @@ fn run<M: Model>(file: &str, case: &Case) -> Vec<String> {
         let changed = tracker.lock().unwrap().apply(&mut state);
         synced.sync(&state, &settings, (i > 0).then_some(&changed));
         let fresh = M::fresh(&state, &settings);
-        let mut resynced = M::fresh(&state, &settings);
+        // The periodic full sync, over what the syncs before left.
+        let mut resynced = synced.clone();
         resynced.sync(&state, &settings, None);
         let at = format!(
             "{file} ({}), step {:?}, {:?} mode",

@@ -39,7 +39,7 @@ const MODULES: &[&str] = &[
 ];
 
 /// The tables, each chain with its rules (the words after `-A CHAIN`).
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Iptables {
     tables: HashMap<String, HashMap<String, Vec<Vec<String>>>>,
 }

@@ -9,7 +9,7 @@ use std::{
 use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark};
 use crate::netfilter::iptables_save::split_words;
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Table {
     chains: HashMap<String, Chain>,
     /// Sets and maps: each element's key (words joined by one space) and, in a map, its
@@ -17,7 +17,7 @@ struct Table {
     sets: HashMap<String, BTreeMap<String, String>>,
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Chain {
     base: Option<Base>,
     rules: Vec<Vec<String>>,
@@ -47,7 +47,7 @@ impl Table {
 }
 
 /// The tables, by family and name (`ip kube-proxy`).
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Nftables {
     tables: BTreeMap<String, Table>,
 }
