@@ -110,6 +110,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         status.success(),
         "sysctl tcp_tw_reuse in the client pod failed"
     );
+    // node1 reuses its ports in TIME_WAIT too: the userspace mode's proxy opens a connection to
+    // an endpoint for each of the client's, and without it runs out of ports after a few rounds.
+    // (Its port range stays: the ebpf mode's SNAT ports are below it.)
+    let status = (sandbox.node1.cmd("sysctl"))
+        .args(["-q", "-w", "net.ipv4.tcp_tw_reuse=1"])
+        .status()?;
+    anyhow::ensure!(status.success(), "sysctl tcp_tw_reuse on node1 failed");
     let machine = machine();
     println!("{machine}");
     println!(
