@@ -3,7 +3,7 @@
 //! `iptables-restore` checks it, and walked as the kernel walks them.
 use std::{collections::HashMap, net::SocketAddrV4};
 
-use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark};
+use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark, run_base_chains};
 use crate::netfilter::iptables_save::split_words;
 
 /// The built-in chains of each table a hook runs, in the kernel's order.
@@ -223,16 +223,12 @@ impl Rules for Iptables {
         choices: &mut Choices,
     ) -> Verdict {
         let (_, chains) = HOOKS.iter().find(|(h, _)| *h == hook).expect("a hook");
-        for (table, chain) in *chains {
-            if *table == "nat" && !nat {
-                continue;
-            }
-            match self.run(table, chain, node, packet, choices) {
-                Verdict::Continue | Verdict::Return | Verdict::Accept => {}
-                end => return end,
-            }
-        }
-        Verdict::Continue
+        let chains = chains
+            .iter()
+            .map(|&(table, chain)| (table == "nat", (table, chain)));
+        run_base_chains(chains, nat, |(table, chain)| {
+            self.run(table, chain, node, packet, choices)
+        })
     }
 }
 

@@ -25,6 +25,7 @@ use std::{
     net::{Ipv4Addr, SocketAddrV4},
 };
 
+use crate::model::Cidr;
 pub(crate) use iptables::Iptables;
 pub(crate) use nftables::Nftables;
 
@@ -174,6 +175,26 @@ pub(crate) trait Rules {
     ) -> Verdict;
 }
 
+/// Runs the base chains of one hook in the kernel's order (`chains`: whether each is a NAT
+/// chain, and the chain): NAT chains only where `nat` says so; a drop or reject ends the hook,
+/// an accept only its chain.
+pub(crate) fn run_base_chains<C>(
+    chains: impl IntoIterator<Item = (bool, C)>,
+    nat: bool,
+    mut run: impl FnMut(C) -> Verdict,
+) -> Verdict {
+    for (is_nat, chain) in chains {
+        if is_nat && !nat {
+            continue;
+        }
+        match run(chain) {
+            Verdict::Continue | Verdict::Return | Verdict::Accept => {}
+            end => return end,
+        }
+    }
+    Verdict::Continue
+}
+
 /// Where one way through the rules ends.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Fate {
@@ -316,13 +337,12 @@ impl fmt::Display for Trace {
 /// Whether `ip` is in `range` (`a.b.c.d` or `a.b.c.d/len`).
 pub(crate) fn in_range(range: &str, ip: Ipv4Addr) -> bool {
     let (net, len) = match range.split_once('/') {
-        Some((net, len)) => (net, len.parse::<u32>().ok().filter(|l| *l <= 32)),
+        Some((net, len)) => (net, len.parse::<u8>().ok().filter(|l| *l <= 32)),
         None => (range, Some(32)),
     };
     let len = len.unwrap_or_else(|| panic!("{range:?}: no prefix length"));
     let net: Ipv4Addr = (net.parse()).unwrap_or_else(|_| panic!("{range:?} is no IPv4 range"));
-    let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
-    u32::from(ip) & mask == u32::from(net) & mask
+    Cidr::v4(net, len).contains(ip.into())
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use std::{
     net::SocketAddrV4,
 };
 
-use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark};
+use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark, run_base_chains};
 use crate::netfilter::iptables_save::split_words;
 
 #[derive(Clone, Default)]
@@ -396,16 +396,11 @@ impl Rules for Nftables {
             priorities.windows(2).all(|p| p[0] != p[1]),
             "base chains of one priority on {hook:?}: the kernel's order between them is not the tracer's"
         );
-        for (base, table, chain) in chains {
-            if base.nat && !nat {
-                continue;
-            }
-            match self.run(&At { table, base }, chain, node, packet, choices) {
-                Verdict::Continue | Verdict::Return | Verdict::Accept => {}
-                end => return end,
-            }
-        }
-        Verdict::Continue
+        let chains =
+            (chains.into_iter()).map(|(base, table, chain)| (base.nat, (base, table, chain)));
+        run_base_chains(chains, nat, |(base, table, chain)| {
+            self.run(&At { table, base }, chain, node, packet, choices)
+        })
     }
 }
 
