@@ -50,6 +50,7 @@ pub(crate) const JUMPS: &[Jump] = &[
     Jump::new("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
     Jump::new("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
 ];
+
 /// Chains the mode owns, by table: the fixed ones, and prefixes of the per-Service ones.
 #[rustfmt::skip]
 const FIXED_CHAINS: &[(&str, &[&str])] = &[
