@@ -86,6 +86,13 @@ pub const CONFIG_SNAT_ADDR: u32 = 1;
 pub const CONFIG_SNAT_PORT_MIN: u32 = 2;
 pub const CONFIG_SNAT_PORT_MAX: u32 = 3;
 pub const CONFIG_ENTRIES: u32 = 4;
+/// [`MAP_HOST_NETNS`] index of the cookie of the node's own network namespace, whose sockets
+/// the socket programs translate (0 until the agent wrote it: none).
+pub const HOST_NETNS_COOKIE: u32 = 0;
+/// [`MAP_HOST_NETNS`] index of whether pods' TCP connections are translated at connect() too
+/// (`--bpf-socket-lb all`: 1).
+pub const HOST_NETNS_PODS_TOO: u32 = 1;
+pub const HOST_NETNS_ENTRIES: u32 = 2;
 /// [`MAP_AGENT_STATE`] index of the first backend id never handed out.
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
 /// [`MAP_AGENT_STATE`] index of the layout version of the pinned maps ([`LAYOUT_VERSION`]).

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CT_STATES,
-    CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk,
+    CtKey, CtValue, DROPS_ENTRIES, HOST_NETNS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk,
     ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
@@ -48,10 +48,11 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned
 #[map(name = "SOCK_REVNAT")]
 pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> = LruHashMap::pinned(1 << 16, 0);
 
-/// Index 0: the cookie of the node's own network namespace, written by the agent at start;
-/// only sockets there get socket-level translation (sock.rs).
+/// Whose sockets get socket-level translation (sock.rs), written by the agent at start: the
+/// cookie of the node's own network namespace ([`proxy_common::HOST_NETNS_COOKIE`]), and
+/// whether pods' TCP connections are translated too ([`proxy_common::HOST_NETNS_PODS_TOO`]).
 #[map(name = "HOST_NETNS")]
-pub static HOST_NETNS: Array<u64> = Array::pinned(1, 0);
+pub static HOST_NETNS: Array<u64> = Array::pinned(HOST_NETNS_ENTRIES, 0);
 
 /// Maglev tables of the frontends that use Maglev, 1024 backend ids a value (keyed by the
 /// frontend with `slot` = the chunk). Not preallocated: 4 KiB a value, a 16381 table is 16.

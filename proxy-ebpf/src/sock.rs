@@ -5,16 +5,23 @@
 //! no NAT. The choice is recorded per socket, so that recvmsg() and getpeername() show the
 //! service address again (a UDP client may check where replies come from).
 //!
-//! Only sockets of the node's own network namespace are translated: pods' sockets (often in the
-//! same cgroup tree) are served by the tc programs, and must not be translated twice.
+//! Sockets of the node's own network namespace are translated; pods' TCP connections too with
+//! `--bpf-socket-lb all` (Cilium's socket LB for pods), so that their packets need no NAT
+//! either. Whatever a pod's socket is not translated for here, the tc programs translate per
+//! packet, exactly as they would have: its UDP (a connected socket would keep a gone endpoint;
+//! the tc path follows endpoint changes), Services with session affinity (kube-proxy's is by
+//! the pod's address, not known at connect()) or loadBalancerSourceRanges (likewise), and
+//! connections the tc path refuses or drops (no usable endpoint), which it answers as
+//! kube-proxy does.
 use aya_ebpf::{
     EbpfContext,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE, SERVICE_DRAINING,
-    SERVICE_LOCAL_ONLY, SockRevNatKey, SockRevNatValue, flow_hash,
+    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE, HOST_NETNS_COOKIE,
+    HOST_NETNS_PODS_TOO, IPPROTO_TCP, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
+    SERVICE_SOURCE_RANGES, ServiceValue, SockRevNatKey, SockRevNatValue, flow_hash,
 };
 
 use crate::{
@@ -39,10 +46,12 @@ static HAS_SET_RETVAL: u8 = 1;
 /// The source address of host-network clients for backend selection (their client in the
 /// affinity map): at connect() the source is not chosen yet, and to kube-proxy every such
 /// client is the node itself. No pod sends from 0.0.0.0, so their entries never mix with pods'.
+/// Pods' connections translated here use it too, for Maglev's hash only (their Services have
+/// no affinity).
 const HOST_CLIENT: Be32 = Be32::new(0);
 
-/// connect4 and sendmsg4: a TCP or UDP service address of a host-network socket becomes one of
-/// the service's backends, picked as the tc path picks one for a new flow (lb.rs). `datagram`
+/// connect4 and sendmsg4: a TCP or UDP service address of a host-network socket (or a pod's TCP
+/// one, see [`client`]) becomes one of the service's backends, picked as the tc path picks one for a new flow (lb.rs). `datagram`
 /// (sendmsg4: an unconnected UDP socket's send): the pick is the socket's own, so that its
 /// datagrams to one Service go to one backend while the Service's backends stay the same, as a
 /// connected socket's do.
@@ -75,12 +84,15 @@ fn try_translate(ctx: &SockAddrContext, datagram: bool) -> Result<i32, Drop> {
     let Some((svc_key, svc)) = frontend::internal(vip, vport, proto) else {
         return Ok(ALLOW); // not a service
     };
-    if !in_host_netns(ctx) {
-        return Ok(ALLOW); // a pod's socket: the tc programs translate its packets
-    }
+    let host = match client(ctx) {
+        Some(Client::Host) => true,
+        Some(Client::Pod) if pod_translated(proto, &svc) => false,
+        // Left to the tc programs, which translate its packets.
+        _ => return Ok(ALLOW),
+    };
     // loadBalancerSourceRanges: the connection would leave from the node's primary address
     // (the source is not chosen yet), which must be within them, as with kube-proxy's rules.
-    if frontend::source_refused(&svc_key, &svc, external::primary_addr()) {
+    if host && frontend::source_refused(&svc_key, &svc, external::primary_addr()) {
         return Err(Drop(DROP_SOURCE_RANGE));
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
@@ -101,7 +113,14 @@ fn try_translate(ctx: &SockAddrContext, datagram: bool) -> Result<i32, Drop> {
     } else {
         lb::random()
     };
-    let Some((_, backend)) = lb::new_flow_backend(&flow, &svc_key, &svc, now, choice)? else {
+    let picked = match lb::new_flow_backend(&flow, &svc_key, &svc, now, choice) {
+        Ok(Some(picked)) => Some(picked),
+        // The tc path refuses or drops the pod's SYN as kube-proxy's rules would.
+        Ok(None) | Err(_) if !host => return Ok(ALLOW),
+        Ok(None) => None,
+        Err(drop) => return Err(drop),
+    };
+    let Some((_, backend)) = picked else {
         if svc.flags & SERVICE_LOCAL_ONLY != 0 {
             // The tc path drops such packets; a socket is told at once instead.
             return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
@@ -150,12 +169,36 @@ fn port(field: u32) -> Be16 {
     Be16::from_raw(field as u16)
 }
 
-/// Whether the socket belongs to the node's own network namespace, whose cookie the agent
-/// wrote into [`HOST_NETNS`] (0, never a namespace's cookie, until it has).
+/// Whose socket a socket program sees.
+#[derive(PartialEq, Eq)]
+enum Client {
+    /// The node's own network namespace's.
+    Host,
+    /// Another namespace's (a pod's), with `--bpf-socket-lb all`.
+    Pod,
+}
+
+/// Whose socket this is, if its connections are translated here: a socket of the node's own
+/// network namespace, whose cookie the agent wrote into [`HOST_NETNS`] (0, never a namespace's
+/// cookie, until it has), or another's if the agent said pods' are translated too.
 #[inline(always)]
-fn in_host_netns(ctx: &SockAddrContext) -> bool {
-    let host = HOST_NETNS.get(0).copied().unwrap_or(0);
-    host != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host
+fn client(ctx: &SockAddrContext) -> Option<Client> {
+    let host = HOST_NETNS.get(HOST_NETNS_COOKIE).copied().unwrap_or(0);
+    if host == 0 {
+        return None;
+    }
+    if unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host {
+        return Some(Client::Host);
+    }
+    let pods_too = HOST_NETNS.get(HOST_NETNS_PODS_TOO).copied().unwrap_or(0) != 0;
+    pods_too.then_some(Client::Pod)
+}
+
+/// Whether a pod's `proto` connection to the frontend `svc` is translated here (see the
+/// module's comment for what is left to the tc programs).
+#[inline(always)]
+fn pod_translated(proto: u8, svc: &ServiceValue) -> bool {
+    proto == IPPROTO_TCP && svc.flags & (SERVICE_AFFINITY | SERVICE_SOURCE_RANGES) == 0
 }
 
 /// recvmsg4 and getpeername4: a backend address this socket was sent to in place of a service

@@ -129,6 +129,12 @@ struct AgentArgs {
     /// (and the socket programs are not loaded).
     #[arg(long, default_value = "/run/kube-proxy-ebpf/cgroupv2", value_parser = path_or_empty)]
     bpf_cgroup_path: PathBuf,
+    /// Whose connections the socket programs send to an endpoint at connect(), so that their
+    /// packets need no NAT: `host-network` clients only, or `all`: pods' TCP connections too
+    /// (Cilium's socket LB; a pod's service-mesh sidecar then sees the endpoint, not the
+    /// Service). See the README's "Socket load balancing for pods".
+    #[arg(long, value_enum, default_value = "host-network")]
+    bpf_socket_lb: ebpf::cgroup::SocketLb,
     /// Interfaces facing pods: `auto`, every veth or netkit device of the node that carries no
     /// node address (bridge ports included, whatever the CNI names them), and/or name patterns
     /// (`*` matches any run; comma-separated); `!pattern` excludes. A bridge device never gets
@@ -556,6 +562,7 @@ fn start_config(args: &AgentArgs) -> StartConfig {
             snat_ports: args.bpf_snat_port_range,
             validate_sources: args.bpf_source_validation,
             cgroup_path: args.bpf_cgroup_path.clone(),
+            socket_lb: args.bpf_socket_lb,
             preload: ebpf::Preload::default(),
             remove_replaced: None,
         },

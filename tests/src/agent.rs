@@ -550,6 +550,8 @@ impl Drop for AgentRun {
 /// [`TestCgroup::enter`] are the clients those programs see.
 pub struct TestCgroup {
     path: PathBuf,
+    /// The cgroup2 mount it is under.
+    root: PathBuf,
     /// The cgroup2 mount made for it, unmounted on drop.
     mounted: Option<PathBuf>,
 }
@@ -573,7 +575,11 @@ impl TestCgroup {
         }
         let path = root.join(format!("{NS_PREFIX}{pid}-cg{n}"));
         std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
-        Ok(Self { path, mounted })
+        Ok(Self {
+            path,
+            root,
+            mounted,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -599,6 +605,42 @@ impl TestCgroup {
             });
         }
         Ok(())
+    }
+}
+
+/// This process's stay in a [`TestCgroup`] (see [`TestCgroup::join`]): it goes back to the
+/// cgroup it came from when this drops.
+pub struct Joined {
+    /// The `cgroup.procs` of the cgroup it came from.
+    back: PathBuf,
+}
+
+impl TestCgroup {
+    /// Moves this whole process (every thread) into the cgroup, until the returned guard
+    /// drops: for clients that must be threads of this process (the benchmarks'), whose sockets
+    /// the programs attached here must see. Nothing else of this process may run meanwhile.
+    pub fn join(&self) -> Result<Joined> {
+        let own = std::fs::read_to_string("/proc/self/cgroup")?;
+        let from = own
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .context("this process is in no cgroup v2 (/proc/self/cgroup)")?;
+        let back = self
+            .root
+            .join(from.trim_start_matches('/'))
+            .join("cgroup.procs");
+        let pid = std::process::id().to_string();
+        std::fs::write(self.path.join("cgroup.procs"), &pid)
+            .with_context(|| format!("moving this process into {}", self.path.display()))?;
+        Ok(Joined { back })
+    }
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(&self.back, std::process::id().to_string()) {
+            eprintln!("warning: moving back to {}: {e}", self.back.display());
+        }
     }
 }
 

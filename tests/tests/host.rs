@@ -28,6 +28,7 @@ use proxy_userspace::{
     model::{DesiredState, Protocol},
     modes::ebpf::inspect,
     modes::ebpf::{self, cgroup, features},
+    source::manifest::Object,
 };
 
 /// Makes this binary a client: the operations to run (see [`clients`]).
@@ -357,6 +358,7 @@ impl Lab {
             lab.cgroup.path(),
             lab.programs.bpffs.path(),
             cookie,
+            cgroup::SocketLb::HostNetwork,
         )
         .expect("attaching the socket programs");
         Some(lab)
@@ -538,7 +540,14 @@ fn program_links_are_replaced_in_place_and_removed_by_cleanup() {
     let pin_dir = lab.programs.bpffs.path().to_owned();
     let mut again = ebpf::load(&pin_dir, SMALL).unwrap().ebpf;
     let cookie = lab.ns.run(cgroup::own_netns_cookie).unwrap();
-    cgroup::attach(&mut again, lab.cgroup.path(), &pin_dir, cookie).unwrap();
+    cgroup::attach(
+        &mut again,
+        lab.cgroup.path(),
+        &pin_dir,
+        cookie,
+        cgroup::SocketLb::HostNetwork,
+    )
+    .unwrap();
     drop(again);
     assert_eq!(attached(lab.cgroup.path()), cgroup::SOCK_PROGRAMS.len());
     let answers = ok(lab.clients(&[("tcp", web), ("udp-sendto", sa(VIP, 53))]));
@@ -662,6 +671,98 @@ fn host_network_clients_reach_services() {
         host(&agent, &[("tcp", WEB)])[0].is_err(),
         "translated after cleanup"
     );
+}
+
+/// `--bpf-socket-lb all`: a pod's TCP connections are sent to an endpoint at connect() too
+/// (no conntrack entry, getpeername still shows the Service), while what the socket programs
+/// leave to the tc programs goes through them as before: the pod's UDP, a Service with session
+/// affinity (kept by the pod's address), and a Service with no endpoint, refused by the tc
+/// programs' ICMP error as kube-proxy refuses it (on every kernel, bpf_set_retval or not).
+#[test]
+fn pods_tcp_connections_are_translated_at_connect_with_socket_lb_all() {
+    const TEST: &str = "pods_tcp_connections_are_translated_at_connect_with_socket_lb_all";
+    if !privileged(TEST) || !proxy_tests::kernel_has(TEST, &features::NETNS_COOKIE) {
+        return;
+    }
+    let mut sandbox = Sandbox::build().expect("building the sandbox");
+    sandbox.start_backends(BACKEND_PORT).unwrap();
+    let agent = AgentRun::start_with_args(
+        &mut sandbox,
+        "node1",
+        proxy_tests::agent::AgentSource::Manifest(EXAMPLE),
+        3,
+        &["--bpf-socket-lb", "all"],
+    )
+    .expect("the agent");
+    let pod = Netns::open(&sandbox.pod("client").ns.name);
+    let from_pod = |ops: &[(&str, SocketAddr)]| clients(&pod, &agent.cgroup, ops);
+    // Whether the tc programs saw `answer`'s flow to `service` (a conntrack entry from the
+    // pod's address and port to the Service).
+    let through_tc = |answer: &Answer, service: SocketAddr| {
+        inspect::conntrack(agent.bpffs.path())
+            .unwrap()
+            .iter()
+            .any(|f| {
+                f.direction == "forward"
+                    && f.source == answer.local.to_string()
+                    && f.destination == service.to_string()
+            })
+    };
+
+    let mut ops = vec![("tcp", WEB); 30];
+    ops.extend([("tcp", REMOTE); 3]);
+    let answers = ok(from_pod(&ops));
+    for (answer, (_, addr)) in answers.iter().zip(&ops) {
+        assert_eq!(answer.peer, *addr, "{answer:?}\n{}", agent.log_text());
+        assert!(
+            !through_tc(answer, *addr),
+            "translated per packet: {answer:?}"
+        );
+    }
+    assert_eq!(names(&answers[..30]), set(&["be1", "be2", "be3"]));
+    assert_eq!(names(&answers[30..]), set(&["be4"]));
+
+    let udp = ok(from_pod(&[("udp", DNS)])).remove(0);
+    assert_eq!(udp.peer, DNS);
+    assert!(
+        through_tc(&udp, DNS),
+        "the pod's UDP was not left to the tc programs"
+    );
+
+    let mut set_web = |edit: &dyn Fn(&mut Object)| {
+        let before = agent.syncs();
+        edit_manifest(&agent.manifest, |objects| objects.iter_mut().for_each(edit)).unwrap();
+        agent.wait_for_sync_after(&mut sandbox, before).unwrap();
+    };
+    set_web(&|object| {
+        if let Object::Service(svc) = object
+            && svc.metadata.name.as_deref() == Some("web")
+        {
+            svc.spec.get_or_insert_default().session_affinity = Some("ClientIP".into());
+        }
+    });
+    let sticky = ok(from_pod(&[("tcp", WEB); 5]));
+    assert_eq!(names(&sticky).len(), 1, "{sticky:?}");
+    assert!(
+        sticky.iter().all(|a| through_tc(a, WEB)),
+        "affinity was not left to tc"
+    );
+
+    set_web(&|object| {
+        if let Object::EndpointSlice(slice) = object
+            && slice
+                .metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("web"))
+        {
+            slice.endpoints = Some(Vec::new());
+        }
+    });
+    let refused = from_pod(&[("tcp", WEB)])
+        .remove(0)
+        .expect_err("no endpoint");
+    assert!(refused.contains("os error 111"), "{refused}");
 }
 
 /// A host-network UDP socket connected to a Service whose endpoint leaves is told (the agent

@@ -49,9 +49,10 @@ struct Args {
     /// 1,1000,10000,30000].
     #[arg(long, value_delimiter = ',')]
     services: Option<Vec<u32>>,
-    /// e2e: the modes, comma-separated, as the scenario suite names them (docs/parity.md)
-    /// [ebpf,iptables-legacy,nftables,userspace].
-    #[arg(long, value_delimiter = ',', value_parser = proxy_tests::scenarios::parse_mode)]
+    /// e2e: the modes, comma-separated, as the scenario suite names them (docs/parity.md), and
+    /// ebpf-socket-lb (`--bpf-socket-lb all`)
+    /// [ebpf,ebpf-socket-lb,iptables-legacy,nftables,userspace].
+    #[arg(long, value_delimiter = ',', value_parser = e2e::parse_mode)]
     modes: Option<Vec<&'static proxy_tests::scenarios::Mode>>,
     /// Backends (endpoints) per service [datapath: 10; agent: 3].
     #[arg(long)]
@@ -125,7 +126,7 @@ fn main() -> anyhow::Result<()> {
         Some(modes) => modes,
         None => e2e::DEFAULT_MODES
             .iter()
-            .map(|id| proxy_tests::scenarios::parse_mode(id).map_err(anyhow::Error::msg))
+            .map(|id| e2e::parse_mode(id).map_err(anyhow::Error::msg))
             .collect::<anyhow::Result<_>>()?,
     };
     match args.which.as_str() {

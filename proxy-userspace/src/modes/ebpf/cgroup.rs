@@ -1,8 +1,8 @@
 //! The socket programs for host-network clients (proxy-ebpf's sock.rs), attached to a cgroup v2
 //! directory (`--bpf-cgroup-path`, Cilium's cgroup-root): they see every socket of the
-//! processes in it and below it. They translate only sockets of the agent's own network
-//! namespace, whose cookie the agent writes into HOST_NETNS, so pods in the same cgroup tree
-//! are left to the tc programs.
+//! processes in it and below it. They translate the sockets of the agent's own network
+//! namespace, whose cookie the agent writes into HOST_NETNS, and with `--bpf-socket-lb all`
+//! pods' TCP connections too; the rest of pods' traffic is left to the tc programs.
 //!
 //! The same life cycle as the tc programs: the bpf links are pinned in
 //! `<pin dir>/cgroup-links/`, so they outlive the agent. A restarted agent attaches its programs
@@ -25,7 +25,7 @@ use aya::{
     maps::Array,
     programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink},
 };
-use proxy_common::MAP_HOST_NETNS;
+use proxy_common::{HOST_NETNS_COOKIE, HOST_NETNS_PODS_TOO, MAP_HOST_NETNS};
 
 pub const PROG_CONNECT4: &str = "sock_connect4";
 pub const PROG_SENDMSG4: &str = "sock_sendmsg4";
@@ -37,6 +37,20 @@ pub const SOCK_PROGRAMS: [&str; 4] = [
     PROG_RECVMSG4,
     PROG_GETPEERNAME4,
 ];
+
+/// Whose connections the socket programs translate at connect() (`--bpf-socket-lb`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SocketLb {
+    /// Host-network clients only (the node's own network namespace: host-network pods, the
+    /// kubelet, node daemons); pods' packets are translated by the tc programs, as kube-proxy's
+    /// rules translate them, where a service mesh's sidecar still sees the Service address.
+    HostNetwork,
+    /// Pods' TCP connections too (Cilium's socket LB): sent to an endpoint at connect(), so
+    /// that their packets need no NAT; their UDP, and Services with session affinity or
+    /// loadBalancerSourceRanges, stay with the tc programs. A pod's sidecar proxy sees the
+    /// endpoint's address, not the Service's.
+    All,
+}
 
 /// Where the links are pinned, under the pin directory.
 pub const LINKS_DIR: &str = "cgroup-links";
@@ -62,13 +76,15 @@ pub fn load_programs(ebpf: &mut Ebpf) -> anyhow::Result<()> {
 }
 
 /// Makes the programs of `ebpf` (loaded) translate the sockets of the network namespace whose
-/// cookie is `netns_cookie`, and attaches them to the cgroup `cgroup` (cgroup2 is mounted there
-/// if needed, see [`ensure`]), in place of those a previous agent left.
+/// cookie is `netns_cookie` (and pods' TCP connections with [`SocketLb::All`]), and attaches
+/// them to the cgroup `cgroup` (cgroup2 is mounted there if needed, see [`ensure`]), in place
+/// of those a previous agent left.
 pub fn attach(
     ebpf: &mut Ebpf,
     cgroup: &Path,
     pin_dir: &Path,
     netns_cookie: u64,
+    scope: SocketLb,
 ) -> anyhow::Result<()> {
     ensure(cgroup)?;
     load_programs(ebpf)?;
@@ -77,7 +93,8 @@ pub fn attach(
         .map_mut(MAP_HOST_NETNS)
         .context("map HOST_NETNS missing")?
         .try_into()?;
-    host.set(0, netns_cookie, 0)?;
+    host.set(HOST_NETNS_PODS_TOO, u64::from(scope == SocketLb::All), 0)?;
+    host.set(HOST_NETNS_COOKIE, netns_cookie, 0)?;
     let dir = fs::File::open(cgroup).with_context(|| format!("opening {}", cgroup.display()))?;
     let links = pin_dir.join(LINKS_DIR);
     fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
@@ -99,7 +116,11 @@ pub fn attach(
             .with_context(|| format!("pinning the link at {}", new.display()))?;
         fs::rename(&new, &pin).with_context(|| format!("renaming {}", new.display()))?;
     }
-    tracing::info!(cgroup = %cgroup.display(), "attached socket programs (host-network clients)");
+    let clients = match scope {
+        SocketLb::HostNetwork => "host-network clients",
+        SocketLb::All => "host-network clients and pods' TCP connections",
+    };
+    tracing::info!(cgroup = %cgroup.display(), "attached socket programs ({clients})");
     Ok(())
 }
 

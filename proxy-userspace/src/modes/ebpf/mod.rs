@@ -31,11 +31,11 @@ use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
     AffinityValue, Backend, CONFIG_ENTRIES, CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED,
     CT_STATE_TCP_OPENING, CT_STATE_UDP, CT_STATES, CtKey, CtValue, DROP_REASON_NAMES,
-    DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, LAYOUT_VERSION, MAP_AFFINITY,
-    MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK, MAP_CT_LIFETIMES, MAP_DROPS,
-    MAP_EXTERNAL_IFACES, MAP_FRAGMENTS, MAP_HOST_NETNS, MAP_MAGLEV, MAP_NODE_ADDRS, MAP_SERVICES,
-    MAP_SOCK_REVNAT, MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MaglevChunk, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, HOST_NETNS_ENTRIES,
+    LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK,
+    MAP_CT_LIFETIMES, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_FRAGMENTS, MAP_HOST_NETNS, MAP_MAGLEV,
+    MAP_NODE_ADDRS, MAP_SERVICES, MAP_SOCK_REVNAT, MAP_SOURCE_IFACES, MAP_SOURCE_RANGES,
+    MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -255,7 +255,7 @@ const LAYOUTS: [Layout; 16] = [
         map_type: MapType::Array,
         key_size: size_of::<u32>(),
         value_size: size_of::<u64>(),
-        entries: Some(1),
+        entries: Some(HOST_NETNS_ENTRIES),
     },
     Layout {
         name: MAP_NODE_ADDRS,
@@ -461,6 +461,8 @@ pub struct StartConfig {
     pub validate_sources: bool,
     /// `--bpf-cgroup-path`; empty: host-network clients are not served.
     pub cgroup_path: PathBuf,
+    /// `--bpf-socket-lb`.
+    pub socket_lb: cgroup::SocketLb,
     pub preload: Preload,
     /// Removes what the programs replace (another mode's rules, kube-proxy's): run just before
     /// they take over, so that those rules serve until then.
@@ -628,8 +630,9 @@ enum Programs {
 /// What attaching the programs needs.
 struct TakeOver {
     prepared: attach::PreparedAttach,
-    /// The socket programs' cgroup and this network namespace's cookie; None: not attached.
-    cgroup: Option<(PathBuf, u64)>,
+    /// The socket programs' cgroup, this network namespace's cookie and whose connections they
+    /// translate; None: not attached.
+    cgroup: Option<(PathBuf, u64, cgroup::SocketLb)>,
     pin_dir: PathBuf,
     remove_replaced: Option<RemoveReplaced>,
 }
@@ -648,8 +651,14 @@ impl TakeOver {
         if held {
             netfilter_flows::leave_to_netfilter(&self.pin_dir);
         }
-        if let Some((cgroup, netns)) = &self.cgroup {
-            cgroup::attach(&mut self.prepared.ebpf, cgroup, &self.pin_dir, *netns)?;
+        if let Some((cgroup, netns, scope)) = &self.cgroup {
+            cgroup::attach(
+                &mut self.prepared.ebpf,
+                cgroup,
+                &self.pin_dir,
+                *netns,
+                *scope,
+            )?;
         }
         attach::AttachThread::start(self.prepared)
     }
@@ -685,7 +694,7 @@ impl EbpfDataplane {
             let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
             // Loaded while the object still holds every map (the writer takes some).
             cgroup::load_programs(&mut ebpf)?;
-            host_clients = Some((cgroup.to_owned(), netns));
+            host_clients = Some((cgroup.to_owned(), netns, config.socket_lb));
         }
         let maps = MapWriter::take_from(&mut ebpf, config.writer)?;
         spawn_bpf_logger(&mut ebpf);

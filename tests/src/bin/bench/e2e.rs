@@ -12,8 +12,9 @@
 //! target/bench/, with the machine's description.
 //!
 //! Each N runs every mode that runs on this machine (`--modes`; IPVS needs the VM's kernel):
-//! ebpf, and kube-proxy's modes as this project writes them (iptables on legacy iptables,
-//! nftables, userspace). A mode's direct figures are measured in its own rounds, interleaved
+//! ebpf, translating pods' connections per packet (its default) and at connect()
+//! (ebpf-socket-lb), and kube-proxy's modes as this project writes them (iptables on legacy
+//! iptables, nftables, userspace). A mode's direct figures are measured in its own rounds, interleaved
 //! with its Service paths.
 use std::{
     fmt::Write as _,
@@ -54,9 +55,37 @@ const PORT: u16 = 80;
 /// The pods behind the first and the last Service (node1's two, node2's one).
 const PODS: [&str; 3] = ["be1", "be2", "be4"];
 
-/// The modes measured by default (the scenario suite's names): iptables on nf_tables is left
-/// out, its restore of 10k Services takes minutes here.
-pub const DEFAULT_MODES: &[&str] = &["ebpf", "iptables-legacy", "nftables", "userspace"];
+/// The modes measured by default (the scenario suite's names, and [`EBPF_SOCKET_LB`]):
+/// iptables on nf_tables is left out, its restore of 10k Services takes minutes here.
+pub const DEFAULT_MODES: &[&str] = &[
+    "ebpf",
+    "ebpf-socket-lb",
+    "iptables-legacy",
+    "nftables",
+    "userspace",
+];
+
+/// The ebpf mode with pods' TCP connections translated at connect() (`--bpf-socket-lb all`),
+/// beside its default, which translates them per packet. The client pod's threads join the
+/// agent's cgroup for it, as a pod's processes are below the cgroup the programs are attached
+/// to on a node. Not in the scenario suite, whose pod clients are threads of the test process
+/// (see tests/tests/host.rs for its tests).
+pub static EBPF_SOCKET_LB: Mode = Mode {
+    id: "ebpf-socket-lb",
+    title: "ebpf, socket LB for pods",
+    args: &["--proxy-mode", "ebpf", "--bpf-socket-lb", "all"],
+    kernel_has: || Ok(()),
+    not_applicable: &[],
+    needs: &[],
+};
+
+/// A mode by its name: the scenario suite's, or [`EBPF_SOCKET_LB`].
+pub fn parse_mode(id: &str) -> Result<&'static Mode, String> {
+    if id == EBPF_SOCKET_LB.id {
+        return Ok(&EBPF_SOCKET_LB);
+    }
+    proxy_tests::scenarios::parse_mode(id).map_err(|e| format!("{e}, {}", EBPF_SOCKET_LB.id))
+}
 
 /// What one N measured in one mode.
 struct Cell {
@@ -254,6 +283,11 @@ fn measure(
         mib(start.rss)
     );
 
+    // For the measurements.
+    let joined = match mode == EBPF_SOCKET_LB.id {
+        true => Some(cgroup.join()?),
+        false => None,
+    };
     let client = &sandbox.pod("client").ns;
     let direct: Vec<SocketAddr> = PODS
         .iter()
@@ -299,6 +333,17 @@ fn measure(
             }
         }
     }
+    if joined.is_some() {
+        // Proof that the client's connections took the socket path: none reached conntrack.
+        let flows = proxy_userspace::modes::ebpf::inspect::conntrack(bpffs.path())?;
+        let service = SocketAddr::from((vip(n - 1), PORT)).to_string();
+        let per_packet = flows.iter().filter(|f| f.destination == service).count();
+        anyhow::ensure!(
+            per_packet == 0,
+            "{mode}: {per_packet} of the client's connections were translated per packet"
+        );
+    }
+    drop(joined);
     eprintln!();
     let mut paths = [(0.0, Duration::ZERO, Duration::ZERO); 3];
     for i in 0..3 {
@@ -414,7 +459,9 @@ fn table(cells: &[Cell]) -> String {
          Service, from the write to the stand-in API server until the agent logs the sync that \
          programmed it; the changes come a second apart (with --min-sync-period at its default \
          1 s, a change sooner after a sync waits for the rest of that second, as with \
-         kube-proxy). iptables-legacy, nftables, userspace: kube-proxy's modes as this project \
+         kube-proxy). ebpf: the client pod's connections translated per packet by the tc \
+         programs (the default); ebpf-socket-lb: at connect() by the socket programs \
+         (--bpf-socket-lb all). iptables-legacy, nftables, userspace: kube-proxy's modes as this project \
          writes them (iptables on legacy iptables: with nf_tables, iptables-restore of 10k \
          Services took 190 s on this machine). In the iptables modes the direct figure falls \
          with the number of Services because every new connection through the node, to a \
