@@ -45,8 +45,8 @@ struct Args {
     /// full sync, and its memory), `external` (NodePorts from outside) or `e2e` (ClusterIPs at
     /// 1 to 30k services).
     which: String,
-    /// Service counts to measure with, comma-separated [datapath: 1,10000,100000; agent:
-    /// 1,1000,10000,30000].
+    /// Service counts to measure with, comma-separated [datapath: 1,10000,100000; agent and
+    /// e2e: 1,1000,10000,30000,100000].
     #[arg(long, value_delimiter = ',')]
     services: Option<Vec<u32>>,
     /// e2e: the modes, comma-separated, as the scenario suite names them (docs/parity.md), and
@@ -139,7 +139,7 @@ fn main() -> anyhow::Result<()> {
         "agent" => agent::run(&agent::Options {
             services: args
                 .services
-                .unwrap_or_else(|| vec![1, 1_000, 10_000, 30_000]),
+                .unwrap_or_else(|| vec![1, 1_000, 10_000, 30_000, 100_000]),
             endpoints: args.backends.unwrap_or(3),
             source: args.source,
             format: args.manifest_format,
@@ -164,7 +164,7 @@ fn main() -> anyhow::Result<()> {
         "e2e" => e2e::run(&e2e::Options {
             services: args
                 .services
-                .unwrap_or_else(|| vec![1, 1_000, 10_000, 30_000]),
+                .unwrap_or_else(|| vec![1, 1_000, 10_000, 30_000, 100_000]),
             modes,
             load: connections::Load {
                 seconds: args.seconds,

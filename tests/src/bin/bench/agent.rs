@@ -55,6 +55,22 @@ pub struct Options {
 
 /// How long the agent may take for one measurement before the benchmark gives up.
 const PATIENCE: Duration = Duration::from_secs(600);
+
+/// The agent had not finished its first full sync when the benchmark's patience ran out.
+#[derive(Debug)]
+pub struct TooSlow {
+    pub patience: Duration,
+    /// The agent's log so far.
+    log: String,
+}
+
+impl std::fmt::Display for TooSlow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "no full sync within {:?}:\n{}", self.patience, self.log)
+    }
+}
+
+impl std::error::Error for TooSlow {}
 const NAMESPACE: &str = "bench";
 const NODE: &str = "bench-node";
 
@@ -292,7 +308,7 @@ fn measure(opts: &Options, agent: &Path, dir: &Path, count: u32) -> anyhow::Resu
         .spawn()
         .with_context(|| format!("starting {}", agent.display()))?;
     let mut agent = Running::new(child);
-    let result = agent.watch(started, loaded_message);
+    let result = agent.watch(started, loaded_message, PATIENCE);
     agent.stop();
     result
 }
@@ -335,9 +351,15 @@ impl Running {
 
     /// Follows the log until the first full sync: when each step was reached, and the memory
     /// then. `loaded_message` starts the source's line saying its first view is complete.
-    pub fn watch(&mut self, started: Instant, loaded_message: &str) -> anyhow::Result<Sample> {
+    /// [`TooSlow`] (with the log) once `patience` has passed since `started`.
+    pub fn watch(
+        &mut self,
+        started: Instant,
+        loaded_message: &str,
+        patience: Duration,
+    ) -> anyhow::Result<Sample> {
         let (mut loaded, mut dataplane) = (None, None);
-        let deadline = started + PATIENCE;
+        let deadline = started + patience;
         loop {
             let (at, line) = match self.lines.recv_timeout(Duration::from_millis(100)) {
                 Ok(line) => line,
@@ -346,7 +368,8 @@ impl Running {
                         bail!("the agent exited ({status}):\n{}", self.log.join("\n"));
                     }
                     if Instant::now() > deadline {
-                        bail!("no full sync within {PATIENCE:?}:\n{}", self.log.join("\n"));
+                        let log = self.log.join("\n");
+                        return Err(TooSlow { patience, log }.into());
                     }
                     continue;
                 }
