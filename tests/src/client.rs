@@ -123,12 +123,15 @@ pub fn sctp_available() -> std::result::Result<(), String> {
     }
 }
 
-/// An SCTP listener on `addr` (accepting as a TCP one does), or `None` where this kernel has
-/// no SCTP.
+/// An SCTP listener on `addr` (accepting as a TCP one does; IPv6 only for an IPv6 address),
+/// or `None` where this kernel has no SCTP.
 pub fn sctp_listener(addr: SocketAddr) -> Result<Option<std::net::TcpListener>> {
     let Some(socket) = sctp_socket(addr)? else {
         return Ok(None);
     };
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
     socket.set_reuse_address(true)?;
     socket
         .bind(&addr.into())

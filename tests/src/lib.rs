@@ -37,8 +37,9 @@ pub use client::{
 };
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{
-    BACKEND_BIN_ENV, BACKEND_PORT, EXT_IP, NODE_CIDR, NODE_IF, NODE1_IP, NODE2_IP, NS_PREFIX,
-    POD_CIDR, Pod, SERVICE_CIDR, Sandbox, Shape, backend_bin, cleanup_stale, find_bin, netns_list,
+    BACKEND_BIN_ENV, BACKEND_PORT, EXT_IP, EXT_IP6, NODE_CIDR, NODE_CIDR6, NODE_IF, NODE1_IP,
+    NODE1_IP6, NODE2_IP, NODE2_IP6, NS_PREFIX, POD_CIDR, POD_CIDR6, Pod, SERVICE_CIDR,
+    SERVICE_CIDR6, Sandbox, Shape, backend_bin, cleanup_stale, find_bin, netns_list,
 };
 
 /// Multiplies the tests' waiting times (a kernel under software emulation is slow):

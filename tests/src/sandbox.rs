@@ -1,6 +1,6 @@
 //! The two-node cluster in network namespaces (see DESIGN.md, "The sandbox").
 
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Once;
@@ -29,6 +29,18 @@ pub const LB_CIDR: &str = "203.0.113.0/24";
 pub const EXTERNAL_IP_CIDR: &str = "198.51.100.0/24";
 /// The node's interface on the node network (in each node namespace).
 pub const NODE_IF: &str = "eth0";
+/// The sandbox is dual-stack: every address above has an IPv6 twin, whose last group reads as
+/// the IPv4 address's last octet (hex digits that look decimal: 192.0.2.11 is
+/// 2001:db8:192:2::11, pod 10.244.1.11 is fd00:10:244:1::11).
+pub const EXT_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x192, 0x2, 0, 0, 0, 0x100);
+pub const NODE1_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x192, 0x2, 0, 0, 0, 0x11);
+pub const NODE2_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x192, 0x2, 0, 0, 0, 0x12);
+pub const NODE_CIDR6: &str = "2001:db8:192:2::/64";
+/// Node N has fd00:10:244:N::/64.
+pub const POD_CIDR6: &str = "fd00:10:244::/56";
+pub const SERVICE_CIDR6: &str = "fd00:10:96::/112";
+pub const LB_CIDR6: &str = "2001:db8:203:113::/64";
+pub const EXTERNAL_IP_CIDR6: &str = "2001:db8:198:51::/64";
 /// The port the tests conventionally run the backends on.
 pub const BACKEND_PORT: u16 = 8080;
 /// Environment variable that overrides where `sandbox-backend` is found.
@@ -75,6 +87,7 @@ const TUNNEL_MTU: u16 = 1450;
 /// has its node address's last octet there ([`mgmt_ip`]), ext (its router) 198.18.0.1.
 pub const MGMT_IF: &str = "eth1";
 const MGMT_ROUTER: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+const MGMT_ROUTER6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x198, 0x18, 0, 0, 0, 1);
 
 impl Shape {
     pub const ALL: [Shape; 5] = [
@@ -143,18 +156,42 @@ pub struct Pod {
     pub name: String,
     pub ns: Netns,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address, fd00:10:244:N::<octet>.
+    pub ip6: Ipv6Addr,
     /// "node1" or "node2".
     pub node: String,
     /// The node-side veth (in the node's namespace): where tc programs go.
     pub host_if: String,
     /// The pod's default gateway, 10.244.N.1 (the address of `host_if`, or of the bridge).
     pub gateway: Ipv4Addr,
+    /// Its IPv6 default gateway, fd00:10:244:N::1.
+    pub gateway6: Ipv6Addr,
     pub shape: Shape,
 }
 
 impl Pod {
+    /// Pod `name` on node `n` (1 or 2), 10.244.N.`octet` and fd00:10:244:N::`octet`.
+    fn new(name: &str, ns: Netns, n: u8, octet: u8, shape: Shape) -> Pod {
+        Pod {
+            name: name.to_string(),
+            ns,
+            ip: Ipv4Addr::new(10, 244, n, octet),
+            ip6: pod_ip6(n, octet),
+            node: format!("node{n}"),
+            host_if: shape.host_if(name),
+            gateway: Ipv4Addr::new(10, 244, n, 1),
+            gateway6: pod_ip6(n, 1),
+            shape,
+        }
+    }
+
     pub fn addr(&self, port: u16) -> SocketAddr {
         (self.ip, port).into()
+    }
+
+    /// [`Pod::addr`] on its IPv6 address.
+    pub fn addr6(&self, port: u16) -> SocketAddr {
+        (self.ip6, port).into()
     }
 
     /// `ip` lines for the node side, run in the node once `host_if` is there.
@@ -172,6 +209,8 @@ impl Pod {
                 format!("link set {hif} up"),
                 format!("addr add {}/32 dev {hif}", self.gateway),
                 format!("route add {}/32 dev {hif} scope link", self.ip),
+                format!("addr add {}/128 dev {hif}", self.gateway6),
+                format!("route add {}/128 dev {hif}", self.ip6),
             ]
         }
     }
@@ -182,16 +221,20 @@ impl Pod {
         if self.shape.bridged() {
             lines.extend([
                 format!("addr add {}/24 dev eth0", self.ip),
+                format!("addr add {}/64 dev eth0", self.ip6),
                 "link set eth0 up".to_string(),
             ]);
         } else {
             lines.extend([
                 format!("addr add {}/32 dev eth0", self.ip),
+                format!("addr add {}/128 dev eth0", self.ip6),
                 "link set eth0 up".to_string(),
                 format!("route add {} dev eth0 scope link", self.gateway),
+                format!("route add {} dev eth0", self.gateway6),
             ]);
         }
         lines.push(format!("route add default via {} dev eth0", self.gateway));
+        lines.push(format!("route add default via {} dev eth0", self.gateway6));
         lines
     }
 }
@@ -257,14 +300,8 @@ impl Sandbox {
             node2: Netns::adopt(&name("node2")),
             pods: PODS
                 .iter()
-                .map(|&(pod, node, octet)| Pod {
-                    name: pod.to_string(),
-                    ns: Netns::adopt(&name(pod)),
-                    ip: Ipv4Addr::new(10, 244, node, octet),
-                    node: format!("node{node}"),
-                    host_if: shape.host_if(pod),
-                    gateway: Ipv4Addr::new(10, 244, node, 1),
-                    shape,
+                .map(|&(pod, node, octet)| {
+                    Pod::new(pod, Netns::adopt(&name(pod)), node, octet, shape)
                 })
                 .collect(),
             shape,
@@ -305,12 +342,15 @@ impl Sandbox {
                 let mut cmd = ns.cmd("sysctl");
                 cmd.args(["-q", "-w"]).args(COMMON_SYSCTLS);
                 if ns.name == self.node1.name || ns.name == self.node2.name {
-                    cmd.arg("net.ipv4.ip_forward=1");
+                    cmd.args(["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"]);
                     if self.shape.bridged() {
                         // What kube-proxy needs of a bridge node (kubeadm checks it): bridged
                         // frames meet netfilter, so a reply from a pod on the same bridge is
                         // translated back.
-                        cmd.arg("net.bridge.bridge-nf-call-iptables=1");
+                        cmd.args([
+                            "net.bridge.bridge-nf-call-iptables=1",
+                            "net.bridge.bridge-nf-call-ip6tables=1",
+                        ]);
                     }
                 }
                 cmd
@@ -348,6 +388,7 @@ impl Sandbox {
                 lines.extend([
                     format!("link add {BRIDGE} type bridge"),
                     format!("addr add 10.244.{}.1/24 dev {BRIDGE}", n + 1),
+                    format!("addr add {}/64 dev {BRIDGE}", pod_ip6(n as u8 + 1, 1)),
                     format!("link set {BRIDGE} up"),
                 ]);
             }
@@ -386,26 +427,35 @@ impl Sandbox {
         let ip = Sandbox::node_ip(&format!("node{n}"));
         let other_ip = Sandbox::node_ip(&format!("node{other}"));
         let other_pods = format!("10.244.{other}.0/24");
+        let (ip6, other_ip6) = (Sandbox::node_ip6(n), Sandbox::node_ip6(other));
+        let other_pods6 = format!("{}/64", pod_ip6(other, 0));
         let mut lines = vec!["link set lo up".to_string()];
         if self.shape == Shape::MultiHomed {
             // The node address alone (no connected route): replies to clients on the node
             // network go by the default route, through the management network.
             let (mgmt, other_mgmt) = (mgmt_ip(ip), mgmt_ip(other_ip));
+            let (mgmt6, other_mgmt6) = (mgmt_ip6(n), mgmt_ip6(other));
             lines.extend([
                 format!("addr add {ip}/32 dev {NODE_IF}"),
+                format!("addr add {ip6}/128 dev {NODE_IF}"),
                 format!("link set {NODE_IF} up"),
                 format!("addr add {mgmt}/24 dev {MGMT_IF}"),
+                format!("addr add {mgmt6}/64 dev {MGMT_IF}"),
                 format!("link set {MGMT_IF} up"),
                 // The nodes reach each other's addresses and pods over the management
                 // network.
                 format!("route add {other_ip}/32 via {other_mgmt} dev {MGMT_IF}"),
                 format!("route add {other_pods} via {other_mgmt} dev {MGMT_IF}"),
                 format!("route add default via {MGMT_ROUTER} dev {MGMT_IF}"),
+                format!("route add {other_ip6}/128 via {other_mgmt6} dev {MGMT_IF}"),
+                format!("route add {other_pods6} via {other_mgmt6} dev {MGMT_IF}"),
+                format!("route add default via {MGMT_ROUTER6} dev {MGMT_IF}"),
             ]);
             return lines;
         }
         lines.extend([
             format!("addr add {ip}/24 dev {NODE_IF}"),
+            format!("addr add {ip6}/64 dev {NODE_IF}"),
             format!("link set {NODE_IF} up"),
         ]);
         if self.shape == Shape::Overlay {
@@ -423,13 +473,25 @@ impl Sandbox {
                 format!("addr add 10.244.{n}.0/32 dev {TUNNEL}"),
                 format!("route add {other_pods} via 10.244.{other}.0 dev {TUNNEL} onlink"),
                 format!("neigh add 10.244.{other}.0 lladdr {other_mac} dev {TUNNEL} nud permanent"),
+                // IPv6 inside the same tunnel, the VTEP's address ::ffff of the pod range.
+                format!("addr add {}/128 dev {TUNNEL}", tunnel_ip6(n)),
+                format!(
+                    "route add {other_pods6} via {} dev {TUNNEL} onlink",
+                    tunnel_ip6(other)
+                ),
+                format!(
+                    "neigh add {} lladdr {other_mac} dev {TUNNEL} nud permanent",
+                    tunnel_ip6(other)
+                ),
             ]);
         } else {
             lines.push(format!("route add {other_pods} via {other_ip}"));
+            lines.push(format!("route add {other_pods6} via {other_ip6}"));
         }
         // The node network's router (ext) has the default route: the interface that holds it
         // carries the node's primary address (--nodeport-addresses).
         lines.push(format!("route add default via {EXT_IP}"));
+        lines.push(format!("route add default via {EXT_IP6}"));
         lines
     }
 
@@ -438,17 +500,27 @@ impl Sandbox {
         let mut lines = vec![
             "link set lo up".to_string(),
             format!("addr add {EXT_IP}/24 dev {NODE_IF}"),
+            format!("addr add {EXT_IP6}/64 dev {NODE_IF}"),
             format!("link set {NODE_IF} up"),
-            format!("route add {SERVICE_CIDR} via {NODE1_IP}"),
-            format!("route add {POD_CIDR} via {NODE1_IP}"),
-            // Load balancer and external IPs are routed to a node, as a cloud load balancer
-            // or the network's router would.
-            format!("route add {LB_CIDR} via {NODE1_IP}"),
-            format!("route add {EXTERNAL_IP_CIDR} via {NODE1_IP}"),
         ];
+        // Load balancer and external IPs are routed to a node, as a cloud load balancer or
+        // the network's router would, and so are the Service and pod ranges.
+        for (range, via) in [
+            (SERVICE_CIDR, NODE1_IP.to_string()),
+            (POD_CIDR, NODE1_IP.to_string()),
+            (LB_CIDR, NODE1_IP.to_string()),
+            (EXTERNAL_IP_CIDR, NODE1_IP.to_string()),
+            (SERVICE_CIDR6, NODE1_IP6.to_string()),
+            (POD_CIDR6, NODE1_IP6.to_string()),
+            (LB_CIDR6, NODE1_IP6.to_string()),
+            (EXTERNAL_IP_CIDR6, NODE1_IP6.to_string()),
+        ] {
+            lines.push(format!("route add {range} via {via}"));
+        }
         if self.shape == Shape::MultiHomed {
             lines.extend([
                 format!("addr add {MGMT_ROUTER}/24 dev {MGMT_IF}"),
+                format!("addr add {MGMT_ROUTER6}/64 dev {MGMT_IF}"),
                 format!("link set {MGMT_IF} up"),
             ]);
         }
@@ -469,15 +541,7 @@ impl Sandbox {
         };
         let ns = Netns::create(&format!("{}-{name}", self.prefix))?;
         // Kept from here on, so that the namespace goes with the sandbox even if a step fails.
-        self.pods.push(Pod {
-            name: name.to_string(),
-            ns,
-            ip: Ipv4Addr::new(10, 244, n, octet),
-            node: node.to_string(),
-            host_if: self.shape.host_if(name),
-            gateway: Ipv4Addr::new(10, 244, n, 1),
-            shape: self.shape,
-        });
+        self.pods.push(Pod::new(name, ns, n, octet, self.shape));
         let pod = self.pods.last().expect("just added");
         let node_ns = self.node(node);
         let tmp = format!("tmp-{name}");
@@ -538,6 +602,14 @@ impl Sandbox {
         }
     }
 
+    /// The IPv6 node-network address of node `n` (1 or 2).
+    pub fn node_ip6(n: u8) -> Ipv6Addr {
+        match n {
+            1 => NODE1_IP6,
+            _ => NODE2_IP6,
+        }
+    }
+
     /// Every address of node "node1" or "node2" (on the node network, and on the management
     /// network of a multi-homed one).
     pub fn node_addrs(&self, name: &str) -> Vec<Ipv4Addr> {
@@ -585,6 +657,7 @@ impl Sandbox {
             let pod = self.pod(name);
             let mut cmd = Command::new(&bin);
             cmd.args(["--name", name, "--port", &port.to_string()])
+                .args(["--bind", "0.0.0.0", "--bind", "::"])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null());
             pod.ns.enter(&mut cmd)?;
@@ -752,6 +825,29 @@ impl Drop for Sandbox {
 /// ([`Shape::MultiHomed`]): the same last octet.
 fn mgmt_ip(node_ip: Ipv4Addr) -> Ipv4Addr {
     Ipv4Addr::new(198, 18, 0, node_ip.octets()[3])
+}
+
+/// Node `n`'s IPv6 address on the management network.
+fn mgmt_ip6(n: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 0x198, 0x18, 0, 0, 0, decimal_looking(10 + n))
+}
+
+/// fd00:10:244:`n`::`last`, the last group's hex digits reading as `last` in decimal.
+pub fn pod_ip6(n: u8, last: u8) -> Ipv6Addr {
+    let group = |v: u8| decimal_looking(v);
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, group(n), 0, 0, 0, group(last))
+}
+
+/// The address node `n`'s VXLAN device has in its IPv6 pod range.
+fn tunnel_ip6(n: u8) -> Ipv6Addr {
+    let pods = pod_ip6(n, 0).segments();
+    Ipv6Addr::new(pods[0], pods[1], pods[2], pods[3], 0, 0, 0, 0xffff)
+}
+
+/// The hex number whose digits are `v`'s decimal ones (11 -> 0x11), so that an IPv6 group
+/// reads as the IPv4 octet it stands for.
+fn decimal_looking(v: u8) -> u16 {
+    u16::from_str_radix(&v.to_string(), 16).expect("decimal digits are hex digits")
 }
 
 /// The MAC address of node `n`'s VXLAN device.

@@ -4,8 +4,8 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use proxy_tests::{
-    BACKEND_PORT, EXT_IP, Sandbox, netns_list, privileged, tcp_request, tcp_session, udp_request,
-    udp_session,
+    BACKEND_PORT, EXT_IP, EXT_IP6, NODE1_IP, NODE1_IP6, Sandbox, Shape, netns_list, privileged,
+    tcp_request, tcp_session, udp_request, udp_session,
 };
 
 #[test]
@@ -75,6 +75,17 @@ fn sandbox_routes_pods_nodes_and_ext() {
     let who = udp_request(&sb.ext, be4, "whoami").unwrap();
     assert!(who.starts_with(&format!("be4 {EXT_IP}:")), "{who}");
 
+    // The same over IPv6: the sandbox is dual-stack.
+    let (be1_6, be4_6) = (
+        sb.pod("be1").addr6(BACKEND_PORT),
+        sb.pod("be4").addr6(BACKEND_PORT),
+    );
+    let who = tcp_request(client, be1_6, "whoami").unwrap();
+    assert!(who.starts_with("be1 [fd00:10:244:1::10]:"), "{who}");
+    assert_eq!(udp_request(client, be4_6, "hello").unwrap(), "be4");
+    let who = udp_request(&sb.ext, be4_6, "whoami").unwrap();
+    assert!(who.starts_with(&format!("be4 [{EXT_IP6}]:")), "{who}");
+
     // Real clients: curl (HTTP mode) through `ip netns exec`.
     let out = client
         .exec(
@@ -125,4 +136,51 @@ fn sandboxes_side_by_side_and_cleanup_after_panic() {
         .filter(|n| n.starts_with(&format!("{prefix}-")))
         .collect();
     assert!(left.is_empty(), "namespaces left after panic: {left:?}");
+}
+
+/// Every node shape carries both families: a pod reaches a pod on its node and on the other
+/// node, the node reaches its pods, and a client outside reaches pods of both nodes and the
+/// node itself, over IPv4 and IPv6.
+#[test]
+fn every_shape_routes_both_families() {
+    if !privileged("every_shape_routes_both_families") {
+        return;
+    }
+    for shape in Shape::ALL {
+        let mut sb = Sandbox::build_shaped(shape).expect("build sandbox");
+        sb.start_backends(BACKEND_PORT).expect("start backends");
+        let pods = ["be1", "be4"].map(|name| sb.pod(name));
+        let client = &sb.pod("client").ns;
+        for (family, addr) in [
+            (
+                "IPv4",
+                &(|p: &proxy_tests::Pod| p.addr(BACKEND_PORT))
+                    as &dyn Fn(&proxy_tests::Pod) -> SocketAddr,
+            ),
+            ("IPv6", &|p: &proxy_tests::Pod| p.addr6(BACKEND_PORT)),
+        ] {
+            for pod in pods {
+                for (from, ns) in [("client", client), ("ext", &sb.ext), ("node1", &sb.node1)] {
+                    let answer = tcp_request(ns, addr(pod), "hello")
+                        .and_then(|_| udp_request(ns, addr(pod), "hello"));
+                    assert_eq!(
+                        answer.as_deref().ok(),
+                        Some(pod.name.as_str()),
+                        "{} shape, {family}: {from} to {}: {answer:?}",
+                        shape.name(),
+                        pod.name
+                    );
+                }
+            }
+        }
+        // The node's own address answers from outside (NodePorts live there).
+        for node in [NODE1_IP.to_string(), NODE1_IP6.to_string()] {
+            let out = sb.ext.exec("ping", &["-c1", "-W2", &node]);
+            assert!(
+                out.is_ok(),
+                "{} shape: ext cannot reach {node}: {out:?}",
+                shape.name()
+            );
+        }
+    }
 }

@@ -30,38 +30,68 @@ struct Args {
     /// TCP and UDP port.
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Address to bind (`::` for dual stack).
+    /// Addresses to bind, one socket of each protocol per address; an IPv6 one takes IPv6
+    /// only (`--bind 0.0.0.0 --bind ::` for both families, each on sockets of its own).
     #[arg(long, default_value = "0.0.0.0")]
-    bind: IpAddr,
+    bind: Vec<IpAddr>,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let addr = SocketAddr::new(args.bind, args.port);
-    // UDP first: once TCP accepts connections, both are ready.
-    let udp = UdpSocket::bind(addr).with_context(|| format!("bind UDP {addr}"))?;
-    let tcp = TcpListener::bind(addr).with_context(|| format!("bind TCP {addr}"))?;
     let name: &'static str = Box::leak(args.name.into_boxed_str());
-    if let Some(sctp) = proxy_tests::sctp_listener(addr)? {
-        std::thread::spawn(move || {
-            for stream in sctp.incoming().flatten() {
-                std::thread::spawn(move || serve_tcp(stream, name));
-            }
-        });
-    }
-
-    std::thread::spawn(move || serve_udp(udp, name));
-    for stream in tcp.incoming() {
-        match stream {
-            Ok(stream) => {
-                std::thread::spawn(move || {
-                    let _ = serve_tcp(stream, name);
-                });
-            }
-            Err(e) => eprintln!("sandbox-backend {name}: accept: {e}"),
+    let mut listeners = Vec::new();
+    // UDP first: once TCP accepts connections on the last address, everything is ready.
+    for &ip in &args.bind {
+        let addr = SocketAddr::new(ip, args.port);
+        let udp: UdpSocket = bound(addr, socket2::Type::DGRAM)
+            .with_context(|| format!("bind UDP {addr}"))?
+            .into();
+        std::thread::spawn(move || serve_udp(udp, name));
+        if let Some(sctp) = proxy_tests::sctp_listener(addr)? {
+            std::thread::spawn(move || {
+                for stream in sctp.incoming().flatten() {
+                    std::thread::spawn(move || serve_tcp(stream, name));
+                }
+            });
         }
     }
+    for &ip in &args.bind {
+        let addr = SocketAddr::new(ip, args.port);
+        let tcp = bound(addr, socket2::Type::STREAM).with_context(|| format!("bind TCP {addr}"))?;
+        tcp.listen(1024)?;
+        listeners.push(TcpListener::from(tcp));
+    }
+    let accept = move |tcp: TcpListener| {
+        for stream in tcp.incoming() {
+            match stream {
+                Ok(stream) => {
+                    std::thread::spawn(move || {
+                        let _ = serve_tcp(stream, name);
+                    });
+                }
+                Err(e) => eprintln!("sandbox-backend {name}: accept: {e}"),
+            }
+        }
+    };
+    let last = listeners.pop().context("no address to bind")?;
+    for tcp in listeners {
+        std::thread::spawn(move || accept(tcp));
+    }
+    accept(last);
     Ok(())
+}
+
+/// A socket of `kind` bound to `addr` (IPv6 only for an IPv6 address).
+fn bound(addr: SocketAddr, kind: socket2::Type) -> std::io::Result<socket2::Socket> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), kind, None)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    if kind == socket2::Type::STREAM {
+        socket.set_reuse_address(true)?;
+    }
+    socket.bind(&addr.into())?;
+    Ok(socket)
 }
 
 fn answer(name: &str, request: &[u8], peer: SocketAddr) -> String {
