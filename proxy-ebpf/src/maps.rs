@@ -7,8 +7,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CT_STATES,
-    CtKey, CtValue, DROPS_ENTRIES, HOST_NETNS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, MaglevChunk,
-    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue,
+    HOST_NETNS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    SourceRangeKey,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
