@@ -51,10 +51,10 @@ static HAS_SET_RETVAL: u8 = 1;
 const HOST_CLIENT: Be32 = Be32::new(0);
 
 /// connect4 and sendmsg4: a TCP or UDP service address of a host-network socket (or a pod's TCP
-/// one, see [`client`]) becomes one of the service's backends, picked as the tc path picks one for a new flow (lb.rs). `datagram`
-/// (sendmsg4: an unconnected UDP socket's send): the pick is the socket's own, so that its
-/// datagrams to one Service go to one backend while the Service's backends stay the same, as a
-/// connected socket's do.
+/// one, see [`client`]) becomes one of the service's backends, picked as the tc path picks one
+/// for a new flow (lb.rs). `datagram` (sendmsg4: an unconnected UDP socket's send): the pick is
+/// the socket's own, so that its datagrams to one Service go to one backend while the
+/// Service's backends stay the same, as a connected socket's do.
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext, datagram: bool) -> i32 {
     match try_translate(ctx, datagram) {
@@ -170,7 +170,6 @@ fn port(field: u32) -> Be16 {
 }
 
 /// Whose socket a socket program sees.
-#[derive(PartialEq, Eq)]
 enum Client {
     /// The node's own network namespace's.
     Host,

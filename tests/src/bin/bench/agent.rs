@@ -71,6 +71,7 @@ impl std::fmt::Display for TooSlow {
 }
 
 impl std::error::Error for TooSlow {}
+
 const NAMESPACE: &str = "bench";
 const NODE: &str = "bench-node";
 

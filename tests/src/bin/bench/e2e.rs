@@ -14,8 +14,8 @@
 //! Each N runs every mode that runs on this machine (`--modes`; IPVS needs the VM's kernel):
 //! ebpf, translating pods' connections per packet (its default) and at connect()
 //! (ebpf-socket-lb), and kube-proxy's modes as this project writes them (iptables on legacy
-//! iptables, nftables, userspace). A mode's direct figures are measured in its own rounds, interleaved
-//! with its Service paths.
+//! iptables, nftables, userspace). A mode's direct figures are measured in its own rounds,
+//! interleaved with its Service paths.
 use std::{
     fmt::Write as _,
     net::{Ipv4Addr, SocketAddr, TcpListener},
@@ -489,8 +489,8 @@ fn table(cells: &[Cell]) -> String {
          1 s, a change sooner after a sync waits for the rest of that second, as with \
          kube-proxy). ebpf: the client pod's connections translated per packet by the tc \
          programs (the default); ebpf-socket-lb: at connect() by the socket programs \
-         (--bpf-socket-lb all). iptables-legacy, nftables, userspace: kube-proxy's modes as this project \
-         writes them (iptables on legacy iptables: with nf_tables, iptables-restore of 10k \
+         (--bpf-socket-lb all). iptables-legacy, nftables, userspace: kube-proxy's modes as \
+         this project writes them (iptables on legacy iptables: with nf_tables, iptables-restore of 10k \
          Services took 190 s on this machine). In the iptables modes the direct figure falls \
          with the number of Services because every new connection through the node, to a \
          Service or not, walks KUBE-SERVICES (or KUBE-PORTALS-CONTAINER) rule by rule: compare \
