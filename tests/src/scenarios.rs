@@ -41,11 +41,17 @@ use crate::{
     privileged, sctp_request, spoof_tcp, tcp_request, udp_request,
 };
 
-/// Four 4 KB UDP datagrams (fragmented both ways) from `from` to `addr`, each echoed whole.
+/// Four 4 KB UDP datagrams (fragmented both ways) from `from` to `addr`, each echoed whole
+/// (each sent up to three times).
 fn echo_4k(from: &Netns, addr: SocketAddr) -> Result<()> {
     let request = format!("echo {}", "x".repeat(4000));
     for _ in 0..4 {
-        let answer = udp_request(from, addr, &request)?;
+        // A datagram may be lost (right after spoofed-teardown's floods, say), and a UDP
+        // client sends again; one that is never translated fails every try.
+        let answer = udp_request(from, addr, &request)
+            .or_else(|_| udp_request(from, addr, &request))
+            .or_else(|_| udp_request(from, addr, &request))
+            .context("three tries")?;
         ensure!(
             answer.ends_with(&request) && answer.len() == request.len() + 4,
             "{addr}: answered {} bytes: {:?}...",
