@@ -264,6 +264,16 @@ fn ok(answers: Vec<Result<Answer, String>>) -> Vec<Answer> {
         .collect()
 }
 
+/// Whether the tc programs saw `answer`'s flow to `service`: a forward conntrack entry (in the
+/// maps pinned in `pin_dir`) from the client's address and port to the Service.
+fn through_tc(pin_dir: &Path, answer: &Answer, service: SocketAddr) -> bool {
+    inspect::conntrack(pin_dir).unwrap().iter().any(|f| {
+        f.direction == "forward"
+            && f.source == answer.local.to_string()
+            && f.destination == service.to_string()
+    })
+}
+
 fn names<'a>(answers: impl IntoIterator<Item = &'a Answer>) -> BTreeSet<String> {
     answers.into_iter().map(|a| a.name().to_owned()).collect()
 }
@@ -646,12 +656,9 @@ fn host_network_clients_reach_services() {
     let pod = Netns::open(&sandbox.pod("client").ns.name);
     let from_pod = ok(clients(&pod, &agent.cgroup, &[("tcp", WEB)])).remove(0);
     assert_eq!(from_pod.peer, WEB);
-    let flows = inspect::conntrack(agent.bpffs.path()).unwrap();
     for (who, answer) in [("ext", &from_ext[0]), ("the pod", &from_pod)] {
         assert!(
-            flows.iter().any(|f| f.direction == "forward"
-                && f.source == answer.local.to_string()
-                && f.destination == WEB.to_string()),
+            through_tc(agent.bpffs.path(), answer, WEB),
             "{who}'s flow did not reach node1's programs with the service address"
         );
     }
@@ -696,18 +703,7 @@ fn pods_tcp_connections_are_translated_at_connect_with_socket_lb_all() {
     .expect("the agent");
     let pod = Netns::open(&sandbox.pod("client").ns.name);
     let from_pod = |ops: &[(&str, SocketAddr)]| clients(&pod, &agent.cgroup, ops);
-    // Whether the tc programs saw `answer`'s flow to `service` (a conntrack entry from the
-    // pod's address and port to the Service).
-    let through_tc = |answer: &Answer, service: SocketAddr| {
-        inspect::conntrack(agent.bpffs.path())
-            .unwrap()
-            .iter()
-            .any(|f| {
-                f.direction == "forward"
-                    && f.source == answer.local.to_string()
-                    && f.destination == service.to_string()
-            })
-    };
+    let through_tc = |answer: &Answer, service| through_tc(agent.bpffs.path(), answer, service);
 
     let mut ops = vec![("tcp", WEB); 30];
     ops.extend([("tcp", REMOTE); 3]);
