@@ -555,24 +555,25 @@ impl KubeProxyConfiguration {
             with_port(&self.metrics_bind_address, 10249),
         );
         if let Some(cidrs) = &self.cluster_cidr {
+            // One range a family, as the flag takes them (a dual-stack pair).
             let (v4, v6): (Vec<&str>, Vec<&str>) = cidrs
                 .split(',')
                 .map(str::trim)
                 .filter(|c| !c.is_empty())
                 .partition(|c| !c.contains(':'));
-            if !v6.is_empty() {
-                warnings.push(format!(
-                    "clusterCIDR {}: IPv6 is not served yet",
-                    v6.join(",")
-                ));
+            for (family, listed) in [("IPv4", &v4), ("IPv6", &v6)] {
+                if listed.len() > 1 {
+                    warnings.push(format!(
+                        "clusterCIDR: one {family} range is used, {}; the others are left out",
+                        listed[0]
+                    ));
+                }
             }
-            if v4.len() > 1 {
-                warnings.push(format!(
-                    "clusterCIDR: one IPv4 range is used, {}; the others are left out",
-                    v4[0]
-                ));
-            }
-            set("cluster-cidr", v4.first().map(|c| c.to_string()));
+            let pair: Vec<&str> = v4.first().into_iter().chain(v6.first()).copied().collect();
+            set(
+                "cluster-cidr",
+                Some(pair.join(",")).filter(|p| !p.is_empty()),
+            );
         }
         set(
             "nodeport-addresses",

@@ -7,7 +7,7 @@ use proxy_userspace::{
     dataplane::Dataplane,
     duration::parse_duration,
     inspect, kube_proxy,
-    model::{Cidr, LbAlgorithm},
+    model::{Cidr, Family, LbAlgorithm},
     modes::{
         self, CtLifetimes, Installation, ProxyMode, StartConfig,
         ebpf::{
@@ -225,11 +225,12 @@ struct AgentArgs {
     /// tables spread flows more evenly and cost 4 bytes an entry per Service using Maglev.
     #[arg(long, default_value_t = maglev::DEFAULT_TABLE_SIZE, value_parser = maglev::parse_table_size)]
     lb_maglev_table_size: u32,
-    /// The cluster's pod range (kube-proxy's flag), with the iptables, nftables and ipvs modes:
-    /// connections to a cluster IP from outside it are masqueraded, and pods reaching an
-    /// externalTrafficPolicy Local frontend get any endpoint. Empty: neither.
-    #[arg(long, value_parser = parse_cidr)]
-    cluster_cidr: Option<Cidr>,
+    /// The cluster's pod range, or a dual-stack pair of them (kube-proxy's flag), with the
+    /// iptables, nftables and ipvs modes: connections to a cluster IP from outside it are
+    /// masqueraded, and pods reaching an externalTrafficPolicy Local frontend get any endpoint.
+    /// Empty: neither.
+    #[arg(long, value_parser = parse_cluster_cidrs)]
+    cluster_cidr: Option<ClusterCidrs>,
     /// Masquerade every connection to a cluster IP (kube-proxy's flag, iptables, nftables and
     /// ipvs modes).
     #[arg(long)]
@@ -526,7 +527,7 @@ fn start_config(args: &AgentArgs) -> StartConfig {
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
     StartConfig {
         node_ips: Vec::new(),
-        cluster_cidr: args.cluster_cidr,
+        cluster_cidrs: args.cluster_cidr.clone().map(|c| c.0).unwrap_or_default(),
         masquerade_all: args.masquerade_all,
         node_port_addresses: args.nodeport_addresses.clone(),
         iptables_backend: args.iptables_backend.named(),
@@ -593,13 +594,28 @@ fn lb_algorithm() -> impl clap::builder::TypedValueParser<Value = LbAlgorithm> {
     })
 }
 
-/// An IPv4 CIDR, like 10.244.0.0/16 (the IPv4 one of a dual-stack pair).
+/// A CIDR of either family, like 10.244.0.0/16 or fd00:10:244::/56.
 fn parse_cidr(s: &str) -> Result<Cidr, String> {
-    s.split(',')
-        .map(str::trim)
-        .find(|c| !c.contains(':'))
-        .ok_or_else(|| format!("{s:?} has no IPv4 CIDR"))?
-        .parse()
+    s.trim().parse()
+}
+
+/// `--cluster-cidr`: a range, or a dual-stack pair (one range a family).
+#[derive(Clone, Debug)]
+struct ClusterCidrs(Vec<Cidr>);
+
+fn parse_cluster_cidrs(s: &str) -> Result<ClusterCidrs, String> {
+    let cidrs: Vec<Cidr> = (s.split(',').map(str::trim).filter(|c| !c.is_empty()))
+        .map(parse_cidr)
+        .collect::<Result<_, _>>()?;
+    for family in Family::ALL {
+        if cidrs.iter().filter(|c| c.family() == family).count() > 1 {
+            return Err(format!(
+                "{s:?} has more than one {family} range: give one range, or a dual-stack pair \
+                 (like 10.244.0.0/16,fd00:10:244::/56)"
+            ));
+        }
+    }
+    Ok(ClusterCidrs(cidrs))
 }
 
 /// kube-proxy's rule: the override, else the hostname, lower-cased.

@@ -122,17 +122,30 @@ pub(crate) fn saved_in_each_backend(test: &str, rules: fn() -> String) -> Vec<St
     saved
 }
 
-/// The netfilter modes' settings the golden files are rendered with: node1's address
+/// The netfilter modes' IPv4 settings the golden files are rendered with: node1's address
 /// 192.0.2.11, the pod range 10.244.0.0/16.
 pub(crate) fn netfilter_settings() -> crate::netfilter::rules::Settings {
-    let node = std::net::Ipv4Addr::new(192, 0, 2, 11);
+    netfilter_settings_of(crate::model::Family::V4)
+}
+
+/// [`netfilter_settings`] of `family`: for IPv6 node1's 2001:db8:192:2::11, the pod range
+/// fd00:10:244::/56.
+pub(crate) fn netfilter_settings_of(
+    family: crate::model::Family,
+) -> crate::netfilter::rules::Settings {
+    let (node, pods) = match family {
+        crate::model::Family::V4 => ("192.0.2.11", "10.244.0.0/16"),
+        crate::model::Family::V6 => ("2001:db8:192:2::11", "fd00:10:244::/56"),
+    };
+    let node: std::net::IpAddr = node.parse().unwrap();
     crate::netfilter::rules::Settings {
-        cluster_cidr: Some(crate::model::Cidr::v4(
-            std::net::Ipv4Addr::new(10, 244, 0, 0),
-            16,
-        )),
+        family,
+        cluster_cidr: Some(pods.parse().unwrap()),
         masquerade_all: false,
         node_port_addresses: Some(vec![node]),
         node_ips: vec![node],
     }
 }
+
+/// Services of both families, for the IPv6 golden files.
+pub(crate) const DUAL_STACK: &str = include_str!("testdata/dual_stack.yaml");

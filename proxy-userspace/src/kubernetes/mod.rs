@@ -70,7 +70,7 @@ impl NodeInfo {
     }
 }
 
-/// The IPv4 ranges a ServiceCIDR object allocates cluster IPs from (`spec.cidrs`); a range
+/// The ranges a ServiceCIDR object allocates cluster IPs from (`spec.cidrs`); a range
 /// that does not parse is left out with a warning (the API server validates them).
 pub fn service_cidrs_of(object: &ServiceCIDR) -> Vec<Cidr> {
     let name = object.metadata.name.as_deref().unwrap_or_default();
@@ -85,7 +85,6 @@ pub fn service_cidrs_of(object: &ServiceCIDR) -> Vec<Cidr> {
                 None
             }
         })
-        .filter(|cidr| cidr.as_v4().is_some())
         .collect()
 }
 

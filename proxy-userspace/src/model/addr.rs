@@ -1,10 +1,65 @@
-//! Address vocabulary, parsed and named once: CIDRs, and the IPv4 addresses of a list (the
-//! datapaths serve IPv4 for now).
+//! Address vocabulary, parsed and named once: IP families, CIDRs, and the addresses of a list
+//! in one family.
 use std::{
     fmt,
     net::{IpAddr, Ipv4Addr},
     str::FromStr,
 };
+
+/// An IP family. kube-proxy runs one proxier per family, and a Service is served in a family
+/// only if it has a cluster IP of it; its other addresses, source ranges and endpoints of the
+/// other family are not that proxier's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::V4, Family::V6];
+
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+
+    /// kube-proxy's name for it (the `ip_family` label of its metrics, `ipFamilies`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+
+    /// Whether `ip` is of this family.
+    pub fn has(self, ip: IpAddr) -> bool {
+        Family::of(ip) == self
+    }
+
+    /// The addresses of `ips` of this family, in order.
+    pub fn filter(self, ips: &[IpAddr]) -> Vec<IpAddr> {
+        ips.iter().copied().filter(|ip| self.has(*ip)).collect()
+    }
+
+    /// The family's loopback range (never a NodePort address: CVE-2020-8558).
+    pub fn loopback(self) -> Cidr {
+        match self {
+            Family::V4 => Cidr::v4(Ipv4Addr::LOCALHOST, 8),
+            Family::V6 => Cidr {
+                addr: std::net::Ipv6Addr::LOCALHOST.into(),
+                len: 128,
+            },
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// An address range, like 10.244.0.0/16 or fd00::/64.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -29,6 +84,10 @@ impl Cidr {
             IpAddr::V4(addr) => Some((addr, self.len)),
             IpAddr::V6(_) => None,
         }
+    }
+
+    pub fn family(&self) -> Family {
+        Family::of(self.addr)
     }
 
     /// Whether `ip` is in the range (never across families).

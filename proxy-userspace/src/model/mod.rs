@@ -13,7 +13,7 @@ mod service;
 mod state;
 mod tracker;
 
-pub use addr::{Cidr, ipv4, parse_ip_leniently};
+pub use addr::{Cidr, Family, ipv4, parse_ip_leniently};
 pub(crate) use names::shared;
 pub use names::{NamespacedName, PortName, Protocol, ServicePortName};
 pub use service::{Endpoint, Hints, LbAlgorithm, ServicePort, TargetPort};

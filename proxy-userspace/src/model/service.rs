@@ -6,7 +6,7 @@ use std::{
     sync::Arc,
 };
 
-use super::{Cidr, Protocol};
+use super::{Cidr, Family, Protocol};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum TargetPort {
@@ -116,6 +116,14 @@ pub struct Endpoint {
 pub struct Hints {
     pub zones: Vec<Arc<str>>,
     pub nodes: Vec<Arc<str>>,
+}
+
+impl ServicePort {
+    /// Whether the port is served in `family`: it has a cluster IP of it (kube-proxy's rule;
+    /// its other addresses of the family are served with it).
+    pub fn in_family(&self, family: Family) -> bool {
+        self.cluster_ips.iter().any(|ip| family.has(*ip))
+    }
 }
 
 impl Endpoint {

@@ -114,7 +114,7 @@ pub struct ChangeTracker {
     node_addresses: HashMap<Arc<str>, Vec<IpAddr>>,
     /// A Node changed since the last [`ChangeTracker::apply`].
     nodes_changed: bool,
-    /// The ServiceCIDR objects' IPv4 ranges, by name.
+    /// The ServiceCIDR objects' ranges, by name.
     service_cidrs: HashMap<Arc<str>, Vec<Cidr>>,
     /// A ServiceCIDR changed since the last [`ChangeTracker::apply`].
     service_cidrs_changed: bool,

@@ -180,7 +180,8 @@ pub struct Installation {
 pub struct StartConfig {
     /// The Node object's addresses (the API source; empty with the manifest source).
     pub node_ips: Vec<IpAddr>,
-    pub cluster_cidr: Option<Cidr>,
+    /// `--cluster-cidr`: at most one range a family.
+    pub cluster_cidrs: Vec<Cidr>,
     pub masquerade_all: bool,
     pub node_port_addresses: NodePortAddresses,
     /// `--iptables-backend`; None: the one holding the mode's chains, else the node's.
@@ -210,7 +211,7 @@ pub struct CtLifetimes {
 impl StartConfig {
     fn netfilter(&self) -> NetfilterConfig {
         NetfilterConfig {
-            cluster_cidr: self.cluster_cidr,
+            cluster_cidrs: self.cluster_cidrs.clone(),
             masquerade_all: self.masquerade_all,
             node_port_addresses: self.node_port_addresses.clone(),
             primary: self.node_ips.clone(),
@@ -219,7 +220,7 @@ impl StartConfig {
 
     /// Once a netfilter mode started.
     fn warn_without_cluster_cidr(&self) {
-        if self.cluster_cidr.is_none() && !self.masquerade_all {
+        if self.cluster_cidrs.is_empty() && !self.masquerade_all {
             tracing::warn!(
                 "no --cluster-cidr: connections to cluster IPs from outside the pod network are \
                  not masqueraded"

@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use crate::{
     dataplane::Scope,
-    model::{ChangeTracker, Cidr, DesiredState},
+    model::{ChangeTracker, Cidr, DesiredState, Family},
     modes::{iptables as ipt, nftables as nft},
     netfilter::{
         rules::Settings,
@@ -228,6 +228,7 @@ type Changed = BTreeSet<crate::model::ServicePortName>;
 impl CaseSettings {
     fn settings(&self) -> Settings {
         Settings {
+            family: Family::V4,
             cluster_cidr: (self.cluster_cidr.as_ref()).map(|c| c.parse::<Cidr>().unwrap()),
             masquerade_all: self.masquerade_all,
             node_port_addresses: self.node_port_addresses.as_ref().and_then(|cidrs| {
@@ -238,12 +239,12 @@ impl CaseSettings {
                     addr,
                 };
                 let addresses: Vec<InterfaceAddr> = (self.node().addresses.into_iter())
-                    .map(|addr| on("eth0", addr))
-                    .chain([on("lo", Ipv4Addr::LOCALHOST)])
+                    .map(|addr| on("eth0", addr.into()))
+                    .chain([on("lo", Ipv4Addr::LOCALHOST.into())])
                     .collect();
-                node::node_port_ips(&spec, &[], &addresses)
+                node::node_port_ips(&spec, Family::V4, &[], &addresses)
             }),
-            node_ips: self.node_ips.clone(),
+            node_ips: self.node_ips.iter().map(|&ip| ip.into()).collect(),
         }
     }
 

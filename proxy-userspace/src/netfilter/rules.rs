@@ -1,9 +1,9 @@
 //! What the netfilter modes' rules share: kube-proxy's masquerade mark and chain-name hash, and
 //! the settings the iptables and nftables rules are rendered with.
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use crate::{
-    model::{Cidr, ipv4},
+    model::{Cidr, Family},
     node::{self, NodePortAddresses},
 };
 
@@ -13,8 +13,8 @@ pub const MASQ_MARK: &str = "0x4000";
 /// The flags the iptables, nftables and IPVS modes share (kube-proxy's).
 #[derive(Clone, Debug)]
 pub struct NetfilterConfig {
-    /// `--cluster-cidr`.
-    pub cluster_cidr: Option<Cidr>,
+    /// `--cluster-cidr`: at most one range a family.
+    pub cluster_cidrs: Vec<Cidr>,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
     /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
@@ -23,47 +23,69 @@ pub struct NetfilterConfig {
 }
 
 impl NetfilterConfig {
-    /// The settings the rules are rendered with, on this node now.
-    pub fn settings(&self) -> anyhow::Result<Settings> {
+    /// The settings the rules of `family` are rendered with, on this node now.
+    pub fn settings(&self, family: Family) -> anyhow::Result<Settings> {
         Ok(Settings {
-            cluster_cidr: self.cluster_cidr,
+            family,
+            cluster_cidr: self.cluster_cidr(family),
             masquerade_all: self.masquerade_all,
             node_port_addresses: node::node_port_ips(
                 &self.node_port_addresses,
+                family,
                 &self.primary,
                 &node::interface_addresses()?,
             ),
-            node_ips: ipv4(&self.primary),
+            node_ips: family.filter(&self.primary),
         })
+    }
+
+    /// The `--cluster-cidr` range of `family`, if any.
+    pub fn cluster_cidr(&self, family: Family) -> Option<Cidr> {
+        self.cluster_cidrs
+            .iter()
+            .copied()
+            .find(|c| c.family() == family)
     }
 }
 
-/// What the iptables and nftables rules depend on besides the state.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What the iptables and nftables rules of one family depend on besides the state.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
-    /// `--cluster-cidr`: traffic from outside it to a cluster IP is masqueraded, and traffic
+    pub family: Family,
+    /// `--cluster-cidr` (its range of the family): traffic from outside it to a cluster IP is masqueraded, and traffic
     /// from inside it to an externalTrafficPolicy Local frontend short-circuits to any endpoint.
     pub cluster_cidr: Option<Cidr>,
     /// `--masquerade-all`: every connection to a cluster IP is masqueraded.
     pub masquerade_all: bool,
     /// The node addresses NodePorts answer on; None: every local address (`addrtype LOCAL`,
     /// `fib daddr type local`).
-    pub node_port_addresses: Option<Vec<Ipv4Addr>>,
-    /// The node's own (primary) addresses: see [`Settings::admits_load_balancer_ips`].
-    pub node_ips: Vec<Ipv4Addr>,
+    pub node_port_addresses: Option<Vec<IpAddr>>,
+    /// The node's own (primary) addresses of the family: see
+    /// [`Settings::admits_load_balancer_ips`].
+    pub node_ips: Vec<IpAddr>,
 }
 
 impl Settings {
+    /// The settings of `family` with no flag given: no cluster CIDR, NodePorts on every local
+    /// address.
+    pub fn defaults(family: Family) -> Self {
+        Self {
+            family,
+            cluster_cidr: None,
+            masquerade_all: false,
+            node_port_addresses: None,
+            node_ips: Vec::new(),
+        }
+    }
+
     /// Whether a load balancer frontend with these source ranges also admits its own load
     /// balancer addresses as sources (kube-proxy's `allowFromNode`): when the ranges hold a
     /// node address, the node may reach the load balancer, and a node reaching its own VIP
     /// loops back with the VIP as source.
     pub fn admits_load_balancer_ips(&self, ranges: &[Cidr]) -> bool {
-        ranges.iter().any(|range| {
-            self.node_ips
-                .iter()
-                .any(|ip| range.contains(IpAddr::V4(*ip)))
-        })
+        ranges
+            .iter()
+            .any(|range| self.node_ips.iter().any(|ip| range.contains(*ip)))
     }
 }
 

@@ -3,13 +3,13 @@
 //! primary IPv4 address.
 use std::{
     ffi::CStr,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     str::FromStr,
 };
 
 use anyhow::Context;
 
-use crate::model::{Cidr, ipv4};
+use crate::model::{Cidr, Family, ipv4};
 
 /// `--nodeport-addresses`: CIDRs, or `primary` (the default).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -17,8 +17,29 @@ pub enum NodePortAddresses {
     /// The node's primary addresses: the Node object's InternalIP and ExternalIP with the API
     /// source; with the manifest source, those of the interface holding the default route.
     Primary,
-    /// Every address of the node within one of these (IPv4) ranges.
+    /// Every address of the node within one of these ranges (of either family).
     Cidrs(Vec<Cidr>),
+}
+
+impl NodePortAddresses {
+    /// What the flag says for `family`: its CIDRs of that family, or `primary` when none is
+    /// (kube-proxy's `NewNodePortAddresses`).
+    pub fn for_family(&self, family: Family) -> NodePortAddresses {
+        match self {
+            NodePortAddresses::Cidrs(cidrs) => {
+                let cidrs: Vec<Cidr> = cidrs
+                    .iter()
+                    .copied()
+                    .filter(|c| c.family() == family)
+                    .collect();
+                match cidrs.is_empty() {
+                    true => NodePortAddresses::Primary,
+                    false => NodePortAddresses::Cidrs(cidrs),
+                }
+            }
+            NodePortAddresses::Primary => NodePortAddresses::Primary,
+        }
+    }
 }
 
 impl FromStr for NodePortAddresses {
@@ -29,29 +50,36 @@ impl FromStr for NodePortAddresses {
         if s.is_empty() || s == "primary" {
             return Ok(Self::Primary);
         }
-        let mut cidrs = Vec::new();
-        for part in s.split(',').map(str::trim) {
-            let cidr: Cidr = part.parse().map_err(|e| format!("{e}, nor \"primary\""))?;
-            match cidr.addr {
-                IpAddr::V4(_) => cidrs.push(cidr),
-                // kube-proxy takes both families; the datapath serves IPv4 for now.
-                IpAddr::V6(_) => {
-                    tracing::warn!(cidr = part, "IPv6 node port addresses are not served yet")
-                }
-            }
-        }
+        let cidrs = s
+            .split(',')
+            .map(|part| {
+                part.trim()
+                    .parse()
+                    .map_err(|e| format!("{e}, nor \"primary\""))
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Self::Cidrs(cidrs))
     }
 }
 
-/// An IPv4 address of an interface.
+/// An address of an interface.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct InterfaceAddr {
     pub interface: String,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
 }
 
-/// Every IPv4 address of this network namespace, by interface.
+impl InterfaceAddr {
+    /// The address if IPv4.
+    pub fn ipv4(&self) -> Option<Ipv4Addr> {
+        match self.addr {
+            IpAddr::V4(ip) => Some(ip),
+            IpAddr::V6(_) => None,
+        }
+    }
+}
+
+/// Every address of this network namespace (IPv4 and IPv6), by interface.
 pub fn interface_addresses() -> anyhow::Result<Vec<InterfaceAddr>> {
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `list` with a linked list freed below.
@@ -64,14 +92,25 @@ pub fn interface_addresses() -> anyhow::Result<Vec<InterfaceAddr>> {
     unsafe {
         while !p.is_null() {
             let entry = &*p;
-            if !entry.ifa_addr.is_null() && i32::from((*entry.ifa_addr).sa_family) == libc::AF_INET
-            {
-                let sin = &*(entry.ifa_addr as *const libc::sockaddr_in);
+            let addr = match entry.ifa_addr.as_ref().map(|a| i32::from(a.sa_family)) {
+                Some(libc::AF_INET) => {
+                    let sin = &*(entry.ifa_addr as *const libc::sockaddr_in);
+                    Some(IpAddr::from(Ipv4Addr::from(u32::from_be(
+                        sin.sin_addr.s_addr,
+                    ))))
+                }
+                Some(libc::AF_INET6) => {
+                    let sin6 = &*(entry.ifa_addr as *const libc::sockaddr_in6);
+                    Some(IpAddr::from(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
+                }
+                _ => None,
+            };
+            if let Some(addr) = addr {
                 out.push(InterfaceAddr {
                     interface: CStr::from_ptr(entry.ifa_name)
                         .to_string_lossy()
                         .into_owned(),
-                    addr: Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+                    addr,
                 });
             }
             p = entry.ifa_next;
@@ -83,10 +122,12 @@ pub fn interface_addresses() -> anyhow::Result<Vec<InterfaceAddr>> {
     Ok(out)
 }
 
-/// The interface of the IPv4 default route, from `/proc/net/route` (None without one).
+/// The interface of the default route: IPv4's (`/proc/net/route`), else IPv6's
+/// (`/proc/net/ipv6_route`, on IPv6-only nodes); None without one.
 pub fn default_route_interface() -> Option<String> {
-    let table = std::fs::read_to_string("/proc/net/route").ok()?;
-    default_route_in(&table)
+    let v4 = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
+    let v6 = std::fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default();
+    default_route_in(&v4).or_else(|| default_route6_in(&v6))
 }
 
 fn default_route_in(table: &str) -> Option<String> {
@@ -98,11 +139,27 @@ fn default_route_in(table: &str) -> Option<String> {
     })
 }
 
+fn default_route6_in(table: &str) -> Option<String> {
+    const RTF_UP: u32 = 0x1;
+    const RTF_REJECT: u32 = 0x200;
+    table.lines().find_map(|line| {
+        // Destination, its length, source, its length, next hop, metric, refcnt, use, flags,
+        // interface.
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let flags = u32::from_str_radix(fields.get(8)?, 16).ok()?;
+        let default = fields[0].bytes().all(|b| b == b'0') && fields[1] == "00";
+        (default && flags & RTF_UP != 0 && flags & RTF_REJECT == 0 && fields[9] != "lo")
+            .then(|| fields[9].to_string())
+    })
+}
+
 /// The node addresses NodePorts answer on: `spec` applied to the namespace's `addresses`, with
 /// `primary` the Node object's addresses (empty with the manifest source) and `default_route`
-/// the interface of the default route. Loopback addresses are never included: a NodePort on
-/// 127.0.0.1 would let any local process (or, with route_localnet, a neighbour) reach
-/// services it should not (CVE-2020-8558).
+/// the interface of the default route. Per family, as kube-proxy's proxiers: a family no
+/// `--nodeport-addresses` CIDR is of answers on its primary address. Loopback addresses are
+/// never included: a NodePort on 127.0.0.1 would let any local process (or, with
+/// route_localnet, a neighbour) reach services it should not (CVE-2020-8558); nor, for
+/// `primary` without a Node object, IPv6 link-local ones.
 pub fn node_addresses(
     spec: &NodePortAddresses,
     primary: &[IpAddr],
@@ -112,17 +169,20 @@ pub fn node_addresses(
     addresses
         .iter()
         .filter(|a| !a.addr.is_loopback())
-        .filter(|a| match spec {
-            NodePortAddresses::Cidrs(cidrs) => {
-                cidrs.iter().any(|cidr| cidr.contains(a.addr.into()))
+        .filter(|a| match spec.for_family(Family::of(a.addr)) {
+            NodePortAddresses::Cidrs(cidrs) => cidrs.iter().any(|cidr| cidr.contains(a.addr)),
+            NodePortAddresses::Primary if !primary.is_empty() => primary.contains(&a.addr),
+            NodePortAddresses::Primary => {
+                default_route == Some(a.interface.as_str()) && !is_link_local(a.addr)
             }
-            NodePortAddresses::Primary if !primary.is_empty() => {
-                primary.contains(&IpAddr::V4(a.addr))
-            }
-            NodePortAddresses::Primary => default_route == Some(a.interface.as_str()),
         })
         .cloned()
         .collect()
+}
+
+/// Whether `ip` is an IPv6 link-local address (fe80::/10): meaningful on one link only.
+fn is_link_local(ip: IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(ip) if ip.segments()[0] & 0xffc0 == 0xfe80)
 }
 
 /// The addresses among `addresses` (the node's interfaces) that `spec` selects, with
@@ -131,7 +191,7 @@ pub fn selected_node_ips(
     spec: &NodePortAddresses,
     primary: &[IpAddr],
     addresses: &[InterfaceAddr],
-) -> Vec<Ipv4Addr> {
+) -> Vec<IpAddr> {
     let default_route = default_route_interface();
     node_addresses(spec, primary, default_route.as_deref(), addresses)
         .iter()
@@ -139,15 +199,22 @@ pub fn selected_node_ips(
         .collect()
 }
 
-/// The node addresses NodePorts answer on, as the netfilter modes write them; None: every
-/// local address (a `--nodeport-addresses` CIDR matching everything, as kube-proxy does).
+/// The node addresses of `family` NodePorts answer on, as the netfilter modes write them;
+/// None: every local address of the family (a `--nodeport-addresses` CIDR of the family
+/// matching everything, as kube-proxy does).
 pub fn node_port_ips(
     spec: &NodePortAddresses,
+    family: Family,
     primary: &[IpAddr],
     addresses: &[InterfaceAddr],
-) -> Option<Vec<Ipv4Addr>> {
-    let every = matches!(spec, NodePortAddresses::Cidrs(c) if c.iter().any(|cidr| cidr.len == 0));
-    (!every).then(|| selected_node_ips(spec, primary, addresses))
+) -> Option<Vec<IpAddr>> {
+    let spec = spec.for_family(family);
+    let every = matches!(&spec, NodePortAddresses::Cidrs(c) if c.iter().any(|cidr| cidr.len == 0));
+    (!every).then(|| {
+        let mut ips = selected_node_ips(&spec, primary, addresses);
+        ips.retain(|ip| family.has(*ip));
+        ips
+    })
 }
 
 /// The node's primary IPv4 address among `candidates`: the first of the Node object's
@@ -161,7 +228,8 @@ pub fn primary_ipv4(
     default_route: Option<&str>,
     candidates: &[InterfaceAddr],
 ) -> Option<Ipv4Addr> {
-    let held = |ip: &Ipv4Addr| !ip.is_loopback() && candidates.iter().any(|a| a.addr == *ip);
+    let held =
+        |ip: &Ipv4Addr| !ip.is_loopback() && candidates.iter().any(|a| a.addr == IpAddr::V4(*ip));
     let not_lo = |a: &&InterfaceAddr| a.interface != "lo" && !a.addr.is_loopback();
     ipv4(primary)
         .into_iter()
@@ -170,10 +238,15 @@ pub fn primary_ipv4(
             candidates
                 .iter()
                 .filter(not_lo)
-                .find(|a| Some(a.interface.as_str()) == default_route)
-                .map(|a| a.addr)
+                .filter(|a| Some(a.interface.as_str()) == default_route)
+                .find_map(InterfaceAddr::ipv4)
         })
-        .or_else(|| candidates.iter().find(not_lo).map(|a| a.addr))
+        .or_else(|| {
+            candidates
+                .iter()
+                .filter(not_lo)
+                .find_map(InterfaceAddr::ipv4)
+        })
 }
 
 /// Whether the interface's frames carry Ethernet headers (ARPHRD_ETHER, or the loopback
@@ -258,10 +331,11 @@ mod tests {
         assert_eq!("".parse(), Ok(NodePortAddresses::Primary));
         assert_eq!("primary".parse(), Ok(NodePortAddresses::Primary));
         assert_eq!(
-            "192.0.2.0/24, 10.0.0.1/32".parse(),
+            "192.0.2.0/24, 10.0.0.1/32, fd00::/8".parse(),
             Ok(NodePortAddresses::Cidrs(vec![
                 Cidr::v4(Ipv4Addr::new(192, 0, 2, 0), 24),
-                Cidr::v4(Ipv4Addr::new(10, 0, 0, 1), 32)
+                Cidr::v4(Ipv4Addr::new(10, 0, 0, 1), 32),
+                "fd00::/8".parse().unwrap(),
             ]))
         );
         for bad in ["192.0.2.0", "192.0.2.0/33", "x/24", "192.0.2.0/x"] {
@@ -299,6 +373,56 @@ mod tests {
         assert_eq!(
             pick("0.0.0.0/0", &[], None),
             ["192.0.2.11", "198.51.100.7", "10.244.1.1"]
+        );
+    }
+
+    /// Each family on its own, as kube-proxy's proxiers: CIDRs of one family leave the other
+    /// on its primary address; `primary` without a Node object never takes a link-local one.
+    #[test]
+    fn selects_node_addresses_per_family() {
+        let all = [
+            a("eth0", "192.0.2.11"),
+            a("eth0", "2001:db8:192:2::11"),
+            a("eth0", "fe80::1"),
+            a("eth1", "2001:db8:51::7"),
+            a("lo", "::1"),
+        ];
+        let pick = |spec: &str, primary: &[&str]| {
+            let primary: Vec<IpAddr> = primary.iter().map(|p| p.parse().unwrap()).collect();
+            node_addresses(&spec.parse().unwrap(), &primary, Some("eth0"), &all)
+                .into_iter()
+                .map(|a| a.addr.to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(pick("primary", &[]), ["192.0.2.11", "2001:db8:192:2::11"]);
+        assert_eq!(
+            pick("primary", &["192.0.2.11", "2001:db8:51::7"]),
+            ["192.0.2.11", "2001:db8:51::7"]
+        );
+        assert_eq!(
+            pick("2001:db8::/32", &[]),
+            ["192.0.2.11", "2001:db8:192:2::11", "2001:db8:51::7"]
+        );
+        assert_eq!(
+            pick("::/0", &[]),
+            [
+                "192.0.2.11",
+                "2001:db8:192:2::11",
+                "fe80::1",
+                "2001:db8:51::7"
+            ]
+        );
+        assert_eq!(pick("10.0.0.0/8", &[]), ["2001:db8:192:2::11"]);
+        let every = "0.0.0.0/0".parse().unwrap();
+        assert_eq!(node_port_ips(&every, Family::V4, &[], &all), None);
+        assert_eq!(
+            node_port_ips(
+                &every,
+                Family::V6,
+                &["2001:db8:51::7".parse().unwrap()],
+                &all
+            ),
+            Some(vec!["2001:db8:51::7".parse().unwrap()])
         );
     }
 
@@ -344,5 +468,17 @@ mod tests {
                      eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n";
         assert_eq!(default_route_in(table).as_deref(), Some("eth0"));
         assert_eq!(default_route_in("Iface\tDestination\n"), None);
+        let table6 = "fd00000000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001 eth1\n\
+                      00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200 lo\n\
+                      00000000000000000000000000000000 00 00000000000000000000000000000000 00 20010db8000000000000000000000001 00000400 00000001 00000000 00000003 eth0\n";
+        assert_eq!(default_route6_in(table6).as_deref(), Some("eth0"));
+        assert_eq!(
+            default_route6_in(
+                &table6[..table6
+                    .rfind("0000000000000000000000000000000 00 0")
+                    .unwrap()]
+            ),
+            None
+        );
     }
 }

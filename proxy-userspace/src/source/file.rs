@@ -149,7 +149,7 @@ enum Entry {
     Slice(Result<ReducedSlice, InvalidObject>),
     /// A Node: its name, zone label and addresses.
     Node(NamespacedName, NodeInfo),
-    /// A ServiceCIDR: its name and IPv4 ranges.
+    /// A ServiceCIDR: its name and ranges.
     ServiceCidr(NamespacedName, Vec<Cidr>),
 }
 

@@ -392,7 +392,9 @@ impl Attacher {
             return Ok(());
         };
         let default_route = node::default_route_interface();
-        let addresses = node::interface_addresses()?;
+        // The programs serve IPv4 for now.
+        let mut addresses = node::interface_addresses()?;
+        addresses.retain(|a| a.addr.is_ipv4());
         let selected = node::node_addresses(
             &config.addresses,
             &config.primary,
@@ -507,7 +509,7 @@ impl Attacher {
             }
             let candidates = if node_ports { &node_port_addrs } else { &own };
             let Some(snat_addr) = node::primary_ipv4(node_ips, default_route, candidates)
-                .or(candidates.first().map(|a| a.addr))
+                .or(candidates.iter().find_map(InterfaceAddr::ipv4))
             else {
                 continue;
             };
@@ -544,9 +546,9 @@ impl Attacher {
                 wanted.push((raw(u.snat_addr), flags));
             }
         }
-        for a in selected {
-            if !wanted.iter().any(|(k, _)| *k == raw(a.addr)) {
-                wanted.push((raw(a.addr), 0));
+        for a in selected.iter().filter_map(InterfaceAddr::ipv4) {
+            if !wanted.iter().any(|(k, _)| *k == raw(a)) {
+                wanted.push((raw(a), 0));
             }
         }
         // Stale ones out first, to make room.
@@ -581,7 +583,7 @@ impl Attacher {
             .as_ref()
             .map_or(&[][..], |e| e.primary.as_slice());
         let primary = node::primary_ipv4(node_ips, default_route, selected)
-            .or(selected.first().map(|a| a.addr))
+            .or(selected.iter().find_map(InterfaceAddr::ipv4))
             .map_or(0, raw);
         let mut config: Array<_, u32> =
             aya::maps::Map::Array(MapData::from_pin(self.pin_dir.join(MAP_CONFIG))?).try_into()?;

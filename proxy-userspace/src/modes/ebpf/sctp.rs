@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use crate::{
     dataplane::Scope,
     events::{self, Regarding},
-    model::{DesiredState, Protocol, ServicePortName},
+    model::{DesiredState, Family, Protocol, ServicePortName},
     modes::nftables::{
         self,
         rules::{Programmed, Table},
@@ -25,6 +25,7 @@ use crate::{
 };
 
 pub const TABLE: Table = Table {
+    family: Family::V4,
     name: "ip kube-proxy-ebpf-sctp",
     comment: "SCTP Service ports (kube-proxy-ebpf, ebpf mode: netfilter translates SCTP)",
     // The programs serve the other protocols' ports of these cluster IPs.
@@ -84,7 +85,7 @@ impl SctpPorts {
             self.report(state, &why);
             return Ok(());
         }
-        let settings = self.config.settings()?;
+        let settings = self.config.settings(Family::V4)?;
         let programmed = self.programmed.take();
         let rendered = nftables::rules::render(state, &settings, TABLE, programmed, scope);
         if !rendered.text.is_empty()
@@ -200,7 +201,7 @@ endpoints: [{addresses: [10.244.1.11], nodeName: node1}]
         }
         let listed = in_new_netns(|| {
             let mut ports = SctpPorts::new(NetfilterConfig {
-                cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
+                cluster_cidrs: vec![Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)],
                 masquerade_all: false,
                 node_port_addresses: NodePortAddresses::Cidrs(vec![Cidr::v4(
                     Ipv4Addr::UNSPECIFIED,

@@ -15,7 +15,7 @@ use anyhow::Context;
 
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::DesiredState,
+    model::{DesiredState, Family},
     netfilter::{
         iptables::{self, Backend, Jump},
         rules::NetfilterConfig,
@@ -110,7 +110,7 @@ impl IptablesDataplane {
 
 impl Dataplane for IptablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
-        let settings = self.config.netfilter.settings()?;
+        let settings = self.config.netfilter.settings(Family::V4)?;
         let changed = match scope {
             // Until a sync succeeded, what the chains hold is not known.
             Scope::Changed(changed) if self.jumps_checked => Some(changed),

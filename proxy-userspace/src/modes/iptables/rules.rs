@@ -566,7 +566,7 @@ fn endpoint_jumps(
 pub(crate) mod tests {
     use super::*;
     use crate::{
-        model::Cidr,
+        model::{Cidr, Family},
         testing::{fixture, golden},
     };
 
@@ -617,7 +617,7 @@ pub(crate) mod tests {
     #[test]
     fn without_a_cluster_cidr_or_with_masquerade_all() {
         let state = fixture(FIXTURE);
-        let every_address = Settings::default();
+        let every_address = Settings::defaults(Family::V4);
         let text = render(&state, &every_address, &BTreeSet::new(), None).text;
         // Every local address but the loopback range (issue 24, item 8).
         assert!(text.contains("-m addrtype --dst-type LOCAL ! -d 127.0.0.0/8 -j KUBE-NODEPORTS"));
@@ -628,7 +628,7 @@ pub(crate) mod tests {
         assert!(!text.contains("pod traffic for"));
         let all = Settings {
             masquerade_all: true,
-            ..Settings::default()
+            ..Settings::defaults(Family::V4)
         };
         let text = render(&state, &all, &BTreeSet::new(), None).text;
         assert!(text.contains(
@@ -655,11 +655,11 @@ pub(crate) mod tests {
         for settings in [
             Settings {
                 cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
-                ..Settings::default()
+                ..Settings::defaults(Family::V4)
             },
             Settings {
                 masquerade_all: true,
-                ..Settings::default()
+                ..Settings::defaults(Family::V4)
             },
         ] {
             let text = render(&state, &settings, &BTreeSet::new(), None).text;

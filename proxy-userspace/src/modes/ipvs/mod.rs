@@ -38,7 +38,7 @@ use netlink::{Dest, Ipvs, OpenError, Service, ServiceKey};
 
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::{Cidr, DesiredState, ipv4},
+    model::{Cidr, DesiredState, Family, ipv4},
     netfilter::{
         iptables::{self, Backend, Jump},
         rules::NetfilterConfig,
@@ -265,18 +265,18 @@ impl IpvsDataplane {
             .filter(|a| a.interface != DUMMY)
             .collect();
         let netfilter = &self.config.netfilter;
-        let node_port_ips = node::selected_node_ips(
+        let node_port_ips = ipv4(&node::selected_node_ips(
             &netfilter.node_port_addresses,
             &netfilter.primary,
             &addresses,
-        );
+        ));
         let mut node_ips = ipv4(&netfilter.primary);
         if node_ips.is_empty() {
             node_ips.clone_from(&node_port_ips);
         }
         Ok(rules::Settings {
             scheduler: self.config.scheduler.clone(),
-            cluster_cidr: netfilter.cluster_cidr,
+            cluster_cidr: netfilter.cluster_cidr(Family::V4),
             masquerade_all: netfilter.masquerade_all,
             node_port_ips,
             node_ips,

@@ -90,7 +90,7 @@ fn config() -> IpvsConfig {
         // Nothing installed in the test's namespace: the node's iptables.
         backend: Backend::detect(|_| 0).unwrap(),
         netfilter: NetfilterConfig {
-            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidrs: vec![Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)],
             masquerade_all: false,
             node_port_addresses: NodePortAddresses::Cidrs(vec![Cidr::v4(
                 Ipv4Addr::new(192, 0, 2, 0),

@@ -1,6 +1,6 @@
 //! kube-proxy's nftables mode, for nodes where the eBPF datapath cannot run: the ruleset of
-//! [`rules`] in `table ip kube-proxy`, written with one `nft -f` transaction per sync, and
-//! stale UDP conntrack entries deleted when endpoints go.
+//! [`rules`] in `table ip kube-proxy` and `table ip6 kube-proxy`, both written with one
+//! `nft -f` transaction per sync, and stale UDP conntrack entries deleted when endpoints go.
 //!
 //! As kube-proxy's, syncs are incremental: between full syncs only the changed Service ports'
 //! chains and map elements are written. The dataplane keeps what the table holds
@@ -21,8 +21,9 @@ use crate::{
 
 pub struct NftablesDataplane {
     config: NetfilterConfig,
-    /// What the table holds; None until the first sync and after a failed one.
-    programmed: Option<rules::Programmed>,
+    /// What each table holds ([`rules::TABLES`]' order); None until the first sync and after
+    /// a failed one.
+    programmed: [Option<rules::Programmed>; 2],
     udp: StaleUdp,
 }
 
@@ -33,7 +34,7 @@ impl NftablesDataplane {
         available()?;
         Ok(Self {
             config,
-            programmed: None,
+            programmed: [None, None],
             udp: StaleUdp::default(),
         })
     }
@@ -41,22 +42,25 @@ impl NftablesDataplane {
 
 impl Dataplane for NftablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
-        let settings = self.config.settings()?;
-        // Taken: if the transaction fails, the next sync starts from an unknown table.
-        let rendered = rules::render(
-            state,
-            &settings,
-            rules::TABLE,
-            self.programmed.take(),
-            scope,
-        );
-        if !rendered.text.is_empty()
-            && let Err(e) = nft(&rendered.text)
+        let mut text = String::new();
+        let mut programmed = Vec::with_capacity(rules::TABLES.len());
+        for (table, was) in rules::TABLES.iter().zip(&mut self.programmed) {
+            let settings = self.config.settings(table.family)?;
+            // Taken: if the transaction fails, the next sync starts from unknown tables.
+            let rendered = rules::render(state, &settings, *table, was.take(), scope);
+            text.push_str(&rendered.text);
+            programmed.push(rendered.programmed);
+        }
+        // One transaction for both families: they change together or not at all.
+        if !text.is_empty()
+            && let Err(e) = nft(&text)
         {
             crate::serve::metrics::METRICS.nftables_sync_failed();
             return Err(e);
         }
-        self.programmed = Some(rendered.programmed);
+        for (slot, p) in self.programmed.iter_mut().zip(programmed) {
+            *slot = Some(p);
+        }
         self.udp.clear(state);
         Ok(())
     }
@@ -85,9 +89,8 @@ pub(crate) fn nft(input: &str) -> anyhow::Result<()> {
     crate::command::pipe("nft", &["-f", "-"], input)
 }
 
-/// The tables kube-proxy's nftables mode writes: ours, and in dual-stack clusters kube-proxy's
-/// IPv6 one.
-const TABLES: &[&str] = &["ip kube-proxy", "ip6 kube-proxy"];
+/// The tables kube-proxy's nftables mode writes, and so does this one.
+const TABLES: &[&str] = &[rules::TABLE.name, rules::TABLE6.name];
 
 /// Whether `table` exists here (false also when nft cannot be run).
 pub(crate) fn exists(table: &str) -> bool {
@@ -169,7 +172,7 @@ mod tests {
             assert!(!installed());
             cleanup().unwrap();
             let mut dp = NftablesDataplane::new(NetfilterConfig {
-                cluster_cidr: Some(Cidr::v4(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)),
+                cluster_cidrs: vec![Cidr::v4(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)],
                 masquerade_all: false,
                 node_port_addresses: NodePortAddresses::Cidrs(vec![Cidr::v4(
                     Ipv4Addr::UNSPECIFIED,

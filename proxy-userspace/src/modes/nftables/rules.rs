@@ -2,7 +2,9 @@
 //! and later), as one `nft -f` transaction. A pure function of the state, the settings and what
 //! the table holds now, so that the golden tests show every rule change in review.
 //!
-//! Everything lives in `table ip kube-proxy`. Its base chains hook into netfilter: the
+//! Everything lives in `table ip kube-proxy`, and the same for IPv6 in `table ip6 kube-proxy`
+//! (kube-proxy's two proxiers: each table serves the Service ports with a cluster IP of its
+//! family, with their addresses, source ranges and endpoints of that family). Its base chains hook into netfilter: the
 //! `filter-*` ones before DNAT (they see the frontend a packet was sent to), `nat-*` for the
 //! translation. New connections are looked up by (address, protocol, port) in verdict maps:
 //! `service-ips` (cluster, external and load balancer IPs) and `service-nodeports` (the
@@ -36,26 +38,38 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    net::Ipv4Addr,
+    net::{IpAddr, SocketAddr},
 };
 
 use crate::{
     dataplane::Scope,
-    model::{Cidr, ipv4},
-    model::{DesiredState, Endpoint, ServicePort, ServicePortName},
+    model::{Cidr, DesiredState, Endpoint, Family, ServicePort, ServicePortName},
     netfilter::rules::{MASQ_MARK, Settings, hash16},
 };
 
-/// The table, as nft commands name it.
+/// The IPv4 table, as nft commands name it.
 pub const TABLE: Table = Table {
+    family: Family::V4,
     name: "ip kube-proxy",
     comment: "kube-proxy's Services (kube-proxy-ebpf, nftables mode)",
     checks_cluster_ips: true,
 };
 
+/// The IPv6 one.
+pub const TABLE6: Table = Table {
+    family: Family::V6,
+    name: "ip6 kube-proxy",
+    ..TABLE
+};
+
+/// The nftables mode's tables, one a family.
+pub const TABLES: [Table; 2] = [TABLE, TABLE6];
+
 /// An nftables table the rules are written to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Table {
+    /// The family of the addresses it serves (its nftables family: `ip` or `ip6`).
+    pub family: Family,
     /// Family and name, as nft commands take them.
     pub name: &'static str,
     pub comment: &'static str,
@@ -119,13 +133,15 @@ const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 const FIREWALL_IPS: &str = "firewall-ips";
 
-const IP_PORT_VERDICT: &str = "ipv4_addr . inet_proto . inet_service : verdict";
+/// An address (its type: `ipv4_addr` or `ipv6_addr`, by the table's family).
+const ADDR: &str = "ADDR";
+const IP_PORT_VERDICT: &str = "ADDR . inet_proto . inet_service : verdict";
 const PORT_VERDICT: &str = "inet_proto . inet_service : verdict";
 
 /// The sets and maps filled per Service port: kind, name, type, comment.
 #[rustfmt::skip]
 const CONTAINERS: &[(&str, &str, &str, &str)] = &[
-    ("set", CLUSTER_IPS, "ipv4_addr", "cluster IPs of the Services"),
+    ("set", CLUSTER_IPS, ADDR, "cluster IPs of the Services"),
     ("map", SERVICE_IPS, IP_PORT_VERDICT, "cluster, external and load balancer IPs"),
     ("map", SERVICE_NODEPORTS, PORT_VERDICT, "NodePorts"),
     ("map", NO_ENDPOINT_SERVICES, IP_PORT_VERDICT, "frontends without endpoints: reject or drop"),
@@ -137,7 +153,7 @@ const CONTAINERS: &[(&str, &str, &str, &str)] = &[
 type ElementKey = (&'static str, String);
 
 /// What the table holds for the Service ports, as the last successful sync left it.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Programmed {
     settings: Settings,
     /// The Service CIDRs the fixed rules drop unallocated cluster IPs of.
@@ -203,10 +219,12 @@ pub fn render(
     programmed: Option<Programmed>,
     scope: Scope<'_>,
 ) -> Rendered {
+    debug_assert_eq!(settings.family, table.family);
     let t = table.name;
+    let family = Nft::of(table.family);
     let cidrs: Vec<String> = match table.checks_cluster_ips {
         true => (state.service_cidrs().iter())
-            .filter(|c| c.as_v4().is_some())
+            .filter(|c| c.family() == table.family)
             .map(ToString::to_string)
             .collect(),
         false => Vec::new(),
@@ -237,7 +255,8 @@ pub fn render(
             let fresh = Programmed {
                 settings: settings.clone(),
                 service_cidrs: cidrs.clone(),
-                ..Programmed::default()
+                ports: BTreeMap::new(),
+                elements: BTreeMap::new(),
             };
             (fresh, state.port_names().cloned().collect())
         }
@@ -249,7 +268,7 @@ pub fn render(
         let old = programmed.ports.remove(spn).unwrap_or_default();
         let new = state
             .port(spn)
-            .map(|port| service_port(state, settings, spn, port))
+            .map(|port| service_port(state, settings, family, spn, port))
             .unwrap_or_default();
         let out = &mut tx.ports;
         // First, so that nothing refers to the sets and chains replaced below.
@@ -268,8 +287,8 @@ pub fn render(
         for set in new.affinity.iter().filter(|s| !kept.contains(s)) {
             let _ = writeln!(
                 out,
-                "add set {t} {set} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {}s ; }}",
-                new.affinity_timeout
+                "add set {t} {set} {{ type {} ; flags dynamic,timeout ; timeout {}s ; }}",
+                family.addr_type, new.affinity_timeout
             );
         }
         for (chain, _) in &new.chains {
@@ -360,9 +379,40 @@ fn winner(
     elements.get(key)?.first().map(|(_, rest)| rest.clone())
 }
 
+/// How the rules of a family say things.
+#[derive(Clone, Copy)]
+struct Nft {
+    /// The address match's protocol: `ip` or `ip6` (`ip6 saddr`).
+    ip: &'static str,
+    addr_type: &'static str,
+    loopback: &'static str,
+}
+
+impl Nft {
+    fn of(family: Family) -> Self {
+        match family {
+            Family::V4 => Nft {
+                ip: "ip",
+                addr_type: "ipv4_addr",
+                loopback: "127.0.0.0/8",
+            },
+            Family::V6 => Nft {
+                ip: "ip6",
+                addr_type: "ipv6_addr",
+                loopback: "::1",
+            },
+        }
+    }
+}
+
 /// The table and its fixed objects; `in_place`: they may exist already, and are emptied.
 fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], in_place: bool) {
     let t = table.name;
+    let Nft {
+        ip,
+        addr_type,
+        loopback,
+    } = Nft::of(table.family);
     let _ = writeln!(out, "add table {t} {{ comment \"{}\" ; }}", table.comment);
     for (name, kind, hook, priority) in BASE_CHAINS {
         let _ = writeln!(
@@ -374,6 +424,7 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], 
         let _ = writeln!(out, "add chain {t} {name}");
     }
     for (kind, name, what, comment) in CONTAINERS {
+        let what = what.replace(ADDR, addr_type);
         let _ = writeln!(
             out,
             "add {kind} {t} {name} {{ type {what} ; comment \"{comment}\" ; }}"
@@ -382,7 +433,7 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], 
     if settings.node_port_addresses.is_some() {
         let _ = writeln!(
             out,
-            "add set {t} {NODEPORT_IPS} {{ type ipv4_addr ; comment \"node addresses that NodePorts answer on\" ; }}"
+            "add set {t} {NODEPORT_IPS} {{ type {addr_type} ; comment \"node addresses that NodePorts answer on\" ; }}"
         );
     }
     if in_place {
@@ -421,7 +472,7 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], 
     if table.checks_cluster_ips {
         rule(
             "cluster-ips-check",
-            &format!("ip daddr @{CLUSTER_IPS} reject comment \"undefined port of a cluster IP\""),
+            &format!("{ip} daddr @{CLUSTER_IPS} reject comment \"undefined port of a cluster IP\""),
         );
     }
     // Then, past every allocated one, a cluster IP no Service has (kube-proxy's rule, from the
@@ -430,12 +481,12 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], 
         rule(
             "cluster-ips-check",
             &format!(
-                "ip daddr {{ {} }} drop comment \"drop traffic to unallocated cluster IPs\"",
+                "{ip} daddr {{ {} }} drop comment \"drop traffic to unallocated cluster IPs\"",
                 cidrs.join(", ")
             ),
         );
     }
-    let by_frontend = "ip daddr . meta l4proto . th dport vmap";
+    let by_frontend = &format!("{ip} daddr . meta l4proto . th dport vmap");
     rule("services", &format!("{by_frontend} @{SERVICE_IPS}"));
     rule(
         "service-endpoints-check",
@@ -447,25 +498,25 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], 
         // Never on loopback (CVE-2020-8558). nodeport-endpoints-check runs on the input hook
         // only: the address is local there.
         None => {
-            let local = "fib daddr type local ip daddr != 127.0.0.0/8";
+            let local = format!("fib daddr type local {ip} daddr != {loopback}");
             rule(
                 "services",
                 &format!("{local} {by_port} @{SERVICE_NODEPORTS}"),
             );
             rule(
                 "nodeport-endpoints-check",
-                &format!("ip daddr != 127.0.0.0/8 {by_port} @{NO_ENDPOINT_NODEPORTS}"),
+                &format!("{ip} daddr != {loopback} {by_port} @{NO_ENDPOINT_NODEPORTS}"),
             );
         }
         Some(addrs) => {
-            let on = format!("ip daddr @{NODEPORT_IPS}");
+            let on = format!("{ip} daddr @{NODEPORT_IPS}");
             rule("services", &format!("{on} {by_port} @{SERVICE_NODEPORTS}"));
             rule(
                 "nodeport-endpoints-check",
                 &format!("{on} {by_port} @{NO_ENDPOINT_NODEPORTS}"),
             );
             if !addrs.is_empty() {
-                let addrs: Vec<String> = addrs.iter().map(Ipv4Addr::to_string).collect();
+                let addrs: Vec<String> = addrs.iter().map(IpAddr::to_string).collect();
                 let _ = writeln!(
                     out,
                     "add element {t} {NODEPORT_IPS} {{ {} }}",
@@ -478,7 +529,7 @@ fn fixed(out: &mut String, settings: &Settings, table: Table, cidrs: &[String], 
 
 /// kube-proxy's name of a Service port's object: `prefix`, the first 8 characters of the
 /// base32 of the SHA-256 of `name`, `-`, `name`. (kube-proxy truncates names longer than 240
-/// characters; with IPv4 endpoints and the API's name lengths none is longer than 190.)
+/// characters; with the API's name lengths none is longer than 204.)
 fn named(prefix: &str, name: &str) -> String {
     format!("{prefix}{}-{name}", &hash16(name)[..8])
 }
@@ -509,38 +560,47 @@ impl PortRules {
     }
 }
 
-/// An IPv4 endpoint a policy chain jumps to, its chain and its affinity set.
+/// An endpoint a policy chain jumps to, its chain and its affinity set.
 struct Target {
-    ip: Ipv4Addr,
+    ip: IpAddr,
     port: u16,
     chain: String,
     affinity: String,
 }
 
-/// The IPv4 ones of `endpoints` of the Service port whose name base is `base`.
-fn targets(base: &str, endpoints: &[&Endpoint]) -> Vec<Target> {
+/// The ones of `endpoints` in `family` of the Service port whose name base is `base`.
+fn targets(base: &str, family: Family, endpoints: &[&Endpoint]) -> Vec<Target> {
     endpoints
         .iter()
-        .filter_map(|ep| {
-            let ip = ep.ipv4()?;
+        .filter(|ep| family.has(ep.ip))
+        .map(|ep| {
+            // An nftables name has no colons: kube-proxy's `__fd00..1/80` for [fd00::1]:80.
+            let ip = ep.ip.to_string().replace(':', ".");
             let name = format!("{base}__{ip}/{}", ep.port);
-            Some(Target {
-                ip,
+            Target {
+                ip: ep.ip,
                 port: ep.port,
                 chain: named("endpoint-", &name),
                 affinity: named("affinity-", &name),
-            })
+            }
         })
         .collect()
 }
 
-/// The objects of one Service port (kube-proxy's per-port part of `syncProxyRules`, IPv4).
+/// The objects of one Service port in the table of `settings.family` (kube-proxy's per-port
+/// part of `syncProxyRules`): none where the port has no cluster IP of the family.
 fn service_port(
     state: &DesiredState,
     settings: &Settings,
+    nft: Nft,
     spn: &ServicePortName,
     port: &ServicePort,
 ) -> PortRules {
+    let family = settings.family;
+    if !port.in_family(family) {
+        return PortRules::default();
+    }
+    let ip = nft.ip;
     let name = spn.to_string();
     let proto = port.protocol.keyword();
     let base = port_base(spn);
@@ -548,24 +608,24 @@ fn service_port(
     let local_chain = named("local-", &base);
     let external_chain = named("external-", &base);
     let firewall_chain = named("firewall-", &base);
-    let cluster_ips = ipv4(&port.cluster_ips);
-    let external_ips = ipv4(&port.external_ips);
-    let lb_ips = ipv4(&port.load_balancer_ips);
+    let cluster_ips = family.filter(&port.cluster_ips);
+    let external_ips = family.filter(&port.external_ips);
+    let lb_ips = family.filter(&port.load_balancer_ips);
     // The load balancer's own addresses too where the ranges admit the node (kube-proxy's
     // allowFromNode).
     let own_ips = settings
         .admits_load_balancer_ips(&port.source_ranges)
         .then_some(&lb_ips);
     let ranges: Vec<String> = (port.source_ranges.iter())
-        .filter(|range| range.addr.is_ipv4())
+        .filter(|range| range.family() == family)
         .map(Cidr::to_string)
         .chain(own_ips.into_iter().flatten().map(ToString::to_string))
         .collect();
     let has_external = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
     let (itl, etl) = (port.internal_traffic_local, port.external_traffic_local);
 
-    let cluster = targets(&base, &state.usable_endpoints(spn, false));
-    let local = targets(&base, &state.usable_endpoints(spn, true));
+    let cluster = targets(&base, family, &state.usable_endpoints(spn, false));
+    let local = targets(&base, family, &state.usable_endpoints(spn, true));
     let has_endpoints = !cluster.is_empty();
     let has_internal = has_endpoints && !(itl && local.is_empty());
     let has_external_endpoints = has_endpoints && !(etl && local.is_empty());
@@ -593,7 +653,7 @@ fn service_port(
         affinity_timeout: port.session_affinity_timeout.unwrap_or(0),
         ..PortRules::default()
     };
-    let frontend = |ip: &Ipv4Addr| format!("{ip} . {proto} . {}", port.port);
+    let frontend = |ip: &IpAddr| format!("{ip} . {proto} . {}", port.port);
     for ip in &cluster_ips {
         p.element(CLUSTER_IPS, ip.to_string(), String::new());
         if has_internal {
@@ -637,10 +697,10 @@ fn service_port(
                 String::new()
             } else {
                 let cluster_cidr = settings.cluster_cidr?;
-                format!(" ip saddr != {cluster_cidr}")
+                format!(" {ip} saddr != {cluster_cidr}")
             };
             Some(format!(
-                "ip daddr {vip} {proto} dport {}{from} jump mark-for-masquerade",
+                "{ip} daddr {vip} {proto} dport {}{from} jump mark-for-masquerade",
                 port.port
             ))
         })
@@ -648,12 +708,12 @@ fn service_port(
     let affinity = port.session_affinity_timeout.is_some();
     if uses_cluster {
         let mut rules = if itl { Vec::new() } else { masquerade.clone() };
-        rules.extend(endpoint_jumps(&cluster, affinity));
+        rules.extend(endpoint_jumps(ip, &cluster, affinity));
         p.chains.push((cluster_chain.clone(), rules));
     }
     if uses_local {
         let mut rules = if itl { masquerade } else { Vec::new() };
-        rules.extend(endpoint_jumps(&local, affinity));
+        rules.extend(endpoint_jumps(ip, &local, affinity));
         p.chains.push((local_chain.clone(), rules));
     }
     if uses_external {
@@ -666,7 +726,7 @@ fn service_port(
             // is the frontend's own address.
             if let Some(cluster_cidr) = settings.cluster_cidr {
                 rules.push(format!(
-                    "ip saddr {cluster_cidr} goto {cluster_chain} comment \"pods: any endpoint\""
+                    "{ip} saddr {cluster_cidr} goto {cluster_chain} comment \"pods: any endpoint\""
                 ));
             }
             rules.push(
@@ -683,7 +743,7 @@ fn service_port(
         p.chains.push((external_chain, rules));
     }
     if firewall {
-        let rule = format!("ip saddr != {{ {} }} drop", ranges.join(", "));
+        let rule = format!("{ip} saddr != {{ {} }} drop", ranges.join(", "));
         p.chains.push((firewall_chain, vec![rule]));
     }
     // Endpoints in both lists have one chain.
@@ -694,14 +754,14 @@ fn service_port(
         if !seen.insert(&target.chain) {
             continue;
         }
-        let mut rules = vec![format!("ip saddr {} jump mark-for-masquerade", target.ip)];
+        let mut rules = vec![format!("{ip} saddr {} jump mark-for-masquerade", target.ip)];
         if affinity {
             p.affinity.insert(target.affinity.clone());
-            rules.push(format!("update @{} {{ ip saddr }}", target.affinity));
+            rules.push(format!("update @{} {{ {ip} saddr }}", target.affinity));
         }
         rules.push(format!(
-            "meta l4proto {proto} dnat to {}:{}",
-            target.ip, target.port
+            "meta l4proto {proto} dnat to {}",
+            SocketAddr::new(target.ip, target.port)
         ));
         p.chains.push((target.chain.clone(), rules));
     }
@@ -710,11 +770,11 @@ fn service_port(
 
 /// A policy chain's jumps to its endpoints: to the one a client used last while its affinity
 /// set remembers it, else one at random.
-fn endpoint_jumps(targets: &[Target], affinity: bool) -> Vec<String> {
+fn endpoint_jumps(ip: &str, targets: &[Target], affinity: bool) -> Vec<String> {
     let mut rules = Vec::new();
     if affinity {
         for t in targets {
-            rules.push(format!("ip saddr @{} goto {}", t.affinity, t.chain));
+            rules.push(format!("{ip} saddr @{} goto {}", t.affinity, t.chain));
         }
     }
     // One rule an endpoint, as the iptables mode's statistic rules: of the n left, the first
@@ -734,7 +794,7 @@ fn endpoint_jumps(targets: &[Target], affinity: bool) -> Vec<String> {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use std::{io::Write as _, net::IpAddr, process::Command};
+    use std::{io::Write as _, net::Ipv4Addr, process::Command};
 
     use super::*;
     use crate::{
@@ -776,6 +836,39 @@ pub(super) mod tests {
     fn ruleset_matches_the_golden_file() {
         let rendered = render(&fixture(FIXTURE), &settings(), TABLE, None, Scope::All);
         golden("modes/nftables", "ruleset.golden", &rendered.text);
+    }
+
+    /// Both families' tables, as the dataplane writes them in one transaction: the IPv4 one
+    /// has the dual-stack Service's IPv4 half, the IPv6 one its IPv6 half and the IPv6-only
+    /// Services, nothing of the IPv4-only one.
+    #[test]
+    fn dual_stack_rulesets_match_the_golden_file() {
+        let text = dual_stack();
+        golden("modes/nftables", "dual_stack.golden", &text);
+        let (v4, v6) = text.split_at(text.find("add table ip6 kube-proxy").unwrap());
+        assert!(
+            v4.contains("10.96.0.20 . tcp . 80") && !v4.contains("fd00:"),
+            "{v4}"
+        );
+        assert!(!v6.contains("shop/web") && !v6.contains(" 10.244."), "{v6}");
+        assert!(
+            v6.contains("dnat to [fd00:10:244:1::12]:8080")
+                && v6.contains("ip6 saddr != { 2001:db8:192:2::/64, 2001:db8:203:113::10 } drop")
+                && v6.contains("ip6 daddr { fd00:10:96::/112 } drop"),
+            "{v6}"
+        );
+    }
+
+    /// The two tables of the dual-stack fixture, IPv4's first.
+    fn dual_stack() -> String {
+        let state = fixture(crate::testing::DUAL_STACK);
+        TABLES
+            .iter()
+            .map(|table| {
+                let settings = crate::testing::netfilter_settings_of(table.family);
+                render(&state, &settings, *table, None, Scope::All).text
+            })
+            .collect()
     }
 
     #[test]
@@ -840,7 +933,7 @@ pub(super) mod tests {
         );
         assert_eq!(again.programmed, full.programmed);
         // Other settings: written anew.
-        let other = Settings::default();
+        let other = Settings::defaults(Family::V4);
         let anew = render(
             &state,
             &other,
@@ -882,6 +975,7 @@ pub(super) mod tests {
         assert!(reject < drop, "{text}");
         // The SCTP table of the ebpf mode checks no cluster IP.
         let sctp = Table {
+            family: Family::V4,
             name: "ip other",
             comment: "",
             checks_cluster_ips: false,
@@ -896,7 +990,14 @@ pub(super) mod tests {
     #[test]
     fn without_a_cluster_cidr_or_with_masquerade_all() {
         let state = fixture(FIXTURE);
-        let text = render(&state, &Settings::default(), TABLE, None, Scope::All).text;
+        let text = render(
+            &state,
+            &Settings::defaults(Family::V4),
+            TABLE,
+            None,
+            Scope::All,
+        )
+        .text;
         assert!(text.contains(
             "add rule ip kube-proxy services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports\n"
         ));
@@ -910,7 +1011,7 @@ pub(super) mod tests {
         assert!(!text.contains("pods: any endpoint"));
         let all = Settings {
             masquerade_all: true,
-            ..Settings::default()
+            ..Settings::defaults(Family::V4)
         };
         let text = render(&state, &all, TABLE, None, Scope::All).text;
         assert!(
@@ -937,7 +1038,7 @@ pub(super) mod tests {
             hints: None,
         };
         assert_eq!(
-            targets(&svc1, &[&ep])[0].chain,
+            targets(&svc1, Family::V4, &[&ep])[0].chain,
             "endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
         );
         let svc2 = port_base(&spn("ns2", "svc2", "p80", Protocol::Tcp));
@@ -955,7 +1056,7 @@ pub(super) mod tests {
             ..ep
         };
         assert_eq!(
-            targets(&svc5, &[&ep])[0].affinity,
+            targets(&svc5, Family::V4, &[&ep])[0].affinity,
             "affinity-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80"
         );
     }
@@ -1040,9 +1141,30 @@ pub(super) mod tests {
         sync(&state, &settings(), Scope::All);
         sync(
             &state,
-            &Settings::default(),
+            &Settings::defaults(Family::V4),
             Scope::Changed(&BTreeSet::new()),
         );
+    }
+
+    /// Both families' tables in one transaction, as the kernel takes it, written anew over
+    /// themselves.
+    #[test]
+    fn nft_takes_both_families() {
+        if !privileged("modes::nftables::rules::tests::nft_takes_both_families") {
+            return;
+        }
+        let ns = Netns::new("dual");
+        ns.apply(&dual_stack());
+        ns.apply(&dual_stack());
+        let listed = ns.nft(&["list", "table", "ip6", "kube-proxy"], "").unwrap();
+        for want in [
+            "fd00:10:96::20 . tcp . 80 : goto service-5JQP6IZY-shop/front/tcp/",
+            "chain endpoint-LIMBBTGS-shop/local/tcp/http__fd00.10.244.2..13/8080 {",
+            "dnat to [fd00:10:244:2::13]:8080",
+            "ip6 daddr fd00:10:96::/112 drop",
+        ] {
+            assert!(listed.contains(want), "no {want:?} in:\n{listed}");
+        }
     }
 
     /// A network namespace of the test's own, deleted when dropped.

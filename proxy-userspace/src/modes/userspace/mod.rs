@@ -44,7 +44,7 @@ use self::{
 };
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::{DesiredState, Protocol, ServicePortName},
+    model::{DesiredState, Family, Protocol, ServicePortName, ipv4},
     netfilter::iptables::{self, Backend, Jump},
     node::{self, NodePortAddresses},
 };
@@ -207,9 +207,11 @@ impl UserspaceDataplane {
             node_ip,
             node_port_addresses: node::node_port_ips(
                 &self.config.node_port_addresses,
+                Family::V4,
                 primary,
                 &addresses,
-            ),
+            )
+            .map(|ips| ipv4(&ips)),
         })
     }
 
