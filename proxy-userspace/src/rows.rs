@@ -189,10 +189,20 @@ pub(crate) fn protocol(name: &str) -> &'static str {
     Protocol::from_tool(name).map_or("?", Protocol::name)
 }
 
-/// A source range as the rows show it: `10.0.0.1` as `10.0.0.1/32`.
+/// A source range as the rows show it: `10.0.0.1` as `10.0.0.1/32`, `fd00::1` as
+/// `fd00::1/128`.
 pub(crate) fn range(addr: &str) -> String {
-    match addr.contains('/') {
-        true => addr.to_owned(),
-        false => format!("{addr}/32"),
+    match (addr.contains('/'), addr.contains(':')) {
+        (true, _) => addr.to_owned(),
+        (false, false) => format!("{addr}/32"),
+        (false, true) => format!("{addr}/128"),
+    }
+}
+
+/// An address and port as the rows show them: `10.0.0.1:80`, `[fd00::1]:80`.
+pub(crate) fn host_port(addr: &str, port: u16) -> String {
+    match addr.contains(':') {
+        true => format!("[{addr}]:{port}"),
+        false => format!("{addr}:{port}"),
     }
 }

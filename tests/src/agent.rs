@@ -703,8 +703,16 @@ pub fn edit_manifest(path: &Path, edit: impl FnOnce(&mut Vec<Object>)) -> Result
         .context("parsing the manifest")?
         .objects;
     edit(&mut objects);
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, manifest_text(&objects)?)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// `objects` as a manifest.
+pub fn manifest_text(objects: &[Object]) -> Result<String> {
     let mut out = String::new();
-    for object in &objects {
+    for object in objects {
         out.push_str("---\n");
         out.push_str(&match object {
             Object::Service(s) => serde_yaml::to_string(s)?,
@@ -713,10 +721,7 @@ pub fn edit_manifest(path: &Path, edit: impl FnOnce(&mut Vec<Object>)) -> Result
             Object::ServiceCidr(c) => serde_yaml::to_string(c)?,
         });
     }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, out)?;
-    std::fs::rename(&tmp, path)?;
-    Ok(())
+    Ok(out)
 }
 
 /// Removes the endpoint with address `ip` from every EndpointSlice of service `name`.
@@ -738,16 +743,19 @@ pub fn remove_endpoint(objects: &mut [Object], name: &str, ip: &str) {
 }
 
 /// Adds an endpoint with address `ip` on `node` (ready, serving, not terminating) to the first
-/// EndpointSlice of service `name`, as a Deployment's new pod appears in a rollout.
+/// EndpointSlice of service `name` of its family, as a Deployment's new pod appears in a
+/// rollout.
 pub fn add_endpoint(objects: &mut [Object], name: &str, ip: &str, node: &str) {
     let endpoint = serde_yaml::from_str(&format!(
-        "{{addresses: [{ip}], nodeName: {node}, \
+        "{{addresses: [\"{ip}\"], nodeName: {node}, \
          conditions: {{ready: true, serving: true, terminating: false}}}}"
     ))
     .expect("an endpoint");
+    let family = if ip.contains(':') { "IPv6" } else { "IPv4" };
     for object in objects {
         if slice_of(object, name)
             && let Object::EndpointSlice(slice) = object
+            && slice.address_type == family
         {
             slice.endpoints.get_or_insert_default().push(endpoint);
             return;

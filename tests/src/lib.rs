@@ -39,7 +39,8 @@ pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{
     BACKEND_BIN_ENV, BACKEND_PORT, EXT_IP, EXT_IP6, NODE_CIDR, NODE_CIDR6, NODE_IF, NODE1_IP,
     NODE1_IP6, NODE2_IP, NODE2_IP6, NS_PREFIX, POD_CIDR, POD_CIDR6, Pod, SERVICE_CIDR,
-    SERVICE_CIDR6, Sandbox, Shape, backend_bin, cleanup_stale, find_bin, netns_list,
+    SERVICE_CIDR6, Sandbox, Shape, backend_bin, cleanup_stale, find_bin, netns_list, twin,
+    twin_cidr,
 };
 
 /// Multiplies the tests' waiting times (a kernel under software emulation is slow):

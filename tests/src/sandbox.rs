@@ -141,7 +141,8 @@ impl Shape {
     /// route's interface: the management network).
     pub fn agent_args(self) -> &'static [&'static str] {
         match self {
-            Shape::MultiHomed => &["--nodeport-addresses", NODE_CIDR],
+            // NODE_CIDR and NODE_CIDR6.
+            Shape::MultiHomed => &["--nodeport-addresses", "192.0.2.0/24,2001:db8:192:2::/64"],
             _ => &[],
         }
     }
@@ -836,6 +837,47 @@ fn mgmt_ip6(n: u8) -> Ipv6Addr {
 pub fn pod_ip6(n: u8, last: u8) -> Ipv6Addr {
     let group = |v: u8| decimal_looking(v);
     Ipv6Addr::new(0xfd00, 0x10, 0x244, group(n), 0, 0, 0, group(last))
+}
+
+/// The IPv6 twin of a sandbox IPv4 address (see [`EXT_IP6`]): pods, nodes, ext, the
+/// management network, and the Service, load balancer and external IP ranges.
+pub fn twin(ip: Ipv4Addr) -> Ipv6Addr {
+    let [a, b, c, d] = ip.octets();
+    let dl = decimal_looking;
+    let prefix: [u16; 4] = match [a, b, c] {
+        [10, 244, n] => return pod_ip6(n, d),
+        [10, 96, 0] => [0xfd00, 0x10, 0x96, 0],
+        [192, 0, 2] => [0x2001, 0xdb8, 0x192, 0x2],
+        [203, 0, 113] => [0x2001, 0xdb8, 0x203, 0x113],
+        [198, 51, 100] => [0x2001, 0xdb8, 0x198, 0x51],
+        [198, 18, 0] => [0x2001, 0xdb8, 0x198, 0x18],
+        _ => panic!("{ip} has no IPv6 twin in the sandbox"),
+    };
+    let [p0, p1, p2, p3] = prefix;
+    Ipv6Addr::new(p0, p1, p2, p3, 0, 0, 0, dl(d))
+}
+
+/// The IPv6 twin of a range of the sandbox (`192.0.2.100/32`, `10.244.0.0/16`): a host's
+/// twin, a /24's /64, the pod and Service ranges' ([`POD_CIDR6`], [`SERVICE_CIDR6`]), and
+/// 10.0.0.0/8's fd00::/8 (both hold the pods and not ext).
+pub fn twin_cidr(cidr: &str) -> String {
+    match cidr {
+        POD_CIDR => POD_CIDR6.to_owned(),
+        SERVICE_CIDR => SERVICE_CIDR6.to_owned(),
+        "10.0.0.0/8" => "fd00::/8".to_owned(),
+        _ => {
+            let (ip, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
+            let ip: Ipv4Addr = ip.parse().unwrap_or_else(|_| panic!("{cidr}: not a range"));
+            match len {
+                "32" => format!("{}/128", twin(ip)),
+                "24" => {
+                    let s = twin(ip).segments();
+                    format!("{}/64", Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+                }
+                _ => panic!("{cidr} has no IPv6 twin in the sandbox"),
+            }
+        }
+    }
 }
 
 /// The address node `n`'s VXLAN device has in its IPv6 pod range.

@@ -17,7 +17,7 @@ use crate::{
     agent::{AgentRun, Launch},
     example::{FRONT_NODE_PORT, REMOTE, WEB},
     privileged,
-    scenarios::{self, World},
+    scenarios::{self, Stack, World},
     tcp_request,
 };
 
@@ -50,7 +50,8 @@ pub fn from_launched(test: &str, from: &str, launch: Launch) {
     let World {
         mut sandbox,
         mut agents,
-    } = World::start_launched(scenarios::mode(from), Shape::Routed, launch);
+        ..
+    } = World::start_launched(scenarios::mode(from), Shape::Routed, Stack::Ipv4, launch);
     let held = hold(&sandbox).expect("opening the connections");
     let result = switch(&mut sandbox, &mut agents, held);
     if let Err(e) = result {

@@ -7,7 +7,9 @@ use proxy_tests::{
     BACKEND_PORT, Sandbox, Shape,
     agent::{AgentRun, Launch},
     example::{MANIFEST, WEB},
-    privileged, scenarios, takeover, tcp_request,
+    privileged,
+    scenarios::{self, Stack},
+    takeover, tcp_request,
 };
 
 #[test]
@@ -16,22 +18,36 @@ fn scenarios_ebpf() {
         "image::scenarios_ebpf",
         "ebpf",
         Shape::Routed,
+        Stack::Ipv4,
         Launch::Image,
     );
 }
 
 /// The fallback modes' tools in the image, under the same privileges (the legacy backend needs
-/// CAP_NET_RAW and the host's xtables lock).
+/// CAP_NET_RAW and the host's xtables lock); the nftables mode on dual-stack Services (both
+/// of its tables).
 #[test]
 fn scenarios_nftables() {
     let test = "image::scenarios_nftables";
-    scenarios::run_launched(test, "nftables", Shape::Routed, Launch::Image);
+    scenarios::run_launched(
+        test,
+        "nftables",
+        Shape::Routed,
+        Stack::DualStack,
+        Launch::Image,
+    );
 }
 
 #[test]
 fn scenarios_iptables_legacy() {
     let test = "image::scenarios_iptables_legacy";
-    scenarios::run_launched(test, "iptables-legacy", Shape::Routed, Launch::Image);
+    scenarios::run_launched(
+        test,
+        "iptables-legacy",
+        Shape::Routed,
+        Stack::Ipv4,
+        Launch::Image,
+    );
 }
 
 #[test]

@@ -6,14 +6,16 @@ use proxy_tests::{
     BACKEND_PORT, Sandbox, Shape,
     agent::{AgentRun, AgentSource},
     example::{MANIFEST, WEB},
-    privileged, scenarios, tcp_request,
+    privileged,
+    scenarios::{self, Stack},
+    tcp_request,
 };
 
-/// Runs the suite in `mode` with pods wired as `shape`, then writes the parity tables (even when
-/// scenarios failed: the tables show which).
-fn suite(test: &str, mode: &str, shape: Shape) {
+/// Runs the suite in `mode` with pods wired as `shape` on the Services of `stack`, then writes
+/// the parity tables (even when scenarios failed: the tables show which).
+fn suite(test: &str, mode: &str, shape: Shape, stack: Stack) {
     static TABLE: Mutex<()> = Mutex::new(());
-    let result = std::panic::catch_unwind(|| scenarios::run(test, mode, shape));
+    let result = std::panic::catch_unwind(|| scenarios::run(test, mode, shape, stack));
     {
         let _one_writer = TABLE.lock().unwrap_or_else(|e| e.into_inner());
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/parity.md");
@@ -26,18 +28,35 @@ fn suite(test: &str, mode: &str, shape: Shape) {
 
 /// One test a mode and shape: routed pods (`<mode>`), bridged (`<mode>_bridge`), named as the
 /// AWS VPC CNI names them (`<mode>_eni`), bridged behind a VXLAN overlay (`<mode>_overlay`),
-/// and named after the pod on multi-homed nodes (`<mode>_multihomed`). The IPVS ones are
-/// skipped (loudly) where the kernel has no IPVS: `cargo xtask vm-test` runs them.
+/// and named after the pod on multi-homed nodes (`<mode>_multihomed`), on IPv4 Services; for
+/// the modes that serve IPv6, on IPv6 (`_ipv6`) and dual-stack (`_dual_stack`) Services too.
+/// The IPVS ones are skipped (loudly) where the kernel has no IPVS: `cargo xtask vm-test` runs
+/// them.
 macro_rules! suites {
-    ($($mode:literal: $($test:ident $shape:ident),*;)*) => {$($(
+    ($stack:ident; $($mode:literal: $($test:ident $shape:ident),*;)*) => {$($(
         #[test]
         fn $test() {
-            suite(concat!("scenarios::", stringify!($test)), $mode, Shape::$shape);
+            let test = concat!("scenarios::", stringify!($test));
+            suite(test, $mode, Shape::$shape, Stack::$stack);
         }
     )*)*};
 }
 
 suites! {
+    Ipv6;
+    "nftables": nftables_ipv6 Routed, nftables_bridge_ipv6 Bridge, nftables_eni_ipv6 Eni,
+        nftables_overlay_ipv6 Overlay, nftables_multihomed_ipv6 MultiHomed;
+}
+
+suites! {
+    DualStack;
+    "nftables": nftables_dual_stack Routed, nftables_bridge_dual_stack Bridge,
+        nftables_eni_dual_stack Eni, nftables_overlay_dual_stack Overlay,
+        nftables_multihomed_dual_stack MultiHomed;
+}
+
+suites! {
+    Ipv4;
     "ebpf": ebpf Routed, ebpf_bridge Bridge, ebpf_eni Eni, ebpf_overlay Overlay,
         ebpf_multihomed MultiHomed;
     "iptables-legacy": iptables_legacy Routed, iptables_legacy_bridge Bridge,

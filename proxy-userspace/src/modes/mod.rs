@@ -278,7 +278,7 @@ const NFTABLES: Mode = Mode {
     },
     installed: |_| nftables::installed(),
     cleanup: |_| nftables::cleanup(),
-    inspect: |what, _| nftables::inspect::read(what, nftables::rules::TABLE),
+    inspect: |what, _| nftables::inspect::read(what, &nftables::rules::TABLES),
 };
 
 const IPTABLES: Mode = Mode {

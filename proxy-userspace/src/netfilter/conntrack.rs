@@ -28,7 +28,7 @@ struct Entry {
 }
 
 /// The lines of `conntrack -L` (with or without `-o extended`) that it can read; the others
-/// (ICMP, IPv6, lines it does not know) are skipped.
+/// (ICMP, lines it does not know) are skipped.
 fn parse(text: &str) -> Vec<Entry> {
     text.lines().filter_map(parse_line).collect()
 }
@@ -81,7 +81,7 @@ fn parse_line(line: &str) -> Option<Entry> {
 
 fn at(addr: &str, port: Option<u16>) -> String {
     match port {
-        Some(port) => format!("{addr}:{port}"),
+        Some(port) => crate::rows::host_port(addr, port),
         None => addr.to_owned(),
     }
 }
@@ -133,9 +133,13 @@ pub fn flows(text: &str, rows: &[ServiceRow]) -> Vec<ConntrackRow> {
     out
 }
 
-/// The kernel's conntrack table.
+/// The kernel's conntrack table, both families.
 pub(crate) fn conntrack_list() -> anyhow::Result<String> {
-    crate::command::run("conntrack", &["-L", "-o", "extended"], "conntrack")
+    let list = |family| {
+        let args = ["-L", "-f", family, "-o", "extended"];
+        crate::command::run("conntrack", &args, "conntrack")
+    };
+    Ok(list("ipv4")? + &list("ipv6")?)
 }
 
 /// The kernel's conntrack entries of flows to `frontends`.

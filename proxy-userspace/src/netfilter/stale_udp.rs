@@ -5,22 +5,19 @@
 //! `conntrack.CleanStaleEntries`).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
     process::{Command, Stdio},
 };
 
-use crate::{
-    model::ipv4,
-    model::{DesiredState, Protocol, ServicePortName},
-};
+use crate::model::{DesiredState, Family, Protocol, ServicePortName};
 
 /// What a UDP Service port was last programmed with: its frontends and endpoints, to find the
 /// conntrack entries a change leaves stale.
 #[derive(Clone, Debug, Default, PartialEq)]
 struct UdpPort {
-    frontends: Vec<Ipv4Addr>,
+    frontends: Vec<IpAddr>,
     node_port: Option<u16>,
-    endpoints: BTreeSet<Ipv4Addr>,
+    endpoints: BTreeSet<IpAddr>,
 }
 
 /// The UDP Service ports as last programmed.
@@ -38,19 +35,19 @@ impl StaleUdp {
     pub fn clear(&mut self, state: &DesiredState) {
         let started = std::time::Instant::now();
         let mut deleted = 0;
-        let mut conntrack_delete = |args: &[&str]| deleted += conntrack_delete(args);
+        let mut conntrack_delete =
+            |family: Family, args: &[&str]| deleted += conntrack_delete(family, args);
         let mut now = BTreeMap::new();
         for (spn, port) in state.ports() {
             if port.protocol != Protocol::Udp {
                 continue;
             }
-            let mut frontends = ipv4(&port.cluster_ips);
-            frontends.extend(ipv4(&port.external_ips));
-            frontends.extend(ipv4(&port.load_balancer_ips));
-            let endpoints = state
-                .usable_endpoints(spn, false)
-                .iter()
-                .filter_map(|ep| ep.ipv4())
+            // Both families: a mode that serves one has no entries of the other to delete.
+            let mut frontends = port.cluster_ips.clone();
+            frontends.extend(&port.external_ips);
+            frontends.extend(&port.load_balancer_ips);
+            let endpoints = (state.usable_endpoints(spn, false).iter())
+                .map(|ep| ep.ip)
                 .collect();
             now.insert(
                 spn.clone(),
@@ -64,21 +61,28 @@ impl StaleUdp {
         for (spn, before) in &self.ports {
             let after = now.get(spn).cloned().unwrap_or_default();
             for gone in before.endpoints.difference(&after.endpoints) {
-                for vip in &before.frontends {
-                    conntrack_delete(&[
-                        "--orig-dst",
-                        &vip.to_string(),
-                        "--dst-nat",
-                        &gone.to_string(),
-                    ]);
+                let family = Family::of(*gone);
+                for vip in before.frontends.iter().filter(|vip| family.has(**vip)) {
+                    conntrack_delete(
+                        family,
+                        &[
+                            "--orig-dst",
+                            &vip.to_string(),
+                            "--dst-nat",
+                            &gone.to_string(),
+                        ],
+                    );
                 }
                 if let Some(node_port) = before.node_port {
-                    conntrack_delete(&[
-                        "--dport",
-                        &node_port.to_string(),
-                        "--dst-nat",
-                        &gone.to_string(),
-                    ]);
+                    conntrack_delete(
+                        family,
+                        &[
+                            "--dport",
+                            &node_port.to_string(),
+                            "--dst-nat",
+                            &gone.to_string(),
+                        ],
+                    );
                 }
             }
         }
@@ -86,10 +90,13 @@ impl StaleUdp {
             let had = self.ports.get(spn).is_some_and(|b| !b.endpoints.is_empty());
             if !had && !after.endpoints.is_empty() {
                 for vip in &after.frontends {
-                    conntrack_delete(&["--orig-dst", &vip.to_string()]);
+                    conntrack_delete(Family::of(*vip), &["--orig-dst", &vip.to_string()]);
                 }
                 if let Some(node_port) = after.node_port {
-                    conntrack_delete(&["--dport", &node_port.to_string()]);
+                    let families = after.endpoints.iter().map(|ep| Family::of(*ep));
+                    for family in families.collect::<BTreeSet<_>>() {
+                        conntrack_delete(family, &["--dport", &node_port.to_string()]);
+                    }
                 }
             }
         }
@@ -98,10 +105,15 @@ impl StaleUdp {
     }
 }
 
-/// `conntrack -D -p udp ARGS`; the entries it deleted (finding none is not an error).
-fn conntrack_delete(args: &[&str]) -> u64 {
+/// `conntrack -D -f <family> -p udp ARGS`; the entries it deleted (finding none is not an
+/// error).
+fn conntrack_delete(family: Family, args: &[&str]) -> u64 {
+    let family = match family {
+        Family::V4 => "ipv4",
+        Family::V6 => "ipv6",
+    };
     let result = Command::new("conntrack")
-        .args(["-D", "-p", "udp"])
+        .args(["-D", "-f", family, "-p", "udp"])
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

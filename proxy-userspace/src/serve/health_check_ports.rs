@@ -22,12 +22,13 @@
 //! The count also goes in an `X-Load-Balancing-Endpoint-Weight` header (kube-proxy's, since
 //! 1.28), for load balancers that weigh nodes by it.
 //!
-//! Listeners bind 0.0.0.0: every address of the node, as kube-proxy does when
-//! `--nodeport-addresses` matches all of them. With a narrower `--nodeport-addresses` kube-proxy
-//! binds only the selected addresses; here they stay on all of them (not done yet), nor IPv6.
+//! Listeners bind `[::]`, both families (0.0.0.0 where the node has no IPv6): every address of
+//! the node, as kube-proxy does when `--nodeport-addresses` matches all of them. With a
+//! narrower `--nodeport-addresses` kube-proxy binds only the selected addresses; here they stay
+//! on all of them (not done yet).
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -42,8 +43,18 @@ use crate::{
     serve::http::{self, Response},
 };
 
-/// Where the listeners bind (all of the node's IPv4 addresses).
-pub const BIND_IP: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+/// Where the listeners bind: all of the node's addresses, of both families.
+pub const BIND_IP: IpAddr = IpAddr::V6(Ipv6Addr::UNSPECIFIED);
+
+/// A listener on `addr`; on `[::]` where the kernel has no IPv6, on 0.0.0.0.
+async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    match TcpListener::bind(addr).await {
+        Err(e) if addr.ip() == BIND_IP && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+            TcpListener::bind((Ipv4Addr::UNSPECIFIED, addr.port())).await
+        }
+        bound => bound,
+    }
+}
 
 /// What one Service's health check serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,7 +199,7 @@ impl ServiceHealthServer {
                 continue;
             }
             let addr = SocketAddr::new(self.bind_ip, check.port);
-            match TcpListener::bind(addr).await {
+            match bind(addr).await {
                 Ok(socket) => {
                     let retried = self.failed.remove(name).is_some();
                     tracing::info!(service = %name, port = check.port, retried, "serving the health check");
@@ -570,7 +581,7 @@ spec:
             unreachable!()
         };
         let (tx, rx) = watch::channel(HealthChecks::new());
-        // `run` binds 0.0.0.0; the test reaches it on 127.0.0.1.
+        // `run` binds [::]; the test reaches it on 127.0.0.1 (both families).
         let task = tokio::spawn(run(health, rx));
         tx.send_replace(checks(&[("a", p, 1)]));
         let mut answer = None;

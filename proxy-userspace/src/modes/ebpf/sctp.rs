@@ -143,7 +143,7 @@ pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
     if !installed() {
         return Ok(None);
     }
-    match nftables::inspect::read(what, TABLE) {
+    match nftables::inspect::read(what, &[TABLE]) {
         Ok(rows) => Ok(Some(rows)),
         Err(_) if !installed() => Ok(None),
         Err(e) => Err(e),

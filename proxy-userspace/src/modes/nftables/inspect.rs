@@ -1,6 +1,6 @@
-//! The nftables mode's state, read back: `nft -j list table ip kube-proxy` parsed into the rows
-//! the eBPF maps give, following the table as [`crate::modes::nftables::rules`] writes it (kube-proxy's
-//! layout): the `service-ips` and `service-nodeports` verdict maps lead to a Service port's
+//! The nftables mode's state, read back: `nft -j list table ip kube-proxy` (and `ip6`) parsed
+//! into the rows the eBPF maps give, following the table as [`crate::modes::nftables::rules`]
+//! writes it (kube-proxy's layout): the `service-ips` and `service-nodeports` verdict maps lead to a Service port's
 //! `service-*`, `local-*` or `external-*` chain, whose `numgen` rules (kube-proxy's `numgen ...
 //! vmap` too) and affinity rules lead to the `endpoint-*` chains and their `dnat to`;
 //! `firewall-ips` to the source ranges; `no-endpoint-services` and `no-endpoint-nodeports` hold
@@ -15,7 +15,10 @@ use serde_json::Value;
 use crate::{
     modes::nftables::rules::Table,
     netfilter::{conntrack, rules::source_ranges_of},
-    rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, protocol, range, row},
+    rows::{
+        BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, host_port, protocol, range,
+        row,
+    },
 };
 
 /// The parts of the table inspect reads.
@@ -191,8 +194,9 @@ fn dnat(rule: &[Value]) -> Option<String> {
     rule.iter().find_map(|e| {
         let d = e.get("dnat")?;
         let addr = d.get("addr")?.as_str()?;
-        Some(match d.get("port").and_then(Value::as_u64) {
-            Some(port) => format!("{addr}:{port}"),
+        let port = d.get("port").and_then(Value::as_u64);
+        Some(match port.and_then(|p| u16::try_from(p).ok()) {
+            Some(port) => host_port(addr, port),
             None => addr.to_owned(),
         })
     })
@@ -295,7 +299,7 @@ pub fn services(json: &str) -> anyhow::Result<Vec<ServiceRow>> {
     let table = Listed::parse(json)?;
     let mut rows: BTreeMap<(String, &'static str), ServiceRow> = BTreeMap::new();
     let address = |addr: Option<String>, port: u16| match addr {
-        Some(ip) => format!("{ip}:{port}"),
+        Some(ip) => host_port(&ip, port),
         None => format!("*:{port}"),
     };
     let firewalled: HashMap<(String, &str), &str> = table
@@ -392,7 +396,11 @@ fn affinity_name(set: &str) -> Option<(String, &'static str, String)> {
         "" => format!("{namespace}/{name}"),
         port => format!("{namespace}/{name}:{port}"),
     };
+    // An IPv6 address has its colons as dots there (`fd00..1`).
     let endpoint = match endpoint.rsplit_once('/') {
+        Some((ip, port)) if ip.matches('.').count() > 3 => {
+            format!("[{}]:{port}", ip.replace('.', ":"))
+        }
         Some((ip, port)) => format!("{ip}:{port}"),
         None => endpoint.to_owned(),
     };
@@ -448,20 +456,54 @@ pub(crate) fn nft_list(table: Table) -> anyhow::Result<String> {
     crate::command::run("nft", &["-j", "list", "table", family, name], "nftables")
 }
 
-/// `what` of `table` (the nftables mode's: [`crate::modes::nftables::rules::TABLE`]).
-pub fn read(what: What, table: Table) -> anyhow::Result<Rows> {
-    let listed = nft_list(table)?;
+/// The rows `read` finds in each of `listed` (tables as nft lists them), together.
+fn each<T: Ord>(
+    listed: &[String],
+    read: fn(&str) -> anyhow::Result<Vec<T>>,
+) -> anyhow::Result<Vec<T>> {
+    let mut rows = Vec::new();
+    for json in listed {
+        rows.extend(read(json)?);
+    }
+    rows.sort();
+    rows.dedup();
+    Ok(rows)
+}
+
+/// `what` of `tables` (the nftables mode's: [`crate::modes::nftables::rules::TABLES`]): the
+/// first must exist, the others are read where they do (kube-proxy's IPv4-only clusters have
+/// no IPv6 table).
+pub fn read(what: What, tables: &[Table]) -> anyhow::Result<Rows> {
+    let mut listed = Vec::new();
+    for (i, table) in tables.iter().enumerate() {
+        if i == 0 || crate::modes::nftables::exists(table.name) {
+            listed.push(nft_list(*table)?);
+        }
+    }
+    let services = || -> anyhow::Result<Vec<ServiceRow>> {
+        // A NodePort is in each family's table: one row, the endpoints of both.
+        let mut merged: Vec<ServiceRow> = Vec::new();
+        for row in each(&listed, services)? {
+            match merged.last_mut() {
+                Some(last) if (&last.address, last.protocol) == (&row.address, row.protocol) => {
+                    last.backends.extend(row.backends);
+                }
+                _ => merged.push(row),
+            }
+        }
+        Ok(merged)
+    };
     Ok(match what {
         What::Services => Rows::Services {
-            rows: services(&listed)?,
+            rows: services()?,
             ids: false,
         },
         What::Backends => Rows::Backends {
-            rows: backends(&listed)?,
+            rows: each(&listed, backends)?,
             ids: false,
         },
-        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&services(&listed)?)?),
-        What::Affinity => Rows::ClientAffinity(affinity(&listed)?),
+        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&services()?)?),
+        What::Affinity => Rows::ClientAffinity(each(&listed, affinity)?),
     })
 }
 

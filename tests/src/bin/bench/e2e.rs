@@ -80,6 +80,7 @@ pub static EBPF_SOCKET_LB: Mode = Mode {
     kernel_has: || Ok(()),
     not_applicable: &[],
     needs: &[],
+    ipv6: false,
 };
 
 /// A mode by its name: the scenario suite's, or [`EBPF_SOCKET_LB`].
