@@ -149,7 +149,7 @@ pub const MODES: &[Mode] = &[
         kernel_has: || Ok(()),
         not_applicable: &[],
         needs: &[],
-        ipv6: false,
+        ipv6: true,
     },
     Mode {
         id: "iptables-nft",
@@ -165,7 +165,7 @@ pub const MODES: &[Mode] = &[
         kernel_has: || Ok(()),
         not_applicable: &[],
         needs: &[],
-        ipv6: false,
+        ipv6: true,
     },
     Mode {
         id: "nftables",

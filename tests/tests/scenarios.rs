@@ -44,12 +44,24 @@ macro_rules! suites {
 
 suites! {
     Ipv6;
+    "iptables-legacy": iptables_legacy_ipv6 Routed, iptables_legacy_bridge_ipv6 Bridge,
+        iptables_legacy_eni_ipv6 Eni, iptables_legacy_overlay_ipv6 Overlay,
+        iptables_legacy_multihomed_ipv6 MultiHomed;
+    "iptables-nft": iptables_nft_ipv6 Routed, iptables_nft_bridge_ipv6 Bridge,
+        iptables_nft_eni_ipv6 Eni, iptables_nft_overlay_ipv6 Overlay,
+        iptables_nft_multihomed_ipv6 MultiHomed;
     "nftables": nftables_ipv6 Routed, nftables_bridge_ipv6 Bridge, nftables_eni_ipv6 Eni,
         nftables_overlay_ipv6 Overlay, nftables_multihomed_ipv6 MultiHomed;
 }
 
 suites! {
     DualStack;
+    "iptables-legacy": iptables_legacy_dual_stack Routed, iptables_legacy_bridge_dual_stack Bridge,
+        iptables_legacy_eni_dual_stack Eni, iptables_legacy_overlay_dual_stack Overlay,
+        iptables_legacy_multihomed_dual_stack MultiHomed;
+    "iptables-nft": iptables_nft_dual_stack Routed, iptables_nft_bridge_dual_stack Bridge,
+        iptables_nft_eni_dual_stack Eni, iptables_nft_overlay_dual_stack Overlay,
+        iptables_nft_multihomed_dual_stack MultiHomed;
     "nftables": nftables_dual_stack Routed, nftables_bridge_dual_stack Bridge,
         nftables_eni_dual_stack Eni, nftables_overlay_dual_stack Overlay,
         nftables_multihomed_dual_stack MultiHomed;

@@ -46,7 +46,7 @@ impl Family {
     /// The family's loopback range (never a NodePort address: CVE-2020-8558).
     pub fn loopback(self) -> Cidr {
         match self {
-            Family::V4 => Cidr::v4(Ipv4Addr::LOCALHOST, 8),
+            Family::V4 => Cidr::v4(Ipv4Addr::new(127, 0, 0, 0), 8),
             Family::V6 => Cidr {
                 addr: std::net::Ipv6Addr::LOCALHOST.into(),
                 len: 128,

@@ -7,6 +7,8 @@ use std::{
 
 use anyhow::{Context, bail};
 
+use crate::model::Family;
+
 /// Which of the kernel's two iptables implementations the rules go to: the same rules, very
 /// different costs at scale (here, iptables-restore of 10k Services took 2 s with legacy and
 /// 190 s with nf_tables).
@@ -57,13 +59,42 @@ impl Backend {
     }
 }
 
-/// Runs `iptables-restore --noflush` on `input`: one transaction, all or nothing.
-pub(crate) fn restore(b: Backend, input: &str) -> anyhow::Result<()> {
-    crate::command::pipe(&b.tool("iptables-restore"), &["-w", "--noflush"], input)
+/// The tools of one backend for one family: `iptables-*` (IPv4) or `ip6tables-*` (IPv6). A
+/// [`Backend`] alone stands for its IPv4 tools, the only ones the ipvs and userspace modes use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tables {
+    pub backend: Backend,
+    pub family: Family,
 }
 
-pub(crate) fn iptables(b: Backend, table: &str, args: &[&str]) -> anyhow::Result<bool> {
-    let status = Command::new(b.tool("iptables"))
+impl Tables {
+    /// The binary of `tool` (`iptables`, `iptables-save`, `iptables-restore`) for the family.
+    pub(crate) fn tool(self, tool: &str) -> String {
+        let tool = self.backend.tool(tool);
+        match self.family {
+            Family::V4 => tool,
+            Family::V6 => tool.replacen("iptables", "ip6tables", 1),
+        }
+    }
+}
+
+impl From<Backend> for Tables {
+    fn from(backend: Backend) -> Self {
+        Self {
+            backend,
+            family: Family::V4,
+        }
+    }
+}
+
+/// Runs `iptables-restore --noflush` on `input`: one transaction, all or nothing.
+pub(crate) fn restore(t: impl Into<Tables>, input: &str) -> anyhow::Result<()> {
+    let tool = t.into().tool("iptables-restore");
+    crate::command::pipe(&tool, &["-w", "--noflush"], input)
+}
+
+pub(crate) fn iptables(t: impl Into<Tables>, table: &str, args: &[&str]) -> anyhow::Result<bool> {
+    let status = Command::new(t.into().tool("iptables"))
         .args(["-w", "-t", table])
         .args(args)
         .stdout(Stdio::null())
@@ -73,9 +104,9 @@ pub(crate) fn iptables(b: Backend, table: &str, args: &[&str]) -> anyhow::Result
     Ok(status.success())
 }
 
-/// Whether `b`'s tools can be run here.
-pub(crate) fn available(b: Backend) -> bool {
-    Command::new(b.tool("iptables-save"))
+/// Whether `t`'s tools can be run here.
+pub(crate) fn available(t: impl Into<Tables>) -> bool {
+    Command::new(t.into().tool("iptables-save"))
         .arg("--version")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -139,7 +170,7 @@ impl Jump {
     }
 
     /// `iptables -t TABLE OP CHAIN [1] RULE` (`-C`, `-D`, or `add`); whether it succeeded.
-    fn run(&self, b: Backend, op: &str) -> anyhow::Result<bool> {
+    fn run(&self, t: Tables, op: &str) -> anyhow::Result<bool> {
         let op = match op {
             "add" if self.first => "-I",
             "add" => "-A",
@@ -150,7 +181,7 @@ impl Jump {
             args.push("1");
         }
         args.extend(self.rule());
-        iptables(b, self.table, &args)
+        iptables(t, self.table, &args)
     }
 
     /// The rule's matches and target.
@@ -180,9 +211,10 @@ impl Jump {
 }
 
 /// Adds those of `jumps` that are missing.
-pub(crate) fn ensure_jumps(b: Backend, jumps: &[Jump]) -> anyhow::Result<()> {
+pub(crate) fn ensure_jumps(t: impl Into<Tables>, jumps: &[Jump]) -> anyhow::Result<()> {
+    let t = t.into();
     for jump in jumps {
-        if !jump.run(b, "-C")? && !jump.run(b, "add")? {
+        if !jump.run(t, "-C")? && !jump.run(t, "add")? {
             bail!(
                 "cannot add the jump to {} in {} {}",
                 jump.target,
@@ -195,19 +227,20 @@ pub(crate) fn ensure_jumps(b: Backend, jumps: &[Jump]) -> anyhow::Result<()> {
 }
 
 /// Deletes every copy of `jumps`; how many there were.
-pub(crate) fn remove_jumps(b: Backend, jumps: &[Jump]) -> anyhow::Result<usize> {
+pub(crate) fn remove_jumps(t: impl Into<Tables>, jumps: &[Jump]) -> anyhow::Result<usize> {
+    let t = t.into();
     let mut removed = 0;
     for jump in jumps {
-        while jump.run(b, "-D")? {
+        while jump.run(t, "-D")? {
             removed += 1;
         }
     }
     Ok(removed)
 }
 
-/// The chains of `table` in `b`, as iptables-save declares them.
-pub(crate) fn chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
-    let output = Command::new(b.tool("iptables-save"))
+/// The chains of `table` in `t`, as iptables-save declares them.
+pub(crate) fn chains(t: impl Into<Tables>, table: &str) -> anyhow::Result<BTreeSet<String>> {
+    let output = Command::new(t.into().tool("iptables-save"))
         .args(["-t", table])
         .stderr(Stdio::piped())
         .output()
@@ -227,7 +260,7 @@ pub(crate) fn chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>
 
 /// Flushes and deletes `chains` of each table in one `iptables-restore`; how many.
 pub(crate) fn delete_chains(
-    b: Backend,
+    t: impl Into<Tables>,
     chains: &[(&str, BTreeSet<String>)],
 ) -> anyhow::Result<usize> {
     let mut input = String::new();
@@ -244,14 +277,14 @@ pub(crate) fn delete_chains(
         deleted += chains.len();
     }
     if !input.is_empty() {
-        restore(b, &input)?;
+        restore(t, &input)?;
     }
     Ok(deleted)
 }
 
-/// The nat and filter tables of `backend`, as iptables-save prints them.
-pub(crate) fn save(backend: Backend) -> anyhow::Result<String> {
-    let save = backend.tool("iptables-save");
+/// The nat and filter tables of `t`, as iptables-save prints them.
+pub(crate) fn save(t: impl Into<Tables>) -> anyhow::Result<String> {
+    let save = t.into().tool("iptables-save");
     let mut text = crate::command::run(&save, &["-t", "nat"], "iptables")?;
     text.push_str(&crate::command::run(&save, &["-t", "filter"], "iptables")?);
     Ok(text)

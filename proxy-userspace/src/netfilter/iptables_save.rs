@@ -46,7 +46,7 @@ impl SavedRule {
         self.value(&["--comment"])
     }
 
-    /// The destination address, without the `/32` iptables-save adds.
+    /// The destination address, without the `/32` (`/128`) iptables-save adds.
     pub fn destination(&self) -> Option<&str> {
         self.value(&["-d", "--destination"]).map(host)
     }
@@ -60,9 +60,10 @@ impl SavedRule {
     }
 }
 
-/// `10.0.0.1/32` as `10.0.0.1`.
+/// `10.0.0.1/32` as `10.0.0.1`, `fd00::1/128` as `fd00::1`.
 fn host(addr: &str) -> &str {
-    addr.strip_suffix("/32").unwrap_or(addr)
+    let suffix = if addr.contains(':') { "/128" } else { "/32" };
+    addr.strip_suffix(suffix).unwrap_or(addr)
 }
 
 /// The `-A` lines of `text` (`iptables-save` of one or more tables); anything else is skipped.

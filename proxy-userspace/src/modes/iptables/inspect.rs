@@ -14,12 +14,14 @@ use std::{
 use anyhow::Context;
 
 use crate::{
+    model::Family,
+    netfilter::iptables::Tables,
     netfilter::{
         conntrack, iptables,
         iptables_save::{SavedRule, chains, parse_save},
         rules::source_ranges_of,
     },
-    rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, range, row},
+    rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, host_port, range, row},
 };
 
 /// Where a frontend's chain leads: its endpoints and policies.
@@ -139,7 +141,7 @@ pub fn services(text: &str) -> Vec<ServiceRow> {
             let Some(port) = rule.dport() else { continue };
             let (address, kind) = match (node_port, rule.destination()) {
                 (true, _) => (format!("*:{port}"), "NodePort"),
-                (false, Some(ip)) => (format!("{ip}:{port}"), kind(rule, target)),
+                (false, Some(ip)) => (host_port(ip, port), kind(rule, target)),
                 (false, None) => continue,
             };
             let protocol = rule.protocol();
@@ -168,7 +170,7 @@ pub fn services(text: &str) -> Vec<ServiceRow> {
             };
             let Some(port) = rule.dport() else { continue };
             let (address, kind) = match rule.destination() {
-                Some(ip) => (format!("{ip}:{port}"), kind),
+                Some(ip) => (host_port(ip, port), kind),
                 None => (format!("*:{port}"), "NodePort"),
             };
             let protocol = rule.protocol();
@@ -212,10 +214,10 @@ pub fn affinity(text: &str, lists: &[(String, String)]) -> Vec<ClientAffinityRow
         if !name.starts_with("KUBE-SEP-") {
             continue;
         }
-        let sep = nat
-            .get(name.as_str())
-            .map(Vec::as_slice)
-            .unwrap_or_default();
+        // The other family's lists (or a list whose chain is gone) are not this text's.
+        let Some(sep) = nat.get(name.as_str()) else {
+            continue;
+        };
         let dnat = sep
             .iter()
             .find(|r| r.value(&["--to-destination"]).is_some());
@@ -259,20 +261,58 @@ pub(crate) fn recent_lists() -> anyhow::Result<Vec<(String, String)>> {
     Ok(lists)
 }
 
-/// `what` of the mode's rules (in the backend holding them).
+/// `what` of the mode's rules (in the backend holding them), both families: IPv6's where
+/// `ip6tables` runs here.
 pub fn read(what: What) -> anyhow::Result<Rows> {
-    let saved = iptables::save(super::detect_backend()?)?;
+    let backend = super::detect_backend()?;
+    let mut saved = vec![iptables::save(backend)?];
+    let v6 = Tables {
+        backend,
+        family: Family::V6,
+    };
+    if let Ok(text) = iptables::save(v6) {
+        saved.push(text);
+    }
+    // Each family's text on its own: a dual-stack Service's chains have the same names in
+    // both.
+    let each = |read: &dyn Fn(&str) -> Vec<ServiceRow>| {
+        // A NodePort is in both families' rules: one row, the endpoints of both.
+        let mut rows: Vec<ServiceRow> = saved.iter().flat_map(|t| read(t)).collect();
+        rows.sort();
+        let mut merged: Vec<ServiceRow> = Vec::new();
+        for row in rows {
+            match merged.last_mut() {
+                Some(last) if (&last.address, last.protocol) == (&row.address, row.protocol) => {
+                    last.backends.extend(row.backends);
+                }
+                _ => merged.push(row),
+            }
+        }
+        merged
+    };
+    let services = || each(&services);
     Ok(match what {
         What::Services => Rows::Services {
-            rows: services(&saved),
+            rows: services(),
             ids: false,
         },
         What::Backends => Rows::Backends {
-            rows: backends(&saved),
+            rows: {
+                let mut rows: Vec<BackendRow> = saved.iter().flat_map(|t| backends(t)).collect();
+                rows.sort();
+                rows
+            },
             ids: false,
         },
-        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&services(&saved))?),
-        What::Affinity => Rows::ClientAffinity(affinity(&saved, &recent_lists()?)),
+        What::Conntrack => Rows::Conntrack(conntrack::service_flows(&services())?),
+        What::Affinity => {
+            let lists = recent_lists()?;
+            let mut rows: Vec<ClientAffinityRow> =
+                saved.iter().flat_map(|t| affinity(t, &lists)).collect();
+            rows.sort();
+            rows.dedup();
+            Rows::ClientAffinity(rows)
+        }
     })
 }
 

@@ -1,6 +1,7 @@
 //! kube-proxy's iptables mode, for nodes where the eBPF datapath cannot run: the rules of
-//! [`rules`], written with one `iptables-restore --noflush` per sync, the jumps from the
-//! built-in chains to kube-proxy's, and stale UDP conntrack entries deleted when endpoints go.
+//! [`rules`], written with one `iptables-restore --noflush` per sync and family (IPv6's with
+//! `ip6tables-restore`, as kube-proxy's second proxier), the jumps from the built-in chains to
+//! kube-proxy's, and stale UDP conntrack entries deleted when endpoints go.
 //!
 //! As kube-proxy's, a partial sync writes the own chains of only the Service ports that changed
 //! (the shared chains, which jump to every port's, are written whole each time); a full sync
@@ -17,7 +18,7 @@ use crate::{
     dataplane::{Dataplane, Scope},
     model::{DesiredState, Family},
     netfilter::{
-        iptables::{self, Backend, Jump},
+        iptables::{self, Backend, Jump, Tables},
         rules::NetfilterConfig,
         stale_udp::StaleUdp,
     },
@@ -84,24 +85,53 @@ const SERVICE_CHAIN_PREFIXES: &[&str] = &[
 
 pub struct IptablesDataplane {
     config: IptablesConfig,
-    /// The per-Service nat chains programmed now.
-    chains: BTreeSet<String>,
-    rules: RuleCounts,
+    /// The families served: IPv4's, and IPv6's where the kernel has IPv6 tables.
+    families: Vec<FamilyTables>,
     jumps_checked: bool,
     udp: StaleUdp,
 }
 
+/// One family's tables.
+struct FamilyTables {
+    tables: Tables,
+    /// The per-Service nat chains programmed now.
+    chains: BTreeSet<String>,
+    rules: RuleCounts,
+}
+
 impl IptablesDataplane {
     /// Checks that iptables works here, and finds the chains an earlier run left (they are
-    /// replaced at the first sync).
+    /// replaced at the first sync). IPv6 is served where `ip6tables` works (not on a node
+    /// booted without IPv6, say), as kube-proxy serves the families its node has.
     pub fn new(config: IptablesConfig) -> anyhow::Result<Self> {
-        let chains = service_chains(config.backend, "nat").context(
-            "the iptables mode needs iptables-save and iptables-restore (the iptables package)",
-        )?;
+        let mut families = Vec::new();
+        for family in Family::ALL {
+            let tables = Tables {
+                backend: config.backend,
+                family,
+            };
+            let chains = match service_chains(tables, "nat") {
+                Ok(chains) => chains,
+                Err(e) if family == Family::V6 => {
+                    tracing::warn!(
+                        "IPv6 Services are not served: ip6tables cannot run here ({e:#})"
+                    );
+                    continue;
+                }
+                Err(e) => Err(e).context(
+                    "the iptables mode needs iptables-save and iptables-restore (the iptables \
+                     package)",
+                )?,
+            };
+            families.push(FamilyTables {
+                tables,
+                chains,
+                rules: RuleCounts::default(),
+            });
+        }
         Ok(Self {
             config,
-            chains,
-            rules: RuleCounts::default(),
+            families,
             jumps_checked: false,
             udp: StaleUdp::default(),
         })
@@ -110,26 +140,41 @@ impl IptablesDataplane {
 
 impl Dataplane for IptablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
-        let settings = self.config.netfilter.settings(Family::V4)?;
         let changed = match scope {
             // Until a sync succeeded, what the chains hold is not known.
             Scope::Changed(changed) if self.jumps_checked => Some(changed),
             _ => None,
         };
-        let rendered = rules::render(state, &settings, &self.chains, changed);
-        if let Err(e) = iptables::restore(self.config.backend, &rendered.text) {
-            METRICS.iptables_restore_failed(changed.is_some());
-            return Err(e);
+        let (mut last, mut totals, mut drops) = ([0; 2], [0; 2], None);
+        for f in &mut self.families {
+            let settings = self.config.netfilter.settings(f.tables.family)?;
+            let rendered = rules::render(state, &settings, &f.chains, changed);
+            if let Err(e) = iptables::restore(f.tables, &rendered.text) {
+                METRICS.iptables_restore_failed(changed.is_some());
+                // The next sync writes every family whole.
+                self.jumps_checked = false;
+                return Err(e);
+            }
+            f.chains = rendered.chains;
+            let written = f.rules.written(&rendered.text);
+            for t in 0..2 {
+                last[t] += written[t];
+                totals[t] += f.rules.totals()[t];
+            }
+            // Read here rather than at each scrape: the sync holds no runtime thread it would
+            // block.
+            if let Some(n) = invalid_drops(f.tables) {
+                drops = Some(drops.unwrap_or(0) + n);
+            }
         }
-        self.chains = rendered.chains;
-        let last = self.rules.written(&rendered.text);
-        METRICS.iptables_rules(last, self.rules.totals());
-        // Read here rather than at each scrape: the sync holds no runtime thread it would block.
-        METRICS.iptables_invalid_drops(invalid_drops(self.config.backend));
+        METRICS.iptables_rules(last, totals);
+        METRICS.iptables_invalid_drops(drops);
         // The chains exist now; the jumps to them are checked once and at each full or
         // periodic sync (something else may have flushed the built-in chains).
         if !self.jumps_checked || scope.checks_jumps() {
-            iptables::ensure_jumps(self.config.backend, JUMPS)?;
+            for f in &self.families {
+                iptables::ensure_jumps(f.tables, JUMPS)?;
+            }
             self.jumps_checked = true;
         }
         self.udp.clear(state);
@@ -139,8 +184,8 @@ impl Dataplane for IptablesDataplane {
 
 /// The packets KUBE-FORWARD's `--ctstate INVALID` rule dropped, from its counter (kube-proxy
 /// reads an nfacct object its rule updates); None when it cannot be read.
-fn invalid_drops(backend: Backend) -> Option<u64> {
-    let listed = std::process::Command::new(backend.tool("iptables"))
+fn invalid_drops(tables: Tables) -> Option<u64> {
+    let listed = std::process::Command::new(tables.tool("iptables"))
         .args([
             "-w",
             "5",
@@ -210,12 +255,12 @@ impl RuleCounts {
 }
 
 /// The chains of `table` that the mode owns, as iptables-save lists them.
-fn owned_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
+fn owned_chains(t: impl Into<Tables>, table: &str) -> anyhow::Result<BTreeSet<String>> {
     let fixed: &[&str] = FIXED_CHAINS
         .iter()
         .find(|(t, _)| *t == table)
         .map_or(&[], |(_, c)| c);
-    let mut chains = iptables::chains(b, table)?;
+    let mut chains = iptables::chains(t, table)?;
     chains.retain(|c| fixed.contains(&c.as_str()) || is_service_chain(c));
     Ok(chains)
 }
@@ -225,8 +270,8 @@ fn is_service_chain(chain: &str) -> bool {
 }
 
 /// The per-Service chains of `table`.
-fn service_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
-    let mut chains = owned_chains(b, table)?;
+fn service_chains(t: Tables, table: &str) -> anyhow::Result<BTreeSet<String>> {
+    let mut chains = owned_chains(t, table)?;
     chains.retain(|c| is_service_chain(c));
     Ok(chains)
 }
@@ -237,29 +282,42 @@ pub fn detect_backend() -> anyhow::Result<Backend> {
     Backend::detect(|b| owned_chains(b, "nat").map_or(0, |c| c.len()))
 }
 
-/// Removes everything the mode installed, from both backends: the jumps, then its chains
-/// (kube-proxy's `--cleanup`). Nothing installed: nothing done.
+/// Both backends' tools of both families.
+fn every_tables() -> impl Iterator<Item = Tables> {
+    Backend::ALL.into_iter().flat_map(|backend| {
+        Family::ALL
+            .into_iter()
+            .map(move |family| Tables { backend, family })
+    })
+}
+
+/// Removes everything the mode installed, from both backends and both families: the jumps,
+/// then its chains (kube-proxy's `--cleanup`). Nothing installed: nothing done.
 pub fn cleanup() -> anyhow::Result<()> {
-    for b in Backend::ALL.into_iter().filter(|b| iptables::available(*b)) {
-        let mut removed = iptables::remove_jumps(b, JUMPS)?;
+    // Where a family's tables cannot be listed (no IPv6 here), nothing of it was installed.
+    for t in
+        every_tables().filter(|t| iptables::available(*t) && iptables::chains(*t, "nat").is_ok())
+    {
+        let mut removed = iptables::remove_jumps(t, JUMPS)?;
         let mut chains = Vec::new();
         for (table, _) in FIXED_CHAINS {
-            chains.push((*table, owned_chains(b, table)?));
+            chains.push((*table, owned_chains(t, table)?));
         }
-        removed += iptables::delete_chains(b, &chains)?;
+        removed += iptables::delete_chains(t, &chains)?;
         if removed > 0 {
-            tracing::info!(backend = b.name(), removed, "cleaned up the iptables rules");
+            let (backend, family) = (t.backend.name(), t.family.name());
+            tracing::info!(backend, family, removed, "cleaned up the iptables rules");
         }
     }
     Ok(())
 }
 
-/// Whether the mode's chains are installed here, in either backend (an earlier run in this
-/// mode, or kube-proxy's). KUBE-SERVICES alone may be the IPVS mode's: the mode's own
+/// Whether the mode's chains are installed here, in either backend and family (an earlier run
+/// in this mode, or kube-proxy's). KUBE-SERVICES alone may be the IPVS mode's: the mode's own
 /// KUBE-NODEPORTS (IPVS has KUBE-NODE-PORT) or per-Service chains tell.
 pub fn installed() -> bool {
-    Backend::ALL.into_iter().any(|b| {
-        owned_chains(b, "nat").is_ok_and(|chains| {
+    every_tables().any(|t| {
+        owned_chains(t, "nat").is_ok_and(|chains| {
             chains
                 .iter()
                 .any(|c| c == "KUBE-NODEPORTS" || is_service_chain(c))

@@ -16,10 +16,14 @@
 //! `KUBE-EXTERNAL-SERVICES`; dropped where a Local policy has no local endpoint), load balancer
 //! traffic from outside the source ranges is dropped (`KUBE-PROXY-FIREWALL`), health check node
 //! ports are accepted, and `KUBE-FORWARD` lets marked and established traffic through.
-use std::{collections::BTreeSet, fmt::Write as _, net::Ipv4Addr};
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+};
 
 use crate::{
-    model::{DesiredState, Endpoint, ServicePort, ServicePortName, ipv4},
+    model::{DesiredState, Endpoint, ServicePort, ServicePortName},
     netfilter::rules::{MASQ_MARK, Settings, hash16},
 };
 
@@ -161,11 +165,14 @@ pub fn render(
 
     let nodeports = "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
     match &settings.node_port_addresses {
-        // Never 127.0.0.0/8: route_localnet stays off (CVE-2020-8558), so a NodePort DNATed
+        // Never loopback: route_localnet stays off (CVE-2020-8558), so a NodePort DNATed
         // there would be dropped (kube-proxy's --iptables-localhost-nodeports=false).
         None => nat.rule(
             "KUBE-SERVICES",
-            &format!("{nodeports} -m addrtype --dst-type LOCAL ! -d 127.0.0.0/8 -j KUBE-NODEPORTS"),
+            &format!(
+                "{nodeports} -m addrtype --dst-type LOCAL ! -d {} -j KUBE-NODEPORTS",
+                settings.family.loopback()
+            ),
         ),
         Some(addrs) => {
             for addr in addrs {
@@ -184,8 +191,9 @@ pub fn render(
     Rendered { text, chains }
 }
 
-/// The rules of one Service port (kube-proxy's `writeServiceToRules`, reduced to IPv4): its
-/// frontends' jumps in the shared chains (`filter`, `nat`), and its own chains (returned).
+/// The rules of one Service port in `settings.family` (kube-proxy's `writeServiceToRules`):
+/// its frontends' jumps in the shared chains (`filter`, `nat`), and its own chains (returned);
+/// nothing where it has no cluster IP of the family.
 fn service_rules(
     state: &DesiredState,
     settings: &Settings,
@@ -196,17 +204,23 @@ fn service_rules(
     declared: &mut BTreeSet<String>,
 ) -> Table {
     let mut own = Table::default();
+    let family = settings.family;
+    if !port.in_family(family) {
+        return own;
+    }
     let name = spn.to_string();
     let proto = port.protocol.keyword();
     let matches = format!("-m {proto} -p {proto}");
     let chains = Chains::of(&name, proto);
-    let cluster_ips: Vec<Ipv4Addr> = ipv4(&port.cluster_ips);
-    let external_ips = ipv4(&port.external_ips);
-    let lb_ips = ipv4(&port.load_balancer_ips);
+    let cluster_ips = family.filter(&port.cluster_ips);
+    let external_ips = family.filter(&port.external_ips);
+    let lb_ips = family.filter(&port.load_balancer_ips);
     let has_external = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
 
-    let cluster_endpoints = state.usable_endpoints(spn, false);
-    let local_endpoints = state.usable_endpoints(spn, true);
+    let mut cluster_endpoints = state.usable_endpoints(spn, false);
+    let mut local_endpoints = state.usable_endpoints(spn, true);
+    cluster_endpoints.retain(|ep| family.has(ep.ip));
+    local_endpoints.retain(|ep| family.has(ep.ip));
     let internal = if port.internal_traffic_local {
         &local_endpoints
     } else {
@@ -431,7 +445,7 @@ fn service_rules(
         let own_ips = settings
             .admits_load_balancer_ips(&port.source_ranges)
             .then_some(&lb_ips);
-        let sources = (port.source_ranges.iter().filter(|r| r.addr.is_ipv4()))
+        let sources = (port.source_ranges.iter().filter(|r| r.family() == family))
             .map(ToString::to_string)
             .chain(own_ips.into_iter().flatten().map(ToString::to_string));
         for source in sources {
@@ -464,34 +478,31 @@ fn service_rules(
         } else {
             String::new()
         };
+        let to = SocketAddr::new(*ip, *ep_port);
         own.rule(
             chain,
-            &format!(
-                "-m comment --comment {name}{recent} {matches} -j DNAT --to-destination {ip}:{ep_port}"
-            ),
+            &format!("-m comment --comment {name}{recent} {matches} -j DNAT --to-destination {to}"),
         );
     }
     own
 }
 
-/// An IPv4 endpoint a Service chain jumps to, and its `KUBE-SEP-*` chain.
+/// An endpoint a Service chain jumps to, and its `KUBE-SEP-*` chain.
 struct Target {
-    ip: Ipv4Addr,
+    ip: IpAddr,
     port: u16,
     chain: String,
 }
 
-/// The IPv4 ones of `endpoints` of the Service port `name`, each with its chain name.
+/// `endpoints` of the Service port `name`, each with its chain name (kube-proxy's: of
+/// `ip:port`, `[ip]:port` for IPv6).
 fn targets(name: &str, proto: &str, endpoints: &[&Endpoint]) -> Vec<Target> {
     endpoints
         .iter()
-        .filter_map(|ep| {
-            let ip = ep.ipv4()?;
-            Some(Target {
-                ip,
-                port: ep.port,
-                chain: endpoint_chain(name, proto, &format!("{ip}:{}", ep.port)),
-            })
+        .map(|ep| Target {
+            ip: ep.ip,
+            port: ep.port,
+            chain: endpoint_chain(name, proto, &SocketAddr::new(ep.ip, ep.port).to_string()),
         })
         .collect()
 }
@@ -532,7 +543,8 @@ fn endpoint_jumps(
             nat.rule(
                 chain,
                 &format!(
-                    "-m comment --comment \"{name} -> {ip}:{p}\" -m recent --name {ep_chain} --rcheck --seconds {timeout} --reap -j {ep_chain}"
+                    "-m comment --comment \"{name} -> {}\" -m recent --name {ep_chain} --rcheck --seconds {timeout} --reap -j {ep_chain}",
+                    SocketAddr::new(*ip, *p)
                 ),
             );
         }
@@ -557,7 +569,10 @@ fn endpoint_jumps(
         };
         nat.rule(
             chain,
-            &format!("-m comment --comment \"{name} -> {ip}:{p}\"{statistic} -j {ep_chain}"),
+            &format!(
+                "-m comment --comment \"{name} -> {}\"{statistic} -j {ep_chain}",
+                SocketAddr::new(*ip, *p)
+            ),
         );
     }
 }
@@ -565,12 +580,75 @@ fn endpoint_jumps(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
+
     use crate::{
         model::{Cidr, Family},
-        testing::{fixture, golden},
+        testing::{fixture, golden, netfilter_settings_of},
     };
 
     const FIXTURE: &str = crate::testing::SERVICES;
+
+    /// The dual-stack fixture's rules in each family, as `iptables-restore` and
+    /// `ip6tables-restore` take them: each family's half of the dual-stack Service, the
+    /// single-stack ones in their family only.
+    #[test]
+    fn dual_stack_rules_match_the_golden_files() {
+        let state = fixture(crate::testing::DUAL_STACK);
+        let render = |family| {
+            render(
+                &state,
+                &netfilter_settings_of(family),
+                &BTreeSet::new(),
+                None,
+            )
+        };
+        let (v4, v6) = (render(Family::V4).text, render(Family::V6).text);
+        golden("modes/iptables", "dual_stack_ipv4.golden", &v4);
+        golden("modes/iptables", "dual_stack_ipv6.golden", &v6);
+        assert!(
+            v4.contains("-d 10.96.0.20/32") || v4.contains("-d 10.96.0.20 "),
+            "{v4}"
+        );
+        assert!(!v4.contains("fd00:") && !v4.contains("2001:"), "{v4}");
+        assert!(!v6.contains("shop/web") && !v6.contains(" 10."), "{v6}");
+        for want in [
+            "-j DNAT --to-destination [fd00:10:244:1::12]:8080",
+            "-d 2001:db8:192:2::11 -j KUBE-NODEPORTS",
+            "-s 2001:db8:192:2::/64 -j KUBE-EXT-",
+            "kube-system/dns:dns has no endpoints\" -m udp -p udp -d fd00:10:96::a --dport 53 -j REJECT",
+        ] {
+            assert!(v6.contains(want), "no {want:?} in:\n{v6}");
+        }
+    }
+
+    /// Both families' rules, as the kernel's tools take them.
+    #[test]
+    fn dual_stack_rules_restore() {
+        use crate::netfilter::iptables::{Backend, Tables};
+        let test = "modes::iptables::rules::tests::dual_stack_rules_restore";
+        for backend in Backend::ALL {
+            for family in Family::ALL {
+                let tables = Tables { backend, family };
+                let save = tables.tool("iptables-save");
+                if !crate::testing::privileged(&format!("{test} ({save})"), &save) {
+                    continue;
+                }
+                let saved = crate::testing::in_new_netns(move || {
+                    let state = fixture(crate::testing::DUAL_STACK);
+                    let settings = netfilter_settings_of(family);
+                    let rendered = render(&state, &settings, &BTreeSet::new(), None);
+                    crate::netfilter::iptables::restore(tables, &rendered.text)?;
+                    crate::netfilter::iptables::save(tables)
+                });
+                let endpoint = match family {
+                    Family::V4 => "--to-destination 10.244.1.12:8080",
+                    Family::V6 => "--to-destination [fd00:10:244:1::12]:8080",
+                };
+                assert!(saved.contains(endpoint), "{save}: no {endpoint}:\n{saved}");
+            }
+        }
+    }
 
     #[test]
     fn rules_match_the_golden_file() {
