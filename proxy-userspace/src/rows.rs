@@ -199,6 +199,22 @@ pub(crate) fn range(addr: &str) -> String {
     }
 }
 
+/// The rows of each family's rules together, sorted: a frontend in several (a NodePort is in
+/// each family's) as one row with the endpoints of all.
+pub(crate) fn merge_families(mut rows: Vec<ServiceRow>) -> Vec<ServiceRow> {
+    rows.sort();
+    let mut merged: Vec<ServiceRow> = Vec::new();
+    for row in rows {
+        match merged.last_mut() {
+            Some(last) if (&last.address, last.protocol) == (&row.address, row.protocol) => {
+                last.backends.extend(row.backends);
+            }
+            _ => merged.push(row),
+        }
+    }
+    merged
+}
+
 /// An address and port as the rows show them: `10.0.0.1:80`, `[fd00::1]:80`.
 pub(crate) fn host_port(addr: &str, port: u16) -> String {
     match addr.contains(':') {

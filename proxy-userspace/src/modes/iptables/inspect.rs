@@ -15,13 +15,16 @@ use anyhow::Context;
 
 use crate::{
     model::Family,
-    netfilter::iptables::Tables,
     netfilter::{
-        conntrack, iptables,
+        conntrack,
+        iptables::{self, Tables},
         iptables_save::{SavedRule, chains, parse_save},
         rules::source_ranges_of,
     },
-    rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, host_port, range, row},
+    rows::{
+        BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, host_port, merge_families,
+        range, row,
+    },
 };
 
 /// Where a frontend's chain leads: its endpoints and policies.
@@ -275,22 +278,7 @@ pub fn read(what: What) -> anyhow::Result<Rows> {
     }
     // Each family's text on its own: a dual-stack Service's chains have the same names in
     // both.
-    let each = |read: &dyn Fn(&str) -> Vec<ServiceRow>| {
-        // A NodePort is in both families' rules: one row, the endpoints of both.
-        let mut rows: Vec<ServiceRow> = saved.iter().flat_map(|t| read(t)).collect();
-        rows.sort();
-        let mut merged: Vec<ServiceRow> = Vec::new();
-        for row in rows {
-            match merged.last_mut() {
-                Some(last) if (&last.address, last.protocol) == (&row.address, row.protocol) => {
-                    last.backends.extend(row.backends);
-                }
-                _ => merged.push(row),
-            }
-        }
-        merged
-    };
-    let services = || each(&services);
+    let services = || merge_families(saved.iter().flat_map(|t| services(t)).collect());
     Ok(match what {
         What::Services => Rows::Services {
             rows: services(),

@@ -16,8 +16,8 @@ use crate::{
     modes::nftables::rules::Table,
     netfilter::{conntrack, rules::source_ranges_of},
     rows::{
-        BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, host_port, protocol, range,
-        row,
+        BackendRow, ClientAffinityRow, Rows, ServiceRow, What, backend, host_port, merge_families,
+        protocol, range, row,
     },
 };
 
@@ -481,17 +481,11 @@ pub fn read(what: What, tables: &[Table]) -> anyhow::Result<Rows> {
         }
     }
     let services = || -> anyhow::Result<Vec<ServiceRow>> {
-        // A NodePort is in each family's table: one row, the endpoints of both.
-        let mut merged: Vec<ServiceRow> = Vec::new();
-        for row in each(&listed, services)? {
-            match merged.last_mut() {
-                Some(last) if (&last.address, last.protocol) == (&row.address, row.protocol) => {
-                    last.backends.extend(row.backends);
-                }
-                _ => merged.push(row),
-            }
+        let mut rows = Vec::new();
+        for json in &listed {
+            rows.extend(services(json)?);
         }
-        Ok(merged)
+        Ok(merge_families(rows))
     };
     Ok(match what {
         What::Services => Rows::Services {
