@@ -7,7 +7,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use crate::serve::http::Response;
+use crate::{model::Family, serve::http::Response};
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::default);
 
@@ -29,9 +29,20 @@ static PROGRAMMING_BUCKETS: LazyLock<Vec<f64>> = LazyLock::new(|| {
         .collect()
 });
 
-/// kube-proxy's label for the IP family a metric is about. The agent programs IPv4 only, so
-/// that is the one family it reports.
+/// kube-proxy's label for the IP family a metric is about. A sync here programs every family
+/// a mode serves at once: its metrics carry IPv4's label (kube-proxy's primary proxier's on
+/// most clusters); those of one family's rules (the iptables mode's) carry their family's.
 const IPV4: &str = "ip_family=\"IPv4\"";
+
+/// The iptables mode's figures of one family.
+#[derive(Clone, Copy, Debug, Default)]
+struct IptablesFamily {
+    restore_failures: u64,
+    partial_restore_failures: u64,
+    /// Rules written by the last sync, and rules owned, by [`IPTABLES_TABLES`].
+    rules_last: [usize; 2],
+    rules_total: [usize; 2],
+}
 
 /// The families kube-proxy registers only in some of its modes (its `RegisterMetrics(mode)`);
 /// the agent exports them in the same modes.
@@ -78,11 +89,8 @@ struct Inner {
     no_local_endpoints: [usize; 2],
     mode: Option<&'static str>,
     families: ModeFamilies,
-    iptables_restore_failures: u64,
-    iptables_partial_restore_failures: u64,
-    /// Rules written by the last sync, and rules owned, by [`IPTABLES_TABLES`].
-    iptables_rules_last: [usize; 2],
-    iptables_rules_total: [usize; 2],
+    /// The iptables mode's, by family ([`Family::ALL`]' order; None: not served).
+    iptables: [Option<IptablesFamily>; 2],
     nftables_sync_failures: u64,
     /// What KUBE-FORWARD's ct-state-invalid rule dropped, as the last sync read it.
     iptables_invalid_drops: Option<u64>,
@@ -106,10 +114,7 @@ impl Default for Inner {
             no_local_endpoints: [0; 2],
             mode: None,
             families: ModeFamilies::Common,
-            iptables_restore_failures: 0,
-            iptables_partial_restore_failures: 0,
-            iptables_rules_last: [0; 2],
-            iptables_rules_total: [0; 2],
+            iptables: [None, None],
             nftables_sync_failures: 0,
             iptables_invalid_drops: None,
             unserved_sctp_ports: 0,
@@ -266,18 +271,20 @@ impl Metrics {
 
     /// An iptables-restore of a sync failed; `partial` when it wrote only the changed
     /// Services' chains.
-    pub fn iptables_restore_failed(&self, partial: bool) {
+    pub fn iptables_restore_failed(&self, family: Family, partial: bool) {
         let mut m = self.inner.lock().unwrap();
-        m.iptables_restore_failures += 1;
-        m.iptables_partial_restore_failures += u64::from(partial);
+        let f = m.iptables[family as usize].get_or_insert_default();
+        f.restore_failures += 1;
+        f.partial_restore_failures += u64::from(partial);
     }
 
-    /// The iptables rules the last sync wrote and those the mode owns now, by
+    /// The iptables rules of `family` the last sync wrote and those the mode owns now, by
     /// [`IPTABLES_TABLES`].
-    pub fn iptables_rules(&self, last: [usize; 2], total: [usize; 2]) {
+    pub fn iptables_rules(&self, family: Family, last: [usize; 2], total: [usize; 2]) {
         let mut m = self.inner.lock().unwrap();
-        m.iptables_rules_last = last;
-        m.iptables_rules_total = total;
+        let f = m.iptables[family as usize].get_or_insert_default();
+        f.rules_last = last;
+        f.rules_total = total;
     }
 
     /// The packets the iptables mode's ct-state-invalid rule dropped, read after a sync.
@@ -418,26 +425,34 @@ impl Metrics {
                 probes[0], probes[1]
             );
         }
+        // The families served (IPv4 before the first sync, and in the ipvs mode).
+        let iptables: Vec<(String, IptablesFamily)> = match m.iptables {
+            [None, None] => vec![(IPV4.to_owned(), IptablesFamily::default())],
+            _ => (Family::ALL.iter().zip(&m.iptables))
+                .filter_map(|(family, f)| Some((format!("ip_family=\"{family}\""), (*f)?)))
+                .collect(),
+        };
+        let per_family =
+            |out: &mut String, name: &str, help: &str, value: fn(&IptablesFamily) -> u64| {
+                header(out, name, help, "counter");
+                for (label, f) in &iptables {
+                    let _ = writeln!(out, "{name}{{{label}}} {}", value(f));
+                }
+            };
         if matches!(m.families, ModeFamilies::Iptables | ModeFamilies::Ipvs) {
-            single(
+            per_family(
                 out,
-                counter(
-                    "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
-                    "Cumulative proxy iptables restore failures",
-                ),
-                IPV4,
-                m.iptables_restore_failures as f64,
+                "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                "Cumulative proxy iptables restore failures",
+                |f| f.restore_failures,
             );
         }
         if m.families == ModeFamilies::Iptables {
-            single(
+            per_family(
                 out,
-                counter(
-                    "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
-                    "Cumulative proxy iptables partial restore failures",
-                ),
-                IPV4,
-                m.iptables_partial_restore_failures as f64,
+                "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                "Cumulative proxy iptables partial restore failures",
+                |f| f.partial_restore_failures,
             );
             if let Some(packets) = m.iptables_invalid_drops {
                 single(
@@ -450,21 +465,24 @@ impl Metrics {
                     packets as f64,
                 );
             }
-            for (name, help, counts) in [
+            let rules: [(&str, &str, fn(&IptablesFamily) -> [usize; 2]); 2] = [
                 (
                     "kubeproxy_sync_proxy_rules_iptables_last",
                     "Number of iptables rules written by kube-proxy in last sync",
-                    m.iptables_rules_last,
+                    |f| f.rules_last,
                 ),
                 (
                     "kubeproxy_sync_proxy_rules_iptables_total",
                     "Total number of iptables rules owned by kube-proxy",
-                    m.iptables_rules_total,
+                    |f| f.rules_total,
                 ),
-            ] {
+            ];
+            for (name, help, counts) in rules {
                 header(out, name, help, "gauge");
-                for (table, count) in IPTABLES_TABLES.iter().zip(counts) {
-                    let _ = writeln!(out, "{name}{{{IPV4},table=\"{table}\"}} {count}");
+                for (label, f) in &iptables {
+                    for (table, count) in IPTABLES_TABLES.iter().zip(counts(f)) {
+                        let _ = writeln!(out, "{name}{{{label},table=\"{table}\"}} {count}");
+                    }
                 }
             }
         }
@@ -641,14 +659,17 @@ mod tests {
         ));
         assert!(!text.contains("iptables_restore_failures"));
         m.set_mode("iptables", ModeFamilies::Iptables);
-        m.iptables_restore_failed(true);
-        m.iptables_rules([3, 10], [5, 40]);
+        m.iptables_restore_failed(Family::V4, true);
+        m.iptables_rules(Family::V4, [3, 10], [5, 40]);
+        m.iptables_rules(Family::V6, [1, 4], [2, 8]);
         let text = m.render();
         for line in [
             "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv6\"} 0",
             "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total{ip_family=\"IPv4\"} 1",
             "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv4\",table=\"nat\"} 10",
             "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv4\",table=\"filter\"} 5",
+            "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv6\",table=\"nat\"} 8",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

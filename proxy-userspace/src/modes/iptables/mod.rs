@@ -145,29 +145,25 @@ impl Dataplane for IptablesDataplane {
             Scope::Changed(changed) if self.jumps_checked => Some(changed),
             _ => None,
         };
-        let (mut last, mut totals, mut drops) = ([0; 2], [0; 2], None);
+        let mut drops = None;
         for f in &mut self.families {
             let settings = self.config.netfilter.settings(f.tables.family)?;
             let rendered = rules::render(state, &settings, &f.chains, changed);
             if let Err(e) = iptables::restore(f.tables, &rendered.text) {
-                METRICS.iptables_restore_failed(changed.is_some());
+                METRICS.iptables_restore_failed(f.tables.family, changed.is_some());
                 // The next sync writes every family whole.
                 self.jumps_checked = false;
                 return Err(e);
             }
             f.chains = rendered.chains;
             let written = f.rules.written(&rendered.text);
-            for t in 0..2 {
-                last[t] += written[t];
-                totals[t] += f.rules.totals()[t];
-            }
+            METRICS.iptables_rules(f.tables.family, written, f.rules.totals());
             // Read here rather than at each scrape: the sync holds no runtime thread it would
             // block.
             if let Some(n) = invalid_drops(f.tables) {
                 drops = Some(drops.unwrap_or(0) + n);
             }
         }
-        METRICS.iptables_rules(last, totals);
         METRICS.iptables_invalid_drops(drops);
         // The chains exist now; the jumps to them are checked once and at each full or
         // periodic sync (something else may have flushed the built-in chains).

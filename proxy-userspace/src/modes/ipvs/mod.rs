@@ -439,7 +439,7 @@ impl IpvsDataplane {
             &rules::iptables_restore(&plan, &settings),
         );
         if restored.is_err() {
-            crate::serve::metrics::METRICS.iptables_restore_failed(false);
+            crate::serve::metrics::METRICS.iptables_restore_failed(Family::V4, false);
         }
         restored?;
         if full || scope.checks_jumps() {

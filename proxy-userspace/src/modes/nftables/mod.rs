@@ -21,20 +21,34 @@ use crate::{
 
 pub struct NftablesDataplane {
     config: NetfilterConfig,
-    /// What each table holds ([`rules::TABLES`]' order); None until the first sync and after
-    /// a failed one.
-    programmed: [Option<rules::Programmed>; 2],
+    /// The tables written, each with what it holds: None until the first sync and after a
+    /// failed one.
+    tables: Vec<(rules::Table, Option<rules::Programmed>)>,
     udp: StaleUdp,
 }
 
 impl NftablesDataplane {
-    /// Checks that nft works here. What an earlier run left in the table is replaced at the
-    /// first sync.
+    /// Checks that nft works here, and which families it can write (IPv6 not on a node booted
+    /// without it: kube-proxy checks the same). What an earlier run left in the tables is
+    /// replaced at the first sync.
     pub fn new(config: NetfilterConfig) -> anyhow::Result<Self> {
         available()?;
+        let mut tables = Vec::new();
+        for table in rules::TABLES {
+            // A transaction checked, not committed.
+            let check = format!("add table {}\n", table.name);
+            match crate::command::pipe("nft", &["--check", "-f", "-"], &check) {
+                Ok(()) => tables.push((table, None)),
+                Err(e) => tracing::warn!(
+                    "{} Services are not served: nft cannot write {} here ({e:#})",
+                    table.family,
+                    table.name
+                ),
+            }
+        }
         Ok(Self {
             config,
-            programmed: [None, None],
+            tables,
             udp: StaleUdp::default(),
         })
     }
@@ -43,8 +57,8 @@ impl NftablesDataplane {
 impl Dataplane for NftablesDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let mut text = String::new();
-        let mut programmed = Vec::with_capacity(rules::TABLES.len());
-        for (table, was) in rules::TABLES.iter().zip(&mut self.programmed) {
+        let mut programmed = Vec::with_capacity(self.tables.len());
+        for (table, was) in &mut self.tables {
             let settings = self.config.settings(table.family)?;
             // Taken: if the transaction fails, the next sync starts from unknown tables.
             let rendered = rules::render(state, &settings, *table, was.take(), scope);
@@ -58,7 +72,7 @@ impl Dataplane for NftablesDataplane {
             crate::serve::metrics::METRICS.nftables_sync_failed();
             return Err(e);
         }
-        for (slot, p) in self.programmed.iter_mut().zip(programmed) {
+        for ((_, slot), p) in self.tables.iter_mut().zip(programmed) {
             *slot = Some(p);
         }
         self.udp.clear(state);
