@@ -465,22 +465,23 @@ impl Metrics {
                     packets as f64,
                 );
             }
-            let rules: [(&str, &str, fn(&IptablesFamily) -> [usize; 2]); 2] = [
+            let rules = [
                 (
                     "kubeproxy_sync_proxy_rules_iptables_last",
                     "Number of iptables rules written by kube-proxy in last sync",
-                    |f| f.rules_last,
+                    false,
                 ),
                 (
                     "kubeproxy_sync_proxy_rules_iptables_total",
                     "Total number of iptables rules owned by kube-proxy",
-                    |f| f.rules_total,
+                    true,
                 ),
             ];
-            for (name, help, counts) in rules {
+            for (name, help, total) in rules {
                 header(out, name, help, "gauge");
                 for (label, f) in &iptables {
-                    for (table, count) in IPTABLES_TABLES.iter().zip(counts(f)) {
+                    let counts = if total { f.rules_total } else { f.rules_last };
+                    for (table, count) in IPTABLES_TABLES.iter().zip(counts) {
                         let _ = writeln!(out, "{name}{{{label},table=\"{table}\"}} {count}");
                     }
                 }
