@@ -13,7 +13,7 @@ use tokio::sync::{oneshot, watch};
 use crate::{
     dataplane::{Dataplane, NotProgrammable, Scope},
     events::{self, Regarding},
-    model::{ChangeTracker, DesiredState, ServicePortName},
+    model::{ChangeTracker, DesiredState, Family, ServicePortName},
     serve::health_check_ports,
     serve::healthz::{self, ProxyHealth},
     serve::http,
@@ -251,6 +251,8 @@ pub async fn run(
                 }
                 if matches!(scope, Scope::All) {
                     last_full = Instant::now();
+                    let served = dataplane.lock().unwrap().families();
+                    warn_unserved_families(&state, &served);
                 }
                 full = unprogrammable;
                 METRICS.programmed(&triggers);
@@ -350,4 +352,20 @@ fn source_ended(r: Result<anyhow::Result<()>, tokio::task::JoinError>) -> anyhow
 fn release_free_memory() {
     // SAFETY: malloc_trim has no preconditions.
     unsafe { libc::malloc_trim(0) };
+}
+
+/// Says, at each full sync, how many Service ports have a cluster IP of a family the mode does
+/// not serve: their addresses of that family get nothing (kube-proxy would serve them).
+fn warn_unserved_families(state: &DesiredState, served: &[Family]) {
+    for family in Family::ALL.into_iter().filter(|f| !served.contains(f)) {
+        let ports = state.ports().filter(|(_, p)| p.in_family(family)).count();
+        if ports > 0 {
+            tracing::warn!(
+                service_ports = ports,
+                "{ports} Service ports have an {family} cluster IP, which this mode does not \
+                 serve yet: their {family} addresses get nothing, and Services of {family} only \
+                 no service at all; the nftables and iptables modes serve both families"
+            );
+        }
+    }
 }

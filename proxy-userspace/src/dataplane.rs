@@ -1,7 +1,7 @@
 //! The one contract every proxy mode implements: make the node serve the desired state.
 use std::collections::BTreeSet;
 
-use crate::model::{DesiredState, ServicePortName};
+use crate::model::{DesiredState, Family, ServicePortName};
 
 /// Which service ports a sync must look at.
 #[derive(Clone, Copy, Debug)]
@@ -30,6 +30,12 @@ pub trait Dataplane: Send {
     /// Programs the node so that the service ports in `scope` behave as `state` says. An error
     /// leaves the rest programmed; the caller retries with [`Scope::All`].
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()>;
+
+    /// The IP families the mode serves: a Service port is served in those of its cluster IPs
+    /// it serves (kube-proxy's rule).
+    fn families(&self) -> Vec<Family> {
+        vec![Family::V4]
+    }
 
     /// Periodic work that does not depend on the state (the agent calls it about once a
     /// second), such as checking that the mode's own background work is still running.

@@ -29,7 +29,8 @@ fn suite(test: &str, mode: &str, shape: Shape, stack: Stack) {
 /// One test a mode and shape: routed pods (`<mode>`), bridged (`<mode>_bridge`), named as the
 /// AWS VPC CNI names them (`<mode>_eni`), bridged behind a VXLAN overlay (`<mode>_overlay`),
 /// and named after the pod on multi-homed nodes (`<mode>_multihomed`), on IPv4 Services; for
-/// the modes that serve IPv6, on IPv6 (`_ipv6`) and dual-stack (`_dual_stack`) Services too.
+/// the modes that serve IPv6, on IPv6 (`_ipv6`) and dual-stack (`_dual_stack`) Services too;
+/// the others on dual-stack Services, checked over IPv4, with routed pods.
 /// The IPVS ones are skipped (loudly) where the kernel has no IPVS: `cargo xtask vm-test` runs
 /// them.
 macro_rules! suites {
@@ -56,6 +57,8 @@ suites! {
 
 suites! {
     DualStack;
+    "ebpf": ebpf_dual_stack Routed;
+    "userspace": userspace_dual_stack Routed;
     "iptables-legacy": iptables_legacy_dual_stack Routed, iptables_legacy_bridge_dual_stack Bridge,
         iptables_legacy_eni_dual_stack Eni, iptables_legacy_overlay_dual_stack Overlay,
         iptables_legacy_multihomed_dual_stack MultiHomed;

@@ -14,7 +14,9 @@ use proxy_common::{
     SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES, ServiceKey, ServiceValue,
 };
 
-use crate::model::{Cidr, DesiredState, Endpoint, LbAlgorithm, Protocol, ServicePortName, ipv4};
+use crate::model::{
+    Cidr, DesiredState, Endpoint, Family, LbAlgorithm, Protocol, ServicePort, ServicePortName, ipv4,
+};
 
 /// A service address as the datapath matches it: slot 0 of the services map.
 pub type Frontend = ServiceKey;
@@ -63,13 +65,16 @@ pub struct FrontendPlan {
 /// Service is reachable from outside, its NodePort (on every node address), external IPs and
 /// load balancer addresses. With externalTrafficPolicy Local, those hold only this node's
 /// endpoints, and a second scope holds every endpoint for clients inside the cluster. TCP and
-/// UDP only: SCTP ports are kept in the model and skipped here.
+/// UDP only: SCTP ports are kept in the model and skipped here; so are ports without an IPv4
+/// cluster IP.
 pub fn frontends(
     state: &DesiredState,
     spn: &ServicePortName,
     lb_algorithm: LbAlgorithm,
 ) -> Vec<FrontendPlan> {
-    let Some(sp) = state.port(spn).filter(|sp| sp.protocol != Protocol::Sctp) else {
+    // IPv4 for now: the ports with an IPv4 cluster IP (kube-proxy's IPv4 proxier's).
+    let served = |sp: &&ServicePort| sp.protocol != Protocol::Sctp && sp.in_family(Family::V4);
+    let Some(sp) = state.port(spn).filter(served) else {
         return Vec::new();
     };
     let proto = sp.protocol.number();
@@ -395,5 +400,21 @@ mod tests {
         let state = crate::testing::fixture(crate::testing::SERVICES);
         let plan = render(&state, LbAlgorithm::Random);
         crate::testing::golden("modes/ebpf", "plan.golden", &plan);
+    }
+
+    /// IPv4 only, as kube-proxy's IPv4 proxier: a dual-stack Service's IPv4 half, nothing of
+    /// an IPv6-only one (its NodePort included).
+    #[test]
+    fn ipv6_only_ports_get_no_frontend() {
+        let state = crate::testing::fixture(crate::testing::DUAL_STACK);
+        let plan = render(&state, LbAlgorithm::Random);
+        assert!(
+            plan.contains("10.96.0.20:80") && plan.contains("10.244.2.11:8080"),
+            "{plan}"
+        );
+        // Listed, with no frontend.
+        assert!(plan.contains("shop/local:http/TCP\nshop/web"), "{plan}");
+        assert!(!plan.contains("30081") && !plan.contains(":53"), "{plan}");
+        assert!(!plan.contains("fd00:") && !plan.contains("2001:"), "{plan}");
     }
 }

@@ -176,6 +176,10 @@ impl Dataplane for IptablesDataplane {
         self.udp.clear(state);
         Ok(())
     }
+
+    fn families(&self) -> Vec<Family> {
+        self.families.iter().map(|f| f.tables.family).collect()
+    }
 }
 
 /// The packets KUBE-FORWARD's `--ctstate INVALID` rule dropped, from its counter (kube-proxy

@@ -23,7 +23,7 @@ use std::{
 
 use super::netlink::{FLAG_PERSISTENT, Service, ServiceKey};
 use crate::{
-    model::{Cidr, ipv4},
+    model::{Cidr, Family, ipv4},
     model::{DesiredState, Endpoint, Protocol, ServicePortName},
     netfilter::rules::MASQ_MARK,
 };
@@ -152,10 +152,13 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
     for def in SETS {
         plan.sets.insert(def.name, BTreeSet::new());
     }
-    for (spn, port) in state.ports() {
+    // IPv4's: the ports with an IPv4 cluster IP, and their IPv4 endpoints.
+    for (spn, port) in state.ports().filter(|(_, port)| port.in_family(Family::V4)) {
         let proto = port.protocol.keyword();
-        let cluster = state.usable_endpoints(spn, false);
-        let local = state.usable_endpoints(spn, true);
+        let mut cluster = state.usable_endpoints(spn, false);
+        let mut local = state.usable_endpoints(spn, true);
+        cluster.retain(|ep| ep.ip.is_ipv4());
+        local.retain(|ep| ep.ip.is_ipv4());
         let external_ips = ipv4(&port.external_ips);
         let lb_ips = ipv4(&port.load_balancer_ips);
         let has_external =

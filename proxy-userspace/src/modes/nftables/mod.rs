@@ -15,7 +15,7 @@ use anyhow::{Context, bail};
 
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::DesiredState,
+    model::{DesiredState, Family},
     netfilter::{rules::NetfilterConfig, stale_udp::StaleUdp},
 };
 
@@ -77,6 +77,10 @@ impl Dataplane for NftablesDataplane {
         }
         self.udp.clear(state);
         Ok(())
+    }
+
+    fn families(&self) -> Vec<Family> {
+        self.tables.iter().map(|(table, _)| table.family).collect()
     }
 }
 

@@ -25,7 +25,7 @@ use std::{
     net::{Ipv4Addr, SocketAddrV4},
 };
 
-use crate::model::{Cidr, DesiredState, Protocol, ServicePort, ServicePortName, ipv4};
+use crate::model::{Cidr, DesiredState, Family, Protocol, ServicePort, ServicePortName, ipv4};
 
 pub const CONTAINER_PORTALS: &str = "KUBE-PORTALS-CONTAINER";
 pub const HOST_PORTALS: &str = "KUBE-PORTALS-HOST";
@@ -85,17 +85,9 @@ impl ProxyPorts {
 }
 
 /// Whether the mode proxies `port` at all: TCP or UDP (kube-proxy's userspace mode had no
-/// SCTP), with an IPv4 frontend (the mode is IPv4 only).
+/// SCTP), with an IPv4 cluster IP (the mode is IPv4 only: kube-proxy's IPv4 proxier's ports).
 pub fn proxied(port: &ServicePort) -> bool {
-    port.protocol != Protocol::Sctp
-        && (port.node_port.is_some()
-            || [
-                &port.cluster_ips,
-                &port.external_ips,
-                &port.load_balancer_ips,
-            ]
-            .into_iter()
-            .any(|ips| !ipv4(ips).is_empty()))
+    port.protocol != Protocol::Sctp && port.in_family(Family::V4)
 }
 
 /// Whether `port` can be reached from outside the cluster (NodePort, external or LB IPs).
@@ -207,7 +199,8 @@ fn service_rules(
         Protocol::Sctp => return,
     };
     let node_ip = settings.node_ip;
-    let cluster_endpoints = state.usable_endpoints(spn, false);
+    let mut cluster_endpoints = state.usable_endpoints(spn, false);
+    cluster_endpoints.retain(|ep| ep.ip.is_ipv4());
     // What a frontend whose listener has no endpoints does (None: it has some).
     let verdict = |listener: Listener| {
         let local = match listener {
