@@ -378,7 +378,8 @@ fn node_addresses_that_come_and_go_are_followed() {
 /// A SYN flood through a NodePort (spoofed sources nobody answers for, half of them sent on to
 /// the endpoint on the other node) cannot lock a legitimate client out: with a source port
 /// range the flood fills in two seconds, its flows being opened give their ports up to new
-/// ones, and the client's connections succeed during the flood and after it.
+/// ones, and the client's connections succeed during the flood (a few at their retry) and
+/// after it.
 #[test]
 fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
     const PORTS: (u16, u16) = (61000, 61511);
@@ -412,15 +413,33 @@ fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
         let flooder = scope.spawn(|| flood(&flooding));
         // The range fills in about two seconds (half the flood needs a port), then stays full.
         std::thread::sleep(Duration::from_secs(3));
-        let during = (0..100).filter(|_| whoami(ext, node_port).is_ok()).count();
+        // Each connection tried at most twice, as a client retries: (first tries that
+        // succeeded, the errors of connections whose retry failed too).
+        let mut during = (0, Vec::new());
+        for _ in 0..100 {
+            match whoami(ext, node_port) {
+                Ok(_) => during.0 += 1,
+                Err(first) => {
+                    if let Err(retry) = whoami(ext, node_port) {
+                        during.1.push(format!("{first:#}; retried: {retry:#}"));
+                    }
+                }
+            }
+        }
         flooding.store(false, std::sync::atomic::Ordering::Relaxed);
         (during, flooder.join().unwrap().expect("flooding"))
     });
-    eprintln!("flood: {sent} SYNs; {during} of 100 connections during it");
+    let (first_tries, failed) = during;
+    eprintln!("flood: {sent} SYNs; {first_tries} of 100 connections at the first try");
     assert!(sent > 1000, "the flood sent {sent} SYNs");
+    // A first try can fail (1 or 2 of 100 here, timed out with the SYN sent twice): the port
+    // it is given was most likely taken from a flood flow whose SYN_RECV request the endpoint
+    // still holds (it retransmits its SYN-ACK for a minute), so the endpoint takes the new SYN
+    // as out of window. The retry, from another client port, gets another port.
     assert!(
-        during >= 99,
-        "{during} of 100 connections succeeded during the flood"
+        first_tries >= 95 && failed.is_empty(),
+        "{first_tries} of 100 connections succeeded at the first try during the flood; \
+         failed twice: {failed:?}"
     );
     let after = (0..50).filter(|_| whoami(ext, node_port).is_ok()).count();
     assert_eq!(after, 50, "connections after the flood");
