@@ -479,7 +479,8 @@ impl Stack {
         }
     }
 
-    /// The families a scenario is checked over, in order.
+    /// The families of its Services, IPv4 first: those each scenario is checked over, where
+    /// the mode serves them.
     fn families(self) -> &'static [Family] {
         match self {
             Stack::Ipv4 => &[Family::V4],
