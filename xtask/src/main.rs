@@ -80,6 +80,8 @@ const DEB_PACKAGES: &[&str] = &[
     "netcat-openbsd",
     "procps",
     "kmod",
+    // ping: the sandbox test's check that a node answers from outside.
+    "iputils-ping",
     // The agent's image (deploy/image.sh) and its tests, which run it as the DaemonSet does.
     "mmdebstrap",
     "umoci",
