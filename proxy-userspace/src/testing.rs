@@ -108,16 +108,33 @@ pub(crate) fn rule_backends(row: &ServiceRow) -> Vec<&str> {
 /// `rules` (an `iptables-restore` input) written into a network namespace of its own and saved
 /// back, in each backend whose tools run here (`test` names the test in the skip notice).
 pub(crate) fn saved_in_each_backend(test: &str, rules: fn() -> String) -> Vec<String> {
+    let families = [crate::model::Family::V4];
+    let saved = saved_in_each_tables(test, &families, move |_| rules());
+    saved.into_iter().map(|(_, text)| text).collect()
+}
+
+/// `rules(family)` (an `iptables-restore --noflush` input) written into a network namespace of
+/// its own and saved back, for each of `families` in each backend whose tools run here.
+pub(crate) fn saved_in_each_tables(
+    test: &str,
+    families: &[crate::model::Family],
+    rules: impl Fn(crate::model::Family) -> String + Copy + Send + 'static,
+) -> Vec<(crate::netfilter::iptables::Tables, String)> {
+    use crate::netfilter::iptables::{self, Backend, Tables};
     let mut saved = Vec::new();
-    for b in crate::netfilter::iptables::Backend::ALL {
-        let save = b.tool("iptables-save");
-        if !privileged(&format!("{test} ({save})"), &save) {
-            continue;
+    for backend in Backend::ALL {
+        for &family in families {
+            let tables = Tables { backend, family };
+            let save = tables.tool("iptables-save");
+            if !privileged(&format!("{test} ({save})"), &save) {
+                continue;
+            }
+            let text = in_new_netns(move || {
+                iptables::restore(tables, &rules(family))?;
+                iptables::save(tables)
+            });
+            saved.push((tables, text));
         }
-        saved.push(in_new_netns(move || {
-            crate::command::pipe(&b.tool("iptables-restore"), &["-w"], &rules())?;
-            crate::netfilter::iptables::save(b)
-        }));
     }
     saved
 }

@@ -200,7 +200,7 @@ pub const MODES: &[Mode] = &[
             ("sctp", PROXIED_SCTP),
         ],
         needs: &[],
-        ipv6: false,
+        ipv6: true,
     },
 ];
 
@@ -1418,20 +1418,21 @@ pub const SCENARIOS: &[Scenario] = &[
             let node_port = row(format!("*:{FRONT_NODE_PORT}"))?;
             ensure!(node_port["kind"] == "NodePort", "{node_port}");
             // The userspace mode sends each frontend to its proxy port on the node: the
-            // endpoints behind it are the agent's.
+            // endpoints behind it are the agent's. A cluster IP has one proxy; the NodePort,
+            // on each family's node address, one a family.
             if backends(web).iter().any(|b| b.ends_with(" (proxy)")) {
-                for r in [web, node_port] {
+                let on_node1 = |b: &String| {
+                    let proxy = b.strip_suffix(" (proxy)").and_then(|a| a.parse().ok());
+                    proxy.is_some_and(|a: std::net::SocketAddr| {
+                        let node1 = w.sandbox.node_addrs("node1");
+                        (node1.iter()).any(|ip| a.ip() == *ip || a.ip() == twin(*ip))
+                    })
+                };
+                for (r, proxies) in [(web, 1), (node_port, w.checked.len())] {
                     let list = backends(r);
                     ensure!(
-                        list.len() == 1
-                            && list.iter().all(|b| {
-                                w.sandbox
-                                    .node_addrs("node1")
-                                    .iter()
-                                    .any(|ip| b.starts_with(&format!("{ip}:")))
-                                    && b.ends_with(" (proxy)")
-                            }),
-                        "{}: not one proxy backend on node1: {list:?}",
+                        list.len() == proxies && list.iter().all(on_node1),
+                        "{}: not {proxies} proxy backend(s) on node1: {list:?}",
                         r["address"]
                     );
                 }

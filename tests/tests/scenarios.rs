@@ -53,6 +53,12 @@ suites! {
         iptables_nft_multihomed_ipv6 MultiHomed;
     "nftables": nftables_ipv6 Routed, nftables_bridge_ipv6 Bridge, nftables_eni_ipv6 Eni,
         nftables_overlay_ipv6 Overlay, nftables_multihomed_ipv6 MultiHomed;
+    // Not on bridged pods: there the first UDP datagram to an endpoint lost its reply in about
+    // half the runs (the proxy's session, idle after kube-proxy's 250 ms --udp-timeout, was
+    // closed before any reply; with 3 s every reply came within a millisecond). Not explained
+    // yet: see issue 22's note.
+    "userspace": userspace_ipv6 Routed, userspace_eni_ipv6 Eni,
+        userspace_overlay_ipv6 Overlay, userspace_multihomed_ipv6 MultiHomed;
 }
 
 suites! {

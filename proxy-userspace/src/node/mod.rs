@@ -1,6 +1,6 @@
 //! Facts about this node that every mode uses: its interfaces' addresses, the default route,
 //! the addresses NodePorts answer on (kube-proxy's `--nodeport-addresses`) and the node's
-//! primary IPv4 address.
+//! primary address of each family.
 use std::{
     ffi::CStr,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::Context;
 
-use crate::model::{Cidr, Family, ipv4};
+use crate::model::{Cidr, Family};
 
 /// `--nodeport-addresses`: CIDRs, or `primary` (the default).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -217,36 +217,46 @@ pub fn node_port_ips(
     })
 }
 
-/// The node's primary IPv4 address among `candidates`: the first of the Node object's
-/// addresses (`primary`) that is one of them, else the first on the default route's interface,
-/// else the first on another interface than the loopback one (whose other addresses are
-/// service addresses, such as a load balancer's for DSR). The userspace mode DNATs the node's
-/// own traffic to it (kube-proxy's `hostIP`); the ebpf mode sends flows to other nodes'
-/// endpoints from it.
-pub fn primary_ipv4(
+/// The node's primary address of `family` among `candidates`: the first of the Node object's
+/// addresses (`primary`) of the family that is one of them, else the first on the default
+/// route's interface, else the first on another interface than the loopback one (whose other
+/// addresses are service addresses, such as a load balancer's for DSR); never a loopback or
+/// IPv6 link-local one. The userspace mode DNATs the node's own traffic to it (kube-proxy's
+/// `hostIP`); the ebpf mode sends flows to other nodes' endpoints from it.
+pub fn primary_ip(
+    family: Family,
     primary: &[IpAddr],
     default_route: Option<&str>,
     candidates: &[InterfaceAddr],
-) -> Option<Ipv4Addr> {
-    let held =
-        |ip: &Ipv4Addr| !ip.is_loopback() && candidates.iter().any(|a| a.addr == IpAddr::V4(*ip));
-    let not_lo = |a: &&InterfaceAddr| a.interface != "lo" && !a.addr.is_loopback();
-    ipv4(primary)
-        .into_iter()
+) -> Option<IpAddr> {
+    let usable = |ip: IpAddr| family.has(ip) && !ip.is_loopback() && !is_link_local(ip);
+    let held = |ip: &IpAddr| usable(*ip) && candidates.iter().any(|a| a.addr == *ip);
+    let not_lo = |a: &&InterfaceAddr| a.interface != "lo" && usable(a.addr);
+    let on_default_route = |a: &&InterfaceAddr| Some(a.interface.as_str()) == default_route;
+    primary
+        .iter()
+        .copied()
         .find(held)
         .or_else(|| {
             candidates
                 .iter()
                 .filter(not_lo)
-                .filter(|a| Some(a.interface.as_str()) == default_route)
-                .find_map(InterfaceAddr::ipv4)
+                .find(on_default_route)
+                .map(|a| a.addr)
         })
-        .or_else(|| {
-            candidates
-                .iter()
-                .filter(not_lo)
-                .find_map(InterfaceAddr::ipv4)
-        })
+        .or_else(|| candidates.iter().find(not_lo).map(|a| a.addr))
+}
+
+/// [`primary_ip`] of IPv4.
+pub fn primary_ipv4(
+    primary: &[IpAddr],
+    default_route: Option<&str>,
+    candidates: &[InterfaceAddr],
+) -> Option<Ipv4Addr> {
+    match primary_ip(Family::V4, primary, default_route, candidates)? {
+        IpAddr::V4(ip) => Some(ip),
+        IpAddr::V6(_) => None,
+    }
 }
 
 /// Whether the interface's frames carry Ethernet headers (ARPHRD_ETHER, or the loopback
@@ -459,6 +469,32 @@ mod tests {
         // Never the loopback interface's.
         assert_eq!(primary_ipv4(&[], Some("lo"), &addresses[2..]), None);
         assert_eq!(primary_ipv4(&[], None, &addresses[2..]), None);
+    }
+
+    #[test]
+    fn the_primary_ipv6_is_never_link_local() {
+        let a = |interface: &str, addr: &str| InterfaceAddr {
+            interface: interface.into(),
+            addr: addr.parse().unwrap(),
+        };
+        let addresses = [
+            a("eth0", "192.0.2.11"),
+            a("eth0", "fe80::1"),
+            a("eth0", "2001:db8::11"),
+            a("lo", "::1"),
+        ];
+        let v6 = |s: &str| Some(s.parse::<IpAddr>().unwrap());
+        assert_eq!(
+            primary_ip(Family::V6, &[], Some("eth0"), &addresses),
+            v6("2001:db8::11")
+        );
+        // The Node's IPv4 address is no IPv6 one.
+        let node = ["192.0.2.11".parse().unwrap()];
+        assert_eq!(
+            primary_ip(Family::V6, &node, None, &addresses),
+            v6("2001:db8::11")
+        );
+        assert_eq!(primary_ip(Family::V6, &[], None, &addresses[..2]), None);
     }
 
     #[test]

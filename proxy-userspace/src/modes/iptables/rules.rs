@@ -625,28 +625,21 @@ pub(crate) mod tests {
     /// Both families' rules, as the kernel's tools take them.
     #[test]
     fn dual_stack_rules_restore() {
-        use crate::netfilter::iptables::{Backend, Tables};
         let test = "modes::iptables::rules::tests::dual_stack_rules_restore";
-        for backend in Backend::ALL {
-            for family in Family::ALL {
-                let tables = Tables { backend, family };
-                let save = tables.tool("iptables-save");
-                if !crate::testing::privileged(&format!("{test} ({save})"), &save) {
-                    continue;
-                }
-                let saved = crate::testing::in_new_netns(move || {
-                    let state = fixture(crate::testing::DUAL_STACK);
-                    let settings = netfilter_settings_of(family);
-                    let rendered = render(&state, &settings, &BTreeSet::new(), None);
-                    crate::netfilter::iptables::restore(tables, &rendered.text)?;
-                    crate::netfilter::iptables::save(tables)
-                });
-                let endpoint = match family {
-                    Family::V4 => "--to-destination 10.244.1.12:8080",
-                    Family::V6 => "--to-destination [fd00:10:244:1::12]:8080",
-                };
-                assert!(saved.contains(endpoint), "{save}: no {endpoint}:\n{saved}");
-            }
+        let rules = |family| {
+            let state = fixture(crate::testing::DUAL_STACK);
+            let settings = netfilter_settings_of(family);
+            render(&state, &settings, &BTreeSet::new(), None).text
+        };
+        for (tables, saved) in crate::testing::saved_in_each_tables(test, &Family::ALL, rules) {
+            let endpoint = match tables.family {
+                Family::V4 => "--to-destination 10.244.1.12:8080",
+                Family::V6 => "--to-destination [fd00:10:244:1::12]:8080",
+            };
+            assert!(
+                saved.contains(endpoint),
+                "{tables:?}: no {endpoint}:\n{saved}"
+            );
         }
     }
 

@@ -12,7 +12,7 @@ use std::{
     collections::HashMap,
     future::Future,
     io,
-    net::{IpAddr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
     sync::Mutex,
     time::{Duration, Instant},
 };
@@ -29,14 +29,14 @@ pub const CONNECT_TIMEOUTS: [Duration; 4] = [
 /// The endpoint a client address is held to, and when it last used it.
 #[derive(Clone, Copy, Debug)]
 struct Sticky {
-    endpoint: SocketAddrV4,
+    endpoint: SocketAddr,
     last_used: Instant,
 }
 
 /// The endpoint choice of one proxy socket; the dataplane replaces its endpoints at each sync.
 #[derive(Debug, Default)]
 pub struct Balancer {
-    endpoints: Vec<SocketAddrV4>,
+    endpoints: Vec<SocketAddr>,
     /// The round-robin position: the endpoint the next new client gets.
     next: usize,
     /// ClientIP session affinity's timeout; None: no affinity.
@@ -55,13 +55,13 @@ impl Balancer {
         }
     }
 
-    pub fn endpoints(&self) -> &[SocketAddrV4] {
+    pub fn endpoints(&self) -> &[SocketAddr] {
         &self.endpoints
     }
 
     /// Replaces the endpoints; returns whether they changed. Affinity to an endpoint that left
     /// is forgotten (its clients get the next endpoint); the rest is kept.
-    pub fn set_endpoints(&mut self, endpoints: Vec<SocketAddrV4>) -> bool {
+    pub fn set_endpoints(&mut self, endpoints: Vec<SocketAddr>) -> bool {
         if endpoints == self.endpoints {
             return false;
         }
@@ -82,7 +82,7 @@ impl Balancer {
     /// is held to while affinity holds, else the next in turn (which the client is then held
     /// to). `reset`: the previous choice failed, take the next in turn regardless. None: no
     /// endpoints.
-    pub fn next(&mut self, client: IpAddr, reset: bool, now: Instant) -> Option<SocketAddrV4> {
+    pub fn next(&mut self, client: IpAddr, reset: bool, now: Instant) -> Option<SocketAddr> {
         if self.endpoints.is_empty() {
             return None;
         }
@@ -142,9 +142,9 @@ pub async fn connect_with_retries<T, F, Fut>(
     service: &str,
     client: IpAddr,
     mut connect: F,
-) -> Result<(SocketAddrV4, T), ConnectError>
+) -> Result<(SocketAddr, T), ConnectError>
 where
-    F: FnMut(SocketAddrV4, Duration) -> Fut,
+    F: FnMut(SocketAddr, Duration) -> Fut,
     Fut: Future<Output = io::Result<T>>,
 {
     for (attempt, timeout) in CONNECT_TIMEOUTS.into_iter().enumerate() {
@@ -181,8 +181,8 @@ mod tests {
 
     use super::*;
 
-    fn ep(last: u8) -> SocketAddrV4 {
-        SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, last), 8080)
+    fn ep(last: u8) -> SocketAddr {
+        SocketAddr::from(([10, 244, 0, last], 8080))
     }
 
     fn client(last: u8) -> IpAddr {
@@ -277,11 +277,11 @@ mod tests {
     /// Connects through `connect_with_retries`, recording each attempt; `answers(endpoint)`:
     /// Some(true) connects, Some(false) is refused, None never answers.
     async fn attempts(
-        endpoints: Vec<SocketAddrV4>,
-        answers: impl Fn(SocketAddrV4) -> Option<bool>,
+        endpoints: Vec<SocketAddr>,
+        answers: impl Fn(SocketAddr) -> Option<bool>,
     ) -> (
-        Result<SocketAddrV4, ConnectError>,
-        Vec<(SocketAddrV4, Duration)>,
+        Result<SocketAddr, ConnectError>,
+        Vec<(SocketAddr, Duration)>,
     ) {
         let mut balancer = Balancer::new(None, 0);
         balancer.set_endpoints(endpoints);

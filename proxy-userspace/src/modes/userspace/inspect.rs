@@ -14,18 +14,20 @@ use super::rules::{
     CONTAINER_NODEPORTS, CONTAINER_PORTALS, FIREWALL, HOST_NODEPORTS, HOST_PORTALS,
 };
 use crate::{
+    model::Family,
     netfilter::{
-        conntrack, iptables,
+        conntrack,
+        iptables::{self, Tables},
         iptables_save::{SavedRule, chains, parse_save},
     },
-    rows::{Rows, ServiceRow, What, backend, range, row},
+    rows::{Rows, ServiceRow, What, backend, host_port, merge_families, range, row},
 };
 
 /// What a row's proxy backend says after the address.
 pub const PROXY: &str = " (proxy)";
 
-/// The frontends of `text` (`iptables-save -t nat` and `-t filter`), each with its proxy port
-/// as its backend; frontends without endpoints without backends.
+/// The frontends of `text` (`iptables-save -t nat` and `-t filter` of one family), each with
+/// its proxy port as its backend; frontends without endpoints without backends.
 pub fn services(text: &str) -> Vec<ServiceRow> {
     let rules = parse_save(text);
     let nat = chains(&rules, "nat");
@@ -87,7 +89,7 @@ pub fn services(text: &str) -> Vec<ServiceRow> {
             continue;
         };
         let protocol = rule.protocol();
-        let address = format!("{ip}:{port}");
+        let address = host_port(ip, port);
         let name = rule.comment().unwrap_or_default().to_owned();
         let first = first_of
             .entry((name, protocol))
@@ -131,10 +133,10 @@ pub fn services(text: &str) -> Vec<ServiceRow> {
             .or_insert(port);
         let (address, kind) = match rule.destination() {
             Some(ip) if port == service_port && !node_addresses.contains(&ip) => {
+                let address = host_port(ip, port);
                 let first = first_of
                     .entry((name.to_owned(), protocol))
-                    .or_insert_with(|| format!("{ip}:{port}"));
-                let address = format!("{ip}:{port}");
+                    .or_insert_with(|| address.clone());
                 let kind = if *first == address {
                     "ClusterIP"
                 } else {
@@ -153,10 +155,22 @@ pub fn services(text: &str) -> Vec<ServiceRow> {
     rows
 }
 
-/// `what` of the mode's rules (in the backend holding them). The endpoints and the ClientIP
-/// affinity live in the agent's memory (each Service port's proxy): not readable from here.
+/// `what` of the mode's rules (in the backend holding them), both families: IPv6's where
+/// `ip6tables` runs here. The endpoints and the ClientIP affinity live in the agent's memory
+/// (each Service port's proxy): not readable from here.
 pub fn read(what: What) -> anyhow::Result<Rows> {
-    let frontends = || Ok::<_, anyhow::Error>(services(&iptables::save(super::detect_backend()?)?));
+    let frontends = || -> anyhow::Result<Vec<ServiceRow>> {
+        let backend = super::detect_backend()?;
+        let mut rows = services(&iptables::save(backend)?);
+        let v6 = Tables {
+            backend,
+            family: Family::V6,
+        };
+        if let Ok(text) = iptables::save(v6) {
+            rows.extend(services(&text));
+        }
+        Ok(merge_families(rows))
+    };
     Ok(match what {
         What::Services => Rows::Services {
             rows: frontends()?,
@@ -179,32 +193,19 @@ pub fn read(what: What) -> anyhow::Result<Rows> {
 mod tests {
     use super::*;
     use crate::{
-        modes::userspace::rules::{ProxyPorts, Settings, needs_external_listener, proxied, render},
+        modes::userspace::rules::{numbered_ports, render, settings_of},
         testing::{fixture, rule_backends},
     };
 
-    /// The golden file's rules: proxy ports numbered from 40001 in order, as its test does.
+    /// The golden file's rules (proxy ports numbered from 40001 in order, as its test does).
     fn rendered() -> String {
-        let state = fixture(crate::testing::SERVICES);
-        let mut next = 40000;
-        let mut take = || {
-            next += 1;
-            next
-        };
-        let ports = state
-            .ports()
-            .filter(|(_, port)| proxied(port))
-            .map(|(spn, port)| {
-                let internal = take();
-                let external = needs_external_listener(port).then(&mut take);
-                (spn.clone(), ProxyPorts { internal, external })
-            })
-            .collect();
-        let settings = Settings {
-            node_ip: std::net::Ipv4Addr::new(192, 0, 2, 11),
-            node_port_addresses: Some(vec![std::net::Ipv4Addr::new(192, 0, 2, 11)]),
-        };
-        render(&state, &settings, &ports)
+        rendered_of(crate::testing::SERVICES, Family::V4)
+    }
+
+    fn rendered_of(fixture_text: &str, family: Family) -> String {
+        let state = fixture(fixture_text);
+        let ports = numbered_ports(&state, family);
+        render(&state, &settings_of(family), &ports)
     }
 
     fn expected() -> Vec<(&'static str, &'static str, &'static str, Vec<String>)> {
@@ -251,6 +252,30 @@ mod tests {
     fn services_of_the_golden_rules() {
         check(&services(&rendered()));
         check(&services(include_str!("testdata/rules.golden")));
+    }
+
+    /// Both families' rules of the dual-stack fixture, merged: IPv6 addresses in brackets, the
+    /// NodePort of a Service port in both families one row with both proxies.
+    #[test]
+    fn services_of_both_families() {
+        let dual = crate::testing::DUAL_STACK;
+        let mut rows = services(&rendered_of(dual, Family::V4));
+        rows.extend(services(&rendered_of(dual, Family::V6)));
+        let rows = merge_families(rows);
+        let find = |address: &str| {
+            let row = rows.iter().find(|r| r.address == address);
+            row.unwrap_or_else(|| panic!("no {address} in {rows:#?}"))
+        };
+        assert_eq!(find("[fd00:10:96::20]:80").kind, "ClusterIP");
+        assert_eq!(find("10.96.0.20:80").kind, "ClusterIP");
+        let node_port = find("*:30080");
+        let backends = rule_backends(node_port);
+        assert_eq!(backends.len(), 2, "{backends:?}");
+        assert!(backends[0].starts_with("192.0.2.11:"), "{backends:?}");
+        assert!(
+            backends[1].starts_with("[2001:db8:192:2::11]:"),
+            "{backends:?}"
+        );
     }
 
     /// As iptables-save prints them back from the kernel, in both backends.

@@ -12,11 +12,16 @@
 //! ports in its scope ([`Scope::All`]: all of them, and closes those of Service ports the state
 //! no longer names), then rewrites the rules of all.
 //!
+//! Each family is served on its own, as kube-proxy runs a proxier per family: a Service port
+//! with a cluster IP of the family gets proxy sockets of the family, proxying to the endpoints
+//! of the family, and rules through `iptables-restore` (IPv4) or `ip6tables-restore` (IPv6,
+//! where it runs here).
+//!
 //! What the proxy cannot do, as in kube-proxy: the endpoint sees the node's address, never the
 //! client's. So externalTrafficPolicy Local is honoured only in its choice of endpoints (this
 //! node's), not in keeping the client address; where it picks other endpoints than
 //! internalTrafficPolicy, the external frontends get a proxy socket of their own. Also unlike
-//! the other modes: IPv4 only, no SCTP, and the proxy sockets listen on every node address.
+//! the other modes: no SCTP, and the proxy sockets listen on every node address.
 pub mod balancer;
 pub mod inspect;
 pub mod proxy;
@@ -28,7 +33,7 @@ mod netns_tests;
 use std::{
     collections::{BTreeMap, BTreeSet},
     hash::BuildHasher as _,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, SocketAddr},
     process::{Command, Stdio},
     sync::Arc,
     time::{Duration, Instant},
@@ -44,8 +49,8 @@ use self::{
 };
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::{DesiredState, Family, Protocol, ServicePortName, ipv4},
-    netfilter::iptables::{self, Backend, Jump},
+    model::{DesiredState, Family, Protocol, ServicePortName},
+    netfilter::iptables::{self, Backend, Jump, Tables},
     node::{self, NodePortAddresses},
 };
 
@@ -59,8 +64,8 @@ pub struct UserspaceConfig {
     pub backend: Backend,
     /// `--nodeport-addresses`, and the Node object's addresses for `primary`.
     pub node_port_addresses: NodePortAddresses,
-    /// The Node object's addresses (empty with the manifest source). The first IPv4 one the
-    /// node holds is where the node's own traffic to a Service is DNATed to.
+    /// The Node object's addresses (empty with the manifest source). The first of each family
+    /// the node holds is where the node's own traffic to a Service of the family is DNATed to.
     pub primary: Vec<IpAddr>,
     /// `--udp-timeout`: a UDP session ends after this long without a datagram either way.
     pub udp_timeout: Duration,
@@ -111,13 +116,20 @@ pub struct UserspaceDataplane {
     config: UserspaceConfig,
     /// Where the proxy sockets are served: the agent's runtime.
     runtime: Handle,
+    /// The families served: IPv4's, and IPv6's where ip6tables runs here.
+    proxiers: Vec<Proxier>,
+    /// Service ports already reported as not proxied (SCTP).
+    unsupported: BTreeSet<ServicePortName>,
+    jumps_checked: bool,
+}
+
+/// The proxy sockets and rules of one family (kube-proxy's proxier of the family).
+struct Proxier {
+    tables: Tables,
     proxies: BTreeMap<ServicePortName, ServiceProxy>,
     /// Proxy ports of UDP sockets closed or left without endpoints since the rules were last
     /// written: their conntrack entries are deleted once the new rules are in.
     stale_udp: Vec<u16>,
-    /// Service ports already reported as not proxied (SCTP).
-    unsupported: BTreeSet<ServicePortName>,
-    jumps_checked: bool,
     warned_no_node_ip: bool,
 }
 
@@ -161,72 +173,64 @@ pub fn raise_open_files_limit() -> u64 {
 }
 
 impl UserspaceDataplane {
-    /// Checks that iptables works here; the proxy sockets will be served on the current tokio
-    /// runtime (the agent's), so this must be called from within it.
+    /// Checks that iptables works here (and ip6tables, for IPv6: where it cannot run, IPv6
+    /// Services are not served, with a warning); the proxy sockets will be served on the
+    /// current tokio runtime (the agent's), so this must be called from within it.
     pub fn new(config: UserspaceConfig) -> anyhow::Result<Self> {
         let runtime = Handle::try_current()
             .context("the userspace mode serves its proxy sockets on a tokio runtime")?;
-        owned_chains(config.backend, "nat").context(
-            "the userspace mode needs iptables-save and iptables-restore (the iptables package)",
-        )?;
+        let mut proxiers = Vec::new();
+        for family in Family::ALL {
+            let tables = Tables {
+                backend: config.backend,
+                family,
+            };
+            match owned_chains(tables, "nat") {
+                Ok(_) => {}
+                Err(e) if family == Family::V6 => {
+                    tracing::warn!(
+                        "IPv6 Services are not served: ip6tables cannot run here ({e:#})"
+                    );
+                    continue;
+                }
+                Err(e) => Err(e).context(
+                    "the userspace mode needs iptables-save and iptables-restore (the iptables \
+                     package)",
+                )?,
+            }
+            proxiers.push(Proxier {
+                tables,
+                proxies: BTreeMap::new(),
+                stale_udp: Vec::new(),
+                warned_no_node_ip: false,
+            });
+        }
         raise_open_files_limit();
         Ok(Self {
             config,
             runtime,
-            proxies: BTreeMap::new(),
-            stale_udp: Vec::new(),
+            proxiers,
             unsupported: BTreeSet::new(),
             jumps_checked: false,
-            warned_no_node_ip: false,
         })
     }
 
-    /// The proxy ports of the Service port `spn`, if it has a proxy socket.
-    pub fn proxy_ports(&self, spn: &ServicePortName) -> Option<ProxyPorts> {
-        self.proxies.get(spn)?.ports()
+    /// The proxy ports of the Service port `spn` in `family`, if it has a proxy socket there.
+    pub fn proxy_ports(&self, family: Family, spn: &ServicePortName) -> Option<ProxyPorts> {
+        let proxier = self.proxiers.iter().find(|p| p.tables.family == family)?;
+        proxier.proxies.get(spn)?.ports()
     }
 
-    fn settings(&mut self) -> anyhow::Result<rules::Settings> {
-        let addresses = node::interface_addresses()?;
-        let default_route = node::default_route_interface();
-        let primary = &self.config.primary;
-        let node_ip = match node::primary_ipv4(primary, default_route.as_deref(), &addresses) {
-            Some(ip) => ip,
-            None => {
-                if !self.warned_no_node_ip {
-                    tracing::warn!(
-                        "the node has no IPv4 address but loopback ones: its own processes reach \
-                         Services through 127.0.0.1 (TCP works, UDP replies do not)"
-                    );
-                    self.warned_no_node_ip = true;
-                }
-                Ipv4Addr::LOCALHOST
-            }
-        };
-        Ok(rules::Settings {
-            node_ip,
-            node_port_addresses: node::node_port_ips(
-                &self.config.node_port_addresses,
-                Family::V4,
-                primary,
-                &addresses,
-            )
-            .map(|ips| ipv4(&ips)),
-        })
-    }
-
-    /// Opens, updates or closes the proxy sockets of `spn` to match `state`.
+    /// Opens, updates or closes the proxy sockets of `spn` in each family to match `state`.
     fn reconcile(&mut self, state: &DesiredState, spn: &ServicePortName) -> std::io::Result<()> {
         let port = state.port(spn);
-        let Some(port) = port.filter(|p| rules::proxied(p)) else {
-            if let Some(mut gone) = self.proxies.remove(spn) {
-                for slot in [&mut gone.internal, &mut gone.external] {
-                    close(slot, &mut self.stale_udp);
-                }
-            }
-            if port.is_some_and(|p| p.protocol == Protocol::Sctp)
-                && self.unsupported.insert(spn.clone())
-            {
+        let mut result = Ok(());
+        for proxier in &mut self.proxiers {
+            let opened = proxier.reconcile(&self.runtime, self.config.udp_timeout, state, spn);
+            result = result.and(opened);
+        }
+        if port.is_some_and(|p| p.protocol == Protocol::Sctp) {
+            if self.unsupported.insert(spn.clone()) {
                 tracing::warn!(service = %spn, "not proxied: the userspace mode has no SCTP");
                 let note = format!(
                     "SCTP port {spn} is not served on this node: the userspace mode has no SCTP \
@@ -234,34 +238,96 @@ impl UserspaceDataplane {
                 );
                 let service = crate::events::Regarding::Service(&spn.service);
                 crate::events::record(service, true, "SCTPNotServed", "Sync", Some(note));
+                crate::serve::metrics::METRICS.unserved_sctp_ports(self.unsupported.len());
             }
-            if port.is_none() {
-                self.unsupported.remove(spn);
-            }
+        } else if self.unsupported.remove(spn) {
             crate::serve::metrics::METRICS.unserved_sctp_ports(self.unsupported.len());
+        }
+        result
+    }
+}
+
+impl Proxier {
+    /// The rules' settings of the family.
+    fn settings(&mut self, config: &UserspaceConfig) -> anyhow::Result<rules::Settings> {
+        let family = self.tables.family;
+        let addresses = node::interface_addresses()?;
+        let default_route = node::default_route_interface();
+        let primary = &config.primary;
+        let node_ip = node::primary_ip(family, primary, default_route.as_deref(), &addresses);
+        let node_ip = node_ip.unwrap_or_else(|| {
+            let loopback = family.loopback().addr;
+            if !self.warned_no_node_ip {
+                tracing::warn!(
+                    "the node has no {family} address but loopback ones: its own processes reach \
+                     {family} Services through {loopback} (TCP works, UDP replies do not)"
+                );
+                self.warned_no_node_ip = true;
+            }
+            loopback
+        });
+        Ok(rules::Settings {
+            family,
+            node_ip,
+            node_port_addresses: node::node_port_ips(
+                &config.node_port_addresses,
+                family,
+                primary,
+                &addresses,
+            ),
+        })
+    }
+
+    /// Opens, updates or closes the family's proxy sockets of `spn` to match `state`.
+    fn reconcile(
+        &mut self,
+        runtime: &Handle,
+        udp_timeout: Duration,
+        state: &DesiredState,
+        spn: &ServicePortName,
+    ) -> std::io::Result<()> {
+        let family = self.tables.family;
+        let Some(port) = state.port(spn).filter(|p| rules::proxied(p, family)) else {
+            if let Some(mut gone) = self.proxies.remove(spn) {
+                for slot in [&mut gone.internal, &mut gone.external] {
+                    close(slot, &mut self.stale_udp);
+                }
+            }
             return Ok(());
         };
         let affinity = port
             .session_affinity_timeout
             .map(|s| Duration::from_secs(s.into()));
         let opener = Opener {
-            runtime: &self.runtime,
-            udp_timeout: self.config.udp_timeout,
+            runtime,
+            udp_timeout,
+            family,
             protocol: port.protocol,
             affinity,
+        };
+        // The logs' name of a socket: the Service port's, saying IPv6 and external.
+        let name = |external: bool| {
+            let mut name = spn.to_string();
+            if family == Family::V6 {
+                name.push_str(" (IPv6)");
+            }
+            if external {
+                name.push_str(" (external)");
+            }
+            name
         };
         let proxy = self.proxies.entry(spn.clone()).or_default();
         opener.update(
             &mut proxy.internal,
-            spn.to_string(),
-            rules::endpoints(state, spn, port, Listener::Internal),
+            name(false),
+            rules::endpoints(state, spn, port, Listener::Internal, family),
             &mut self.stale_udp,
         )?;
-        if rules::needs_external_listener(port) {
+        if rules::needs_external_listener(port, family) {
             opener.update(
                 &mut proxy.external,
-                format!("{spn} (external)"),
-                rules::endpoints(state, spn, port, Listener::External),
+                name(true),
+                rules::endpoints(state, spn, port, Listener::External, family),
                 &mut self.stale_udp,
             )?;
         } else {
@@ -271,10 +337,11 @@ impl UserspaceDataplane {
     }
 }
 
-/// Opens and updates the proxy sockets of one Service port.
+/// Opens and updates the proxy sockets of one Service port in one family.
 struct Opener<'a> {
     runtime: &'a Handle,
     udp_timeout: Duration,
+    family: Family,
     protocol: Protocol,
     affinity: Option<Duration>,
 }
@@ -286,7 +353,7 @@ impl Opener<'_> {
         &self,
         slot: &mut Option<ProxySocket>,
         name: String,
-        endpoints: Vec<std::net::SocketAddrV4>,
+        endpoints: Vec<SocketAddr>,
         stale_udp: &mut Vec<u16>,
     ) -> std::io::Result<()> {
         if slot.as_ref().is_some_and(|s| !s.is_running()) {
@@ -302,8 +369,13 @@ impl Opener<'_> {
                     name,
                     balancer: std::sync::Mutex::new(Balancer::new(self.affinity, start)),
                 });
-                let socket =
-                    ProxySocket::open(self.runtime, self.protocol, shared, self.udp_timeout)?;
+                let socket = ProxySocket::open(
+                    self.runtime,
+                    self.family,
+                    self.protocol,
+                    shared,
+                    self.udp_timeout,
+                )?;
                 tracing::info!(
                     service = %socket.shared.name,
                     protocol = %self.protocol,
@@ -350,8 +422,9 @@ impl Dataplane for UserspaceDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
         let names: BTreeSet<ServicePortName> = match scope {
             Scope::All => self
-                .proxies
-                .keys()
+                .proxiers
+                .iter()
+                .flat_map(|p| p.proxies.keys())
                 .chain(state.port_names())
                 .cloned()
                 .collect(),
@@ -363,27 +436,30 @@ impl Dataplane for UserspaceDataplane {
                 failed.push(format!("{spn}: {e}"));
             }
         }
-        let settings = self.settings()?;
-        let ports: BTreeMap<ServicePortName, ProxyPorts> = self
-            .proxies
-            .iter()
-            .filter_map(|(spn, proxy)| Some((spn.clone(), proxy.ports()?)))
-            .collect();
-        iptables::restore(
-            self.config.backend,
-            &rules::render(state, &settings, &ports),
-        )?;
+        for proxier in &mut self.proxiers {
+            let settings = proxier.settings(&self.config)?;
+            let ports: BTreeMap<ServicePortName, ProxyPorts> = proxier
+                .proxies
+                .iter()
+                .filter_map(|(spn, proxy)| Some((spn.clone(), proxy.ports()?)))
+                .collect();
+            iptables::restore(proxier.tables, &rules::render(state, &settings, &ports))?;
+        }
         // The chains exist now; the jumps to them are checked once and at each full or
         // periodic sync (something else may have flushed the built-in chains).
         if !self.jumps_checked || scope.checks_jumps() {
-            iptables::ensure_jumps(self.config.backend, JUMPS)?;
+            for proxier in &self.proxiers {
+                iptables::ensure_jumps(proxier.tables, JUMPS)?;
+            }
             self.jumps_checked = true;
         }
         // UDP flows redirected to a socket now closed (or without endpoints) would keep going
         // there while their conntrack entry lives: deleted, their next datagram meets the new
         // rules (kube-proxy cleared a removed UDP Service's entries too).
-        for port in self.stale_udp.drain(..) {
-            clear_udp_flows(port);
+        for proxier in &mut self.proxiers {
+            for port in proxier.stale_udp.drain(..) {
+                clear_udp_flows(proxier.tables.family, port);
+            }
         }
         self.expire_affinity();
         if !failed.is_empty() {
@@ -396,35 +472,48 @@ impl Dataplane for UserspaceDataplane {
         self.expire_affinity();
         Ok(())
     }
+
+    fn families(&self) -> Vec<Family> {
+        self.proxiers.iter().map(|p| p.tables.family).collect()
+    }
 }
 
 impl UserspaceDataplane {
     /// Forgets the clients whose session affinity expired.
     fn expire_affinity(&self) {
         let now = Instant::now();
-        for socket in self.proxies.values().flat_map(ServiceProxy::sockets) {
+        let proxies = self.proxiers.iter().flat_map(|p| p.proxies.values());
+        for socket in proxies.flat_map(ServiceProxy::sockets) {
             socket.shared.balancer().expire(now);
         }
     }
 }
 
 /// The chains of `table` that the mode owns and that exist.
-fn owned_chains(b: Backend, table: &str) -> anyhow::Result<BTreeSet<String>> {
+fn owned_chains(t: impl Into<Tables>, table: &str) -> anyhow::Result<BTreeSet<String>> {
     let owned: &[&str] = rules::CHAINS
         .iter()
         .find(|(t, _)| *t == table)
         .map_or(&[], |(_, c)| c);
-    let mut chains = iptables::chains(b, table)?;
+    let mut chains = iptables::chains(t, table)?;
     chains.retain(|c| owned.contains(&c.as_str()));
     Ok(chains)
 }
 
-/// How many of the mode's chains `b` holds (0 when its tools fail).
+/// Both families' tools of `b`.
+fn tables_of(backend: Backend) -> impl Iterator<Item = Tables> {
+    Family::ALL
+        .into_iter()
+        .map(move |family| Tables { backend, family })
+}
+
+/// How many of the mode's chains `b` holds, both families (0 where its tools fail).
 fn held(b: Backend) -> usize {
-    rules::CHAINS
-        .iter()
-        .map(|(table, _)| owned_chains(b, table).map_or(0, |c| c.len()))
-        .sum()
+    let tables = tables_of(b);
+    let counts = tables.flat_map(|t| {
+        (rules::CHAINS.iter()).map(move |(table, _)| owned_chains(t, table).map_or(0, |c| c.len()))
+    });
+    counts.sum()
 }
 
 /// The backend for `--iptables-backend auto`: the one already holding the mode's chains (an
@@ -434,19 +523,21 @@ pub fn detect_backend() -> anyhow::Result<Backend> {
 }
 
 /// Removes everything the mode installed (or a kube-proxy in userspace mode left), from both
-/// backends: the jumps, then the chains (kube-proxy's `--cleanup`). Nothing installed: nothing
-/// done. The proxy sockets are the agent's own and go with it.
+/// backends and both families: the jumps, then the chains (kube-proxy's `--cleanup`). Nothing
+/// installed: nothing done. The proxy sockets are the agent's own and go with it.
 pub fn cleanup() -> anyhow::Result<()> {
-    for b in Backend::ALL.into_iter().filter(|b| iptables::available(*b)) {
-        let mut removed = iptables::remove_jumps(b, JUMPS)?;
+    let every = Backend::ALL.into_iter().flat_map(tables_of);
+    for t in every.filter(|t| iptables::available(*t)) {
+        let mut removed = iptables::remove_jumps(t, JUMPS)?;
         let mut chains = Vec::new();
         for (table, _) in rules::CHAINS {
-            chains.push((*table, owned_chains(b, table)?));
+            chains.push((*table, owned_chains(t, table)?));
         }
-        removed += iptables::delete_chains(b, &chains)?;
+        removed += iptables::delete_chains(t, &chains)?;
         if removed > 0 {
             tracing::info!(
-                backend = b.name(),
+                backend = t.backend.name(),
+                family = %t.family,
                 removed,
                 "cleaned up the userspace mode's rules"
             );
@@ -455,16 +546,29 @@ pub fn cleanup() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether the mode's chains are installed here, in either backend (an earlier run in this
-/// mode, or a kube-proxy's in userspace mode).
+/// Whether the mode's chains are installed here, in either backend and family (an earlier run
+/// in this mode, or a kube-proxy's in userspace mode).
 pub fn installed() -> bool {
     Backend::ALL.into_iter().any(|b| held(b) > 0)
 }
 
-/// Deletes the conntrack entries of UDP flows redirected to the proxy port `port`.
-fn clear_udp_flows(port: u16) {
+/// Deletes the conntrack entries of `family`'s UDP flows redirected to the proxy port `port`.
+fn clear_udp_flows(family: Family, port: u16) {
     let port = port.to_string();
-    let args = ["-D", "-p", "udp", "--dst-nat", "--reply-port-src", &port];
+    let family_arg = match family {
+        Family::V4 => "ipv4",
+        Family::V6 => "ipv6",
+    };
+    let args = [
+        "-D",
+        "-f",
+        family_arg,
+        "-p",
+        "udp",
+        "--dst-nat",
+        "--reply-port-src",
+        &port,
+    ];
     match Command::new("conntrack")
         .args(args)
         .stdout(Stdio::null())

@@ -1,15 +1,16 @@
 //! The mode as the agent runs it (sync inside `block_in_place` on a multi-thread runtime), in
 //! a network namespace of a test thread of its own: real rules, real proxy sockets, real
-//! clients on the "node". The node's address is 10.0.0.1 on a veth (the host chains DNAT the
-//! node's own traffic to it: a DNAT to 127.0.0.1 loses UDP replies); the endpoints are echo
-//! servers on 127.0.0.2 and 127.0.0.3, which the proxy reaches like any other address.
+//! clients on the "node". The node's addresses are 10.0.0.1 and 2001:db8::1 on a veth (the
+//! host chains DNAT the node's own traffic to them: a DNAT to 127.0.0.1 loses UDP replies); the
+//! endpoints are echo servers on 127.0.0.2 and 127.0.0.3, or on ports of ::1, which the proxy
+//! reaches like any other address.
 //!
 //! They need root (a network namespace, iptables); otherwise they print a loud `SKIPPED`
 //! line and return (or fail with `SANDBOX_NO_SKIP=1`, as the sandbox tests).
 use std::{
     collections::BTreeSet,
     io::{ErrorKind, Write as _},
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     process::Command,
     sync::Arc,
     time::{Duration, Instant},
@@ -25,6 +26,7 @@ use tokio::{
 
 use super::*;
 use crate::model::{Cidr, Endpoint, NamespacedName, ServicePort, TargetPort};
+use crate::rows::{Rows, What};
 
 /// Set to 1 to make these tests fail instead of skipping (as the sandbox tests').
 const NO_SKIP_ENV: &str = "SANDBOX_NO_SKIP";
@@ -85,6 +87,8 @@ where
             "link set node1 up",
             "addr add 10.0.0.1/24 dev node0",
             "route add default via 10.0.0.2 dev node0",
+            "addr add 2001:db8::1/64 dev node0 nodad",
+            "-6 route add default via 2001:db8::2 dev node0",
             // A load balancer IP routed to the node, as some clouds do (see the scenario).
             "addr add 203.0.113.11/32 dev lo",
         ] {
@@ -105,6 +109,7 @@ where
 }
 
 const NODE: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
 const A: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 const B: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
 /// Nothing listens there.
@@ -237,11 +242,11 @@ fn service(cluster_ip: [u8; 4], port: u16, protocol: Protocol) -> ServicePort {
     }
 }
 
-fn endpoints(addrs: &[(Ipv4Addr, u16)]) -> Vec<Endpoint> {
+fn endpoints(addrs: &[(impl Into<IpAddr> + Copy, u16)]) -> Vec<Endpoint> {
     addrs
         .iter()
         .map(|(ip, port)| Endpoint {
-            ip: IpAddr::V4(*ip),
+            ip: (*ip).into(),
             port: *port,
             ready: true,
             serving: true,
@@ -256,10 +261,18 @@ fn sync(dp: &mut UserspaceDataplane, state: &DesiredState, scope: Scope<'_>) {
     tokio::task::block_in_place(|| dp.sync(state, scope)).unwrap();
 }
 
-/// How many UDP conntrack entries are redirected to the proxy port `port`.
-fn udp_flows(port: u16) -> usize {
+/// How many UDP conntrack entries of `family` are redirected to the proxy port `port`.
+fn udp_flows(family: &str, port: u16) -> usize {
     let listed = Command::new("conntrack")
-        .args(["-L", "-p", "udp", "--dst-nat", "--reply-port-src"])
+        .args([
+            "-L",
+            "-f",
+            family,
+            "-p",
+            "udp",
+            "--dst-nat",
+            "--reply-port-src",
+        ])
         .arg(port.to_string())
         .output()
         .expect("conntrack (the conntrack package)");
@@ -401,7 +414,7 @@ async fn scenario() {
     );
 
     // An endpoint change keeps the proxy port and the established connections.
-    let ports = dp.proxy_ports(&rr).unwrap();
+    let ports = dp.proxy_ports(Family::V4, &rr).unwrap();
     let mut established = Client::connect(vip(10, 80)).await.unwrap();
     let kept = server(&established.ask("before").await);
     let other = if kept == "A" { B } else { A };
@@ -411,7 +424,11 @@ async fn scenario() {
         &state,
         Scope::Changed(&BTreeSet::from([rr.clone()])),
     );
-    assert_eq!(dp.proxy_ports(&rr), Some(ports), "the same proxy port");
+    assert_eq!(
+        dp.proxy_ports(Family::V4, &rr),
+        Some(ports),
+        "the same proxy port"
+    );
     assert_eq!(established.ask("after").await, format!("{kept}:after"));
     let other_name = if kept == "A" { "B" } else { "A" };
     for _ in 0..3 {
@@ -429,7 +446,7 @@ async fn scenario() {
         &state,
         Scope::Changed(&BTreeSet::from([rr.clone()])),
     );
-    assert_eq!(dp.proxy_ports(&rr), None);
+    assert_eq!(dp.proxy_ports(Family::V4, &rr), None);
     let deadline = Instant::now() + WAIT;
     loop {
         match TcpStream::connect((NODE, ports.internal)).await {
@@ -448,18 +465,22 @@ async fn scenario() {
     let proxied: Vec<_> = state.port_names().cloned().collect();
     let ports: Vec<ProxyPorts> = proxied
         .iter()
-        .map(|spn| dp.proxy_ports(spn).unwrap())
+        .map(|spn| dp.proxy_ports(Family::V4, spn).unwrap())
         .collect();
-    let dns_port = dp.proxy_ports(&dns).unwrap().internal;
+    let dns_port = dp.proxy_ports(Family::V4, &dns).unwrap().internal;
     assert!(
-        udp_flows(dns_port) > 0,
+        udp_flows("ipv4", dns_port) > 0,
         "the UDP clients' flows are tracked"
     );
     sync(&mut dp, &DesiredState::default(), Scope::All);
-    assert!(proxied.iter().all(|spn| dp.proxy_ports(spn).is_none()));
+    assert!(
+        proxied
+            .iter()
+            .all(|spn| dp.proxy_ports(Family::V4, spn).is_none())
+    );
     // The UDP flows redirected to the closed socket are forgotten: their next datagram meets
     // the rules as they are now.
-    assert_eq!(udp_flows(dns_port), 0);
+    assert_eq!(udp_flows("ipv4", dns_port), 0);
     let saved = Command::new("iptables-legacy-save").output().unwrap();
     let saved = String::from_utf8_lossy(&saved.stdout);
     assert!(!saved.contains("--to-ports"), "{saved}");
@@ -481,6 +502,96 @@ async fn scenario() {
 }
 
 #[test]
+fn proxies_ipv6_services_in_a_network_namespace() {
+    const TEST: &str =
+        "modes::userspace::netns_tests::proxies_ipv6_services_in_a_network_namespace";
+    if !privileged(TEST) {
+        return;
+    }
+    in_namespace(TEST, ipv6_scenario);
+}
+
+/// Each family's proxy sockets and rules: a dual-stack Service port reaches the endpoints of
+/// the family its client used, and UDP replies leave from the IPv6 address the client sent to.
+async fn ipv6_scenario() {
+    let (a6, b6) = ((Ipv6Addr::LOCALHOST, 8081), (Ipv6Addr::LOCALHOST, 8082));
+    tcp_echo((A, 8080).into(), "A").await;
+    tcp_echo(a6.into(), "A6").await;
+    tcp_echo(b6.into(), "B6").await;
+    udp_echo((Ipv6Addr::LOCALHOST, 5353).into(), "D6").await;
+    let mut dp = UserspaceDataplane::new(UserspaceConfig {
+        backend: Backend::Nft,
+        node_port_addresses: NodePortAddresses::Primary,
+        primary: vec![IpAddr::V4(NODE), IpAddr::V6(NODE6)],
+        udp_timeout: DEFAULT_UDP_TIMEOUT,
+    })
+    .unwrap();
+    assert_eq!(dp.families(), Family::ALL);
+
+    let vip6 = |last: u16, port: u16| {
+        SocketAddr::from((Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, last), port))
+    };
+    let mut state = DesiredState::new("node1");
+    let dual = spn("dual", Protocol::Tcp);
+    let mut port = service([10, 96, 0, 10], 80, Protocol::Tcp);
+    port.cluster_ips.push(vip6(10, 80).ip());
+    port.node_port = Some(30080);
+    state.insert_port(dual.clone(), port);
+    let mut both = endpoints(&[(A, 8080)]);
+    both.extend(endpoints(&[a6, b6]));
+    state.set_endpoints(dual.clone(), both);
+    let dns = spn("dns", Protocol::Udp);
+    let mut port = service([10, 96, 0, 53], 53, Protocol::Udp);
+    port.cluster_ips = vec![vip6(53, 53).ip()];
+    state.insert_port(dns.clone(), port);
+    state.set_endpoints(dns.clone(), endpoints(&[(Ipv6Addr::LOCALHOST, 5353)]));
+    sync(&mut dp, &state, Scope::All);
+
+    // IPv4 clients reach the IPv4 endpoint, IPv6 clients the IPv6 ones, in turn.
+    for _ in 0..2 {
+        assert_eq!(served_by(vip(10, 80)).await, "A");
+    }
+    let mut turns = BTreeSet::new();
+    for _ in 0..2 {
+        turns.insert(served_by(vip6(10, 80)).await);
+    }
+    assert_eq!(turns, BTreeSet::from(["A6".to_owned(), "B6".to_owned()]));
+    let node_port = served_by((NODE6, 30080).into()).await;
+    assert!(node_port.ends_with('6'), "{node_port}");
+    assert!(dp.proxy_ports(Family::V6, &dual).is_some());
+    // An IPv6-only Service port has no IPv4 socket.
+    assert_eq!(dp.proxy_ports(Family::V4, &dns), None);
+
+    // UDP: the reply comes back from the address the client sent to.
+    let client = UdpSocket::bind((NODE6, 0)).await.unwrap();
+    client.connect(vip6(53, 53)).await.unwrap();
+    assert_eq!(udp_ask(&client, "q").await, "D6:q");
+    let dns_port = dp.proxy_ports(Family::V6, &dns).unwrap().internal;
+    assert!(udp_flows("ipv6", dns_port) > 0);
+
+    // inspect reads both families' rules.
+    let Rows::Services { rows, .. } = inspect::read(What::Services).unwrap() else {
+        panic!("not service rows");
+    };
+    let addresses: Vec<&str> = rows.iter().map(|r| r.address.as_str()).collect();
+    for want in ["10.96.0.10:80", "[fd00:10:96::a]:80", "[fd00:10:96::35]:53"] {
+        assert!(addresses.contains(&want), "no {want} in {addresses:?}");
+    }
+
+    // The UDP Service port goes: its IPv6 flows are forgotten.
+    state.remove_port(&dns);
+    sync(
+        &mut dp,
+        &state,
+        Scope::Changed(&BTreeSet::from([dns.clone()])),
+    );
+    assert_eq!(udp_flows("ipv6", dns_port), 0);
+    drop(dp);
+    cleanup().unwrap();
+    assert!(!installed());
+}
+
+#[test]
 fn cleanup_removes_the_rules_of_both_backends() {
     const TEST: &str = "modes::userspace::netns_tests::cleanup_removes_the_rules_of_both_backends";
     if !privileged(TEST) {
@@ -497,7 +608,8 @@ fn cleanup_removes_the_rules_of_both_backends() {
             })
             .unwrap();
             sync(&mut dp, &state, Scope::All);
-            assert_eq!(held(backend), 6, "{}", backend.name());
+            // Six chains in each family (IPv6's empty: the fixture is IPv4's).
+            assert_eq!(held(backend), 12, "{}", backend.name());
             let nat = Command::new(backend.tool("iptables-save"))
                 .args(["-t", "nat"])
                 .output()
@@ -517,12 +629,14 @@ fn cleanup_removes_the_rules_of_both_backends() {
         }
         cleanup().unwrap();
         assert!(!installed());
-        for backend in Backend::ALL {
-            let saved = Command::new(backend.tool("iptables-save"))
-                .output()
-                .unwrap();
+        for t in Backend::ALL.into_iter().flat_map(tables_of) {
+            let saved = Command::new(t.tool("iptables-save")).output().unwrap();
             let saved = String::from_utf8_lossy(&saved.stdout);
-            assert!(!saved.contains("KUBE-"), "{}: {saved}", backend.name());
+            assert!(
+                !saved.contains("KUBE-"),
+                "{}: {saved}",
+                t.tool("iptables-save")
+            );
         }
         cleanup().unwrap();
     });

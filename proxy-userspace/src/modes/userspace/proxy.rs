@@ -1,5 +1,6 @@
-//! The proxy sockets: one per Service port (two where the external traffic policy picks other
-//! endpoints than the internal one), listening on an ephemeral port of every node address.
+//! The proxy sockets: one per Service port and family (two where the external traffic policy
+//! picks other endpoints than the internal one), listening on an ephemeral port of every node
+//! address of the family.
 //! The iptables rules send the Service's traffic there; the agent opens its own connection to
 //! an endpoint and copies the bytes, as kube-proxy's userspace `proxySocket`s did.
 //!
@@ -19,7 +20,7 @@
 //! socket they answer through is closed, as in kube-proxy).
 use std::{
     collections::HashMap,
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::{AsRawFd, RawFd},
     sync::{
         Arc, Mutex, PoisonError,
@@ -36,7 +37,7 @@ use tokio::{
 };
 
 use super::balancer::{Balancer, connect_with_retries};
-use crate::model::Protocol;
+use crate::model::{Family, Protocol};
 
 /// The accept backlog of a TCP proxy socket (tokio's default for its listeners).
 const BACKLOG: u32 = 1024;
@@ -72,20 +73,21 @@ pub struct ProxySocket {
 }
 
 impl ProxySocket {
-    /// Opens a proxy socket on an ephemeral port of every address (0.0.0.0), served on
-    /// `runtime`. SCTP is not proxied (kube-proxy's userspace mode did not either).
+    /// Opens a proxy socket on an ephemeral port of every address of `family` (0.0.0.0, or
+    /// `[::]` for IPv6 only), served on `runtime`. SCTP is not proxied (kube-proxy's userspace
+    /// mode did not either).
     pub fn open(
         runtime: &Handle,
+        family: Family,
         protocol: Protocol,
         shared: Arc<Shared>,
         udp_timeout: Duration,
     ) -> std::io::Result<Self> {
         let _entered = runtime.enter();
-        let any = SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0));
         match protocol {
             Protocol::Tcp => {
-                let socket = TcpSocket::new_v4()?;
-                socket.bind(any)?;
+                let socket =
+                    TcpSocket::from_std_stream(bound(family, socket2::Type::STREAM)?.into());
                 let listener = socket.listen(BACKLOG)?;
                 let port = listener.local_addr()?.port();
                 let task = runtime.spawn(serve_tcp(listener, shared.clone()));
@@ -98,7 +100,7 @@ impl ProxySocket {
                 })
             }
             Protocol::Udp => {
-                let socket = Arc::new(UdpProxySocket::bind(any)?);
+                let socket = Arc::new(UdpProxySocket::bind(family)?);
                 let port = socket.0.local_addr()?.port();
                 let sessions = Arc::new(Sessions::default());
                 let task = runtime.spawn(serve_udp(
@@ -125,12 +127,12 @@ impl ProxySocket {
     /// Ends the UDP sessions whose endpoint is not in `endpoints` (it left the Service port): the
     /// client's next datagram opens a session to a usable endpoint, as the other modes move
     /// such a flow by deleting its conntrack entry.
-    pub fn end_sessions_not_to(&self, endpoints: &[SocketAddrV4]) {
+    pub fn end_sessions_not_to(&self, endpoints: &[SocketAddr]) {
         let Some(sessions) = &self.sessions else {
             return;
         };
         sessions.lock().retain(|_, session| {
-            let keep = matches!(session.endpoint, SocketAddr::V4(e) if endpoints.contains(&e));
+            let keep = endpoints.contains(&session.endpoint);
             if !keep {
                 session.task.abort();
             }
@@ -300,7 +302,7 @@ async fn open_session(
     socket: &Arc<UdpProxySocket>,
     shared: &Arc<Shared>,
     sessions: &Arc<Sessions>,
-    (client, local, id): (SocketAddr, Ipv4Addr, u64),
+    (client, local, id): (SocketAddr, IpAddr, u64),
     timeout: Duration,
 ) -> Option<(Arc<UdpSocket>, Arc<Activity>)> {
     let Some(endpoint) = shared.balancer().next(client.ip(), false, Instant::now()) else {
@@ -308,7 +310,7 @@ async fn open_session(
         return None;
     };
     let upstream = async {
-        let upstream = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+        let upstream = UdpSocket::bind(unspecified(Family::of(endpoint.ip()))).await?;
         upstream.connect(endpoint).await?;
         std::io::Result::Ok(upstream)
     };
@@ -338,7 +340,7 @@ async fn open_session(
         client,
         Session {
             id,
-            endpoint: endpoint.into(),
+            endpoint,
             upstream: upstream.clone(),
             activity: activity.clone(),
             task: task.abort_handle(),
@@ -354,7 +356,7 @@ async fn open_session(
 async fn udp_session(
     socket: Arc<UdpProxySocket>,
     upstream: Arc<UdpSocket>,
-    (client, local): (SocketAddr, Ipv4Addr),
+    (client, local): (SocketAddr, IpAddr),
     activity: Arc<Activity>,
     timeout: Duration,
     shared: Arc<Shared>,
@@ -391,25 +393,49 @@ async fn udp_session(
     }
 }
 
-/// A UDP proxy socket (bound to every address) that learns which node address each datagram
-/// was sent to (IP_PKTINFO) and answers from it. Left to the route, the answer would leave from
-/// the address of the interface the route to the client goes out of, which on a multi-homed
-/// node need not be the one the client sent to (nor the one the REDIRECT rule's conntrack
-/// entry expects): the client would drop it.
+/// Port 0 of every address of `family`.
+fn unspecified(family: Family) -> SocketAddr {
+    match family {
+        Family::V4 => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        Family::V6 => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    }
+}
+
+/// A non-blocking socket of `type_` bound to an ephemeral port of every address of `family`;
+/// an IPv6 one takes IPv6 only (the IPv4 rules send to the IPv4 socket).
+fn bound(family: Family, type_: socket2::Type) -> std::io::Result<socket2::Socket> {
+    let addr = unspecified(family);
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), type_, None)?;
+    if family == Family::V6 {
+        socket.set_only_v6(true)?;
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+/// A UDP proxy socket (bound to every address of its family) that learns which node address
+/// each datagram was sent to (IP_PKTINFO, IPV6_PKTINFO) and answers from it. Left to the route,
+/// the answer would leave from the address of the interface the route to the client goes out
+/// of, which on a multi-homed node need not be the one the client sent to (nor the one the
+/// REDIRECT rule's conntrack entry expects): the client would drop it.
 #[derive(Debug)]
 struct UdpProxySocket(UdpSocket);
 
 impl UdpProxySocket {
-    fn bind(addr: SocketAddr) -> std::io::Result<Self> {
-        let socket = std::net::UdpSocket::bind(addr)?;
-        socket.set_nonblocking(true)?;
+    fn bind(family: Family) -> std::io::Result<Self> {
+        let socket = bound(family, socket2::Type::DGRAM)?;
+        let (level, name) = match family {
+            Family::V4 => (libc::IPPROTO_IP, libc::IP_PKTINFO),
+            Family::V6 => (libc::IPPROTO_IPV6, libc::IPV6_RECVPKTINFO),
+        };
         let on: libc::c_int = 1;
         // SAFETY: an int option of the socket's own descriptor.
         let rc = unsafe {
             libc::setsockopt(
                 socket.as_raw_fd(),
-                libc::IPPROTO_IP,
-                libc::IP_PKTINFO,
+                level,
+                name,
                 (&on as *const libc::c_int).cast(),
                 size_of::<libc::c_int>() as libc::socklen_t,
             )
@@ -417,11 +443,11 @@ impl UdpProxySocket {
         if rc != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Self(UdpSocket::from_std(socket)?))
+        Ok(Self(UdpSocket::from_std(socket.into())?))
     }
 
     /// A datagram: its length, its sender, and the node address it was sent to.
-    async fn recv_from(&self, buf: &mut [u8]) -> std::io::Result<(usize, SocketAddr, Ipv4Addr)> {
+    async fn recv_from(&self, buf: &mut [u8]) -> std::io::Result<(usize, SocketAddr, IpAddr)> {
         let fd = self.0.as_raw_fd();
         self.0
             .async_io(Interest::READABLE, || recv_with_destination(fd, buf))
@@ -429,12 +455,7 @@ impl UdpProxySocket {
     }
 
     /// Sends `buf` to `to` from the node address `from`.
-    async fn send_from(&self, buf: &[u8], from: Ipv4Addr, to: SocketAddr) -> std::io::Result<()> {
-        let SocketAddr::V4(to) = to else {
-            return Err(std::io::Error::other(
-                "an IPv6 client of an IPv4 proxy socket",
-            ));
-        };
+    async fn send_from(&self, buf: &[u8], from: IpAddr, to: SocketAddr) -> std::io::Result<()> {
         let fd = self.0.as_raw_fd();
         self.0
             .async_io(Interest::WRITABLE, || send_from(fd, buf, from, to))
@@ -442,98 +463,126 @@ impl UdpProxySocket {
     }
 }
 
-/// An IPv4 socket address for the C calls.
-fn sockaddr(addr: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: addr.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(*addr.ip()).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
-}
-
-/// A message header for one buffer (`iov`) from or to `peer`, without control messages; both
-/// must outlive the call it is given to.
-fn message(peer: &mut libc::sockaddr_in, iov: &mut libc::iovec) -> libc::msghdr {
+/// A message header for one buffer (`iov`) from or to the socket address at `peer` (of
+/// `peer_len` bytes), without control messages; all must outlive the call it is given to.
+fn message(
+    peer: *mut libc::c_void,
+    peer_len: libc::socklen_t,
+    iov: &mut libc::iovec,
+) -> libc::msghdr {
     // SAFETY: a plain C struct; all zeroes is valid.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_name = (peer as *mut libc::sockaddr_in).cast();
-    msg.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    msg.msg_name = peer;
+    msg.msg_namelen = peer_len;
     msg.msg_iov = iov;
     msg.msg_iovlen = 1;
     msg
 }
 
-/// Room for one IP_PKTINFO control message, aligned as the kernel writes it.
+/// Room for one IP_PKTINFO or IPV6_PKTINFO control message, aligned as the kernel writes it.
 #[repr(C, align(8))]
 struct PktInfoSpace([u8; 64]);
 
 fn recv_with_destination(
     fd: RawFd,
     buf: &mut [u8],
-) -> std::io::Result<(usize, SocketAddr, Ipv4Addr)> {
-    // SAFETY: a plain C struct, all zeroes valid; every pointer below outlives the call.
-    let mut from: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+) -> std::io::Result<(usize, SocketAddr, IpAddr)> {
     let mut control = PktInfoSpace([0; 64]);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    let mut msg = message(&mut from, &mut iov);
-    msg.msg_control = control.0.as_mut_ptr().cast();
-    msg.msg_controllen = control.0.len();
-    // SAFETY: msg describes valid buffers.
-    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let mut local = Ipv4Addr::UNSPECIFIED;
-    // SAFETY: walking the control messages the kernel wrote within msg_controllen.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::IPPROTO_IP && (*cmsg).cmsg_type == libc::IP_PKTINFO {
-                let info = (libc::CMSG_DATA(cmsg) as *const libc::in_pktinfo).read_unaligned();
-                local = Ipv4Addr::from(u32::from_be(info.ipi_addr.s_addr));
+    let mut local = None;
+    // SAFETY: try_init hands a zeroed address buffer and its length to fill; every pointer in
+    // msg outlives the recvmsg call; the control messages are walked within msg_controllen.
+    let (n, from) = unsafe {
+        socket2::SockAddr::try_init(|storage, len| {
+            let mut msg = message(storage.cast(), *len, &mut iov);
+            msg.msg_control = control.0.as_mut_ptr().cast();
+            msg.msg_controllen = control.0.len();
+            let n = libc::recvmsg(fd, &mut msg, 0);
+            if n < 0 {
+                return Err(std::io::Error::last_os_error());
             }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
-    let client = SocketAddrV4::new(
-        Ipv4Addr::from(u32::from_be(from.sin_addr.s_addr)),
-        u16::from_be(from.sin_port),
-    );
-    Ok((n as usize, client.into(), local))
+            *len = msg.msg_namelen;
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                match ((*cmsg).cmsg_level, (*cmsg).cmsg_type) {
+                    (libc::IPPROTO_IP, libc::IP_PKTINFO) => {
+                        let info =
+                            (libc::CMSG_DATA(cmsg) as *const libc::in_pktinfo).read_unaligned();
+                        local = Some(Ipv4Addr::from(u32::from_be(info.ipi_addr.s_addr)).into());
+                    }
+                    (libc::IPPROTO_IPV6, libc::IPV6_PKTINFO) => {
+                        let info =
+                            (libc::CMSG_DATA(cmsg) as *const libc::in6_pktinfo).read_unaligned();
+                        local = Some(Ipv6Addr::from(info.ipi6_addr.s6_addr).into());
+                    }
+                    _ => {}
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
+            Ok(n as usize)
+        })?
+    };
+    let client = from
+        .as_socket()
+        .ok_or_else(|| std::io::Error::other("a datagram from a non-IP address"))?;
+    let local = local.unwrap_or_else(|| unspecified(Family::of(client.ip())).ip());
+    Ok((n, client, local))
 }
 
-fn send_from(fd: RawFd, buf: &[u8], from: Ipv4Addr, to: SocketAddrV4) -> std::io::Result<()> {
-    let mut to = sockaddr(to);
+fn send_from(fd: RawFd, buf: &[u8], from: IpAddr, to: SocketAddr) -> std::io::Result<()> {
+    let to = socket2::SockAddr::from(to);
     let mut control = PktInfoSpace([0; 64]);
     let mut iov = libc::iovec {
         iov_base: buf.as_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
-    let mut msg = message(&mut to, &mut iov);
-    if !from.is_unspecified() {
-        // SAFETY: CMSG_SPACE and the header written within the control buffer's size.
-        unsafe {
-            let space = libc::CMSG_SPACE(size_of::<libc::in_pktinfo>() as u32) as usize;
+    let mut msg = message(to.as_ptr() as *mut libc::c_void, to.len(), &mut iov);
+    // SAFETY: CMSG_SPACE and the header written within the control buffer's size.
+    unsafe {
+        let (level, type_, len) = match from {
+            _ if from.is_unspecified() => (0, 0, 0),
+            IpAddr::V4(_) => (
+                libc::IPPROTO_IP,
+                libc::IP_PKTINFO,
+                size_of::<libc::in_pktinfo>(),
+            ),
+            IpAddr::V6(_) => (
+                libc::IPPROTO_IPV6,
+                libc::IPV6_PKTINFO,
+                size_of::<libc::in6_pktinfo>(),
+            ),
+        };
+        if len > 0 {
             msg.msg_control = control.0.as_mut_ptr().cast();
-            msg.msg_controllen = space;
+            msg.msg_controllen = libc::CMSG_SPACE(len as u32) as usize;
             let cmsg = libc::CMSG_FIRSTHDR(&msg);
-            (*cmsg).cmsg_level = libc::IPPROTO_IP;
-            (*cmsg).cmsg_type = libc::IP_PKTINFO;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::in_pktinfo>() as u32) as usize;
-            let info = libc::in_pktinfo {
-                ipi_ifindex: 0,
-                ipi_spec_dst: libc::in_addr {
-                    s_addr: u32::from(from).to_be(),
-                },
-                ipi_addr: libc::in_addr { s_addr: 0 },
-            };
-            (libc::CMSG_DATA(cmsg) as *mut libc::in_pktinfo).write_unaligned(info);
+            (*cmsg).cmsg_level = level;
+            (*cmsg).cmsg_type = type_;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(len as u32) as usize;
+            match from {
+                IpAddr::V4(from) => {
+                    let info = libc::in_pktinfo {
+                        ipi_ifindex: 0,
+                        ipi_spec_dst: libc::in_addr {
+                            s_addr: u32::from(from).to_be(),
+                        },
+                        ipi_addr: libc::in_addr { s_addr: 0 },
+                    };
+                    (libc::CMSG_DATA(cmsg) as *mut libc::in_pktinfo).write_unaligned(info);
+                }
+                IpAddr::V6(from) => {
+                    let info = libc::in6_pktinfo {
+                        ipi6_addr: libc::in6_addr {
+                            s6_addr: from.octets(),
+                        },
+                        ipi6_ifindex: 0,
+                    };
+                    (libc::CMSG_DATA(cmsg) as *mut libc::in6_pktinfo).write_unaligned(info);
+                }
+            }
         }
     }
     // SAFETY: msg describes valid buffers.

@@ -1,6 +1,7 @@
 //! The iptables rules of the userspace mode, in kube-proxy's userspace layout, as one
-//! `iptables-restore --noflush` input. A pure function of the state, the settings and the
-//! proxy ports, so that the golden test shows every rule change in review.
+//! `iptables-restore --noflush` input of one family (`ip6tables-restore` takes IPv6's). A pure
+//! function of the state, the settings and the proxy ports, so that the golden test shows
+//! every rule change in review.
 //!
 //! nat: each frontend of a Service port with endpoints is sent to the Service port's proxy
 //! socket. `KUBE-PORTALS-CONTAINER` (from PREROUTING: pods, and other hosts) REDIRECTs the
@@ -22,10 +23,13 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
 };
 
-use crate::model::{Cidr, DesiredState, Family, Protocol, ServicePort, ServicePortName, ipv4};
+use crate::{
+    model::{Cidr, DesiredState, Family, Protocol, ServicePort, ServicePortName},
+    rows::host_port,
+};
 
 pub const CONTAINER_PORTALS: &str = "KUBE-PORTALS-CONTAINER";
 pub const HOST_PORTALS: &str = "KUBE-PORTALS-HOST";
@@ -48,14 +52,15 @@ pub const CHAINS: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// What the rules depend on besides the state and the proxy ports.
+/// What the rules of one family depend on besides the state and the proxy ports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
+    pub family: Family,
     /// Where traffic from the node's own processes is DNATed to (with the proxy port): the
-    /// node's primary address (kube-proxy's `hostIP`).
-    pub node_ip: Ipv4Addr,
+    /// node's primary address of the family (kube-proxy's `hostIP`).
+    pub node_ip: IpAddr,
     /// The node addresses NodePorts answer on; None: every local address (`addrtype LOCAL`).
-    pub node_port_addresses: Option<Vec<Ipv4Addr>>,
+    pub node_port_addresses: Option<Vec<IpAddr>>,
 }
 
 /// Which of a Service port's proxy sockets: the one of its cluster IPs (endpoints following
@@ -84,33 +89,35 @@ impl ProxyPorts {
     }
 }
 
-/// Whether the mode proxies `port` at all: TCP or UDP (kube-proxy's userspace mode had no
-/// SCTP), with an IPv4 cluster IP (the mode is IPv4 only: kube-proxy's IPv4 proxier's ports).
-pub fn proxied(port: &ServicePort) -> bool {
-    port.protocol != Protocol::Sctp && port.in_family(Family::V4)
+/// Whether the mode proxies `port` in `family`: TCP or UDP (kube-proxy's userspace mode had no
+/// SCTP), with a cluster IP of the family (kube-proxy's proxier of the family).
+pub fn proxied(port: &ServicePort, family: Family) -> bool {
+    port.protocol != Protocol::Sctp && port.in_family(family)
 }
 
-/// Whether `port` can be reached from outside the cluster (NodePort, external or LB IPs).
-fn has_external(port: &ServicePort) -> bool {
+/// Whether `port` can be reached in `family` from outside the cluster (NodePort, external or
+/// load balancer IPs).
+fn has_external(port: &ServicePort, family: Family) -> bool {
     port.node_port.is_some()
-        || !ipv4(&port.external_ips).is_empty()
-        || !ipv4(&port.load_balancer_ips).is_empty()
+        || port.external_ips.iter().any(|ip| family.has(*ip))
+        || port.load_balancer_ips.iter().any(|ip| family.has(*ip))
 }
 
-/// Whether the external frontends of `port` need a proxy socket of their own: when the
-/// traffic policies pick different endpoints for them than for the cluster IPs.
-pub fn needs_external_listener(port: &ServicePort) -> bool {
-    has_external(port) && port.external_traffic_local != port.internal_traffic_local
+/// Whether the external frontends of `port` in `family` need a proxy socket of their own: when
+/// the traffic policies pick different endpoints for them than for the cluster IPs.
+pub fn needs_external_listener(port: &ServicePort, family: Family) -> bool {
+    has_external(port, family) && port.external_traffic_local != port.internal_traffic_local
 }
 
-/// The endpoints `listener` of `spn` proxies to: the usable IPv4 ones, only this node's where
-/// its traffic policy is Local.
+/// The endpoints `listener` of `spn` proxies to in `family`: the usable ones of the family,
+/// only this node's where its traffic policy is Local.
 pub fn endpoints(
     state: &DesiredState,
     spn: &ServicePortName,
     port: &ServicePort,
     listener: Listener,
-) -> Vec<SocketAddrV4> {
+    family: Family,
+) -> Vec<SocketAddr> {
     let local_only = match listener {
         Listener::Internal => port.internal_traffic_local,
         Listener::External => port.external_traffic_local,
@@ -118,10 +125,8 @@ pub fn endpoints(
     state
         .usable_endpoints(spn, local_only)
         .iter()
-        .filter_map(|ep| {
-            let ip = ep.ipv4()?;
-            Some(SocketAddrV4::new(ip, ep.port))
-        })
+        .filter(|ep| family.has(ep.ip))
+        .map(|ep| SocketAddr::new(ep.ip, ep.port))
         .collect()
 }
 
@@ -135,8 +140,9 @@ impl Rules {
     }
 }
 
-/// The `iptables-restore --noflush` input that makes the mode's chains hold exactly the rules
-/// of `state`, for the Service ports in `ports` (those with an open proxy socket).
+/// The `iptables-restore --noflush` input that makes the mode's chains of `settings.family`
+/// hold exactly the rules of `state`, for the Service ports in `ports` (those with an open
+/// proxy socket of the family).
 pub fn render(
     state: &DesiredState,
     settings: &Settings,
@@ -169,16 +175,17 @@ fn portal(
     comment: &str,
     proto: &str,
     dport: u16,
-    dest: Option<Ipv4Addr>,
-    source: Option<(Ipv4Addr, u8)>,
+    dest: Option<IpAddr>,
+    source: Option<Cidr>,
 ) -> String {
     let mut rule =
         format!("-m comment --comment \"{comment}\" -p {proto} -m {proto} --dport {dport}");
     if let Some(ip) = dest {
-        let _ = write!(rule, " -d {ip}/32");
+        let len = if ip.is_ipv4() { 32 } else { 128 };
+        let _ = write!(rule, " -d {ip}/{len}");
     }
-    if let Some((net, len)) = source {
-        let _ = write!(rule, " -s {net}/{len}");
+    if let Some(range) = source {
+        let _ = write!(rule, " -s {range}");
     }
     rule
 }
@@ -198,16 +205,17 @@ fn service_rules(
         Protocol::Udp => "udp",
         Protocol::Sctp => return,
     };
-    let node_ip = settings.node_ip;
+    let family = settings.family;
+    let to_node = |proxy_port: u16| host_port(&settings.node_ip.to_string(), proxy_port);
     let mut cluster_endpoints = state.usable_endpoints(spn, false);
-    cluster_endpoints.retain(|ep| ep.ip.is_ipv4());
+    cluster_endpoints.retain(|ep| family.has(ep.ip));
     // What a frontend whose listener has no endpoints does (None: it has some).
     let verdict = |listener: Listener| {
         let local = match listener {
             Listener::Internal => port.internal_traffic_local,
             Listener::External => port.external_traffic_local,
         };
-        if !endpoints(state, spn, port, listener).is_empty() {
+        if !endpoints(state, spn, port, listener, family).is_empty() {
             None
         } else if local && !cluster_endpoints.is_empty() {
             Some(("has no local endpoints", "DROP"))
@@ -216,19 +224,25 @@ fn service_rules(
         }
     };
     // Only these sources may reach the load balancer IPs (all when None).
-    let ranges: Option<Vec<(Ipv4Addr, u8)>> = (!port.source_ranges.is_empty())
-        .then(|| port.source_ranges.iter().filter_map(Cidr::as_v4).collect());
+    let ranges: Option<Vec<Cidr>> = (!port.source_ranges.is_empty()).then(|| {
+        let mut ranges = port.source_ranges.clone();
+        ranges.retain(|r| r.family() == family);
+        ranges
+    });
 
-    let frontends = ipv4(&port.cluster_ips)
+    let frontends = family
+        .filter(&port.cluster_ips)
         .into_iter()
         .map(|ip| (ip, Listener::Internal, false))
         .chain(
-            ipv4(&port.external_ips)
+            family
+                .filter(&port.external_ips)
                 .into_iter()
                 .map(|ip| (ip, Listener::External, false)),
         )
         .chain(
-            ipv4(&port.load_balancer_ips)
+            family
+                .filter(&port.load_balancer_ips)
                 .into_iter()
                 .map(|ip| (ip, Listener::External, true)),
         );
@@ -244,7 +258,7 @@ fn service_rules(
             continue;
         }
         let proxy_port = proxy.of(listener);
-        let sources: Vec<Option<(Ipv4Addr, u8)>> = match &ranges {
+        let sources: Vec<Option<Cidr>> = match &ranges {
             Some(ranges) if load_balancer => ranges.iter().copied().map(Some).collect(),
             _ => vec![None],
         };
@@ -256,7 +270,7 @@ fn service_rules(
             );
             rules.add(
                 HOST_PORTALS,
-                format!("{matched} -j DNAT --to-destination {node_ip}:{proxy_port}"),
+                format!("{matched} -j DNAT --to-destination {}", to_node(proxy_port)),
             );
         }
         if load_balancer && ranges.is_some() {
@@ -273,7 +287,7 @@ fn service_rules(
 
     if let Some(node_port) = port.node_port {
         // None: every local address, as the jumps to the chains match.
-        let addresses: Vec<Option<Ipv4Addr>> = match &settings.node_port_addresses {
+        let addresses: Vec<Option<IpAddr>> = match &settings.node_port_addresses {
             None => vec![None],
             Some(addrs) => addrs.iter().copied().map(Some).collect(),
         };
@@ -304,7 +318,7 @@ fn service_rules(
                     );
                     rules.add(
                         HOST_NODEPORTS,
-                        format!("{matched} -j DNAT --to-destination {node_ip}:{proxy_port}"),
+                        format!("{matched} -j DNAT --to-destination {}", to_node(proxy_port)),
                     );
                 }
                 rules.add(
@@ -334,6 +348,46 @@ fn service_rules(
     }
 }
 
+/// Proxy ports as the dataplane would open them for `family`, numbered from 40001 in order
+/// (the golden files' and inspect's tests).
+#[cfg(test)]
+pub(crate) fn numbered_ports(
+    state: &DesiredState,
+    family: Family,
+) -> BTreeMap<ServicePortName, ProxyPorts> {
+    let mut next = 40000;
+    let mut take = || {
+        next += 1;
+        next
+    };
+    state
+        .ports()
+        .filter(|(_, port)| proxied(port, family))
+        .map(|(spn, port)| {
+            let internal = take();
+            let external = needs_external_listener(port, family).then(&mut take);
+            (spn.clone(), ProxyPorts { internal, external })
+        })
+        .collect()
+}
+
+/// The settings the golden files are rendered with: node1's address of `family` answering
+/// NodePorts.
+#[cfg(test)]
+pub(crate) fn settings_of(family: Family) -> Settings {
+    let node_ip: IpAddr = match family {
+        Family::V4 => "192.0.2.11",
+        Family::V6 => "2001:db8:192:2::11",
+    }
+    .parse()
+    .unwrap();
+    Settings {
+        family,
+        node_ip,
+        node_port_addresses: Some(vec![node_ip]),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,29 +403,12 @@ mod tests {
         )
     }
 
-    /// Proxy ports as the dataplane would open them, numbered from 40001 in order.
     fn ports_of(state: &DesiredState) -> BTreeMap<ServicePortName, ProxyPorts> {
-        let mut next = 40000;
-        let mut take = || {
-            next += 1;
-            next
-        };
-        state
-            .ports()
-            .filter(|(_, port)| proxied(port))
-            .map(|(spn, port)| {
-                let internal = take();
-                let external = needs_external_listener(port).then(&mut take);
-                (spn.clone(), ProxyPorts { internal, external })
-            })
-            .collect()
+        numbered_ports(state, Family::V4)
     }
 
     fn settings() -> Settings {
-        Settings {
-            node_ip: Ipv4Addr::new(192, 0, 2, 11),
-            node_port_addresses: Some(vec![Ipv4Addr::new(192, 0, 2, 11)]),
-        }
+        settings_of(Family::V4)
     }
 
     #[test]
@@ -379,6 +416,56 @@ mod tests {
         let state = fixture(FIXTURE);
         let text = render(&state, &settings(), &ports_of(&state));
         golden("modes/userspace", "rules.golden", &text);
+    }
+
+    /// Each family's rules for the dual-stack fixture: the dual-stack Service's half of the
+    /// family, the single-stack ones in their family only.
+    #[test]
+    fn dual_stack_rules_match_the_golden_files() {
+        let state = fixture(crate::testing::DUAL_STACK);
+        let render = |family| {
+            render(
+                &state,
+                &settings_of(family),
+                &numbered_ports(&state, family),
+            )
+        };
+        let (v4, v6) = (render(Family::V4), render(Family::V6));
+        golden("modes/userspace", "dual_stack_ipv4.golden", &v4);
+        golden("modes/userspace", "dual_stack_ipv6.golden", &v6);
+        assert!(!v4.contains("fd00:") && !v4.contains("2001:"), "{v4}");
+        assert!(!v6.contains("shop/web") && !v6.contains(" 10."), "{v6}");
+        for want in [
+            "-d fd00:10:96::20/128 -j REDIRECT --to-ports 4000",
+            "-j DNAT --to-destination [2001:db8:192:2::11]:4000",
+            "-s 2001:db8:192:2::/64 -j REDIRECT",
+        ] {
+            assert!(v6.contains(want), "no {want:?} in:\n{v6}");
+        }
+    }
+
+    /// Both families' rules, as the kernel's tools take them.
+    #[test]
+    fn dual_stack_rules_restore() {
+        let test = "modes::userspace::rules::tests::dual_stack_rules_restore";
+        let rules = |family| {
+            let state = fixture(crate::testing::DUAL_STACK);
+            render(
+                &state,
+                &settings_of(family),
+                &numbered_ports(&state, family),
+            )
+        };
+        for (tables, saved) in crate::testing::saved_in_each_tables(test, &Family::ALL, rules) {
+            let to_node = match tables.family {
+                Family::V4 => "--to-destination 192.0.2.11:4000",
+                Family::V6 => "--to-destination [2001:db8:192:2::11]:4000",
+            };
+            assert!(
+                saved.contains(to_node),
+                "{tables:?}: no {to_node}:\n{saved}"
+            );
+        }
     }
 
     #[test]
@@ -389,11 +476,11 @@ mod tests {
         let local = spn("shop", "local", "");
         assert!(ports[&local].external.is_some());
         let port = &state.port(&local).unwrap();
-        let addr = |last| SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, last), 8080);
-        let cluster = endpoints(&state, &local, port, Listener::Internal);
+        let addr = |last| SocketAddr::from(([10, 244, 1, last], 8080));
+        let cluster = endpoints(&state, &local, port, Listener::Internal, Family::V4);
         assert_eq!(cluster.len(), 2);
         assert_eq!(
-            endpoints(&state, &local, port, Listener::External),
+            endpoints(&state, &local, port, Listener::External, Family::V4),
             [addr(13)],
             "only node1's"
         );
@@ -401,7 +488,7 @@ mod tests {
         let elsewhere = spn("shop", "elsewhere", "");
         assert_eq!(ports[&elsewhere].external, None);
         let port = &state.port(&elsewhere).unwrap();
-        assert!(endpoints(&state, &elsewhere, port, Listener::Internal).is_empty());
+        assert!(endpoints(&state, &elsewhere, port, Listener::Internal, Family::V4).is_empty());
         // Both Cluster: one socket.
         assert_eq!(ports[&spn("shop", "front", "")].external, None);
     }
