@@ -183,7 +183,7 @@ pub const MODES: &[Mode] = &[
         kernel_has: ipvs_loads,
         not_applicable: &[("local-policy-shortcut-host", IPVS_HOST_LOCAL)],
         needs: &[],
-        ipv6: false,
+        ipv6: true,
     },
     Mode {
         id: "userspace",

@@ -53,6 +53,7 @@ suites! {
         iptables_nft_multihomed_ipv6 MultiHomed;
     "nftables": nftables_ipv6 Routed, nftables_bridge_ipv6 Bridge, nftables_eni_ipv6 Eni,
         nftables_overlay_ipv6 Overlay, nftables_multihomed_ipv6 MultiHomed;
+    "ipvs": ipvs_ipv6 Routed;
     // Not on bridged pods: there the first UDP datagram to an endpoint lost its reply in about
     // half the runs (the proxy's session, idle after kube-proxy's 250 ms --udp-timeout, was
     // closed before any reply; with 3 s every reply came within a millisecond). Not explained
@@ -64,6 +65,7 @@ suites! {
 suites! {
     DualStack;
     "ebpf": ebpf_dual_stack Routed;
+    "ipvs": ipvs_dual_stack Routed;
     "userspace": userspace_dual_stack Routed;
     "iptables-legacy": iptables_legacy_dual_stack Routed, iptables_legacy_bridge_dual_stack Bridge,
         iptables_legacy_eni_dual_stack Eni, iptables_legacy_overlay_dual_stack Overlay,

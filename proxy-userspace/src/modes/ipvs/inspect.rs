@@ -2,7 +2,10 @@
 //! generic netlink) give the frontends and their endpoints; kube-proxy's ipsets (`ipset save`)
 //! tell what kind each frontend is and its policies, which IPVS itself does not know; the
 //! persistence templates in `/proc/net/ip_vs_conn` are the ClientIP affinity.
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    net::{IpAddr, SocketAddr},
+};
 
 use anyhow::Context;
 
@@ -11,11 +14,11 @@ use crate::modes::ipvs::{
     rules::{
         CLUSTER_IP, EXTERNAL_IP, EXTERNAL_IP_LOCAL, LOAD_BALANCER, LOAD_BALANCER_LOCAL,
         LOAD_BALANCER_SOURCE_CIDR, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_TCP,
-        NODE_PORT_UDP,
+        NODE_PORT_UDP, set_name,
     },
 };
 use crate::{
-    model::Protocol,
+    model::{Family, Protocol},
     netfilter::conntrack,
     rows::{BackendRow, ClientAffinityRow, Rows, ServiceRow, What, row},
 };
@@ -51,16 +54,20 @@ fn sets(text: &str) -> HashMap<&str, HashSet<&str>> {
 }
 
 /// The frontends of `servers`, each with its endpoints and policies; a NodePort once, as
-/// `*:port`, though IPVS has one virtual server per node address.
+/// `*:port`, though IPVS has one virtual server per node address (of each family).
 pub fn services(servers: &[(Service, Vec<Dest>)], ipsets: &str) -> Vec<ServiceRow> {
     let sets = sets(ipsets);
-    let has = |set: &str, entry: &str| sets.get(set).is_some_and(|s| s.contains(entry));
     let mut rows: BTreeMap<(String, &'static str), ServiceRow> = BTreeMap::new();
     for (service, dests) in servers {
         let key = service.key;
+        // The sets of the virtual server's family (`KUBE-6-...` for IPv6).
+        let family = Family::of(key.addr);
+        let set = |name: &str| sets.get(set_name(name, family).as_str());
+        let has = |name: &str, entry: &str| set(name).is_some_and(|s| s.contains(entry));
         let protocol = Protocol::from_number(key.protocol).map_or("?", Protocol::name);
-        // The sets' spelling: `10.96.0.10,tcp:80`.
+        // The sets' spelling: `10.96.0.10,tcp:80`, `fd00::a,tcp:80`.
         let entry = format!("{},{}:{}", key.addr, protocol.to_lowercase(), key.port);
+        let frontend = SocketAddr::new(key.addr, key.port).to_string();
         let port = key.port.to_string();
         let (node_ports, local_node_ports) = match protocol {
             "UDP" => (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
@@ -68,13 +75,13 @@ pub fn services(servers: &[(Service, Vec<Dest>)], ipsets: &str) -> Vec<ServiceRo
         };
         let (kind, address, local_only) = if has(CLUSTER_IP, &entry) {
             // internalTrafficPolicy Local leaves only the local real servers: not visible here.
-            ("ClusterIP", format!("{}:{}", key.addr, key.port), false)
+            ("ClusterIP", frontend, false)
         } else if has(LOAD_BALANCER, &entry) {
             let local = has(LOAD_BALANCER_LOCAL, &entry);
-            ("LoadBalancer", format!("{}:{}", key.addr, key.port), local)
+            ("LoadBalancer", frontend, local)
         } else if has(EXTERNAL_IP, &entry) {
             let local = has(EXTERNAL_IP_LOCAL, &entry);
-            ("ExternalIP", format!("{}:{}", key.addr, key.port), local)
+            ("ExternalIP", frontend, local)
         } else if has(node_ports, &port) {
             let local = has(local_node_ports, &port);
             ("NodePort", format!("*:{}", key.port), local)
@@ -88,8 +95,7 @@ pub fn services(servers: &[(Service, Vec<Dest>)], ipsets: &str) -> Vec<ServiceRo
             r.affinity_timeout_seconds =
                 (service.flags & FLAG_PERSISTENT != 0).then_some(service.timeout);
             r.maglev = service.scheduler == "mh";
-            r.source_ranges = sets
-                .get(LOAD_BALANCER_SOURCE_CIDR)
+            r.source_ranges = set(LOAD_BALANCER_SOURCE_CIDR)
                 .into_iter()
                 .flatten()
                 .filter_map(|e| e.strip_prefix(entry.as_str())?.strip_prefix(','))
@@ -113,7 +119,7 @@ pub fn services(servers: &[(Service, Vec<Dest>)], ipsets: &str) -> Vec<ServiceRo
 fn backend_row(dest: &Dest, protocol: &'static str) -> BackendRow {
     BackendRow {
         id: 0,
-        address: format!("{}:{}", dest.addr, dest.port),
+        address: SocketAddr::new(dest.addr, dest.port).to_string(),
         protocol,
         draining: dest.weight == 0,
     }
@@ -129,12 +135,14 @@ pub fn backends(rows: &[ServiceRow]) -> Vec<BackendRow> {
 }
 
 /// The persistence templates of `text` (`/proc/net/ip_vs_conn`): a client (port 0) sent to a
-/// real server by a persistent virtual server, for the seconds left.
+/// real server by a persistent virtual server, for the seconds left. The kernel writes an
+/// IPv4 address in hex, an IPv6 one in full (`fd00:0010:...`).
 pub fn affinity(text: &str) -> Vec<ClientAffinityRow> {
-    let hex_ip = |s: &str| {
-        u32::from_str_radix(s, 16)
-            .ok()
-            .map(std::net::Ipv4Addr::from)
+    let hex_ip = |s: &str| -> Option<IpAddr> {
+        match s.contains(':') {
+            true => s.parse().ok(),
+            false => Some(std::net::Ipv4Addr::from(u32::from_str_radix(s, 16).ok()?).into()),
+        }
     };
     let hex_port = |s: &str| u16::from_str_radix(s, 16).ok();
     let mut rows: Vec<ClientAffinityRow> = text
@@ -164,14 +172,14 @@ pub fn affinity(text: &str) -> Vec<ClientAffinityRow> {
             }
             Some(ClientAffinityRow {
                 client: hex_ip(from)?.to_string(),
-                service: format!("{}:{}", hex_ip(to)?, hex_port(to_port)?),
+                service: SocketAddr::new(hex_ip(to)?, hex_port(to_port)?).to_string(),
                 protocol: match *proto {
                     "TCP" => "TCP",
                     "UDP" => "UDP",
                     "SCTP" => "SCTP",
                     _ => "?",
                 },
-                endpoint: format!("{}:{}", hex_ip(dest)?, hex_port(dest_port)?),
+                endpoint: SocketAddr::new(hex_ip(dest)?, hex_port(dest_port)?).to_string(),
                 expires_seconds: expires.parse().ok(),
             })
         })
@@ -222,7 +230,7 @@ mod tests {
         (
             Service {
                 key: ServiceKey {
-                    addr: Ipv4Addr::from(addr),
+                    addr: Ipv4Addr::from(addr).into(),
                     protocol,
                     port,
                 },
@@ -234,7 +242,7 @@ mod tests {
             dests
                 .iter()
                 .map(|&(a, port, weight)| Dest {
-                    addr: Ipv4Addr::from(a),
+                    addr: Ipv4Addr::from(a).into(),
                     port,
                     weight,
                     active_conns: 0,
@@ -322,6 +330,73 @@ add KUBE-NODE-PORT-TCP 30080
                 "10.244.1.12:8080",
                 "10.244.2.11:8080"
             ]
+        );
+    }
+
+    /// An IPv6 virtual server is found in the IPv6 sets (`KUBE-6-...`), its addresses in
+    /// brackets; a NodePort of both families is one row.
+    #[test]
+    fn ipv6_frontends_from_the_ipv6_sets() {
+        let v6 = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let server6 = |addr: &str, port, dest: &str| {
+            let (mut service, mut dests) = server([0; 4], 6, port, &[([0; 4], 8080, 1)]);
+            service.key.addr = v6(addr);
+            dests[0].addr = v6(dest);
+            (service, dests)
+        };
+        let sets = format!(
+            "{SETS}add KUBE-6-CLUSTER-IP fd00:10:96::a,tcp:80\nadd KUBE-6-NODE-PORT-TCP 30080\n"
+        );
+        let servers = [
+            server6("fd00:10:96::a", 80, "fd00:10:244:1::12"),
+            // In the IPv4 sets only: not kube-proxy's IPv6 one.
+            server6("fd00:10:96::14", 80, "fd00:10:244:1::12"),
+            server6("2001:db8:192:2::11", 30080, "fd00:10:244:2::11"),
+            server([192, 0, 2, 11], 6, 30080, &[([10, 244, 2, 11], 8080, 1)]),
+        ];
+        let rows = services(&servers, &sets);
+        let summary: Vec<(String, &str, Vec<String>)> = rows
+            .iter()
+            .map(|r| {
+                let backends = r.backends.iter().map(|b| b.address.clone()).collect();
+                (r.address.clone(), r.kind, backends)
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (
+                    "*:30080".to_owned(),
+                    "NodePort",
+                    vec![
+                        "10.244.2.11:8080".to_owned(),
+                        "[fd00:10:244:2::11]:8080".to_owned()
+                    ]
+                ),
+                (
+                    "[fd00:10:96::a]:80".to_owned(),
+                    "ClusterIP",
+                    vec!["[fd00:10:244:1::12]:8080".to_owned()]
+                ),
+            ]
+        );
+        let text = "\
+Pro FromIP   FPrt ToIP     TPrt DestIP   DPrt State       Expires PEName PEData
+TCP fd00:0010:0244:0001:0000:0000:0000:0010 0000 fd00:0010:0096:0000:0000:0000:0000:000a 0050 fd00:0010:0244:0001:0000:0000:0000:0012 1F90 NONE 10795
+";
+        let rows = affinity(text);
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(
+            (
+                rows[0].client.as_str(),
+                rows[0].service.as_str(),
+                rows[0].endpoint.as_str()
+            ),
+            (
+                "fd00:10:244:1::10",
+                "[fd00:10:96::a]:80",
+                "[fd00:10:244:1::12]:8080"
+            )
         );
     }
 

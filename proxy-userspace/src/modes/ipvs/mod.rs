@@ -13,6 +13,11 @@
 //!   `iptables-restore --noflush` ([`rules`]);
 //! - deletes stale UDP conntrack entries when endpoints go.
 //!
+//! IPv6 is served beside IPv4 where `ip6tables` runs, as kube-proxy runs a proxier a family:
+//! each family has its own plan, ipsets (`KUBE-6-...` for IPv6) and iptables rules; the virtual
+//! servers of both live in the one IPVS table, the addresses of both on `kube-ipvs0` (IPv6 ones
+//! without duplicate address detection, which would leave them unusable on the interface, down).
+//!
 //! A full sync ([`Scope::All`]) reads the IPVS table and the addresses of `kube-ipvs0` from the
 //! kernel and removes whatever the state does not name (virtual servers outside
 //! `--ipvs-exclude-cidrs`, addresses); between full syncs the dataplane compares the plan with
@@ -29,7 +34,7 @@ pub mod rules;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
     process::{Command, Stdio},
 };
 
@@ -38,9 +43,9 @@ use netlink::{Dest, Ipvs, OpenError, Service, ServiceKey};
 
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::{Cidr, DesiredState, Family, ipv4},
+    model::{Cidr, DesiredState, Family},
     netfilter::{
-        iptables::{self, Backend, Jump},
+        iptables::{self, Backend, Jump, Tables},
         rules::NetfilterConfig,
         stale_udp::StaleUdp,
     },
@@ -112,18 +117,20 @@ const JUMPS: &[Jump] = &[
 #[derive(Clone, Debug)]
 struct Programmed {
     service: Service,
-    dests: BTreeMap<(Ipv4Addr, u16), Dest>,
+    dests: BTreeMap<(IpAddr, u16), Dest>,
 }
 
 /// A real server being terminated: its virtual server and address.
-type Terminating = (ServiceKey, Ipv4Addr, u16);
+type Terminating = (ServiceKey, IpAddr, u16);
 
 pub struct IpvsDataplane {
     config: IpvsConfig,
     ipvs: Ipvs,
-    /// The virtual servers as programmed, and the addresses bound to `kube-ipvs0`; None until
-    /// a sync succeeded (then the kernel is read).
-    programmed: Option<(BTreeMap<ServiceKey, Programmed>, BTreeSet<Ipv4Addr>)>,
+    /// The families served: IPv4's, and IPv6's where ip6tables runs here.
+    families: Vec<Family>,
+    /// The virtual servers (of the families served) as programmed, and the addresses bound to
+    /// `kube-ipvs0`; None until a sync succeeded (then the kernel is read).
+    programmed: Option<(BTreeMap<ServiceKey, Programmed>, BTreeSet<IpAddr>)>,
     /// Real servers at weight 0, deleted once they have no connections.
     terminating: BTreeSet<Terminating>,
     jumps_checked: bool,
@@ -176,16 +183,18 @@ fn ip(args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
-/// The IPv4 addresses on the dummy interface.
-fn dummy_addresses() -> anyhow::Result<BTreeSet<Ipv4Addr>> {
-    let listed = ip(&["-4", "-o", "addr", "show", "dev", DUMMY])?;
+/// The addresses on the dummy interface, both families (an IPv6 link-local one is the
+/// kernel's, not a service's).
+fn dummy_addresses() -> anyhow::Result<BTreeSet<IpAddr>> {
+    let listed = ip(&["-o", "addr", "show", "dev", DUMMY])?;
     Ok(listed
         .lines()
         .filter_map(|l| {
             let mut words = l.split_whitespace();
-            words.find(|w| *w == "inet")?;
+            words.find(|w| *w == "inet" || *w == "inet6")?;
             words.next()?.split('/').next()?.parse().ok()
         })
+        .filter(|ip: &IpAddr| !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
         .collect())
 }
 
@@ -230,6 +239,18 @@ impl IpvsDataplane {
                 config.backend.name()
             );
         }
+        let mut families = vec![Family::V4];
+        let v6 = Tables {
+            backend: config.backend,
+            family: Family::V6,
+        };
+        match iptables::available(v6) {
+            true => families.push(Family::V6),
+            false => tracing::warn!(
+                "IPv6 Services are not served: {} cannot run here",
+                v6.tool("iptables-save")
+            ),
+        }
         if config.timeouts != netlink::Timeouts::default() {
             ipvs.set_timeouts(&config.timeouts)?;
         }
@@ -244,6 +265,7 @@ impl IpvsDataplane {
         Ok(Self {
             config,
             ipvs,
+            families,
             programmed: None,
             terminating: BTreeSet::new(),
             jumps_checked: false,
@@ -251,42 +273,55 @@ impl IpvsDataplane {
         })
     }
 
-    fn excluded(&self, addr: Ipv4Addr) -> bool {
+    fn excluded(&self, addr: IpAddr) -> bool {
         self.config
             .exclude_cidrs
             .iter()
-            .any(|cidr| cidr.contains(addr.into()))
+            .any(|cidr| cidr.contains(addr))
     }
 
-    fn settings(&self) -> anyhow::Result<rules::Settings> {
+    fn tables(&self, family: Family) -> Tables {
+        Tables {
+            backend: self.config.backend,
+            family,
+        }
+    }
+
+    fn settings(&self, family: Family) -> anyhow::Result<rules::Settings> {
         // The node's addresses, without the service addresses bound to the dummy interface.
         let addresses: Vec<_> = node::interface_addresses()?
             .into_iter()
             .filter(|a| a.interface != DUMMY)
             .collect();
         let netfilter = &self.config.netfilter;
-        let node_port_ips = ipv4(&node::selected_node_ips(
+        let mut node_port_ips = node::selected_node_ips(
             &netfilter.node_port_addresses,
             &netfilter.primary,
             &addresses,
-        ));
-        let mut node_ips = ipv4(&netfilter.primary);
+        );
+        node_port_ips.retain(|ip| family.has(*ip));
+        let mut node_ips = family.filter(&netfilter.primary);
         if node_ips.is_empty() {
             node_ips.clone_from(&node_port_ips);
         }
         Ok(rules::Settings {
+            family,
             scheduler: self.config.scheduler.clone(),
-            cluster_cidr: netfilter.cluster_cidr(Family::V4),
+            cluster_cidr: netfilter.cluster_cidr(family),
             masquerade_all: netfilter.masquerade_all,
             node_port_ips,
             node_ips,
         })
     }
 
-    /// The virtual servers in the kernel with their real servers.
+    /// The virtual servers of the families served in the kernel, with their real servers.
     fn read_kernel(&mut self) -> anyhow::Result<BTreeMap<ServiceKey, Programmed>> {
         let mut out = BTreeMap::new();
-        for service in self.ipvs.services()? {
+        let services = self.ipvs.services()?;
+        let served = services
+            .into_iter()
+            .filter(|s| self.families.contains(&Family::of(s.key.addr)));
+        for service in served.collect::<Vec<_>>() {
             let dests = self
                 .ipvs
                 .dests(&service.key)?
@@ -299,13 +334,21 @@ impl IpvsDataplane {
     }
 
     /// Makes the dummy interface hold exactly `want`; `current`: what it holds now.
-    fn bind(&self, current: &BTreeSet<Ipv4Addr>, want: &BTreeSet<Ipv4Addr>) -> anyhow::Result<()> {
+    fn bind(&self, current: &BTreeSet<IpAddr>, want: &BTreeSet<IpAddr>) -> anyhow::Result<()> {
         let mut batch = String::new();
         for addr in want.difference(current) {
-            batch.push_str(&format!("address add {addr}/32 dev {DUMMY}\n"));
+            // Without DAD: on the interface, down, an IPv6 address would stay tentative, and
+            // not local.
+            let (len, flags) = if addr.is_ipv4() {
+                (32, "")
+            } else {
+                (128, " nodad")
+            };
+            batch.push_str(&format!("address add {addr}/{len} dev {DUMMY}{flags}\n"));
         }
         for addr in current.difference(want) {
-            batch.push_str(&format!("address del {addr}/32 dev {DUMMY}\n"));
+            let len = if addr.is_ipv4() { 32 } else { 128 };
+            batch.push_str(&format!("address del {addr}/{len} dev {DUMMY}\n"));
         }
         if !batch.is_empty() {
             crate::command::pipe("ip", &["-batch", "-"], &batch)
@@ -314,17 +357,17 @@ impl IpvsDataplane {
         Ok(())
     }
 
-    /// Makes the IPVS table hold `plan`'s virtual servers; `current`: what it holds now (the
-    /// kernel's at a full sync), updated as the changes are made.
+    /// Makes the IPVS table hold `virtual_servers` (every family's); `current`: what it holds
+    /// now (the kernel's at a full sync), updated as the changes are made.
     fn reconcile(
         &mut self,
-        plan: &rules::Plan,
+        virtual_servers: &BTreeMap<ServiceKey, rules::VirtualServer>,
         current: &mut BTreeMap<ServiceKey, Programmed>,
         full: bool,
     ) -> anyhow::Result<()> {
         let stale: Vec<ServiceKey> = current
             .keys()
-            .filter(|k| !plan.virtual_servers.contains_key(k))
+            .filter(|k| !virtual_servers.contains_key(k))
             .copied()
             .collect();
         for key in stale {
@@ -335,7 +378,7 @@ impl IpvsDataplane {
             current.remove(&key);
             self.terminating.retain(|(k, _, _)| *k != key);
         }
-        for (key, vs) in &plan.virtual_servers {
+        for (key, vs) in virtual_servers {
             let now = match current.get_mut(key) {
                 Some(now) => {
                     if now.service != vs.service {
@@ -376,7 +419,7 @@ impl IpvsDataplane {
                     }
                 }
             }
-            let leaving: Vec<(Ipv4Addr, u16)> = now
+            let leaving: Vec<(IpAddr, u16)> = now
                 .dests
                 .keys()
                 .filter(|d| !vs.dests.contains(d))
@@ -387,7 +430,7 @@ impl IpvsDataplane {
                 continue;
             }
             // The connection counts, for the graceful termination (fresh ones at a full sync).
-            let counts: BTreeMap<(Ipv4Addr, u16), Dest> = if full {
+            let counts: BTreeMap<(IpAddr, u16), Dest> = if full {
                 now.dests.clone()
             } else {
                 self.ipvs
@@ -416,8 +459,11 @@ impl IpvsDataplane {
     }
 
     fn try_sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
-        let settings = self.settings()?;
-        let plan = rules::plan(state, &settings);
+        let mut plans = Vec::new();
+        for &family in &self.families {
+            let settings = self.settings(family)?;
+            plans.push((rules::plan(state, &settings), settings));
+        }
         let full = matches!(scope, Scope::All);
         let (mut current, bound) = match self.programmed.take() {
             Some(p) if !full => p,
@@ -431,23 +477,27 @@ impl IpvsDataplane {
             }
         };
         let full = full || !self.jumps_checked;
-        self.bind(&bound, &plan.bind)?;
-        // The sets first: the rules refer to them.
-        ipset_restore(&rules::ipset_restore(&plan.sets))?;
-        let restored = iptables::restore(
-            self.config.backend,
-            &rules::iptables_restore(&plan, &settings),
-        );
-        if restored.is_err() {
-            crate::serve::metrics::METRICS.iptables_restore_failed(Family::V4, false);
+        let bind: BTreeSet<IpAddr> = plans.iter().flat_map(|(p, _)| p.bind.clone()).collect();
+        self.bind(&bound, &bind)?;
+        for (plan, settings) in &plans {
+            // The sets first: the rules refer to them.
+            ipset_restore(&rules::ipset_restore(plan))?;
+            let tables = self.tables(plan.family);
+            let restored = iptables::restore(tables, &rules::iptables_restore(plan, settings));
+            if restored.is_err() {
+                crate::serve::metrics::METRICS.iptables_restore_failed(plan.family, false);
+            }
+            restored?;
         }
-        restored?;
         if full || scope.checks_jumps() {
-            iptables::ensure_jumps(self.config.backend, JUMPS)?;
+            for &family in &self.families {
+                iptables::ensure_jumps(self.tables(family), JUMPS)?;
+            }
             self.jumps_checked = true;
         }
-        self.reconcile(&plan, &mut current, full)?;
-        self.programmed = Some((current, plan.bind));
+        let virtual_servers = plans.into_iter().flat_map(|(p, _)| p.virtual_servers);
+        self.reconcile(&virtual_servers.collect(), &mut current, full)?;
+        self.programmed = Some((current, bind));
         self.udp.clear(state);
         Ok(())
     }
@@ -456,7 +506,7 @@ impl IpvsDataplane {
     fn finish_terminations(&mut self) -> anyhow::Result<()> {
         let keys: BTreeSet<ServiceKey> = self.terminating.iter().map(|(k, _, _)| *k).collect();
         for key in keys {
-            let dests: BTreeMap<(Ipv4Addr, u16), Dest> = match self.ipvs.dests(&key) {
+            let dests: BTreeMap<(IpAddr, u16), Dest> = match self.ipvs.dests(&key) {
                 Ok(dests) => dests.into_iter().map(|d| ((d.addr, d.port), d)).collect(),
                 Err(e) => {
                     // The virtual server went (deleted by someone else): nothing to wait for.
@@ -501,11 +551,15 @@ impl Dataplane for IpvsDataplane {
         }
         self.finish_terminations()
     }
+
+    fn families(&self) -> Vec<Family> {
+        self.families.clone()
+    }
 }
 
-/// The chains of `table` in `b`'s iptables-save output, and the targets jumped to from each.
-fn saved_rules(b: Backend, table: &str) -> anyhow::Result<Vec<(String, String)>> {
-    let output = Command::new(b.tool("iptables-save"))
+/// The chains of `table` in `t`'s iptables-save output, and the targets jumped to from each.
+fn saved_rules(t: Tables, table: &str) -> anyhow::Result<Vec<(String, String)>> {
+    let output = Command::new(t.tool("iptables-save"))
         .args(["-t", table])
         .stderr(Stdio::null())
         .output()
@@ -529,7 +583,7 @@ fn saved_rules(b: Backend, table: &str) -> anyhow::Result<Vec<(String, String)>>
 /// Removes the mode's jumps and chains from `b`: the chains are flushed (their rules refer to
 /// the ipsets), and deleted unless something else still jumps to them (the iptables mode's
 /// per-Service chains jump to KUBE-MARK-MASQ, which the two modes share).
-fn cleanup_rules(b: Backend) -> anyhow::Result<usize> {
+fn cleanup_rules(b: Tables) -> anyhow::Result<usize> {
     let mut removed = iptables::remove_jumps(b, JUMPS)?;
     let mut input = String::new();
     for table in ["filter", "nat"] {
@@ -575,25 +629,34 @@ pub fn cleanup() -> anyhow::Result<()> {
     } else {
         BTreeSet::new()
     };
-    let node_ports = ipset_members(&[
-        (rules::NODE_PORT_TCP, libc::IPPROTO_TCP as u8),
-        (rules::NODE_PORT_UDP, libc::IPPROTO_UDP as u8),
-    ]);
-    for b in Backend::ALL.into_iter().filter(|b| iptables::available(*b)) {
-        let removed = cleanup_rules(b)?;
+    let mut node_ports = BTreeSet::new();
+    for family in Family::ALL {
+        node_ports.extend(ipset_members(
+            &[
+                (rules::NODE_PORT_TCP, libc::IPPROTO_TCP as u8),
+                (rules::NODE_PORT_UDP, libc::IPPROTO_UDP as u8),
+            ]
+            .map(|(set, protocol)| (rules::set_name(set, family), protocol)),
+        ));
+    }
+    let every = Backend::ALL.into_iter().flat_map(|backend| {
+        Family::ALL
+            .into_iter()
+            .map(move |family| Tables { backend, family })
+    });
+    for t in every.filter(|t| iptables::available(*t)) {
+        let removed = cleanup_rules(t)?;
         if removed > 0 {
             tracing::info!(
-                backend = b.name(),
+                backend = t.backend.name(),
+                family = %t.family,
                 removed,
                 "cleaned up the IPVS mode's iptables rules"
             );
         }
     }
     let names = ipset_names();
-    let ours: Vec<&String> = names
-        .iter()
-        .filter(|n| rules::SETS.iter().any(|s| s.name == n.as_str()) || rules::is_temp_set(n))
-        .collect();
+    let ours: Vec<&String> = names.iter().filter(|n| rules::is_own_set(n)).collect();
     if !ours.is_empty() {
         let input: String = ours.iter().map(|n| format!("destroy {n}\n")).collect();
         ipset_restore(&input)?;
@@ -626,9 +689,10 @@ pub fn cleanup() -> anyhow::Result<()> {
 }
 
 /// The ports in kube-proxy's NodePort sets (bitmap:port), with the protocol each set is for.
-fn ipset_members(sets: &[(&str, u8)]) -> BTreeSet<(u8, u16)> {
+fn ipset_members(sets: &[(String, u8)]) -> BTreeSet<(u8, u16)> {
     let mut members = BTreeSet::new();
-    for &(set, protocol) in sets {
+    for (set, protocol) in sets {
+        let protocol = *protocol;
         let Ok(output) = Command::new("ipset")
             .args(["save", set])
             .stderr(Stdio::null())
@@ -652,10 +716,7 @@ fn ipset_members(sets: &[(&str, u8)]) -> BTreeSet<(u8, u16)> {
 /// Whether the mode's state is here: `kube-ipvs0` or its ipsets (an earlier run in this mode,
 /// or kube-proxy's). Virtual servers alone are not: they may be another load balancer's.
 pub fn installed() -> bool {
-    dummy_exists()
-        || ipset_names()
-            .iter()
-            .any(|n| rules::SETS.iter().any(|s| s.name == n.as_str()))
+    dummy_exists() || ipset_names().iter().any(|n| rules::is_own_set(n))
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! opened it (IPVS state is per namespace).
 use std::{
     io,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
 
@@ -72,6 +72,7 @@ const DEST_ATTR_U_THRESH: u16 = 5;
 const DEST_ATTR_L_THRESH: u16 = 6;
 const DEST_ATTR_ACTIVE_CONNS: u16 = 7;
 const DEST_ATTR_INACT_CONNS: u16 = 8;
+const DEST_ATTR_ADDR_FAMILY: u16 = 11;
 
 /// `IP_VS_SVC_F_PERSISTENT`: a client's connections go to the destination its first went to
 /// while its template lives (sessionAffinity ClientIP).
@@ -84,7 +85,7 @@ const FWD_MASQ: u32 = 0;
 /// A virtual server's identity: address, protocol (IP protocol number) and port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServiceKey {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub protocol: u8,
     pub port: u16,
 }
@@ -97,7 +98,11 @@ impl std::fmt::Display for ServiceKey {
             132 => "SCTP",
             _ => "?",
         };
-        write!(f, "{proto} {}:{}", self.addr, self.port)
+        write!(
+            f,
+            "{proto} {}",
+            std::net::SocketAddr::new(self.addr, self.port)
+        )
     }
 }
 
@@ -111,14 +116,15 @@ pub struct Service {
     pub flags: u32,
     /// The persistence timeout in seconds (with [`FLAG_PERSISTENT`]).
     pub timeout: u32,
-    /// The persistence granularity: clients are told apart by these bits of their address.
+    /// The persistence granularity: clients are told apart by these bits of their address (a
+    /// mask for IPv4, a prefix length for IPv6).
     pub netmask: u32,
 }
 
 /// A real server (destination) of a virtual server, as the kernel reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dest {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub weight: u32,
     pub active_conns: u32,
@@ -168,10 +174,13 @@ impl Attrs {
         self.put(kind, &port.to_be_bytes())
     }
 
-    /// An IPv4 address as `union nf_inet_addr` (16 bytes, the address first).
-    fn addr(&mut self, kind: u16, addr: Ipv4Addr) -> &mut Self {
+    /// An address as `union nf_inet_addr` (16 bytes, an IPv4 one first).
+    fn addr(&mut self, kind: u16, addr: IpAddr) -> &mut Self {
         let mut bytes = [0u8; 16];
-        bytes[..4].copy_from_slice(&addr.octets());
+        match addr {
+            IpAddr::V4(v4) => bytes[..4].copy_from_slice(&v4.octets()),
+            IpAddr::V6(v6) => bytes = v6.octets(),
+        }
         self.put(kind, &bytes)
     }
 
@@ -200,10 +209,18 @@ fn message(family: u16, flags: u16, seq: u32, cmd: u8, attrs: &Attrs) -> Vec<u8>
     out
 }
 
+/// The address family number of `addr`.
+fn af(addr: IpAddr) -> u16 {
+    match addr {
+        IpAddr::V4(_) => libc::AF_INET as u16,
+        IpAddr::V6(_) => libc::AF_INET6 as u16,
+    }
+}
+
 /// The attributes identifying `key` (`IPVS_SVC_ATTR_AF`, `PROTOCOL`, `ADDR`, `PORT`).
 fn service_id(key: &ServiceKey) -> Attrs {
     let mut a = Attrs::default();
-    a.u16(SVC_ATTR_AF, libc::AF_INET as u16)
+    a.u16(SVC_ATTR_AF, af(key.addr))
         .u16(SVC_ATTR_PROTOCOL, u16::from(key.protocol))
         .addr(SVC_ATTR_ADDR, key.addr)
         .port(SVC_ATTR_PORT, key.port);
@@ -228,7 +245,7 @@ fn service_attrs(svc: &Service) -> Attrs {
 }
 
 /// The attributes of a destination of `key`: the service's identity and the destination's.
-fn dest_attrs(key: &ServiceKey, addr: Ipv4Addr, port: u16, weight: Option<u32>) -> Attrs {
+fn dest_attrs(key: &ServiceKey, addr: IpAddr, port: u16, weight: Option<u32>) -> Attrs {
     let mut dest = Attrs::default();
     dest.addr(DEST_ATTR_ADDR, addr).port(DEST_ATTR_PORT, port);
     if let Some(weight) = weight {
@@ -273,19 +290,27 @@ fn get_port(v: &[u8]) -> Option<u16> {
     Some(u16::from_be_bytes(v.get(..2)?.try_into().ok()?))
 }
 
-fn get_addr(v: &[u8]) -> Option<Ipv4Addr> {
-    let b: [u8; 4] = v.get(..4)?.try_into().ok()?;
-    Some(Ipv4Addr::from(b))
+/// The `union nf_inet_addr` in `v` as an address of the family numbered `af`.
+fn get_addr(v: &[u8], af: u16) -> Option<IpAddr> {
+    if af == libc::AF_INET as u16 {
+        let b: [u8; 4] = v.get(..4)?.try_into().ok()?;
+        Some(Ipv4Addr::from(b).into())
+    } else if af == libc::AF_INET6 as u16 {
+        let b: [u8; 16] = v.get(..16)?.try_into().ok()?;
+        Some(Ipv6Addr::from(b).into())
+    } else {
+        None
+    }
 }
 
 /// The service in the attributes of one `GET_SERVICE` reply; None for what this layer does not
-/// handle (IPv6, firewall-mark services).
+/// handle (firewall-mark services).
 fn parse_service(attrs: &[u8]) -> Option<Service> {
     let (_, inner) = parse_attrs(attrs).find(|(k, _)| *k == CMD_ATTR_SERVICE)?;
     let (mut af, mut protocol, mut addr, mut port, mut fwmark) = (None, None, None, None, 0);
     let mut svc = Service {
         key: ServiceKey {
-            addr: Ipv4Addr::UNSPECIFIED,
+            addr: Ipv4Addr::UNSPECIFIED.into(),
             protocol: 0,
             port: 0,
         },
@@ -298,7 +323,7 @@ fn parse_service(attrs: &[u8]) -> Option<Service> {
         match kind {
             SVC_ATTR_AF => af = get_u16(v),
             SVC_ATTR_PROTOCOL => protocol = get_u16(v),
-            SVC_ATTR_ADDR => addr = get_addr(v),
+            SVC_ATTR_ADDR => addr = Some(v),
             SVC_ATTR_PORT => port = get_port(v),
             SVC_ATTR_FWMARK => fwmark = get_u32(v).unwrap_or(0),
             SVC_ATTR_SCHED_NAME => {
@@ -311,23 +336,24 @@ fn parse_service(attrs: &[u8]) -> Option<Service> {
             _ => {}
         }
     }
-    if af != Some(libc::AF_INET as u16) || fwmark != 0 {
+    if fwmark != 0 {
         return None;
     }
     svc.key = ServiceKey {
-        addr: addr?,
+        addr: get_addr(addr?, af?)?,
         protocol: u8::try_from(protocol?).ok()?,
         port: port?,
     };
     Some(svc)
 }
 
-/// The destination in the attributes of one `GET_DEST` reply.
-fn parse_dest(attrs: &[u8]) -> Option<Dest> {
+/// The destination in the attributes of one `GET_DEST` reply of a service of the family
+/// numbered `af` (the destination's own, where the kernel says it, wins).
+fn parse_dest(attrs: &[u8], mut af: u16) -> Option<Dest> {
     let (_, inner) = parse_attrs(attrs).find(|(k, _)| *k == CMD_ATTR_DEST)?;
     let (mut addr, mut port) = (None, None);
     let mut dest = Dest {
-        addr: Ipv4Addr::UNSPECIFIED,
+        addr: Ipv4Addr::UNSPECIFIED.into(),
         port: 0,
         weight: 0,
         active_conns: 0,
@@ -335,7 +361,8 @@ fn parse_dest(attrs: &[u8]) -> Option<Dest> {
     };
     for (kind, v) in parse_attrs(inner) {
         match kind {
-            DEST_ATTR_ADDR => addr = get_addr(v),
+            DEST_ATTR_ADDR => addr = Some(v),
+            DEST_ATTR_ADDR_FAMILY => af = get_u16(v).unwrap_or(af),
             DEST_ATTR_PORT => port = get_port(v),
             DEST_ATTR_WEIGHT => dest.weight = get_u32(v).unwrap_or(0),
             DEST_ATTR_ACTIVE_CONNS => dest.active_conns = get_u32(v).unwrap_or(0),
@@ -343,7 +370,7 @@ fn parse_dest(attrs: &[u8]) -> Option<Dest> {
             _ => {}
         }
     }
-    dest.addr = addr?;
+    dest.addr = get_addr(addr?, af)?;
     dest.port = port?;
     Some(dest)
 }
@@ -509,7 +536,7 @@ impl Ipvs {
         self.request(cmd, NLM_F_ACK, attrs).map(drop)
     }
 
-    /// Every IPv4 virtual server of the namespace (firewall-mark ones left out).
+    /// Every virtual server of the namespace, both families (firewall-mark ones left out).
     pub fn services(&mut self) -> anyhow::Result<Vec<Service>> {
         let replies = self
             .request(CMD_GET_SERVICE, NLM_F_DUMP, &Attrs::default())
@@ -524,7 +551,11 @@ impl Ipvs {
         let replies = self
             .request(CMD_GET_DEST, NLM_F_DUMP, &attrs)
             .with_context(|| format!("listing the destinations of IPVS service {key}"))?;
-        Ok(replies.iter().filter_map(|r| parse_dest(r)).collect())
+        let family = af(key.addr);
+        Ok(replies
+            .iter()
+            .filter_map(|r| parse_dest(r, family))
+            .collect())
     }
 
     pub fn add_service(&mut self, svc: &Service) -> anyhow::Result<()> {
@@ -551,7 +582,7 @@ impl Ipvs {
     pub fn put_dest(
         &mut self,
         key: &ServiceKey,
-        addr: Ipv4Addr,
+        addr: IpAddr,
         port: u16,
         weight: u32,
         update: bool,
@@ -561,12 +592,7 @@ impl Ipvs {
             .with_context(|| format!("setting destination {addr}:{port} of IPVS service {key}"))
     }
 
-    pub fn delete_dest(
-        &mut self,
-        key: &ServiceKey,
-        addr: Ipv4Addr,
-        port: u16,
-    ) -> anyhow::Result<()> {
+    pub fn delete_dest(&mut self, key: &ServiceKey, addr: IpAddr, port: u16) -> anyhow::Result<()> {
         self.change(CMD_DEL_DEST, &dest_attrs(key, addr, port, None))
             .with_context(|| format!("deleting destination {addr}:{port} of IPVS service {key}"))
     }
@@ -609,7 +635,7 @@ mod tests {
 
     fn key() -> ServiceKey {
         ServiceKey {
-            addr: Ipv4Addr::new(10, 96, 0, 10),
+            addr: Ipv4Addr::new(10, 96, 0, 10).into(),
             protocol: 6,
             port: 80,
         }
@@ -664,7 +690,8 @@ mod tests {
 
     #[test]
     fn dest_encodes_as_the_kernel_expects() {
-        let attrs = dest_attrs(&key(), Ipv4Addr::new(10, 244, 1, 11), 8080, Some(1));
+        let ep = Ipv4Addr::new(10, 244, 1, 11).into();
+        let attrs = dest_attrs(&key(), ep, 8080, Some(1));
         #[rustfmt::skip]
         let want: &[u8] = &[
             // the service's identity
@@ -687,7 +714,7 @@ mod tests {
             8, 0, 6, 0, 0, 0, 0, 0,
         ];
         assert_eq!(attrs.0, want);
-        let delete = dest_attrs(&key(), Ipv4Addr::new(10, 244, 1, 11), 8080, None);
+        let delete = dest_attrs(&key(), ep, 8080, None);
         assert_eq!(
             &delete.0[48..52],
             &[32, 0, 2, 0x80],
@@ -753,15 +780,50 @@ mod tests {
             8, 0, 8, 0, 2, 0, 0, 0,
         ];
         assert_eq!(
-            parse_dest(reply),
+            parse_dest(reply, libc::AF_INET as u16),
             Some(Dest {
-                addr: Ipv4Addr::new(10, 244, 1, 11),
+                addr: Ipv4Addr::new(10, 244, 1, 11).into(),
                 port: 8080,
                 weight: 0,
                 active_conns: 3,
                 inactive_conns: 2,
             })
         );
+    }
+
+    /// An IPv6 virtual server and destination: AF_INET6, the whole 16 bytes of each address,
+    /// and back.
+    #[test]
+    fn ipv6_encodes_and_decodes() {
+        let vip: IpAddr = "fd00:10:96::a".parse().unwrap();
+        let key = ServiceKey {
+            addr: vip,
+            protocol: 17,
+            port: 53,
+        };
+        let id = service_id(&key);
+        #[rustfmt::skip]
+        let want: &[u8] = &[
+            // AF = AF_INET6 (10)
+            6, 0, 1, 0, 10, 0, 0, 0,
+            6, 0, 2, 0, 17, 0, 0, 0,
+            20, 0, 3, 0, 0xfd, 0, 0, 0x10, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x0a,
+            6, 0, 4, 0, 0, 53, 0, 0,
+        ];
+        assert_eq!(id.0, want);
+        let mut inner = id;
+        inner
+            .string(SVC_ATTR_SCHED_NAME, "rr")
+            .u32(SVC_ATTR_NETMASK, 128);
+        let mut outer = Attrs::default();
+        outer.nested(CMD_ATTR_SERVICE, &inner);
+        let parsed = parse_service(&outer.0).unwrap();
+        assert_eq!((parsed.key, parsed.netmask), (key, 128));
+
+        let ep: IpAddr = "fd00:10:244:1::11".parse().unwrap();
+        let attrs = dest_attrs(&key, ep, 5353, Some(1));
+        let parsed = parse_dest(&attrs.0, libc::AF_INET6 as u16).unwrap();
+        assert_eq!((parsed.addr, parsed.port), (ep, 5353));
     }
 
     /// Several messages in one datagram: an ack's error code and the end of a dump.

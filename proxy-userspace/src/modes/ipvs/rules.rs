@@ -15,33 +15,37 @@
 //! IPVS does the load balancing and the DNAT itself; a virtual server without real servers
 //! answers with an ICMP port unreachable (the client's connection is refused), so there is no
 //! reject rule per Service as in the iptables mode.
+//!
+//! Each family has its own plan, as kube-proxy has a proxier a family: the IPv6 one's sets are
+//! named `KUBE-6-...` ([`set_name`]) and its rules go through `ip6tables-restore`.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, SocketAddr},
 };
 
 use super::netlink::{FLAG_PERSISTENT, Service, ServiceKey};
 use crate::{
-    model::{Cidr, Family, ipv4},
-    model::{DesiredState, Endpoint, Protocol, ServicePortName},
+    model::{Cidr, DesiredState, Endpoint, Family, Protocol, ServicePortName},
     netfilter::rules::MASQ_MARK,
 };
 
-/// What the plan depends on besides the state.
+/// What the plan of one family depends on besides the state.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
+    pub family: Family,
     /// `--ipvs-scheduler`.
     pub scheduler: String,
-    /// `--cluster-cidr`: traffic from outside it to a cluster IP is masqueraded.
+    /// `--cluster-cidr` (its range of the family): traffic from outside it to a cluster IP is
+    /// masqueraded.
     pub cluster_cidr: Option<Cidr>,
     /// `--masquerade-all`: every connection to a cluster IP is masqueraded.
     pub masquerade_all: bool,
-    /// The node addresses NodePorts answer on (one virtual server each).
-    pub node_port_ips: Vec<Ipv4Addr>,
-    /// The node's own addresses: a load balancer whose source ranges hold one of them is
-    /// reachable from the node itself (kube-proxy's `allowFromNode`).
-    pub node_ips: Vec<Ipv4Addr>,
+    /// The node addresses of the family NodePorts answer on (one virtual server each).
+    pub node_port_ips: Vec<IpAddr>,
+    /// The node's own addresses of the family: a load balancer whose source ranges hold one
+    /// of them is reachable from the node itself (kube-proxy's `allowFromNode`).
+    pub node_ips: Vec<IpAddr>,
 }
 
 /// One ipset: its name, type, and the comment its iptables rules carry (kube-proxy's).
@@ -69,7 +73,7 @@ pub const NODE_PORT_LOCAL_SCTP: &str = "KUBE-NODE-PORT-LOCAL-SCTP-HASH";
 pub const HEALTH_CHECK_NODE_PORT: &str = "KUBE-HEALTH-CHECK-NODE-PORT";
 pub const IPVS_IPS: &str = "KUBE-IPVS-IPS";
 
-/// kube-proxy's ipsets (IPv4), in its order.
+/// kube-proxy's ipsets, in its order (their IPv4 names: see [`set_name`]).
 #[rustfmt::skip]
 pub const SETS: &[SetDef] = &[
     SetDef { name: LOOP_BACK, kind: "hash:ip,port,ip", comment: "Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose" },
@@ -95,25 +99,40 @@ fn set_def(name: &str) -> &'static SetDef {
     SETS.iter().find(|s| s.name == name).expect("a known set")
 }
 
+/// The name of the set `name` (of [`SETS`], or a temporary one) in `family`: kube-proxy's IPv6
+/// sets are `KUBE-6-...`, cut to ipset's 31 characters.
+pub fn set_name(name: &str, family: Family) -> String {
+    match (family, name.strip_prefix("KUBE-")) {
+        (Family::V6, Some(rest)) => {
+            let mut v6 = format!("KUBE-6-{rest}");
+            v6.truncate(31);
+            v6
+        }
+        _ => name.to_owned(),
+    }
+}
+
 /// One planned virtual server: the service, its real servers, and the Service port it serves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VirtualServer {
     pub service: Service,
-    pub dests: BTreeSet<(Ipv4Addr, u16)>,
+    pub dests: BTreeSet<(IpAddr, u16)>,
     pub owner: ServicePortName,
 }
 
-/// Everything the mode programs for one state.
-#[derive(Debug, Default)]
+/// Everything the mode programs for one state in one family.
+#[derive(Debug)]
 pub struct Plan {
+    pub family: Family,
     pub virtual_servers: BTreeMap<ServiceKey, VirtualServer>,
     /// The addresses bound to `kube-ipvs0`: cluster, external and load balancer IPs.
-    pub bind: BTreeSet<Ipv4Addr>,
-    /// Each set's entries, in `ipset` syntax; every set of [`SETS`] is present.
+    pub bind: BTreeSet<IpAddr>,
+    /// Each set's entries, in `ipset` syntax, by the set's IPv4 name; every set of [`SETS`] is
+    /// present.
     pub sets: BTreeMap<&'static str, BTreeSet<String>>,
     /// Load balancer frontends (address, protocol, port) whose source ranges leave out the
     /// node: the node's own connections to them are dropped (`KUBE-IPVS-OUT-FILTER`).
-    pub no_node_access: BTreeSet<(Ipv4Addr, &'static str, u16)>,
+    pub no_node_access: BTreeSet<(IpAddr, &'static str, u16)>,
 }
 
 impl Plan {
@@ -126,19 +145,18 @@ impl Plan {
     }
 }
 
-/// The IPv4 endpoint addresses of `endpoints`.
-fn dests(endpoints: &[&Endpoint]) -> BTreeSet<(Ipv4Addr, u16)> {
-    endpoints
-        .iter()
-        .filter_map(|ep| {
-            let ip = ep.ipv4()?;
-            Some((ip, ep.port))
-        })
-        .collect()
+/// The endpoint addresses of `endpoints` (of one family).
+fn dests(endpoints: &[&Endpoint]) -> BTreeSet<(IpAddr, u16)> {
+    endpoints.iter().map(|ep| (ep.ip, ep.port)).collect()
 }
 
-/// The virtual servers, bound addresses and set entries of `state` (kube-proxy's IPVS
-/// `syncProxyRules`, reduced to IPv4).
+/// An address and port in `ipset` syntax's order: `10.0.0.1,tcp:80` (IPv6 unbracketed).
+fn ip_port_entry(ip: IpAddr, proto: &str, port: u16) -> String {
+    format!("{ip},{proto}:{port}")
+}
+
+/// The virtual servers, bound addresses and set entries of `state` in `settings.family`
+/// (kube-proxy's IPVS `syncProxyRules` of that family's proxier).
 ///
 /// Real servers follow kube-proxy's `syncEndpoint`: the usable endpoints (ready, else serving
 /// and terminating); for a frontend whose traffic policy is Local (cluster IPs with
@@ -148,19 +166,23 @@ fn dests(endpoints: &[&Endpoint]) -> BTreeSet<(Ipv4Addr, u16)> {
 /// #97081; traffic from outside then reaches an endpoint without masquerade, and its reply is
 /// lost, as with kube-proxy).
 pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
-    let mut plan = Plan::default();
-    for def in SETS {
-        plan.sets.insert(def.name, BTreeSet::new());
-    }
-    // IPv4's: the ports with an IPv4 cluster IP, and their IPv4 endpoints.
-    for (spn, port) in state.ports().filter(|(_, port)| port.in_family(Family::V4)) {
+    let family = settings.family;
+    let mut plan = Plan {
+        family,
+        virtual_servers: BTreeMap::new(),
+        bind: BTreeSet::new(),
+        sets: SETS.iter().map(|def| (def.name, BTreeSet::new())).collect(),
+        no_node_access: BTreeSet::new(),
+    };
+    // The family's: the ports with a cluster IP of it, and their endpoints of it.
+    for (spn, port) in state.ports().filter(|(_, port)| port.in_family(family)) {
         let proto = port.protocol.keyword();
         let mut cluster = state.usable_endpoints(spn, false);
         let mut local = state.usable_endpoints(spn, true);
-        cluster.retain(|ep| ep.ip.is_ipv4());
-        local.retain(|ep| ep.ip.is_ipv4());
-        let external_ips = ipv4(&port.external_ips);
-        let lb_ips = ipv4(&port.load_balancer_ips);
+        cluster.retain(|ep| family.has(ep.ip));
+        local.retain(|ep| family.has(ep.ip));
+        let external_ips = family.filter(&port.external_ips);
+        let lb_ips = family.filter(&port.load_balancer_ips);
         let has_external =
             port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
         let uses_cluster =
@@ -182,7 +204,12 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
             Some(t) => (FLAG_PERSISTENT, t),
             None => (0, 0),
         };
-        let add_vs = |plan: &mut Plan, addr: Ipv4Addr, vs_port: u16, dests| {
+        // Persistence per client address: all of it (a mask for IPv4, a prefix for IPv6).
+        let netmask = match family {
+            Family::V4 => u32::MAX,
+            Family::V6 => 128,
+        };
+        let add_vs = |plan: &mut Plan, addr: IpAddr, vs_port: u16, dests| {
             let key = ServiceKey {
                 addr,
                 protocol: port.protocol.number(),
@@ -196,15 +223,15 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
                         scheduler: settings.scheduler.clone(),
                         flags,
                         timeout,
-                        netmask: u32::MAX,
+                        netmask,
                     },
                     dests,
                     owner: spn.clone(),
                 });
         };
-        let ip_port = |ip: Ipv4Addr| format!("{ip},{proto}:{}", port.port);
+        let ip_port = |ip: IpAddr| ip_port_entry(ip, proto, port.port);
 
-        for ip in ipv4(&port.cluster_ips) {
+        for ip in family.filter(&port.cluster_ips) {
             add_vs(&mut plan, ip, port.port, internal.clone());
             plan.bind.insert(ip);
             plan.add(CLUSTER_IP, ip_port(ip));
@@ -229,7 +256,7 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
             let ranges: Vec<&Cidr> = port
                 .source_ranges
                 .iter()
-                .filter(|range| range.addr.is_ipv4())
+                .filter(|range| range.family() == family)
                 .collect();
             if port.source_ranges.is_empty() {
                 continue;
@@ -244,7 +271,7 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
             let from_node = settings
                 .node_ips
                 .iter()
-                .any(|n| ranges.iter().any(|range| range.contains((*n).into())));
+                .any(|n| ranges.iter().any(|range| range.contains(*n)));
             if from_node {
                 // The node reaches the address with the address itself as source.
                 plan.add(LOAD_BALANCER_SOURCE_IP, format!("{},{ip}", ip_port(ip)));
@@ -265,7 +292,7 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
                 settings
                     .node_port_ips
                     .iter()
-                    .map(|ip| format!("{ip},{proto}:{node_port}"))
+                    .map(|ip| ip_port_entry(*ip, proto, node_port))
                     .collect()
             } else {
                 vec![node_port.to_string()]
@@ -283,10 +310,12 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
         // Hairpin: a local endpoint reaching itself through the Service is masqueraded, so
         // that its reply comes back through IPVS.
         for ep in state.endpoints_of(spn) {
-            if let IpAddr::V4(ip) = ep.ip
-                && state.is_local(ep)
-            {
-                plan.add(LOOP_BACK, format!("{ip},{proto}:{},{ip}", ep.port));
+            if family.has(ep.ip) && state.is_local(ep) {
+                let ip = ep.ip;
+                plan.add(
+                    LOOP_BACK,
+                    format!("{},{ip}", ip_port_entry(ip, proto, ep.port)),
+                );
             }
         }
     }
@@ -296,38 +325,43 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
     plan
 }
 
-/// The temporary set that set number `i` of [`SETS`] is refilled through.
-fn temp_set(i: usize) -> String {
-    format!("KUBE-IPVS-TMP-{i}")
+/// The temporary set that set number `i` of [`SETS`] is refilled through, in `family`.
+fn temp_set(i: usize, family: Family) -> String {
+    set_name(&format!("KUBE-IPVS-TMP-{i}"), family)
 }
 
-/// Whether `name` is one of the mode's temporary sets.
-pub fn is_temp_set(name: &str) -> bool {
-    name.starts_with("KUBE-IPVS-TMP-")
+/// Whether `name` is one of the mode's sets, of either family, or a temporary one.
+pub fn is_own_set(name: &str) -> bool {
+    let of_family = |family| SETS.iter().any(|s| set_name(s.name, family) == name);
+    Family::ALL.into_iter().any(of_family)
+        || name.starts_with("KUBE-IPVS-TMP-")
+        || name.starts_with("KUBE-6-IPVS-TMP-")
 }
 
-fn create_args(kind: &str) -> &'static str {
-    if kind == "bitmap:port" {
-        "range 0-65535"
-    } else {
-        "family inet hashsize 1024 maxelem 65536"
+fn create_args(kind: &str, family: Family) -> &'static str {
+    match (kind, family) {
+        ("bitmap:port", _) => "range 0-65535",
+        (_, Family::V4) => "family inet hashsize 1024 maxelem 65536",
+        (_, Family::V6) => "family inet6 hashsize 1024 maxelem 65536",
     }
 }
 
-/// The `ipset restore` input that makes every set of [`SETS`] hold exactly `sets`' entries:
-/// each set is created if missing, and refilled through a temporary set swapped in at once.
-pub fn ipset_restore(sets: &BTreeMap<&'static str, BTreeSet<String>>) -> String {
+/// The `ipset restore` input that makes every set of [`SETS`] in `plan`'s family hold exactly
+/// its entries: each set is created if missing, and refilled through a temporary set swapped
+/// in at once.
+pub fn ipset_restore(plan: &Plan) -> String {
     let mut out = String::new();
     for (i, def) in SETS.iter().enumerate() {
-        let args = create_args(def.kind);
-        let tmp = temp_set(i);
-        let _ = writeln!(out, "create {} {} {args} -exist", def.name, def.kind);
+        let args = create_args(def.kind, plan.family);
+        let name = set_name(def.name, plan.family);
+        let tmp = temp_set(i, plan.family);
+        let _ = writeln!(out, "create {name} {} {args} -exist", def.kind);
         let _ = writeln!(out, "create {tmp} {} {args} -exist", def.kind);
         let _ = writeln!(out, "flush {tmp}");
-        for entry in sets.get(def.name).into_iter().flatten() {
+        for entry in plan.sets.get(def.name).into_iter().flatten() {
             let _ = writeln!(out, "add {tmp} {entry}");
         }
-        let _ = writeln!(out, "swap {tmp} {}", def.name);
+        let _ = writeln!(out, "swap {tmp} {name}");
         let _ = writeln!(out, "destroy {tmp}");
     }
     out
@@ -367,8 +401,10 @@ const SET_RULES: &[(&str, &str, &str, &str, &str, &str)] = &[
     (LOAD_BALANCER_SOURCE_IP, "filter", "KUBE-SOURCE-RANGES-FIREWALL", "", "dst,dst,src", "RETURN"),
 ];
 
-/// The `iptables-restore --noflush` input of `plan`: every chain of [`CHAINS`] written whole.
+/// The `iptables-restore --noflush` input of `plan` (`ip6tables-restore`'s for IPv6): every
+/// chain of [`CHAINS`] written whole.
 pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
+    let set = |name: &str| set_name(name, plan.family);
     let mut nat = String::new();
     let mut filter = String::new();
     let mut rule = |table: &str, chain: &str, args: &str| {
@@ -379,10 +415,11 @@ pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
         };
         let _ = writeln!(out, "-A {chain} {args}");
     };
-    let matching = |set: &str, how: &str| {
+    let matching = |name: &str, how: &str| {
         format!(
-            "-m comment --comment \"{}\" -m set --match-set {set} {how}",
-            set_def(set).comment
+            "-m comment --comment \"{}\" -m set --match-set {} {how}",
+            set_def(name).comment,
+            set(name)
         )
     };
 
@@ -453,12 +490,12 @@ pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
         );
     }
     // Traffic to the virtual servers is accepted before any other nat rule sees it.
-    for set in [CLUSTER_IP, LOAD_BALANCER] {
-        if !plan.is_empty(set) {
+    for name in [CLUSTER_IP, LOAD_BALANCER] {
+        if !plan.is_empty(name) {
             rule(
                 "nat",
                 "KUBE-SERVICES",
-                &format!("-m set --match-set {set} dst,dst -j ACCEPT"),
+                &format!("-m set --match-set {} dst,dst -j ACCEPT", set(name)),
             );
         }
     }
@@ -483,24 +520,25 @@ pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
     // FIN or SYN) never reaches IPVS, which would close the connection on any RST and then give
     // the next SYN of its 5-tuple another endpoint: the iptables mode's KUBE-FORWARD drop, for
     // the service addresses and NodePorts IPVS serves on INPUT.
-    for (proto, set, how) in [
+    for (proto, name, how) in [
         ("", IPVS_IPS, "dst"),
         ("-p tcp ", NODE_PORT_TCP, "dst"),
         ("-p tcp ", NODE_PORT_LOCAL_TCP, "dst"),
     ] {
-        if !plan.is_empty(set) {
+        if !plan.is_empty(name) {
             rule(
                 "filter",
                 "KUBE-IPVS-FILTER",
                 &format!(
-                    "{proto}-m conntrack --ctstate INVALID -m set --match-set {set} {how} -j DROP"
+                    "{proto}-m conntrack --ctstate INVALID -m set --match-set {} {how} -j DROP",
+                    set(name)
                 ),
             );
         }
     }
     // A service address (bound to kube-ipvs0, so local) answers only on its Services' ports:
     // new connections to another port would reach the node's own listeners (kube-proxy #72236).
-    for (set, how) in [
+    for (name, how) in [
         (LOAD_BALANCER, "dst,dst"),
         (CLUSTER_IP, "dst,dst"),
         (EXTERNAL_IP, "dst,dst"),
@@ -510,13 +548,16 @@ pub fn iptables_restore(plan: &Plan, settings: &Settings) -> String {
         rule(
             "filter",
             "KUBE-IPVS-FILTER",
-            &format!("-m set --match-set {set} {how} -j RETURN"),
+            &format!("-m set --match-set {} {how} -j RETURN", set(name)),
         );
     }
     rule(
         "filter",
         "KUBE-IPVS-FILTER",
-        &format!("-m conntrack --ctstate NEW -m set --match-set {IPVS_IPS} dst -j REJECT"),
+        &format!(
+            "-m conntrack --ctstate NEW -m set --match-set {} dst -j REJECT",
+            set(IPVS_IPS)
+        ),
     );
     rule(
         "nat",
@@ -563,8 +604,8 @@ pub fn describe(plan: &Plan) -> String {
             String::new()
         };
         let _ = writeln!(out, "{} {}{persistent}  # {}", s.key, s.scheduler, vs.owner);
-        for (ip, port) in &vs.dests {
-            let _ = writeln!(out, "  -> {ip}:{port} Masq 1");
+        for &(ip, port) in &vs.dests {
+            let _ = writeln!(out, "  -> {} Masq 1", SocketAddr::new(ip, port));
         }
     }
     out
@@ -578,12 +619,19 @@ mod tests {
     pub(crate) const FIXTURE: &str = crate::testing::SERVICES;
 
     pub(crate) fn settings() -> Settings {
+        settings_of(Family::V4)
+    }
+
+    /// The golden files' settings of `family`, from the netfilter modes' (node1's address).
+    pub(crate) fn settings_of(family: Family) -> Settings {
+        let netfilter = crate::testing::netfilter_settings_of(family);
         Settings {
+            family,
             scheduler: "rr".into(),
-            cluster_cidr: Some(Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)),
+            cluster_cidr: netfilter.cluster_cidr,
             masquerade_all: false,
-            node_port_ips: vec![Ipv4Addr::new(192, 0, 2, 11)],
-            node_ips: vec![Ipv4Addr::new(192, 0, 2, 11)],
+            node_port_ips: netfilter.node_ips.clone(),
+            node_ips: netfilter.node_ips,
         }
     }
 
@@ -591,7 +639,7 @@ mod tests {
     fn plan_and_rules_match_the_golden_files() {
         let plan = plan(&fixture(FIXTURE), &settings());
         golden("modes/ipvs", "ipvs.golden", &describe(&plan));
-        golden("modes/ipvs", "ipset.golden", &ipset_restore(&plan.sets));
+        golden("modes/ipvs", "ipset.golden", &ipset_restore(&plan));
         golden(
             "modes/ipvs",
             "rules.golden",
@@ -599,10 +647,59 @@ mod tests {
         );
     }
 
+    /// Each family's plan of the dual-stack fixture: the IPv6 one's sets are KUBE-6-..., of
+    /// family inet6, its virtual servers and real servers IPv6's.
+    #[test]
+    fn dual_stack_plans_match_the_golden_files() {
+        let state = fixture(crate::testing::DUAL_STACK);
+        for family in Family::ALL {
+            let settings = settings_of(family);
+            let plan = plan(&state, &settings);
+            let text = format!(
+                "{}\n{}\n{}",
+                describe(&plan),
+                ipset_restore(&plan),
+                iptables_restore(&plan, &settings)
+            );
+            let name = format!("dual_stack_{}.golden", family.name().to_lowercase());
+            golden("modes/ipvs", &name, &text);
+            let other = match family {
+                Family::V4 => "fd00:",
+                Family::V6 => "10.96.",
+            };
+            assert!(!text.contains(other), "{text}");
+        }
+        let v6 = plan(&state, &settings_of(Family::V6));
+        let text = ipset_restore(&v6) + &iptables_restore(&v6, &settings_of(Family::V6));
+        for want in [
+            "create KUBE-6-CLUSTER-IP hash:ip,port family inet6",
+            "add KUBE-6-IPVS-TMP-1 fd00:10:96::20,tcp:80",
+            "create KUBE-6-LOAD-BALANCER-SOURCE-CID hash:ip,port,net family inet6",
+            "--match-set KUBE-6-CLUSTER-IP dst,dst ! -s fd00:10:244::/56 -j KUBE-MARK-MASQ",
+        ] {
+            assert!(text.contains(want), "no {want:?} in:\n{text}");
+        }
+        let persistent = v6.virtual_servers.values().map(|v| v.service.netmask);
+        assert!(persistent.into_iter().all(|mask| mask == 128));
+    }
+
+    #[test]
+    fn set_names_of_ipv6_are_kube_proxys() {
+        assert_eq!(set_name(CLUSTER_IP, Family::V4), "KUBE-CLUSTER-IP");
+        assert_eq!(set_name(CLUSTER_IP, Family::V6), "KUBE-6-CLUSTER-IP");
+        assert_eq!(
+            set_name(NODE_PORT_LOCAL_SCTP, Family::V6),
+            "KUBE-6-NODE-PORT-LOCAL-SCTP-HAS"
+        );
+        assert!(is_own_set("KUBE-6-LOAD-BALANCER-SOURCE-CID"));
+        assert!(is_own_set("KUBE-6-IPVS-TMP-3"));
+        assert!(!is_own_set("KUBE-6-SOMETHING-ELSE"));
+    }
+
     fn vs(plan: &Plan, addr: [u8; 4], port: u16) -> &VirtualServer {
         plan.virtual_servers
             .values()
-            .find(|v| v.service.key.addr == Ipv4Addr::from(addr) && v.service.key.port == port)
+            .find(|v| v.service.key.addr == IpAddr::from(addr) && v.service.key.port == port)
             .unwrap_or_else(|| panic!("no virtual server {addr:?}:{port}:\n{}", describe(plan)))
     }
 
@@ -634,9 +731,9 @@ mod tests {
             ),
             (FLAG_PERSISTENT, 10800, 17)
         );
-        assert!(plan.bind.contains(&Ipv4Addr::new(203, 0, 113, 11)));
+        assert!(plan.bind.contains(&IpAddr::from([203, 0, 113, 11])));
         assert!(
-            !plan.bind.contains(&Ipv4Addr::new(192, 0, 2, 11)),
+            !plan.bind.contains(&IpAddr::from([192, 0, 2, 11])),
             "node addresses stay"
         );
         // The node (192.0.2.11) is inside shop/local's source range 192.0.2.0/24: it may reach
@@ -644,14 +741,14 @@ mod tests {
         assert!(plan.no_node_access.is_empty());
         assert!(plan.sets[LOAD_BALANCER_SOURCE_IP].contains("203.0.113.11,tcp:80,203.0.113.11"));
         let outside = Settings {
-            node_ips: vec![Ipv4Addr::new(198, 18, 0, 1)],
+            node_ips: vec![IpAddr::from([198, 18, 0, 1])],
             ..settings()
         };
         let plan = super::plan(&state, &outside);
         assert!(plan.sets[LOAD_BALANCER_SOURCE_IP].is_empty());
         assert!(
             plan.no_node_access
-                .contains(&(Ipv4Addr::new(203, 0, 113, 11), "tcp", 80))
+                .contains(&(IpAddr::from([203, 0, 113, 11]), "tcp", 80))
         );
         let rules = iptables_restore(&plan, &outside);
         assert!(rules.contains(
@@ -685,7 +782,7 @@ mod tests {
 
     #[test]
     fn every_set_is_written_even_empty() {
-        let text = ipset_restore(&plan(&DesiredState::default(), &settings()).sets);
+        let text = ipset_restore(&plan(&DesiredState::default(), &settings()));
         for def in SETS {
             assert!(
                 text.contains(&format!("create {} {} ", def.name, def.kind)),

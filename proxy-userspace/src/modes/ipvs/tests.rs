@@ -109,7 +109,7 @@ fn spn(ns: &str, name: &str, port: &str, protocol: Protocol) -> ServicePortName 
 
 fn key(addr: [u8; 4], protocol: i32, port: u16) -> ServiceKey {
     ServiceKey {
-        addr: Ipv4Addr::from(addr),
+        addr: Ipv4Addr::from(addr).into(),
         protocol: protocol as u8,
         port,
     }
@@ -131,7 +131,7 @@ fn dests(ipvs: &mut Ipvs, key: &ServiceKey) -> BTreeMap<String, (u32, u32)> {
         .into_iter()
         .map(|d| {
             (
-                format!("{}:{}", d.addr, d.port),
+                SocketAddr::new(d.addr, d.port).to_string(),
                 (d.weight, d.active_conns + d.inactive_conns),
             )
         })
@@ -175,8 +175,8 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
                 .into_iter()
                 .map(|s| (s.key, s))
                 .collect();
-            let settings = dp.settings().unwrap();
-            assert_eq!(settings.node_port_ips, [Ipv4Addr::new(192, 0, 2, 11)]);
+            let settings = dp.settings(Family::V4).unwrap();
+            assert_eq!(settings.node_port_ips, [IpAddr::from([192, 0, 2, 11])]);
             let plan = rules::plan(&state, &settings);
             assert_eq!(
                 services.keys().collect::<Vec<_>>(),
@@ -217,8 +217,11 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
                 assert!(listed.contains("-> 10.244.1.11:8080"), "{listed}");
             }
             let bound = dummy_addresses().unwrap();
-            assert!(bound.contains(&Ipv4Addr::new(10, 96, 0, 10)), "{bound:?}");
-            assert!(bound.contains(&Ipv4Addr::new(203, 0, 113, 11)), "{bound:?}");
+            assert!(bound.contains(&IpAddr::from([10, 96, 0, 10])), "{bound:?}");
+            assert!(
+                bound.contains(&IpAddr::from([203, 0, 113, 11])),
+                "{bound:?}"
+            );
             let set = sh("ipset list KUBE-CLUSTER-IP");
             assert!(set.contains("10.96.0.10,tcp:80"), "{set}");
             let set = sh("ipset list KUBE-NODE-PORT-LOCAL-TCP");
@@ -256,7 +259,7 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
             assert!(
                 !dummy_addresses()
                     .unwrap()
-                    .contains(&Ipv4Addr::new(10, 96, 0, 10))
+                    .contains(&IpAddr::from([10, 96, 0, 10]))
             );
             assert!(!sh("ipset list KUBE-CLUSTER-IP").contains("10.96.0.10,tcp:80"));
 
@@ -265,7 +268,7 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
             // except the excluded one.
             ipvs.delete_service(&dns).unwrap();
             let front = key([10, 96, 0, 20], libc::IPPROTO_TCP, 80);
-            ipvs.delete_dest(&front, Ipv4Addr::new(10, 244, 1, 12), 8080)
+            ipvs.delete_dest(&front, IpAddr::from([10, 244, 1, 12]), 8080)
                 .unwrap();
             let foreign = |addr| Service {
                 key: key(addr, libc::IPPROTO_TCP, 99),
@@ -286,7 +289,7 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
             assert!(
                 !dummy_addresses()
                     .unwrap()
-                    .contains(&Ipv4Addr::new(10, 1, 2, 3))
+                    .contains(&IpAddr::from([10, 1, 2, 3]))
             );
 
             drop(dp);
@@ -316,6 +319,90 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
 /// A TCP real server that leaves while IPVS counts connections for it: weight 0 at once (no
 /// new connections), deleted by housekeeping once they are gone; back before that, it gets its
 /// weight back. A UDP one is deleted at once.
+/// Both families: the IPv6 proxier's virtual servers, real servers, sets (`KUBE-6-...`) and
+/// ip6tables rules beside IPv4's, its addresses usable on `kube-ipvs0` (down), and cleanup of
+/// both.
+#[test]
+fn ipvs_dataplane_serves_both_families() {
+    in_netns(
+        "modes::ipvs::tests::ipvs_dataplane_serves_both_families",
+        || {
+            sh(
+                "ip link add eth0 type dummy && ip addr add 192.0.2.11/24 dev eth0 \
+                && ip addr add 2001:db8:192:2::11/64 dev eth0 nodad && ip link set eth0 up",
+            );
+            let mut dual = config();
+            dual.netfilter.node_port_addresses = NodePortAddresses::Primary;
+            dual.netfilter.primary = vec![
+                IpAddr::from([192, 0, 2, 11]),
+                "2001:db8:192:2::11".parse().unwrap(),
+            ];
+            dual.netfilter
+                .cluster_cidrs
+                .push("fd00:10:244::/56".parse().unwrap());
+            let mut dp = IpvsDataplane::new(dual).unwrap();
+            assert_eq!(dp.families(), Family::ALL);
+            let state = fixture(crate::testing::DUAL_STACK);
+            dp.sync(&state, Scope::All).unwrap();
+            let mut ipvs = Ipvs::open().unwrap();
+            let v6 = |s: &str| -> IpAddr { s.parse().unwrap() };
+            let front6 = ServiceKey {
+                addr: v6("fd00:10:96::20"),
+                protocol: libc::IPPROTO_TCP as u8,
+                port: 80,
+            };
+            let keys = virtual_servers(&mut ipvs);
+            assert!(keys.contains(&front6), "{keys:?}");
+            assert!(keys.contains(&key([10, 96, 0, 20], libc::IPPROTO_TCP, 80)));
+            let node_port6 = ServiceKey {
+                port: 30080,
+                addr: v6("2001:db8:192:2::11"),
+                ..front6
+            };
+            assert!(keys.contains(&node_port6), "{keys:?}");
+            assert_eq!(
+                dests(&mut ipvs, &front6).keys().collect::<Vec<_>>(),
+                ["[fd00:10:244:1::12]:8080", "[fd00:10:244:2::11]:8080"]
+            );
+            // Bound without DAD: local at once, though kube-ipvs0 is down.
+            assert!(dummy_addresses().unwrap().contains(&front6.addr));
+            let local = sh("ip -6 route show table local");
+            assert!(
+                local.contains("local fd00:10:96::20 dev kube-ipvs0"),
+                "{local}"
+            );
+            let set = sh("ipset list KUBE-6-CLUSTER-IP");
+            assert!(
+                set.contains("fd00:10:96::20,tcp:80") && set.contains("inet6"),
+                "{set}"
+            );
+            let nat6 = sh(&format!(
+                "{} -t nat",
+                dp.tables(Family::V6).tool("iptables-save")
+            ));
+            assert!(nat6.contains("--match-set KUBE-6-CLUSTER-IP"), "{nat6}");
+            assert!(nat6.contains("-j KUBE-SERVICES"), "{nat6}");
+            let rows = inspect::services(&inspect::virtual_servers().unwrap(), &sh("ipset save"));
+            assert!(
+                rows.iter()
+                    .any(|r| r.address == "[fd00:10:96::20]:80" && r.kind == "ClusterIP"),
+                "{rows:?}"
+            );
+
+            drop(dp);
+            cleanup().unwrap();
+            assert!(!installed(), "{}", sh("ipset list -n; ip link"));
+            assert!(!virtual_servers(&mut ipvs).contains(&front6));
+            let tables6 = Tables {
+                backend: config().backend,
+                family: Family::V6,
+            };
+            let nat6 = sh(&format!("{} -t nat", tables6.tool("iptables-save")));
+            assert!(!nat6.contains("KUBE-"), "{nat6}");
+        },
+    );
+}
+
 #[test]
 fn ipvs_real_servers_terminate_gracefully() {
     in_netns(
