@@ -58,14 +58,31 @@ fn parse_whoami(reply: &str) -> Result<(String, SocketAddr)> {
     Ok((name.to_string(), peer.parse()?))
 }
 
-/// Connections a check of "both endpoints answer" makes: the programs pick at random, so 12
-/// missed one endpoint once in 2048 checks (seen in a CI run); 24, once in 8 million.
+/// Connections a check of "both endpoints answer" makes. The programs pick at random, so 12
+/// miss one of two endpoints once in 2048 checks; 24, once in 8 million. 12 all reached the
+/// local endpoint twice in recent runs (once in a CI run), more often than chance says: a
+/// remote choice whose first SYN is lost and whose retransmission picks again would do that,
+/// and [`spread`] reports such slow connections.
 const SPREAD: usize = 24;
 
 /// Asks `addr` `n` times; the backends that answered, each with the client addresses it saw.
+/// A connection that took a SYN retransmission (a second or more) is reported on stderr,
+/// which a failing test shows.
 fn spread(from: &Netns, addr: SocketAddr, n: usize) -> Vec<(String, SocketAddr)> {
     (0..n)
-        .map(|i| whoami(from, addr).unwrap_or_else(|e| panic!("request {i} to {addr}: {e:#}")))
+        .map(|i| {
+            let started = std::time::Instant::now();
+            let seen =
+                whoami(from, addr).unwrap_or_else(|e| panic!("request {i} to {addr}: {e:#}"));
+            if started.elapsed() >= std::time::Duration::from_millis(900) {
+                eprintln!(
+                    "request {i} to {addr}: {} after {:?}",
+                    seen.0,
+                    started.elapsed()
+                );
+            }
+            seen
+        })
         .collect()
 }
 
