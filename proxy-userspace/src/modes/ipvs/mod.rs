@@ -244,12 +244,13 @@ impl IpvsDataplane {
             backend: config.backend,
             family: Family::V6,
         };
-        match iptables::available(v6) {
-            true => families.push(Family::V6),
-            false => tracing::warn!(
-                "IPv6 Services are not served: {} cannot run here",
-                v6.tool("iptables-save")
-            ),
+        // Its nat table read, as the other netfilter modes probe it (the tools may be there on
+        // a node booted without IPv6).
+        match iptables::chains(v6, "nat") {
+            Ok(_) => families.push(Family::V6),
+            Err(e) => {
+                tracing::warn!("IPv6 Services are not served: ip6tables cannot run here ({e:#})")
+            }
         }
         if config.timeouts != netlink::Timeouts::default() {
             ipvs.set_timeouts(&config.timeouts)?;

@@ -257,7 +257,8 @@ impl Proxier {
         let node_ip = node::primary_ip(family, primary, default_route.as_deref(), &addresses);
         let node_ip = node_ip.unwrap_or_else(|| {
             let loopback = family.loopback().addr;
-            if !self.warned_no_node_ip {
+            // Said once there are Services of the family (an IPv4-only node has no IPv6 ones).
+            if !self.warned_no_node_ip && !self.proxies.is_empty() {
                 tracing::warn!(
                     "the node has no {family} address but loopback ones: its own processes reach \
                      {family} Services through {loopback} (TCP works, UDP replies do not)"
