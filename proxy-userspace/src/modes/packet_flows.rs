@@ -7,7 +7,11 @@
 //! three must hold the same rules, and every flow is traced through them, in the iptables and
 //! the nftables modes. Where this project differs from kube-proxy on purpose, the flow says so
 //! (`ours`, with the reason).
-use std::{collections::BTreeSet, net::Ipv4Addr, sync::Mutex};
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr},
+    sync::Mutex,
+};
 
 use serde::Deserialize;
 
@@ -41,9 +45,10 @@ struct CaseSettings {
     masquerade_all: bool,
     /// kube-proxy's `--nodeport-addresses` (CIDRs); None: every local address.
     node_port_addresses: Option<Vec<String>>,
+    /// The node's addresses of the case's family (kube-proxy's test runs one proxier).
     #[serde(rename = "nodeIPs")]
-    node_ips: Vec<Ipv4Addr>,
-    local_addresses: Vec<Ipv4Addr>,
+    node_ips: Vec<IpAddr>,
+    local_addresses: Vec<IpAddr>,
 }
 
 #[derive(Deserialize)]
@@ -59,9 +64,9 @@ struct Step {
 #[serde(deny_unknown_fields)]
 struct Flow {
     name: String,
-    source: Ipv4Addr,
+    source: IpAddr,
     protocol: String,
-    destination: Ipv4Addr,
+    destination: IpAddr,
     port: u16,
     /// kube-proxy's expectation, in its tracer's words (see [`Trace::output`]).
     output: String,
@@ -208,7 +213,11 @@ impl Model for NftablesModel {
     fn sync(&mut self, state: &DesiredState, settings: &Settings, changed: Option<&Changed>) {
         let scope = changed.map_or(Scope::All, Scope::Changed);
         let programmed = self.programmed.take();
-        let rendered = nft::rules::render(state, settings, nft::rules::TABLE, programmed, scope);
+        let table = nft::rules::TABLES
+            .into_iter()
+            .find(|t| t.family == settings.family);
+        let table = table.expect("a table of each family");
+        let rendered = nft::rules::render(state, settings, table, programmed, scope);
         self.tables.apply(&rendered.text);
         self.programmed = Some(rendered.programmed);
     }
@@ -226,9 +235,15 @@ impl Model for NftablesModel {
 type Changed = BTreeSet<crate::model::ServicePortName>;
 
 impl CaseSettings {
+    /// The family of the case's proxier: its node's.
+    fn family(&self) -> Family {
+        Family::of(*self.node_ips.first().expect("a node IP"))
+    }
+
     fn settings(&self) -> Settings {
+        let family = self.family();
         Settings {
-            family: Family::V4,
+            family,
             cluster_cidr: (self.cluster_cidr.as_ref()).map(|c| c.parse::<Cidr>().unwrap()),
             masquerade_all: self.masquerade_all,
             node_port_addresses: self.node_port_addresses.as_ref().and_then(|cidrs| {
@@ -239,12 +254,12 @@ impl CaseSettings {
                     addr,
                 };
                 let addresses: Vec<InterfaceAddr> = (self.node().addresses.into_iter())
-                    .map(|addr| on("eth0", addr.into()))
+                    .map(|addr| on("eth0", addr))
                     .chain([on("lo", Ipv4Addr::LOCALHOST.into())])
                     .collect();
-                node::node_port_ips(&spec, Family::V4, &[], &addresses)
+                node::node_port_ips(&spec, family, &[], &addresses)
             }),
-            node_ips: self.node_ips.iter().map(|&ip| ip.into()).collect(),
+            node_ips: self.node_ips.clone(),
         }
     }
 

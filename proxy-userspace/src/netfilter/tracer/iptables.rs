@@ -1,7 +1,7 @@
 //! The iptables model: the nat and filter tables' chains of rules, written with
 //! `iptables-restore --noflush` input as the iptables mode writes it, checked as
 //! `iptables-restore` checks it, and walked as the kernel walks them.
-use std::{collections::HashMap, net::SocketAddrV4};
+use std::{collections::HashMap, net::SocketAddr};
 
 use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark, run_base_chains};
 use crate::netfilter::iptables_save::split_words;
@@ -180,7 +180,7 @@ impl Iptables {
                 ("REJECT", []) => Verdict::Reject,
                 ("RETURN", []) => return Verdict::Continue,
                 ("DNAT", [option, to]) if option == "--to-destination" => {
-                    let to = to.parse::<SocketAddrV4>();
+                    let to = to.parse::<SocketAddr>();
                     packet.translate(to.unwrap_or_else(|_| panic!("{rule:?}: DNAT to ip:port")));
                     Verdict::Accept
                 }

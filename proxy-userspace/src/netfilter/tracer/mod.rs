@@ -22,7 +22,7 @@ mod nftables;
 use std::{
     collections::BTreeMap,
     fmt,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
 };
 
 use crate::model::Cidr;
@@ -42,14 +42,14 @@ pub(crate) enum Hook {
 /// The first packet of a connection, as the rules see it at some point of its way.
 #[derive(Clone, Debug)]
 pub(crate) struct Packet {
-    pub source: Ipv4Addr,
+    pub source: IpAddr,
     /// `tcp`, `udp` or `sctp`.
     pub protocol: &'static str,
-    pub destination: Ipv4Addr,
+    pub destination: IpAddr,
     pub port: u16,
     pub mark: u32,
     /// Where DNAT sent it.
-    pub dnat: Option<SocketAddrV4>,
+    pub dnat: Option<SocketAddr>,
     /// Whether a MASQUERADE rule took it.
     pub masqueraded: bool,
     /// Whether an accept rule took it.
@@ -57,7 +57,7 @@ pub(crate) struct Packet {
 }
 
 impl Packet {
-    pub fn new(source: Ipv4Addr, protocol: &'static str, destination: Ipv4Addr, port: u16) -> Self {
+    pub fn new(source: IpAddr, protocol: &'static str, destination: IpAddr, port: u16) -> Self {
         Self {
             source,
             protocol,
@@ -70,14 +70,14 @@ impl Packet {
         }
     }
 
-    pub fn translate(&mut self, to: SocketAddrV4) {
-        self.destination = *to.ip();
+    pub fn translate(&mut self, to: SocketAddr) {
+        self.destination = to.ip();
         self.port = to.port();
         self.dnat = Some(to);
     }
 
     /// Its source address (`source`) or its destination.
-    pub fn address(&self, source: bool) -> Ipv4Addr {
+    pub fn address(&self, source: bool) -> IpAddr {
         if source {
             self.source
         } else {
@@ -104,11 +104,11 @@ pub(crate) enum Verdict {
 /// takes through the hooks.
 #[derive(Clone, Debug)]
 pub(crate) struct Node {
-    pub addresses: Vec<Ipv4Addr>,
+    pub addresses: Vec<IpAddr>,
 }
 
 impl Node {
-    pub fn is_local(&self, ip: Ipv4Addr) -> bool {
+    pub fn is_local(&self, ip: IpAddr) -> bool {
         ip.is_loopback() || self.addresses.contains(&ip)
     }
 }
@@ -203,7 +203,7 @@ pub(crate) enum Fate {
     /// Accepted by a filter rule, untouched.
     Accepted,
     /// Let through, to where DNAT sent it (None: untouched), and whether it was masqueraded.
-    Passed(Option<SocketAddrV4>, bool),
+    Passed(Option<SocketAddr>, bool),
 }
 
 /// Every way a packet can take through `rules`, with its probability.
@@ -276,7 +276,7 @@ pub(crate) fn mark(text: &str) -> u32 {
 pub(crate) struct Trace(BTreeMap<Fate, f64>);
 
 impl Trace {
-    /// kube-proxy's tracer's words for it: the endpoints (`10.180.0.1:80, 10.180.0.2:80`),
+    /// kube-proxy's tracer's words for it: the endpoints (`10.180.0.1:80, [fd00::1]:80`),
     /// `DROP`, `REJECT`, `ACCEPT`, or nothing for a packet left untouched.
     pub fn output(&self) -> String {
         let words: std::collections::BTreeSet<String> = (self.0.keys())
@@ -307,7 +307,7 @@ impl Trace {
 
     /// Whether every endpoint the packet can be sent to gets the same share of such packets.
     pub fn even(&self) -> bool {
-        let mut shares: BTreeMap<SocketAddrV4, f64> = BTreeMap::new();
+        let mut shares: BTreeMap<SocketAddr, f64> = BTreeMap::new();
         for (fate, p) in &self.0 {
             if let Fate::Passed(Some(to), _) = fate {
                 *shares.entry(*to).or_default() += p;
@@ -334,26 +334,32 @@ impl fmt::Display for Trace {
     }
 }
 
-/// Whether `ip` is in `range` (`a.b.c.d` or `a.b.c.d/len`).
-pub(crate) fn in_range(range: &str, ip: Ipv4Addr) -> bool {
-    let (net, len) = match range.split_once('/') {
-        Some((net, len)) => (net, len.parse::<u8>().ok().filter(|l| *l <= 32)),
-        None => (range, Some(32)),
-    };
-    let len = len.unwrap_or_else(|| panic!("{range:?}: no prefix length"));
-    let net: Ipv4Addr = (net.parse()).unwrap_or_else(|_| panic!("{range:?} is no IPv4 range"));
-    Cidr::v4(net, len).contains(ip.into())
+/// Whether `ip` is in `range` (an address, or a range `a.b.c.d/len`, `fd00::/len`): never one
+/// of the other family.
+pub(crate) fn in_range(range: &str, ip: IpAddr) -> bool {
+    let cidr: Cidr = match range.contains('/') {
+        true => range.parse(),
+        false => range
+            .parse::<IpAddr>()
+            .map_err(|e| e.to_string())
+            .map(|addr| Cidr {
+                addr,
+                len: if addr.is_ipv4() { 32 } else { 128 },
+            }),
+    }
+    .unwrap_or_else(|e| panic!("{range:?} is no address range: {e}"));
+    cidr.contains(ip)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+    const NODE_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(192, 0, 2, 1);
 
     fn node() -> Node {
         Node {
-            addresses: vec![NODE_IP],
+            addresses: vec![NODE_IP.into()],
         }
     }
 

@@ -3,7 +3,7 @@
 //! kernel walks them.
 use std::{
     collections::{BTreeMap, HashMap},
-    net::SocketAddrV4,
+    net::SocketAddr,
 };
 
 use super::{Choices, Hook, Node, Packet, Rules, Verdict, in_range, mark, run_base_chains};
@@ -46,7 +46,8 @@ impl Table {
     }
 }
 
-/// The tables, by family and name (`ip kube-proxy`).
+/// The tables, by family and name (`ip kube-proxy`, `ip6 kube-proxy`); a packet meets those of
+/// its family only.
 #[derive(Clone, Default)]
 pub(crate) struct Nftables {
     tables: BTreeMap<String, Table>,
@@ -67,9 +68,9 @@ impl Nftables {
             let [op, kind, family, name, rest @ ..] = words.as_slice() else {
                 panic!("the tracer does not know the command {line:?}")
             };
-            assert_eq!(
-                *family, "ip",
-                "{line:?}: the tracer knows the ip family only"
+            assert!(
+                ["ip", "ip6"].contains(family),
+                "{line:?}: the tracer knows the ip and ip6 families only"
             );
             let table = format!("{family} {name}");
             match (*op, *kind) {
@@ -236,7 +237,7 @@ impl Nftables {
                     let verdict: Vec<&str> = verdict.split(' ').collect();
                     return self.verdict(at, &verdict, node, packet, choices);
                 }
-                ["ip", field @ ("saddr" | "daddr"), rest @ ..] => {
+                ["ip" | "ip6", field @ ("saddr" | "daddr"), rest @ ..] => {
                     let ip = packet.address(*field == "saddr");
                     let (negated, rest) = match rest {
                         ["!=", rest @ ..] => (true, rest),
@@ -306,7 +307,7 @@ impl Nftables {
                     rest
                 }
                 // Affinity: the first packet adds its client; nothing to trace.
-                ["update", set, "{", "ip", "saddr", "}", rest @ ..] => {
+                ["update", set, "{", "ip" | "ip6", "saddr", "}", rest @ ..] => {
                     let set = set.strip_prefix('@').expect("update @set");
                     assert!(
                         at.table.sets.contains_key(set),
@@ -317,7 +318,7 @@ impl Nftables {
                 ["dnat", "to", to, rest @ ..] => {
                     end_of_rule(rest);
                     assert!(at.base.nat, "dnat outside a nat chain");
-                    let to = to.parse::<SocketAddrV4>();
+                    let to = to.parse::<SocketAddr>();
                     packet.translate(to.unwrap_or_else(|_| panic!("{rule:?}: dnat to ip:port")));
                     return Verdict::Accept;
                 }
@@ -385,8 +386,14 @@ impl Rules for Nftables {
         packet: &mut Packet,
         choices: &mut Choices,
     ) -> Verdict {
-        let mut chains: Vec<(Base, &Table, &str)> = (self.tables.values())
-            .flat_map(|t| t.chains.iter().map(move |(name, c)| (t, name, c)))
+        let family = if packet.source.is_ipv4() {
+            "ip "
+        } else {
+            "ip6 "
+        };
+        let mut chains: Vec<(Base, &Table, &str)> = (self.tables.iter())
+            .filter(|(name, _)| name.starts_with(family))
+            .flat_map(|(_, t)| t.chains.iter().map(move |(name, c)| (t, name, c)))
             .filter_map(|(t, name, c)| Some((c.base?, t, name.as_str())))
             .filter(|(base, _, _)| base.hook == hook)
             .collect();
@@ -432,8 +439,8 @@ fn hook_of(name: &str) -> Hook {
 fn concat(words: &[&str], packet: &Packet) -> String {
     let parts: Vec<String> = (words.split(|w| *w == "."))
         .map(|selector| match selector {
-            ["ip", "daddr"] => packet.destination.to_string(),
-            ["ip", "saddr"] => packet.source.to_string(),
+            ["ip" | "ip6", "daddr"] => packet.destination.to_string(),
+            ["ip" | "ip6", "saddr"] => packet.source.to_string(),
             ["meta", "l4proto"] => packet.protocol.to_owned(),
             ["th", "dport"] => packet.port.to_string(),
             other => panic!("the tracer does not know the selector {other:?}"),
