@@ -60,7 +60,7 @@ impl Backend {
 }
 
 /// The tools of one backend for one family: `iptables-*` (IPv4) or `ip6tables-*` (IPv6). A
-/// [`Backend`] alone stands for its IPv4 tools, the only ones the ipvs and userspace modes use.
+/// [`Backend`] alone stands for its IPv4 tools.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tables {
     pub backend: Backend,

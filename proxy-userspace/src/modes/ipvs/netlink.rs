@@ -1,5 +1,5 @@
 //! The kernel's IPVS table through generic netlink (family "IPVS", as ipvsadm and kube-proxy's
-//! libipvs talk to it): a small typed layer over a raw `NETLINK_GENERIC` socket, IPv4 only.
+//! libipvs talk to it): a small typed layer over a raw `NETLINK_GENERIC` socket, both families.
 //!
 //! Messages are a netlink header, a generic netlink header (command, version 1) and
 //! attributes; a service or destination is one nested attribute (`IPVS_CMD_ATTR_SERVICE`,
