@@ -258,6 +258,28 @@ pub(crate) fn chains(t: impl Into<Tables>, table: &str) -> anyhow::Result<BTreeS
         .collect())
 }
 
+/// `backend`'s tools of each family a mode serves here, with the chains of their nat table
+/// (read to show the tools run): IPv4's, which must run (else the error, with `needs` as its
+/// context), and IPv6's, left out with a warning where ip6tables cannot run (a node booted
+/// without IPv6, say), as kube-proxy serves the families its node has.
+pub(crate) fn families_here(
+    backend: Backend,
+    needs: &str,
+) -> anyhow::Result<Vec<(Tables, BTreeSet<String>)>> {
+    let mut here = Vec::new();
+    for family in Family::ALL {
+        let tables = Tables { backend, family };
+        match chains(tables, "nat") {
+            Ok(nat) => here.push((tables, nat)),
+            Err(e) if family == Family::V6 => {
+                tracing::warn!("IPv6 Services are not served: ip6tables cannot run here ({e:#})")
+            }
+            Err(e) => return Err(e).context(needs.to_owned()),
+        }
+    }
+    Ok(here)
+}
+
 /// Flushes and deletes `chains` of each table in one `iptables-restore`; how many.
 pub(crate) fn delete_chains(
     t: impl Into<Tables>,

@@ -12,8 +12,6 @@ pub mod rules;
 
 use std::collections::{BTreeSet, HashMap};
 
-use anyhow::Context;
-
 use crate::{
     dataplane::{Dataplane, Scope},
     model::{DesiredState, Family},
@@ -104,25 +102,11 @@ impl IptablesDataplane {
     /// replaced at the first sync). IPv6 is served where `ip6tables` works (not on a node
     /// booted without IPv6, say), as kube-proxy serves the families its node has.
     pub fn new(config: IptablesConfig) -> anyhow::Result<Self> {
+        let needs = "the iptables mode needs iptables-save and iptables-restore (the iptables \
+                     package)";
         let mut families = Vec::new();
-        for family in Family::ALL {
-            let tables = Tables {
-                backend: config.backend,
-                family,
-            };
-            let chains = match service_chains(tables, "nat") {
-                Ok(chains) => chains,
-                Err(e) if family == Family::V6 => {
-                    tracing::warn!(
-                        "IPv6 Services are not served: ip6tables cannot run here ({e:#})"
-                    );
-                    continue;
-                }
-                Err(e) => Err(e).context(
-                    "the iptables mode needs iptables-save and iptables-restore (the iptables \
-                     package)",
-                )?,
-            };
+        for (tables, mut chains) in iptables::families_here(config.backend, needs)? {
+            chains.retain(|c| is_service_chain(c));
             families.push(FamilyTables {
                 tables,
                 chains,
@@ -267,13 +251,6 @@ fn owned_chains(t: impl Into<Tables>, table: &str) -> anyhow::Result<BTreeSet<St
 
 fn is_service_chain(chain: &str) -> bool {
     SERVICE_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p))
-}
-
-/// The per-Service chains of `table`.
-fn service_chains(t: Tables, table: &str) -> anyhow::Result<BTreeSet<String>> {
-    let mut chains = owned_chains(t, table)?;
-    chains.retain(|c| is_service_chain(c));
-    Ok(chains)
 }
 
 /// The backend for `--iptables-backend auto`: the one holding the mode's chains, else the

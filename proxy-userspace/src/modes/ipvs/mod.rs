@@ -233,25 +233,12 @@ impl IpvsDataplane {
                 String::from_utf8_lossy(&version.stderr).trim()
             );
         }
-        if !iptables::available(config.backend) {
-            bail!(
-                "the IPVS mode needs iptables-{}: iptables-save cannot be run",
-                config.backend.name()
-            );
-        }
-        let mut families = vec![Family::V4];
-        let v6 = Tables {
-            backend: config.backend,
-            family: Family::V6,
-        };
-        // Its nat table read, as the other netfilter modes probe it (the tools may be there on
-        // a node booted without IPv6).
-        match iptables::chains(v6, "nat") {
-            Ok(_) => families.push(Family::V6),
-            Err(e) => {
-                tracing::warn!("IPv6 Services are not served: ip6tables cannot run here ({e:#})")
-            }
-        }
+        let needs = format!(
+            "the IPVS mode needs iptables-{}: iptables-save cannot be run",
+            config.backend.name()
+        );
+        let families = iptables::families_here(config.backend, &needs)?;
+        let families = families.into_iter().map(|(t, _)| t.family).collect();
         if config.timeouts != netlink::Timeouts::default() {
             ipvs.set_timeouts(&config.timeouts)?;
         }

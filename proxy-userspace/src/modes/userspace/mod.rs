@@ -179,25 +179,10 @@ impl UserspaceDataplane {
     pub fn new(config: UserspaceConfig) -> anyhow::Result<Self> {
         let runtime = Handle::try_current()
             .context("the userspace mode serves its proxy sockets on a tokio runtime")?;
+        let needs = "the userspace mode needs iptables-save and iptables-restore (the iptables \
+                     package)";
         let mut proxiers = Vec::new();
-        for family in Family::ALL {
-            let tables = Tables {
-                backend: config.backend,
-                family,
-            };
-            match owned_chains(tables, "nat") {
-                Ok(_) => {}
-                Err(e) if family == Family::V6 => {
-                    tracing::warn!(
-                        "IPv6 Services are not served: ip6tables cannot run here ({e:#})"
-                    );
-                    continue;
-                }
-                Err(e) => Err(e).context(
-                    "the userspace mode needs iptables-save and iptables-restore (the iptables \
-                     package)",
-                )?,
-            }
+        for (tables, _) in iptables::families_here(config.backend, needs)? {
             proxiers.push(Proxier {
                 tables,
                 proxies: BTreeMap::new(),
