@@ -630,9 +630,15 @@ fn whoami(from: &Netns, addr: SocketAddr) -> Result<(String, SocketAddr)> {
     Ok((name.to_owned(), peer.parse()?))
 }
 
-/// The backends that answered `n` new TCP connections to `addr`.
+/// The fewest new connections or flows a spread makes. The modes pick endpoints at random, so
+/// 12 miss one of two endpoints once in 2048 checks, and a CI run makes some hundreds of such
+/// checks (a fresh-clone run failed `topology-hints` that way: 12 of 12 to one endpoint); 24
+/// miss one once in 8 million.
+const MIN_SPREAD: usize = 24;
+
+/// The backends that answered `n` (at least [`MIN_SPREAD`]) new TCP connections to `addr`.
 fn tcp_spread(from: &Netns, addr: SocketAddr, n: usize) -> Result<BTreeSet<String>> {
-    (0..n)
+    (0..n.max(MIN_SPREAD))
         .map(|i| {
             Ok(whoami(from, addr)
                 .with_context(|| format!("connection {i}"))?
@@ -641,9 +647,9 @@ fn tcp_spread(from: &Netns, addr: SocketAddr, n: usize) -> Result<BTreeSet<Strin
         .collect()
 }
 
-/// The backends that answered `n` new UDP flows to `addr`.
+/// The backends that answered `n` (at least [`MIN_SPREAD`]) new UDP flows to `addr`.
 fn udp_spread(from: &Netns, addr: SocketAddr, n: usize) -> Result<BTreeSet<String>> {
-    (0..n)
+    (0..n.max(MIN_SPREAD))
         .map(|i| udp_request(from, addr, "hi").with_context(|| format!("flow {i}")))
         .collect()
 }
