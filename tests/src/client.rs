@@ -262,7 +262,14 @@ fn udp_exchange(socket: &UdpSocket, msg: &str) -> Result<String> {
         .send(with_newline(msg).as_bytes())
         .map_err(|e| io_context(e, "send"))?;
     let mut buf = [0u8; 65536];
-    let n = socket.recv(&mut buf).map_err(|e| match e.kind() {
+    // A signal to the test process (a child exiting) interrupts the wait: wait again.
+    let received = loop {
+        match socket.recv(&mut buf) {
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            received => break received,
+        }
+    };
+    let n = received.map_err(|e| match e.kind() {
         ErrorKind::WouldBlock | ErrorKind::TimedOut => anyhow::anyhow!(
             "no reply within {:?} (a reply from another source address \
              than the one sent to is dropped by the connected socket)",
