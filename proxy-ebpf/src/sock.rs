@@ -5,6 +5,11 @@
 //! no NAT. The choice is recorded per socket, so that recvmsg() and getpeername() show the
 //! service address again (a UDP client may check where replies come from).
 //!
+//! IPv6 sockets reach IPv4 services through IPv4-mapped addresses (`::ffff:10.96.0.1`, what
+//! Java's sockets use by default): connect6, recvmsg6 and getpeername6 translate those in the
+//! IPv4 maps, exactly as their IPv4 twins do. (An unconnected IPv6 socket's datagram to a
+//! mapped address goes through the kernel's IPv4 send path, and so through sendmsg4.)
+//!
 //! Sockets of the node's own network namespace are translated; pods' TCP connections too with
 //! `--bpf-socket-lb all` (Cilium's socket LB for pods), so that their packets need no NAT
 //! either. Whatever a pod's socket is not translated for here, the tc programs translate per
@@ -15,6 +20,7 @@
 //! kube-proxy does.
 use aya_ebpf::{
     EbpfContext,
+    bindings::bpf_sock_addr,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     programs::SockAddrContext,
 };
@@ -50,14 +56,56 @@ static HAS_SET_RETVAL: u8 = 1;
 /// no affinity).
 const HOST_CLIENT: Be32 = Be32::new(0);
 
-/// connect4 and sendmsg4: a TCP or UDP service address of a host-network socket (or a pod's TCP
+/// Which address field of the socket context a program reads and writes.
+#[derive(Clone, Copy)]
+pub enum Family {
+    /// `user_ip4` (connect4, sendmsg4, recvmsg4, getpeername4).
+    Ipv4,
+    /// `user_ip6`, when it holds an IPv4-mapped address (connect6, recvmsg6, getpeername6);
+    /// any other IPv6 address is left as it is.
+    Ipv4Mapped,
+}
+
+/// The first three words of an IPv4-mapped IPv6 address (`::ffff:0:0/96`), as the context
+/// holds them (network byte order).
+const V4_MAPPED_PREFIX: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
+
+impl Family {
+    /// The IPv4 address in the context's address field, if it holds one.
+    #[inline(always)]
+    fn addr(self, sa: &bpf_sock_addr) -> Option<Be32> {
+        match self {
+            Family::Ipv4 => Some(Be32::from_raw(read(&sa.user_ip4))),
+            Family::Ipv4Mapped => {
+                let prefix = [
+                    read(&sa.user_ip6[0]),
+                    read(&sa.user_ip6[1]),
+                    read(&sa.user_ip6[2]),
+                ];
+                (prefix == V4_MAPPED_PREFIX).then(|| Be32::from_raw(read(&sa.user_ip6[3])))
+            }
+        }
+    }
+
+    /// Writes the IPv4 address `addr` into the context's address field (which [`Family::addr`]
+    /// found holding one).
+    #[inline(always)]
+    fn set_addr(self, sa: &mut bpf_sock_addr, addr: Be32) {
+        match self {
+            Family::Ipv4 => sa.user_ip4 = addr.raw(),
+            Family::Ipv4Mapped => sa.user_ip6[3] = addr.raw(),
+        }
+    }
+}
+
+/// connect4 and sendmsg4 (and connect6 for IPv4-mapped addresses, see [`Family`]): a TCP or UDP service address of a host-network socket (or a pod's TCP
 /// one, see [`client`]) becomes one of the service's backends, picked as the tc path picks one
 /// for a new flow (lb.rs). `datagram` (sendmsg4: an unconnected UDP socket's send): the pick is
 /// the socket's own, so that its datagrams to one Service go to one backend while the
 /// Service's backends stay the same, as a connected socket's do.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext, datagram: bool) -> i32 {
-    match try_translate(ctx, datagram) {
+pub fn translate(ctx: &SockAddrContext, family: Family, datagram: bool) -> i32 {
+    match try_translate(ctx, family, datagram) {
         Ok(verdict) => verdict,
         Err(Drop(reason)) => {
             // Counted with the tc path's drops: a refused connect() is this path's drop.
@@ -71,16 +119,16 @@ pub fn translate(ctx: &SockAddrContext, datagram: bool) -> i32 {
 }
 
 #[inline(always)]
-fn try_translate(ctx: &SockAddrContext, datagram: bool) -> Result<i32, Drop> {
+fn try_translate(ctx: &SockAddrContext, family: Family, datagram: bool) -> Result<i32, Drop> {
     // SAFETY: the kernel passes a valid context; the fields used are readable (and the
-    // address and port writable) for connect4 and sendmsg4.
+    // address and port writable) for connect4, sendmsg4 and connect6.
     let sa = unsafe { &mut *ctx.sock_addr };
+    let Some(vip) = family.addr(sa) else {
+        return Ok(ALLOW); // an IPv6 address: not served here
+    };
     // Protocol numbers fit a byte; other than TCP and UDP, the lookup below finds nothing.
     let proto = read(&sa.protocol) as u8;
-    let (vip, vport) = (
-        Be32::from_raw(read(&sa.user_ip4)),
-        port(read(&sa.user_port)),
-    );
+    let vport = port(read(&sa.user_port));
     let Some((svc_key, svc)) = frontend::internal(vip, vport, proto) else {
         return Ok(ALLOW); // not a service
     };
@@ -150,7 +198,7 @@ fn try_translate(ctx: &SockAddrContext, datagram: bool) -> Result<i32, Drop> {
     // Recorded before the rewrite, so no reply can come before it. LRU: when full, the least
     // recently used sockets lose it (getpeername and UDP receives then show the backend).
     let _ = SOCK_REVNAT.insert(key, value, 0);
-    sa.user_ip4 = backend.addr.raw();
+    family.set_addr(sa, backend.addr);
     sa.user_port = u32::from(backend.port.raw());
     Ok(ALLOW)
 }
@@ -200,21 +248,25 @@ fn pod_translated(proto: u8, svc: &ServiceValue) -> bool {
     proto == IPPROTO_TCP && svc.flags & (SERVICE_AFFINITY | SERVICE_SOURCE_RANGES) == 0
 }
 
-/// recvmsg4 and getpeername4: a backend address this socket was sent to in place of a service
-/// address shows as that service address. The kernel requires these programs to return 1.
+/// recvmsg4 and getpeername4 (and their IPv6 twins for IPv4-mapped addresses): a backend
+/// address this socket was sent to in place of a service address shows as that service
+/// address. The kernel requires these programs to return 1.
 #[inline(always)]
-pub fn reverse(ctx: &SockAddrContext) -> i32 {
+pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
     // SAFETY: as in try_translate; the address and port are writable for these hooks too.
     let sa = unsafe { &mut *ctx.sock_addr };
+    let Some(addr) = family.addr(sa) else {
+        return ALLOW;
+    };
     let key = SockRevNatKey {
         cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        addr: Be32::from_raw(read(&sa.user_ip4)),
+        addr,
         port: port(read(&sa.user_port)),
         pad: 0,
     };
     // SAFETY: plain data, written whole.
     if let Some(service) = unsafe { SOCK_REVNAT.get(key) } {
-        sa.user_ip4 = service.addr.raw();
+        family.set_addr(sa, service.addr);
         sa.user_port = u32::from(service.port.raw());
     }
     ALLOW

@@ -9,7 +9,7 @@
 use std::{
     collections::BTreeSet,
     io::{BufRead, BufReader, Write},
-    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     path::Path,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -209,7 +209,11 @@ fn client_op(kind: &str, addr: SocketAddr) -> anyhow::Result<Answer> {
             reply: reply.trim().to_owned(),
         });
     }
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    // An IPv6 socket for an IPv6 address (an IPv4-mapped one included), as Java opens them.
+    let socket = match addr {
+        SocketAddr::V4(_) => UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?,
+        SocketAddr::V6(_) => UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0))?,
+    };
     socket.set_read_timeout(Some(timeout))?;
     let mut buf = [0u8; 1500];
     let (n, peer) = match kind {
@@ -491,6 +495,43 @@ fn program_translates_host_sockets_at_connect_and_back() {
         outside.is_err(),
         "a socket outside the cgroup was translated"
     );
+}
+
+/// IPv6 sockets reach IPv4 services through IPv4-mapped addresses (`::ffff:10.96.5.1`, Java's
+/// default), with the same translation and the same mapped service address shown back.
+#[test]
+fn ipv6_sockets_reach_ipv4_services_through_mapped_addresses() {
+    let Some(mut lab) = Lab::new("ipv6_sockets_reach_ipv4_services_through_mapped_addresses")
+    else {
+        return;
+    };
+    lab.programs.program(&lab_state()).unwrap();
+    let mapped = |ip: Ipv4Addr, port| SocketAddr::from((ip.to_ipv6_mapped(), port));
+    let (web, dns) = (mapped(VIP, 80), mapped(VIP, 53));
+    let mut ops = vec![("tcp", web); 12];
+    ops.extend([("udp", dns); 12]);
+    ops.extend([("udp-sendto", dns); 12]);
+    let answers = ok(lab.clients(&ops));
+    for (answer, (op, addr)) in answers.iter().zip(&ops) {
+        assert!(
+            answer.local.is_ipv6(),
+            "{op}: not an IPv6 socket: {answer:?}"
+        );
+        assert_eq!(answer.peer, *addr, "{op}: {answer:?}");
+        assert!(
+            answer.reply.ends_with(&answer.local.port().to_string()),
+            "{answer:?}"
+        );
+    }
+    for (i, op) in ["tcp", "udp", "udp-sendto"].iter().enumerate() {
+        let some = &answers[i * 12..(i + 1) * 12];
+        assert!(names(some).is_subset(&set(&["a", "b"])), "{op}: {some:?}");
+    }
+    assert_eq!(names(&answers), set(&["a", "b"]), "{answers:?}");
+    // A service without endpoints is refused at once here too.
+    let refused = lab.clients(&[("tcp", mapped(EMPTY, 80))]);
+    let e = refused[0].as_ref().expect_err("refused");
+    assert!(e.contains("refused"), "{e}");
 }
 
 /// loadBalancerSourceRanges hold for host-network clients too, as kube-proxy's firewall does:
