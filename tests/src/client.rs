@@ -1,7 +1,7 @@
 //! Clients that run inside a namespace, each with a timeout and a clear error.
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -423,13 +423,10 @@ pub fn bulk_transfer(from: &Netns, addr: SocketAddr, want: &str) -> Result<()> {
 /// reopening of whatever connection a source has, or a flood. The segments sent.
 pub fn spoof_tcp(
     from: &Netns,
-    sources: impl Iterator<Item = (Ipv4Addr, u16)> + Send,
+    sources: impl Iterator<Item = (IpAddr, u16)> + Send,
     dst: SocketAddr,
     flags: &[u8],
 ) -> Result<usize> {
-    let SocketAddr::V4(dst) = dst else {
-        bail!("{dst}: IPv4 only");
-    };
     let mut random = Xorshift(0x9e37_79b9);
     let segments = sources.flat_map(move |(src, port)| {
         flags
@@ -438,7 +435,7 @@ pub fn spoof_tcp(
                 tcp_flags,
                 seq: random.next(),
                 payload: Vec::new(),
-                ..crate::packet::Spec::tcp(src, port, *dst.ip(), dst.port())
+                ..crate::packet::Spec::tcp(src, port, dst.ip(), dst.port())
             })
             .map(|spec| spec.build())
             .collect::<Vec<_>>()
@@ -460,41 +457,34 @@ impl Xorshift {
 
 /// Sends each of `frames` (as [`crate::packet::Spec::build`] makes them: the Ethernet header
 /// is left off) from a raw socket inside `from`, its IP header as it is (any source, any
-/// fragment fields), to its destination address. The packets sent.
+/// fragment fields), to its destination address; IPv4 and IPv6 frames alike. The packets sent.
 pub fn send_raw(from: &Netns, frames: impl Iterator<Item = Vec<u8>> + Send) -> Result<usize> {
     from.try_run(|| -> Result<usize> {
-        // SAFETY: a plain socket(2); the descriptor is owned below.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
-        ensure!(fd >= 0, "a raw socket: {}", std::io::Error::last_os_error());
-        // SAFETY: a descriptor just opened and owned by nothing else.
-        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        // One raw socket a family, made when first needed. IPPROTO_RAW: the packet's own IP
+        // header goes out as it is (in both families).
+        let mut sockets: [Option<socket2::Socket>; 2] = [None, None];
         let mut sent = 0;
         for frame in frames {
             let packet = &frame[crate::packet::ETH_HLEN..];
-            let to = libc::sockaddr_in {
-                sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: 0,
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from_ne_bytes(packet[16..20].try_into().unwrap()),
-                },
-                sin_zero: [0; 8],
+            let (index, domain, to) = match packet[0] >> 4 {
+                4 => {
+                    let dst = <[u8; 4]>::try_from(&packet[16..20]).unwrap();
+                    (0, socket2::Domain::IPV4, SocketAddr::from((dst, 0)))
+                }
+                _ => {
+                    let dst = <[u8; 16]>::try_from(&packet[24..40]).unwrap();
+                    (1, socket2::Domain::IPV6, SocketAddr::from((dst, 0)))
+                }
             };
-            // SAFETY: sendto(2) of a buffer and an address that outlive the call.
-            let n = unsafe {
-                libc::sendto(
-                    std::os::fd::AsRawFd::as_raw_fd(&fd),
-                    packet.as_ptr().cast(),
-                    packet.len(),
-                    0,
-                    (&raw const to).cast(),
-                    size_of::<libc::sockaddr_in>() as libc::socklen_t,
-                )
-            };
-            ensure!(
-                n >= 0,
-                "sending a raw packet: {}",
-                std::io::Error::last_os_error()
-            );
+            if sockets[index].is_none() {
+                let raw = socket2::Socket::new(domain, socket2::Type::RAW, Some(255.into()))
+                    .context("a raw socket")?;
+                sockets[index] = Some(raw);
+            }
+            let socket = sockets[index].as_ref().unwrap();
+            socket
+                .send_to(packet, &to.into())
+                .with_context(|| format!("sending a raw packet to {}", to.ip()))?;
             sent += 1;
         }
         Ok(sent)

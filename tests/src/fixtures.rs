@@ -2,7 +2,10 @@
 //! addresses, the programs loaded with a web (TCP) and a dns (UDP) service on one address, and
 //! checks every translated frame must pass.
 use proxy_common::{Be16, Be32, CtKey};
-use std::{net::Ipv4Addr, time::Duration};
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
 
 use proxy_userspace::{
     model::{DesiredState, Protocol, ServicePortName},
@@ -69,7 +72,7 @@ pub fn dnat(p: &Programs, spec: &Spec) -> packet::Seen {
     assert_eq!(out.len(), frame.len(), "length must not change");
     let seen = packet::read(&out);
     assert_eq!(
-        (seen.src, seen.sport),
+        (IpAddr::from(seen.src), seen.sport),
         (spec.src, spec.sport),
         "source must not change"
     );
@@ -118,7 +121,7 @@ pub fn age_conntrack(p: &Programs, secs: u64) -> bool {
 
 pub fn reply_to(spec: &Spec, backend: Ipv4Addr, port: u16, tcp_flags: u8) -> Vec<u8> {
     Spec {
-        src: backend,
+        src: backend.into(),
         sport: port,
         dst: spec.src,
         dport: spec.sport,

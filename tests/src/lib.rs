@@ -33,7 +33,7 @@ use std::sync::OnceLock;
 
 pub use client::{
     TcpConn, UdpConn, bulk_transfer, client_timeout, http_get, sctp_available, sctp_listener,
-    sctp_request, spoof_tcp, tcp_request, tcp_session, udp_request, udp_session,
+    sctp_request, send_raw, spoof_tcp, tcp_request, tcp_session, udp_request, udp_session,
 };
 pub use netns::{NETNS_DIR, Netns, run};
 pub use sandbox::{

@@ -1,19 +1,27 @@
-//! Crafting and checking IPv4 TCP/UDP frames for BPF_PROG_TEST_RUN.
-use std::net::Ipv4Addr;
+//! Crafting and checking IPv4 TCP/UDP frames for BPF_PROG_TEST_RUN, and IPv6 ones for raw
+//! sockets (the checks below read IPv4 frames only).
+use std::net::{IpAddr, Ipv4Addr};
 
 pub const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPV6_HLEN: usize = 40;
+/// IPv6's fragment extension header (its next-header number and its length).
+const IPV6_FRAGMENT: u8 = 44;
+const IPV6_FRAGMENT_LEN: usize = 8;
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
 
 /// What a crafted frame carries.
 #[derive(Clone, Debug)]
 pub struct Spec {
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+    /// Both of one family.
+    pub src: IpAddr,
+    pub dst: IpAddr,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
-    /// IPv4 options (a multiple of 4 bytes).
+    /// IPv4 options (a multiple of 4 bytes; none for IPv6).
     pub ip_options: Vec<u8>,
     pub payload: Vec<u8>,
     /// TCP flags byte (SYN = 0x02, ACK = 0x10).
@@ -26,10 +34,10 @@ pub struct Spec {
 }
 
 impl Spec {
-    pub fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Self {
+    pub fn tcp(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -> Self {
         Self {
-            src,
-            dst,
+            src: src.into(),
+            dst: dst.into(),
             sport,
             dport,
             proto: TCP,
@@ -42,7 +50,7 @@ impl Spec {
         }
     }
 
-    pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Self {
+    pub fn udp(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -> Self {
         Self {
             proto: UDP,
             tcp_flags: 0,
@@ -50,26 +58,26 @@ impl Spec {
         }
     }
 
-    /// The frame: Ethernet, IPv4 and TCP/UDP, with correct checksums.
+    /// The frame: Ethernet, IPv4 or IPv6, and TCP/UDP, with correct checksums.
     pub fn build(&self) -> Vec<u8> {
-        assert!(self.ip_options.len().is_multiple_of(4) && self.ip_options.len() <= 40);
-        let ihl = 20 + self.ip_options.len();
         let l4_len = if self.proto == TCP { 20 } else { 8 } + self.payload.len();
-        let mut f = vec![0u8; ETH_HLEN + ihl + l4_len];
-        f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
-        f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
-        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
-        let ip = &mut f[ETH_HLEN..];
-        ip[0] = 0x40 | (ihl / 4) as u8;
-        ip[2..4].copy_from_slice(&((ihl + l4_len) as u16).to_be_bytes());
-        ip[4..6].copy_from_slice(&0x1234u16.to_be_bytes());
-        ip[6] = 0x40; // don't fragment
-        ip[8] = 64;
-        ip[9] = self.proto;
-        ip[12..16].copy_from_slice(&self.src.octets());
-        ip[16..20].copy_from_slice(&self.dst.octets());
-        ip[20..ihl].copy_from_slice(&self.ip_options);
-        let l4 = &mut ip[ihl..];
+        let (mut f, l4_off) = match (self.src, self.dst) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => self.ipv4_header(src, dst, l4_len),
+            (IpAddr::V6(src), IpAddr::V6(dst)) => {
+                assert!(self.ip_options.is_empty(), "IPv4 options in an IPv6 packet");
+                let mut f = frame_header(ETH_P_IPV6, IPV6_HLEN + l4_len);
+                let ip = &mut f[ETH_HLEN..];
+                ip[0] = 0x60;
+                ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+                ip[6] = self.proto;
+                ip[7] = 64;
+                ip[8..24].copy_from_slice(&src.octets());
+                ip[24..40].copy_from_slice(&dst.octets());
+                (f, ETH_HLEN + IPV6_HLEN)
+            }
+            _ => panic!("{} to {}: two families", self.src, self.dst),
+        };
+        let l4 = &mut f[l4_off..];
         l4[0..2].copy_from_slice(&self.sport.to_be_bytes());
         l4[2..4].copy_from_slice(&self.dport.to_be_bytes());
         if self.proto == TCP {
@@ -85,11 +93,45 @@ impl Spec {
         }
         fix_checksums(&mut f);
         if self.proto == UDP && self.udp_zero_checksum {
-            let off = ETH_HLEN + ihl + 6;
+            let off = l4_off + 6;
             f[off..off + 2].copy_from_slice(&[0, 0]);
         }
         f
     }
+
+    /// A frame of Ethernet and IPv4 headers for `l4_len` bytes after them, and where those
+    /// start.
+    fn ipv4_header(&self, src: Ipv4Addr, dst: Ipv4Addr, l4_len: usize) -> (Vec<u8>, usize) {
+        assert!(self.ip_options.len().is_multiple_of(4) && self.ip_options.len() <= 40);
+        let ihl = 20 + self.ip_options.len();
+        let mut f = frame_header(ETH_P_IP, ihl + l4_len);
+        let ip = &mut f[ETH_HLEN..];
+        ip[0] = 0x40 | (ihl / 4) as u8;
+        ip[2..4].copy_from_slice(&((ihl + l4_len) as u16).to_be_bytes());
+        ip[4..6].copy_from_slice(&0x1234u16.to_be_bytes());
+        ip[6] = 0x40; // don't fragment
+        ip[8] = 64;
+        ip[9] = self.proto;
+        ip[12..16].copy_from_slice(&src.octets());
+        ip[16..20].copy_from_slice(&dst.octets());
+        ip[20..ihl].copy_from_slice(&self.ip_options);
+        (f, ETH_HLEN + ihl)
+    }
+}
+
+/// A zeroed frame of `ip_len` bytes after an Ethernet header of `ethertype` (from
+/// 02:00:00:00:00:01 to 02:00:00:00:00:02).
+fn frame_header(ethertype: u16, ip_len: usize) -> Vec<u8> {
+    let mut f = vec![0u8; ETH_HLEN + ip_len];
+    f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
+    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    f[12..14].copy_from_slice(&ethertype.to_be_bytes());
+    f
+}
+
+/// Whether `frame` carries IPv6.
+fn is_ipv6(frame: &[u8]) -> bool {
+    u16::from_be_bytes([frame[12], frame[13]]) == ETH_P_IPV6
 }
 
 fn sum16(data: &[u8], mut acc: u32) -> u32 {
@@ -169,26 +211,45 @@ pub fn ip_checksum(frame: &[u8]) -> u16 {
 /// The TCP/UDP checksum that the frame's L4 header should carry (over the pseudo-header).
 pub fn l4_checksum(frame: &[u8]) -> u16 {
     let ip = &frame[ETH_HLEN..];
-    let ihl = ihl(frame);
-    let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
-    let proto = ip[9];
-    let mut seg = ip[ihl..total].to_vec();
+    let (proto, l4_off, l4_end, addrs) = if is_ipv6(frame) {
+        let len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+        (ip[6], IPV6_HLEN, IPV6_HLEN + len, &ip[8..40])
+    } else {
+        let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+        (ip[9], ihl(frame), total, &ip[12..20])
+    };
+    let mut seg = ip[l4_off..l4_end].to_vec();
     let csum_off = if proto == TCP { 16 } else { 6 };
     seg[csum_off] = 0;
     seg[csum_off + 1] = 0;
-    let mut pseudo = Vec::with_capacity(12);
-    pseudo.extend_from_slice(&ip[12..20]);
-    pseudo.extend_from_slice(&[0, proto]);
-    pseudo.extend_from_slice(&(seg.len() as u16).to_be_bytes());
-    let c = fold(sum16(&seg, sum16(&pseudo, 0)));
+    let c = fold(sum16(&seg, pseudo_sum(addrs, proto, seg.len())));
     // UDP sends an all-zero result as all ones (zero means "no checksum").
     if proto == UDP && c == 0 { 0xffff } else { c }
 }
 
+/// The sum of the pseudo-header over `addrs` (source and destination) for `len` bytes of
+/// `proto` (IPv4's and IPv6's sum alike: the length's width does not change it).
+fn pseudo_sum(addrs: &[u8], proto: u8, len: usize) -> u32 {
+    let mut pseudo = addrs.to_vec();
+    pseudo.extend_from_slice(&[0, proto]);
+    pseudo.extend_from_slice(&(len as u16).to_be_bytes());
+    sum16(&pseudo, 0)
+}
+
 fn fix_checksums(f: &mut [u8]) {
-    let ip = ip_checksum(f);
-    f[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&ip.to_be_bytes());
-    let off = ETH_HLEN + ihl(f) + if f[ETH_HLEN + 9] == TCP { 16 } else { 6 };
+    let l4_off = if is_ipv6(f) {
+        ETH_HLEN + IPV6_HLEN
+    } else {
+        let ip = ip_checksum(f);
+        f[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&ip.to_be_bytes());
+        ETH_HLEN + ihl(f)
+    };
+    let proto = if is_ipv6(f) {
+        f[ETH_HLEN + 6]
+    } else {
+        f[ETH_HLEN + 9]
+    };
+    let off = l4_off + if proto == TCP { 16 } else { 6 };
     let l4 = l4_checksum(f);
     f[off..off + 2].copy_from_slice(&l4.to_be_bytes());
 }
@@ -241,18 +302,58 @@ pub const ICMP_FRAG_NEEDED: u8 = 4;
 pub const ICMP_PORT_UNREACH: u8 = 3;
 pub const ICMP_TIME_EXCEEDED: u8 = 11;
 
+pub const ICMPV6: u8 = 58;
+pub const ICMPV6_DEST_UNREACH: u8 = 1;
+pub const ICMPV6_PORT_UNREACH: u8 = 4;
+pub const ICMPV6_PACKET_TOO_BIG: u8 = 2;
+
 /// An ICMP error of `kind` and `code` from `from` to the source of `quoted` (a frame as
 /// [`Spec::build`] makes it), quoting its IP header and `quote_len` bytes after it (8, the least
 /// a router sends; Linux quotes as much as fits), as a router or host sends it: correct IP and
 /// ICMP checksums, the quoted packet left as it was (its checksums cover all of it). For
-/// fragmentation needed, the next hop's MTU is 1400.
-pub fn icmp_error(from: Ipv4Addr, kind: u8, code: u8, quoted: &[u8], quote_len: usize) -> Vec<u8> {
+/// fragmentation needed, the next hop's MTU is 1400. An IPv6 `quoted` gets an ICMPv6 error
+/// (`kind` and `code` ICMPv6's; packet too big's MTU 1400 too).
+pub fn icmp_error(
+    from: impl Into<IpAddr>,
+    kind: u8,
+    code: u8,
+    quoted: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    let from = from.into();
     let inner = &quoted[ETH_HLEN..];
+    if let IpAddr::V6(from) = from {
+        assert!(is_ipv6(quoted), "an ICMPv6 error about an IPv4 packet");
+        let quote = &inner[..(IPV6_HLEN + quote_len).min(inner.len())];
+        let icmp_len = 8 + quote.len();
+        let mut f = frame_header(ETH_P_IPV6, IPV6_HLEN + icmp_len);
+        f[0..12].rotate_left(6); // from the quoted packet's receiver
+        let ip = &mut f[ETH_HLEN..];
+        ip[0] = 0x60;
+        ip[4..6].copy_from_slice(&(icmp_len as u16).to_be_bytes());
+        ip[6] = ICMPV6;
+        ip[7] = 64;
+        ip[8..24].copy_from_slice(&from.octets());
+        ip[24..40].copy_from_slice(&inner[8..24]);
+        let icmp = &mut ip[IPV6_HLEN..];
+        icmp[0] = kind;
+        icmp[1] = code;
+        if kind == ICMPV6_PACKET_TOO_BIG {
+            icmp[4..8].copy_from_slice(&1400u32.to_be_bytes());
+        }
+        icmp[8..].copy_from_slice(quote);
+        let addrs = f[ETH_HLEN + 8..ETH_HLEN + 40].to_vec();
+        let icmp = &mut f[ETH_HLEN + IPV6_HLEN..];
+        let csum = fold(sum16(icmp, pseudo_sum(&addrs, ICMPV6, icmp_len)));
+        icmp[2..4].copy_from_slice(&csum.to_be_bytes());
+        return f;
+    }
+    let IpAddr::V4(from) = from else {
+        unreachable!()
+    };
     let quote = &inner[..(ihl(quoted) + quote_len).min(inner.len())];
-    let mut f = vec![0u8; ETH_HLEN + 20 + 8 + quote.len()];
-    f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
-    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
-    f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let mut f = frame_header(ETH_P_IP, 20 + 8 + quote.len());
+    f[0..12].rotate_left(6); // from the quoted packet's receiver
     let total = (f.len() - ETH_HLEN) as u16;
     let ip = &mut f[ETH_HLEN..];
     ip[0] = 0x45;
@@ -319,12 +420,16 @@ pub fn set_ip_checksum(frame: &mut [u8]) {
     frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
 }
 
-/// `frame` (an IPv4 packet as [`Spec::build`] makes it) in two fragments, as a router cuts
+/// `frame` (a packet as [`Spec::build`] makes it) in two fragments, as a router cuts
 /// it: the first with `cut` bytes of what follows its IP header (a multiple of 8) and
 /// more-fragments set, the later one with the rest at that offset; both with `frame`'s IP
-/// header otherwise (don't-fragment cleared) and their own lengths and IP checksums.
+/// header otherwise (IPv4: don't-fragment cleared, their own lengths and IP checksums; IPv6:
+/// a fragment header after it).
 pub fn fragments(frame: &[u8], cut: usize) -> (Vec<u8>, Vec<u8>) {
     assert!(cut.is_multiple_of(8));
+    if is_ipv6(frame) {
+        return ipv6_fragments(frame, cut);
+    }
     let header_len = ihl(frame);
     let total = u16::from_be_bytes([frame[ETH_HLEN + 2], frame[ETH_HLEN + 3]]) as usize;
     assert!(
@@ -348,8 +453,38 @@ pub fn fragments(frame: &[u8], cut: usize) -> (Vec<u8>, Vec<u8>) {
     )
 }
 
-/// Sets the IP identification of `frame` (the checksum follows).
+/// [`fragments`] of an IPv6 packet (no extension headers), identification 0x1234.
+fn ipv6_fragments(frame: &[u8], cut: usize) -> (Vec<u8>, Vec<u8>) {
+    let header_end = ETH_HLEN + IPV6_HLEN;
+    let data = &frame[header_end..];
+    assert!(cut < data.len(), "nothing left for a second fragment");
+    let proto = frame[ETH_HLEN + 6];
+    let piece = |data: &[u8], offset_and_more: u16| {
+        let mut f = frame[..header_end].to_vec();
+        let len = (IPV6_FRAGMENT_LEN + data.len()) as u16;
+        f[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&len.to_be_bytes());
+        f[ETH_HLEN + 6] = IPV6_FRAGMENT;
+        f.extend_from_slice(&[proto, 0]);
+        f.extend_from_slice(&offset_and_more.to_be_bytes());
+        f.extend_from_slice(&0x1234u32.to_be_bytes());
+        f.extend_from_slice(data);
+        f
+    };
+    (
+        piece(&data[..cut], 1),
+        piece(&data[cut..], (cut / 8) as u16 * 8),
+    )
+}
+
+/// Sets the IP identification of `frame` (IPv4: the checksum follows; IPv6: a fragment's, in
+/// its fragment header).
 pub fn set_ip_id(frame: &mut [u8], id: u16) {
+    if is_ipv6(frame) {
+        assert_eq!(frame[ETH_HLEN + 6], IPV6_FRAGMENT, "not a fragment");
+        let at = ETH_HLEN + IPV6_HLEN + 4;
+        frame[at..at + 4].copy_from_slice(&u32::from(id).to_be_bytes());
+        return;
+    }
     frame[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&id.to_be_bytes());
     set_ip_checksum(frame);
 }

@@ -36,8 +36,8 @@ use crate::{
     },
     http_get,
     packet::{
-        ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, ICMP_PORT_UNREACH, Spec, fragments, icmp_error,
-        set_ip_id,
+        ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, ICMP_PORT_UNREACH, ICMPV6_DEST_UNREACH,
+        ICMPV6_PACKET_TOO_BIG, ICMPV6_PORT_UNREACH, Spec, fragments, icmp_error, set_ip_id,
     },
     privileged, sctp_request, spoof_tcp, tcp_request, twin, twin_cidr, udp_request,
 };
@@ -68,13 +68,10 @@ fn echo_4k(from: &Netns, addr: SocketAddr) -> Result<()> {
 /// each: well within the kernel's own reassembly memory (4 MB a namespace, held 30 s), whose
 /// exhaustion any sender of fragments can cause, with or without a Service between.
 fn fragment_flood(
-    src: Ipv4Addr,
+    src: IpAddr,
     dst: SocketAddr,
     random: &mut Xorshift,
 ) -> impl Iterator<Item = Vec<u8>> + Send + use<> {
-    let SocketAddr::V4(dst) = dst else {
-        unreachable!("IPv4 frontends")
-    };
     // 200 datagrams, 400 fragments: well under the kernel's reassembly memory
     // (`ipfrag_high_thresh`, 4 MB a namespace). Where netfilter defragments (every netfilter
     // mode, and the ebpf mode where conntrack is on), each incomplete datagram is held 30 s,
@@ -91,7 +88,7 @@ fn fragment_flood(
         .flat_map(move |(i, (first_id, later_id))| {
             let spec = Spec {
                 payload: vec![b'x'; 16],
-                ..Spec::udp(src, 40000 + (i % 8) as u16, *dst.ip(), dst.port())
+                ..Spec::udp(src, 40000 + (i % 8) as u16, dst.ip(), dst.port())
             };
             let (mut first, mut later) = fragments(&spec.build(), 8);
             set_ip_id(&mut first, first_id);
@@ -604,10 +601,6 @@ const PROXIED_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 
 const VIP_LB: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 15)), 80);
 const SCTP: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 95)), 9000);
 const SCTP_NODE_PORT: u16 = 30095;
-
-fn at(ip: Ipv4Addr, port: u16) -> SocketAddr {
-    SocketAddr::new(IpAddr::V4(ip), port)
-}
 
 /// A sandbox address written as IPv4 (all of the scenarios' constants are).
 fn to_v4(ip: IpAddr) -> Ipv4Addr {
@@ -1283,19 +1276,20 @@ pub const SCENARIOS: &[Scenario] = &[
                  connections keep their endpoints, their UDP flows are answered, and new \
                  connections and 4 KB UDP datagrams are served",
         run: |w| {
-            let node_port = at(NODE1_IP, FRONT_NODE_PORT);
-            let udp_node_port = at(NODE1_IP, FRONT_UDP_NODE_PORT);
-            let web_endpoints = [11, 12, 13].map(|i| Ipv4Addr::new(10, 244, 1, i));
+            let node_port = w.at(NODE1_IP, FRONT_NODE_PORT);
+            let udp_node_port = w.at(NODE1_IP, FRONT_UDP_NODE_PORT);
+            let node1 = w.ip(NODE1_IP);
+            let web_endpoints = [11, 12, 13].map(|i| w.ip(Ipv4Addr::new(10, 244, 1, i)));
             let attacker_pod = w.sandbox.pod("be3");
             // (victim, TCP and UDP frontends, attacker, its own address, the flows' far ends
             // as the victim's node sees them: the endpoints for a pod, the NodePort for ext)
             let victims = [
                 (
                     w.pod("client"),
-                    WEB,
-                    DNS,
+                    w.a(WEB),
+                    w.a(DNS),
                     &attacker_pod.ns,
-                    attacker_pod.ip,
+                    w.pod_ip("be3"),
                     web_endpoints.map(|e| (e, BACKEND_PORT)).to_vec(),
                 ),
                 (
@@ -1303,19 +1297,29 @@ pub const SCENARIOS: &[Scenario] = &[
                     node_port,
                     udp_node_port,
                     &w.sandbox.ext,
-                    EXT_IP,
-                    vec![(NODE1_IP, FRONT_NODE_PORT)],
+                    w.ip(EXT_IP),
+                    vec![(node1, FRONT_NODE_PORT)],
                 ),
             ];
+            // The errors a router or host sends: port unreachable, and fragmentation needed
+            // (IPv6: packet too big).
+            let error_kinds: &[(u8, u8)] = match w.family {
+                Family::V4 => &[
+                    (ICMP_DEST_UNREACH, ICMP_PORT_UNREACH),
+                    (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED),
+                ],
+                Family::V6 => &[
+                    (ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH),
+                    (ICMPV6_PACKET_TOO_BIG, 0),
+                ],
+            };
             let mut random = Xorshift(0x2545_f491);
             for (victim, addr, udp_addr, attacker, attacker_ip, far_ends) in victims {
                 let mut conn = TcpConn::open(victim, addr)?;
                 let before = conn.ask("whoami")?;
                 let udp_flow = UdpConn::open(victim, udp_addr)?;
                 udp_flow.ask("hi")?;
-                let SocketAddr::V4(client) = conn.local_addr()? else {
-                    bail!("{addr}: not an IPv4 connection");
-                };
+                let client = conn.local_addr()?;
                 // The whole ephemeral range; under software emulation (timeouts scaled up), a
                 // window of it around the victim's port: the victim's 5-tuple gets the same
                 // packets, the others fewer.
@@ -1329,7 +1333,7 @@ pub const SCENARIOS: &[Scenario] = &[
                 let ports = first..first + width;
                 spoof_tcp(
                     attacker,
-                    ports.clone().map(|port| (*client.ip(), port)),
+                    ports.clone().map(|port| (client.ip(), port)),
                     addr,
                     &[0x04, 0x11, 0x02],
                 )?;
@@ -1339,20 +1343,20 @@ pub const SCENARIOS: &[Scenario] = &[
                     let quoted: Vec<Vec<u8>> = far_ends
                         .iter()
                         .map(|&(far, far_port)| {
-                            let (src, sport, dst, dport) = if far == NODE1_IP {
-                                (far, far_port, *client.ip(), port)
+                            let (src, sport, dst, dport) = if far == node1 {
+                                (far, far_port, client.ip(), port)
                             } else {
-                                (*client.ip(), port, far, far_port)
+                                (client.ip(), port, far, far_port)
                             };
                             Spec::tcp(src, sport, dst, dport).build()
                         })
                         .collect();
-                    [ICMP_PORT_UNREACH, ICMP_FRAG_NEEDED]
-                        .into_iter()
-                        .flat_map(move |code| {
+                    error_kinds
+                        .iter()
+                        .flat_map(move |&(kind, code)| {
                             quoted
                                 .iter()
-                                .map(|q| icmp_error(attacker_ip, ICMP_DEST_UNREACH, code, q, 8))
+                                .map(|q| icmp_error(attacker_ip, kind, code, q, 8))
                                 .collect::<Vec<_>>()
                         })
                         .collect::<Vec<_>>()
@@ -1570,12 +1574,6 @@ pub enum Outcome {
     NotApplicable(String),
 }
 
-/// Scenarios checked over IPv4 only, and why.
-const IPV4_ONLY: &[(&str, &str)] = &[(
-    "spoofed-teardown",
-    "not yet over IPv6: the attack's packets are built as IPv4 (tests/src/packet.rs)",
-)];
-
 /// Scenarios that change the world in a way a second run cannot repeat: with dual-stack
 /// Services they are checked once, over IPv6.
 const ONCE: &[&str] = &["udp-flow-moves", "agent-restart", "cleanup"];
@@ -1694,24 +1692,15 @@ pub fn run_launched(test: &str, mode_id: &str, shape: Shape, stack: Stack, launc
 }
 
 /// `scenario` checked over each family of the world's Services (once over IPv6 if it is one of
-/// [`ONCE`] and they have both): it passes if it passes over each where it applies.
+/// [`ONCE`] and they have both): it passes if it passes over each.
 fn check(world: &mut World, scenario: &Scenario) -> Outcome {
     let mut families = world.checked;
     if families.len() > 1 && ONCE.contains(&scenario.name) {
         families = &[Family::V6];
     }
-    let ipv4_only = IPV4_ONLY.iter().find(|(name, _)| *name == scenario.name);
     let mut failures = Vec::new();
-    let mut ran = false;
     for &family in families {
-        if let (Family::V6, Some((_, why))) = (family, ipv4_only) {
-            if families.len() == 1 {
-                return Outcome::NotApplicable(why.to_string());
-            }
-            continue;
-        }
         world.family = family;
-        ran = true;
         if let Err(e) = (scenario.run)(world) {
             failures.push(match families.len() {
                 1 => format!("{e:#}"),
@@ -1719,7 +1708,6 @@ fn check(world: &mut World, scenario: &Scenario) -> Outcome {
             });
         }
     }
-    debug_assert!(ran);
     match failures.is_empty() {
         true => Outcome::Pass,
         false => Outcome::Fail(failures.join("; ")),
@@ -1826,9 +1814,6 @@ pub fn render_parity() -> String {
         for (scenario, why) in m.not_applicable {
             let _ = writeln!(out, "- {} `{scenario}`: {why}.", m.title);
         }
-    }
-    for (scenario, why) in IPV4_ONLY {
-        let _ = writeln!(out, "- every mode's IPv6 run, `{scenario}`: {why}.");
     }
     let in_vm: Vec<String> = MODES
         .iter()

@@ -55,9 +55,9 @@ fn replies_are_reverse_nated() {
             ..spec.clone()
         };
         let reply = Spec {
-            src: BE1,
+            src: BE1.into(),
             sport: 8080,
-            dst: CLIENT,
+            dst: CLIENT.into(),
             dport: 40001,
             ..reply
         };
@@ -88,9 +88,9 @@ fn udp_checksums_including_zero() {
     assert_eq!((seen.dst, seen.dport, seen.l4_csum), (BE1, 5353, 0));
     // The reply with no checksum keeps none.
     let reply = Spec {
-        src: BE1,
+        src: BE1.into(),
         sport: 5353,
-        dst: CLIENT,
+        dst: CLIENT.into(),
         dport: 41001,
         ..zero
     };
@@ -863,9 +863,9 @@ fn a_pod_reaching_itself_goes_out_and_back_through_its_own_interface() {
         packet::assert_checksums(&out, false);
         // The pod answers the hairpin address; that comes back to it from the service.
         let reply = Spec {
-            src: CLIENT,
+            src: CLIENT.into(),
             sport: 8080,
-            dst: hairpin,
+            dst: hairpin.into(),
             dport: 49000,
             tcp_flags: 0x12,
             ..spec.clone()
@@ -911,9 +911,9 @@ fn blind_resets_and_fins_change_no_flow() {
     };
     let backend = |flags: u8, seq: u32, ack: u32| {
         Spec {
-            src: BE1,
+            src: BE1.into(),
             sport: 8080,
-            dst: CLIENT,
+            dst: CLIENT.into(),
             dport: 48100,
             ..client(flags, seq, ack)
         }
@@ -1082,7 +1082,7 @@ fn icmp_errors_about_a_service_flow_reach_the_pod_as_about_the_service() {
         };
         dnat(&p, &spec);
         let sent = Spec {
-            dst: BE1,
+            dst: BE1.into(),
             dport: 8080,
             ..spec.clone()
         };
@@ -1140,7 +1140,7 @@ fn fragments_follow_their_first_fragment() {
         };
         let (first, later) = packet::fragments(&spec.build(), 24);
         let sent = Spec {
-            dst: BE1,
+            dst: BE1.into(),
             dport: 8080,
             ..spec.clone()
         };
@@ -1150,15 +1150,15 @@ fn fragments_follow_their_first_fragment() {
             assert_eq!((verdict, &out), (TC_ACT_UNSPEC, want), "{spec:?}");
         }
         let reply = Spec {
-            src: BE1,
+            src: BE1.into(),
             sport: 8080,
-            dst: CLIENT,
+            dst: CLIENT.into(),
             dport: 40400,
             ..spec.clone()
         };
         let (first, later) = packet::fragments(&reply.build(), 24);
         let back = Spec {
-            src: VIP,
+            src: VIP.into(),
             sport: 80,
             ..reply
         };

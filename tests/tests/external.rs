@@ -423,7 +423,7 @@ fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
             let sources = (0..5).map(|_| {
                 next = next.wrapping_mul(1_103_515_245).wrapping_add(12345);
                 let host = std::net::Ipv4Addr::from(0xc612_0000 | (next >> 15) & 0x1_ffff);
-                (host, 1024 + (next % 60000) as u16)
+                (host.into(), 1024 + (next % 60000) as u16)
             });
             sent += spoof_tcp(ext, sources, node_port, &[0x02])?;
             std::thread::sleep(Duration::from_millis(10));

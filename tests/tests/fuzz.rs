@@ -932,8 +932,8 @@ impl Generator {
         };
         let payload_len = self.rng.below(25);
         let spec = Spec {
-            src: t.src,
-            dst: t.dst,
+            src: t.src.into(),
+            dst: t.dst.into(),
             sport: t.sport,
             dport: t.dport,
             proto: t.proto,

@@ -184,3 +184,109 @@ fn every_shape_routes_both_families() {
         }
     }
 }
+
+/// The frames the attack scenarios send from raw sockets (tests/src/packet.rs, `send_raw`) are
+/// ones the kernel takes, in both families: a UDP datagram sent in two fragments reaches its
+/// socket whole (IP header, fragment header and UDP checksum right), a SYN to a listener is
+/// answered, and ICMP errors are counted as such; no checksum error anywhere. A spoofed
+/// packet the kernel dropped for a bad checksum would make `spoofed-teardown` pass for nothing.
+#[test]
+fn raw_frames_of_both_families_are_taken_by_the_kernel() {
+    use proxy_tests::packet::{self, Spec};
+    use proxy_tests::send_raw;
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpListener, UdpSocket};
+
+    if !privileged("raw_frames_of_both_families_are_taken_by_the_kernel") {
+        return;
+    }
+    let name = format!("{}{}-raw", proxy_tests::NS_PREFIX, std::process::id());
+    let ns = proxy_tests::Netns::create(&name).unwrap();
+    ns.ip(&["link", "set", "lo", "up"]).unwrap();
+    // Counters of the namespace's /proc/net/snmp ("Tcp: InSegs ...", a names line and a
+    // values line) and /proc/net/snmp6 ("Icmp6InDestUnreachs 1").
+    let counters = || -> std::collections::BTreeMap<String, u64> {
+        let mut all = std::collections::BTreeMap::new();
+        let snmp = ns.exec("cat", &["/proc/net/snmp"]).unwrap();
+        let lines: Vec<&str> = snmp.lines().collect();
+        for pair in lines.chunks(2) {
+            let (names, values) = (pair[0].split_whitespace(), pair[1].split_whitespace());
+            let mut names = names.peekable();
+            let group = names.next().unwrap().trim_end_matches(':').to_owned();
+            for (name, value) in names.zip(values.skip(1)) {
+                all.insert(format!("{group}{name}"), value.parse().unwrap_or(0));
+            }
+        }
+        let snmp6 = ns.exec("cat", &["/proc/net/snmp6"]).unwrap();
+        for line in snmp6.lines() {
+            let mut fields = line.split_whitespace();
+            if let (Some(name), Some(value)) = (fields.next(), fields.next()) {
+                all.insert(name.to_owned(), value.parse().unwrap_or(0));
+            }
+        }
+        all
+    };
+    for lo in [
+        IpAddr::from(Ipv4Addr::LOCALHOST),
+        Ipv6Addr::LOCALHOST.into(),
+    ] {
+        // Each ICMP error sent, the counter it must raise, and the family's checksum errors.
+        let (errors, checksum_errors) = match lo {
+            IpAddr::V4(_) => (
+                [
+                    (
+                        packet::ICMP_DEST_UNREACH,
+                        packet::ICMP_PORT_UNREACH,
+                        "IcmpInDestUnreachs",
+                    ),
+                    (
+                        packet::ICMP_DEST_UNREACH,
+                        packet::ICMP_FRAG_NEEDED,
+                        "IcmpInDestUnreachs",
+                    ),
+                ],
+                "IcmpInCsumErrors",
+            ),
+            IpAddr::V6(_) => (
+                [
+                    (
+                        packet::ICMPV6_DEST_UNREACH,
+                        packet::ICMPV6_PORT_UNREACH,
+                        "Icmp6InDestUnreachs",
+                    ),
+                    (packet::ICMPV6_PACKET_TOO_BIG, 0, "Icmp6InPktTooBigs"),
+                ],
+                "Icmp6InCsumErrors",
+            ),
+        };
+        let udp = ns.run(|| UdpSocket::bind((lo, 0))).unwrap();
+        udp.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let datagram = Spec {
+            payload: (0..64).collect(),
+            ..Spec::udp(lo, 40000, lo, udp.local_addr().unwrap().port())
+        };
+        let (first, later) = packet::fragments(&datagram.build(), 16);
+        send_raw(&ns, [first, later].into_iter()).unwrap();
+        let mut buf = [0u8; 256];
+        let n = udp.recv(&mut buf).expect("the fragmented datagram");
+        assert_eq!(&buf[..n], &datagram.payload[..], "{lo}: the datagram");
+
+        let listener = ns.run(|| TcpListener::bind((lo, 0))).unwrap();
+        let syn = Spec::tcp(lo, 40001, lo, listener.local_addr().unwrap().port());
+        let before = counters();
+        send_raw(&ns, [syn.build()].into_iter()).unwrap();
+        for (kind, code, _) in errors {
+            let error = packet::icmp_error(lo, kind, code, &syn.build(), 8);
+            send_raw(&ns, [error].into_iter()).unwrap();
+        }
+        let after = counters();
+        let grew = |name: &str| after[name].saturating_sub(before[name]);
+        assert!(grew("TcpOutSegs") >= 1, "{lo}: the SYN was not answered");
+        for (_, _, name) in errors {
+            assert!(grew(name) >= 1, "{lo}: {name} did not count the error");
+        }
+        for name in ["TcpInCsumErrors", "UdpInCsumErrors", checksum_errors] {
+            assert_eq!(after[name], 0, "{lo}: {name}");
+        }
+    }
+}

@@ -9,7 +9,7 @@
 //! context, tc runs theirs through the `__sk_buff` one.
 use std::{
     collections::BTreeSet,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     ops::Range,
     sync::atomic::{AtomicU32, Ordering},
 };
@@ -261,9 +261,9 @@ fn from_client(spec: &Spec) -> Vec<u8> {
 /// The answer to `spec`, from `from` to `to` (a SYN-ACK for TCP).
 fn answer(spec: &Spec, from: (Ipv4Addr, u16), to: (Ipv4Addr, u16)) -> Spec {
     Spec {
-        src: from.0,
+        src: from.0.into(),
         sport: from.1,
-        dst: to.0,
+        dst: to.0.into(),
         dport: to.1,
         tcp_flags: if spec.proto == TCP { SYN_ACK } else { 0 },
         ..spec.clone()
@@ -453,9 +453,9 @@ fn a_node_port_to_a_local_endpoint_is_dnated_and_handed_to_the_stack() {
 /// UDP checksum computes to zero (which must be sent as all ones: zero means "none").
 fn zero_once_translated(spec: Spec, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> Spec {
     let translated = Spec {
-        src: src.0,
+        src: src.0.into(),
         sport: src.1,
-        dst: dst.0,
+        dst: dst.0.into(),
         dport: dst.1,
         payload: vec![0; 6],
         ..spec.clone()
@@ -724,7 +724,10 @@ fn snat_ports_never_collide() {
         let reply = on_wire(&answer(spec, (REMOTE_BE, TARGET), (NODE, *port)), NODE2_MAC);
         let (_, back) = lab.xdp(&reply);
         assert_eq!(
-            (packet::read(&back).dst, packet::read(&back).dport),
+            (
+                IpAddr::from(packet::read(&back).dst),
+                packet::read(&back).dport
+            ),
             (spec.src, 40000),
             "the reply to port {port} goes to its own client"
         );
@@ -1711,7 +1714,12 @@ fn xdp_and_tc_agree_on_the_same_frame() {
         assert_eq!(x.1, t.1, "reply to {spec:?}");
         let back = packet::read(&x.1);
         assert_eq!(
-            (back.src, back.sport, back.dst, back.dport),
+            (
+                IpAddr::from(back.src),
+                back.sport,
+                IpAddr::from(back.dst),
+                back.dport
+            ),
             (spec.dst, spec.dport, spec.src, spec.sport)
         );
         assert_eq!(&x.1[..6], &ROUTER_MAC, "back through the router");
@@ -1802,7 +1810,7 @@ fn icmp_errors_about_external_flows_are_translated_back() {
         assert_eq!(lab.xdp(&from_client(&spec)).0, XDP_PASS, "{what}");
         // The local endpoint's error about the packet it got leaves from the NodePort.
         let got = Spec {
-            dst: LOCAL_BE,
+            dst: LOCAL_BE.into(),
             dport: TARGET,
             ..spec.clone()
         };
@@ -1831,9 +1839,9 @@ fn icmp_errors_about_external_flows_are_translated_back() {
         let sent = (NODE, snat_port(&out));
         // Its error about what the node sent it goes back to the client, from the NodePort.
         let got = Spec {
-            src: sent.0,
+            src: sent.0.into(),
             sport: sent.1,
-            dst: REMOTE_BE,
+            dst: REMOTE_BE.into(),
             dport: TARGET,
             ..spec.clone()
         };
@@ -1903,7 +1911,7 @@ fn fragments_of_node_port_flows_are_translated_by_tc() {
     let spec = datagram(44000, NODE_PORT);
     let pieces = packet::fragments(&from_client(&spec), 16);
     let delivered = Spec {
-        dst: LOCAL_BE,
+        dst: LOCAL_BE.into(),
         dport: TARGET,
         ..spec.clone()
     };
@@ -1922,9 +1930,9 @@ fn fragments_of_node_port_flows_are_translated_by_tc() {
     assert_eq!(verdict, TC_ACT_REDIRECT);
     let sent = (NODE, snat_port(&out));
     let to_endpoint = Spec {
-        src: sent.0,
+        src: sent.0.into(),
         sport: sent.1,
-        dst: REMOTE_BE,
+        dst: REMOTE_BE.into(),
         dport: TARGET,
         ..spec.clone()
     };
