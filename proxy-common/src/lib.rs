@@ -54,6 +54,40 @@ impl Be32 {
     }
 }
 
+/// An IP address of one family in network byte order: the map types that hold addresses are
+/// generic over it (`Be32`, their default, for IPv4), so that each family has maps of its own
+/// with the same layout rules.
+pub trait Addr: Copy + Default + Eq + Ord + core::hash::Hash + core::fmt::Debug + Pod {
+    /// The address folded into 32 bits, for [`flow_hash`].
+    fn hash_word(self) -> u32;
+}
+
+impl Addr for Be32 {
+    fn hash_word(self) -> u32 {
+        self.get()
+    }
+}
+
+/// `Pod` for map types generic over their address ([`Addr`]), which bytemuck cannot derive:
+/// each instance is checked to have no padding (its size is the sum of its fields').
+macro_rules! pod {
+    ($($ty:ty = $size:expr),* $(,)?) => {$(
+        // SAFETY: `#[repr(C)]`, every field `Pod`, and (checked below) no padding.
+        unsafe impl Zeroable for $ty {}
+        unsafe impl Pod for $ty {}
+        const _: () = assert!(size_of::<$ty>() == $size, "padding in a map type");
+    )*};
+}
+
+pod!(
+    ServiceKey<Be32> = 4 + 2 + 2 + 1 + 1 + 2,
+    SourceRangeKey<Be32> = 4 + 2 + 1 + 1 + 4,
+    AffinityKey<Be32> = 4 + 4 + 2 + 1 + 1,
+    Backend<Be32> = 4 + 2 + 1 + 1,
+    CtKey<Be32> = 4 + 4 + 2 + 2 + 1 + 3,
+    CtValue<Be32> = 4 + 4 + 2 + 1 + 1 + 4 + 8 + 2 + 2 + 4,
+);
+
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 
@@ -165,9 +199,9 @@ pub const DROP_REASON_NAMES: [&str; DROP_REASONS as usize] = [
 /// slots 1..=count hold one backend id each (after Cilium's `lb4_key`). A NodePort frontend has
 /// address [`NODE_PORT_ADDR`]: it answers on every address in [`MAP_NODE_ADDRS`].
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
-pub struct ServiceKey {
-    pub addr: Be32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey<A = Be32> {
+    pub addr: A,
     pub port: Be16,
     pub slot: u16,
     pub proto: u8,
@@ -176,8 +210,8 @@ pub struct ServiceKey {
     pub pad: [u8; 2],
 }
 
-impl ServiceKey {
-    pub const fn new(addr: Be32, port: Be16, proto: u8, slot: u16) -> Self {
+impl<A: Addr> ServiceKey<A> {
+    pub const fn new(addr: A, port: Be16, proto: u8, slot: u16) -> Self {
         Self {
             addr,
             port,
@@ -244,19 +278,22 @@ pub const SERVICE_SOURCE_RANGES: u16 = 64;
 pub const SERVICE_LOAD_BALANCER: u16 = 128;
 
 /// Key of [`MAP_SOURCE_RANGES`] (an LPM trie): a frontend, then a source prefix. The prefix
-/// length counts the 64 bits of the frontend fields plus the source prefix's own.
+/// length counts the bits of the frontend fields ([`SourceRangeKey::FRONTEND_BITS`]) plus the
+/// source prefix's own.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct SourceRangeKey {
-    pub addr: Be32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceRangeKey<A = Be32> {
+    pub addr: A,
     pub port: Be16,
     pub proto: u8,
     pub pad: u8,
-    pub source: Be32,
+    pub source: A,
 }
 
-/// Bits of a [`SourceRangeKey`] before its source address.
-pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 64;
+impl<A> SourceRangeKey<A> {
+    /// Bits of the key before its source address.
+    pub const FRONTEND_BITS: u32 = (size_of::<A>() as u32 + 4) * 8;
+}
 
 /// [`ExternalIface::flags`]: XDP may transmit out of this interface (XDP_TX, redirect). Not
 /// set where that could lose packets (see the agent's `xdp.rs`): the XDP program then leaves
@@ -310,9 +347,9 @@ pub struct MaglevChunk {
 /// The hash of a flow that picks its Maglev table entry: a fixed function of the 5-tuple as the
 /// client sent it, so that every node picks the same backend for it.
 #[inline(always)]
-pub fn flow_hash(key: &CtKey) -> u32 {
+pub fn flow_hash<A: Addr>(key: &CtKey<A>) -> u32 {
     let ports = (u32::from(key.sport.get()) << 16) | u32::from(key.dport.get());
-    let mut h = key.saddr.get() ^ key.daddr.get().rotate_left(16);
+    let mut h = key.saddr.hash_word() ^ key.daddr.hash_word().rotate_left(16);
     h = h.wrapping_mul(0x9e37_79b1) ^ ports;
     h = h.wrapping_mul(0x85eb_ca6b) ^ u32::from(key.proto);
     // murmur3's finalizer: every input bit reaches every output bit.
@@ -348,10 +385,10 @@ impl ServiceValue {
 
 /// Key of the affinity map: a client of a frontend (sessionAffinity: ClientIP).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
-pub struct AffinityKey {
-    pub client: Be32,
-    pub vip: Be32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AffinityKey<A = Be32> {
+    pub client: A,
+    pub vip: A,
     pub vport: Be16,
     pub proto: u8,
     pub pad: u8,
@@ -414,9 +451,9 @@ pub struct SockRevNatValue {
 /// belong to one service port (two services sharing a pod have two ids for it), so that the
 /// draining flag says whether the endpoint is still in that service.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
-pub struct Backend {
-    pub addr: Be32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Backend<A = Be32> {
+    pub addr: A,
     pub port: Be16,
     pub proto: u8,
     pub flags: u8,
@@ -424,10 +461,10 @@ pub struct Backend {
 
 /// A flow's 5-tuple as it appears in a packet.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
-pub struct CtKey {
-    pub saddr: Be32,
-    pub daddr: Be32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CtKey<A = Be32> {
+    pub saddr: A,
+    pub daddr: A,
     pub sport: Be16,
     pub dport: Be16,
     pub proto: u8,
@@ -521,7 +558,7 @@ pub const fn ct_lifetime_ns(state: u32, configured: u64) -> u64 {
     }
 }
 
-impl CtValue {
+impl<A> CtValue<A> {
     /// Which lifetime this entry of protocol `proto` lives by ([`CT_STATE_TCP_ESTABLISHED`]...).
     #[inline(always)]
     pub fn state(&self, proto: u8) -> u32 {
@@ -574,12 +611,12 @@ pub const fn seq_plausible(known: u16, hint: u16) -> bool {
 /// names the backend; the reply entry (keyed by backend -> client) names the service address the
 /// reply must appear to come from.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct CtValue {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtValue<A = Be32> {
     /// Forward: the chosen backend. Reply: the backend the flow was sent to.
     pub backend_id: u32,
     /// The service address and port the client used: what replies are rewritten to.
-    pub vip: Be32,
+    pub vip: A,
     pub vport: Be16,
     /// [`CT_FORWARD`], [`CT_REPLY`] or [`CT_NETFILTER`].
     pub direction: u8,
@@ -588,7 +625,7 @@ pub struct CtValue {
     pub flags: u8,
     /// External flows: forward, the node address and port the flow is sent from
     /// ([`CT_SNAT`]); reply, the client's address and port. Zero otherwise.
-    pub nat_addr: Be32,
+    pub nat_addr: A,
     /// `bpf_ktime_get_ns()` of the last packet seen in this direction.
     pub last_seen_ns: u64,
     pub nat_port: Be16,

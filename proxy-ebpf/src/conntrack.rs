@@ -1,8 +1,9 @@
 //! Conntrack: two entries a flow, each keyed by the 5-tuple its direction's packets carry.
 //! The forward entry (client -> service address) names the backend; the reply entry (backend ->
-//! client, or backend -> [`HAIRPIN_ADDR`] for a pod reaching itself) names the service address
-//! the replies must come from. A reply entry is used only while its forward entry is live and
-//! names the same backend: the forward entry is the flow.
+//! client, or backend -> [`Family::HAIRPIN`] for a pod reaching itself) names the service
+//! address the replies must come from. A reply entry is used only while its forward entry is
+//! live and names the same backend: the forward entry is the flow. Generic over the address
+//! family (family.rs): each family has its own maps.
 //!
 //! An external flow sent to another node's endpoint ([`CT_SNAT`]) leaves from a node address
 //! and a port picked here; its reply entry is keyed to that address and port, and the NAT
@@ -12,36 +13,39 @@ use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
 };
 use proxy_common::{
-    BACKEND_DRAINING, Backend, Be16, Be32, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_ANSWERED,
+    BACKEND_DRAINING, Backend, Be16, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CT_ANSWERED,
     CT_CLOSING, CT_EXTERNAL, CT_FIN, CT_FLOW_FLAGS, CT_FORWARD, CT_HALF_CLOSED, CT_NETFILTER,
-    CT_OPENING, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, HAIRPIN_ADDR, IPPROTO_TCP,
-    SNAT_CLOSE_GRACE_NS, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS, ct_lifetime_ns,
-    seq_plausible,
+    CT_OPENING, CT_REPLY, CT_SNAT, CT_TIME_WAIT, CtKey, CtValue, IPPROTO_TCP, SNAT_CLOSE_GRACE_NS,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_TIME_WAIT_NS, ct_lifetime_ns, seq_plausible,
 };
 
 use crate::{
-    maps::{BACKENDS, CONFIG, CONNTRACK, CT_LIFETIMES},
+    family::Family,
+    maps::{CONFIG, CT_LIFETIMES},
     packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 /// Whether `entry`, of protocol `proto`, has been idle longer than its state's lifetime at `now`.
 #[inline(always)]
-fn expired(entry: &CtValue, proto: u8, now: u64) -> bool {
+fn expired<A: Family>(entry: &CtValue<A>, proto: u8, now: u64) -> bool {
     let state = entry.state(proto);
     let configured = CT_LIFETIMES.get(state).copied().unwrap_or(0);
     entry.idle_past(now, ct_lifetime_ns(state, configured))
 }
 
 /// [`Live::snat`] of a flow that keeps its client's address.
-pub const NO_SNAT: (Be32, Be16) = (Be32::new(0), Be16::new(0));
+#[inline(always)]
+pub fn no_snat<A: Family>() -> (A, Be16) {
+    (A::default(), Be16::new(0))
+}
 
 /// A flow found in conntrack: its backend, and for an external flow sent from a node
 /// address, that address and port (else 0.0.0.0:0, never a node address). Not an `Option`:
 /// the compiler would keep its payload on the stack only when set, and 5.10's verifier refuses
 /// the read of it on the other path, which it cannot tell apart.
-pub struct Live {
-    pub backend: Backend,
-    pub snat: (Be32, Be16),
+pub struct Live<A> {
+    pub backend: Backend<A>,
+    pub snat: (A, Be16),
     /// A flow netfilter translates ([`CT_NETFILTER`]): its packet passes untouched (`backend`
     /// and `snat` are zero).
     pub netfilter: bool,
@@ -56,9 +60,9 @@ pub struct Live {
 /// reverse NAT.
 /// With the flow's source translation, or a flow netfilter translates ([`Live::netfilter`]).
 #[inline(always)]
-pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
+pub fn established_flow<A: Family>(flow: &Flow<A>, now: u64) -> Option<Live<A>> {
     let key = &flow.key;
-    let entry = CONNTRACK.get_ptr_mut(key)?;
+    let entry = A::conntrack().get_ptr_mut(key)?;
     // SAFETY: an LRU map value; a concurrent eviction can at worst make us read a recycled
     // entry, which the direction and backend checks below reject or the backend lookup corrects.
     let entry = unsafe { &mut *entry };
@@ -75,7 +79,7 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     if flow.syn_only() && entry.flags & CT_CLOSING != 0 {
         return None;
     }
-    let backend = unsafe { BACKENDS.get(entry.backend_id) }.copied()?;
+    let backend = unsafe { A::backends().get(entry.backend_id) }.copied()?;
     if backend.proto != key.proto {
         return None;
     }
@@ -84,9 +88,9 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
     }
     let snat = match entry.flags & CT_SNAT != 0 {
         true => (entry.nat_addr, entry.nat_port),
-        false => NO_SNAT,
+        false => no_snat(),
     };
-    let snatted = snat != NO_SNAT;
+    let snatted = snat != no_snat();
     if !snatted && !reply_due(flow, entry, now) {
         entry.packets += 1;
         entry.last_seen_ns = now;
@@ -98,7 +102,9 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
         });
     }
     let reply_key = reply_key(key, entry, &backend);
-    let found = CONNTRACK.get_ptr_mut(reply_key).map(|r| unsafe { &mut *r });
+    let found = A::conntrack()
+        .get_ptr_mut(reply_key)
+        .map(|r| unsafe { &mut *r });
     let taken = found.is_some();
     let reply = found.filter(|r| {
         r.direction == CT_REPLY
@@ -124,7 +130,7 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
             }
             // A translated flow's port is taken again only if it is still free.
             let flags = if snatted { BPF_NOEXIST } else { BPF_ANY };
-            let _ = CONNTRACK.insert(reply_key, reply, flags as u64);
+            let _ = A::conntrack().insert(reply_key, reply, flags as u64);
         }
     }
     Some(Live {
@@ -138,16 +144,16 @@ pub fn established_flow(flow: &Flow, now: u64) -> Option<Live> {
 /// on while its packets come, and they pass untouched. A bare SYN is a new connection on the
 /// 5-tuple (the client reusing its port): the entry goes, and the programs serve it.
 #[inline(always)]
-fn netfilter_flow(entry: &mut CtValue, flow: &Flow, now: u64) -> Option<Live> {
+fn netfilter_flow<A: Family>(entry: &mut CtValue<A>, flow: &Flow<A>, now: u64) -> Option<Live<A>> {
     if flow.syn_only() {
-        let _ = CONNTRACK.remove(flow.key);
+        let _ = A::conntrack().remove(flow.key);
         return None;
     }
     entry.packets += 1;
     entry.last_seen_ns = now;
     Some(Live {
         backend: Backend::default(),
-        snat: NO_SNAT,
+        snat: no_snat(),
         netfilter: true,
     })
 }
@@ -164,7 +170,7 @@ const REPLY_CHECK_IDLE_NS: u64 = 1_000_000_000;
 /// reply packet refreshes both entries anyway; a flow whose replies stopped has its reply
 /// entry checked every [`REPLY_CHECK_PACKETS`] packets, and after a quiet second.
 #[inline(always)]
-fn reply_due(flow: &Flow, entry: &CtValue, now: u64) -> bool {
+fn reply_due<A: Family>(flow: &Flow<A>, entry: &CtValue<A>, now: u64) -> bool {
     flow.tcp_flags() & (TCP_FIN | TCP_SYN | TCP_RST) != 0
         || entry.flags & (CT_CLOSING | CT_OPENING) != 0
         || entry.packets.is_multiple_of(REPLY_CHECK_PACKETS)
@@ -183,7 +189,12 @@ fn reply_due(flow: &Flow, entry: &CtValue, now: u64) -> bool {
 /// blind spoofer's RST or FIN) refreshes the flow and changes nothing else; nor does the
 /// client's packet end the opening unless it acknowledges what the backend sent.
 #[inline(always)]
-fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64) {
+fn touch<A: Family>(
+    this: &mut CtValue<A>,
+    other: Option<&mut CtValue<A>>,
+    flow: &Flow<A>,
+    now: u64,
+) {
     this.packets += 1;
     if this.flags & CT_CLOSING != 0 {
         return;
@@ -235,7 +246,7 @@ fn touch(this: &mut CtValue, other: Option<&mut CtValue>, flow: &Flow, now: u64)
 /// its sequence number is plausible ([`seq_plausible`]); a plausible one past the entry's
 /// hint moves the hint on (written only when it moved: once per 64 KiB of data). UDP: always.
 #[inline(always)]
-fn follow_seq(this: &mut CtValue, flow: &Flow) -> bool {
+fn follow_seq<A: Family>(this: &mut CtValue<A>, flow: &Flow<A>) -> bool {
     if flow.key.proto != IPPROTO_TCP {
         return true;
     }
@@ -249,15 +260,15 @@ fn follow_seq(this: &mut CtValue, flow: &Flow) -> bool {
 }
 
 /// Where the backend's replies to the flow `key` (whose forward entry is `forward`) come from
-/// and go to: the client, or for a hairpin flow [`HAIRPIN_ADDR`] (the source its packets were
+/// and go to: the client, or for a hairpin flow [`Family::HAIRPIN`] (the source its packets were
 /// given), or for a flow sent from a node address that address and port.
 #[inline(always)]
-fn reply_key(key: &CtKey, forward: &CtValue, backend: &Backend) -> CtKey {
+fn reply_key<A: Family>(key: &CtKey<A>, forward: &CtValue<A>, backend: &Backend<A>) -> CtKey<A> {
     let (daddr, dport) = if forward.flags & CT_SNAT != 0 {
         (forward.nat_addr, forward.nat_port)
     } else {
         let hairpin = backend.addr == key.saddr;
-        (if hairpin { HAIRPIN_ADDR } else { key.saddr }, key.sport)
+        (if hairpin { A::HAIRPIN } else { key.saddr }, key.sport)
     };
     CtKey {
         saddr: backend.addr,
@@ -272,7 +283,7 @@ fn reply_key(key: &CtKey, forward: &CtValue, backend: &Backend) -> CtKey {
 /// A new flow's forward entry (its first packet `flow`), before any NAT field. A TCP flow
 /// starts [`CT_OPENING`], its client's sequence numbers where that packet's are.
 #[inline(always)]
-fn forward_value(flow: &Flow, backend_id: u32, flags: u8, now: u64) -> CtValue {
+fn forward_value<A: Family>(flow: &Flow<A>, backend_id: u32, flags: u8, now: u64) -> CtValue<A> {
     let key = &flow.key;
     let opening = if key.proto == IPPROTO_TCP {
         CT_OPENING
@@ -285,7 +296,7 @@ fn forward_value(flow: &Flow, backend_id: u32, flags: u8, now: u64) -> CtValue {
         vport: key.dport,
         direction: CT_FORWARD,
         flags: flags | opening,
-        nat_addr: Be32::new(0),
+        nat_addr: A::default(),
         last_seen_ns: now,
         nat_port: Be16::new(0),
         seq_hint: flow.seq,
@@ -298,7 +309,13 @@ fn forward_value(flow: &Flow, backend_id: u32, flags: u8, now: u64) -> CtValue {
 /// (its replies are translated on the way out of the node, and its reply entry names the
 /// client).
 #[inline(always)]
-pub fn record_flow(flow: &Flow, backend_id: u32, backend: &Backend, now: u64, external: bool) {
+pub fn record_flow<A: Family>(
+    flow: &Flow<A>,
+    backend_id: u32,
+    backend: &Backend<A>,
+    now: u64,
+    external: bool,
+) {
     let key = &flow.key;
     let flags = if external { CT_EXTERNAL } else { 0 };
     let forward = forward_value(flow, backend_id, flags, now);
@@ -313,8 +330,8 @@ pub fn record_flow(flow: &Flow, backend_id: u32, backend: &Backend, now: u64, ex
     }
     // LRU inserts make room by evicting the least recently used flow; a failure here (memory
     // pressure) only means the next packet of this flow picks a backend again.
-    let _ = CONNTRACK.insert(reply_key(key, &forward, backend), reply, BPF_ANY as u64);
-    let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
+    let _ = A::conntrack().insert(reply_key(key, &forward, backend), reply, BPF_ANY as u64);
+    let _ = A::conntrack().insert(key, forward, BPF_ANY as u64);
 }
 
 /// Tries per new translated flow: a port is taken at random each time, so this many
@@ -325,11 +342,11 @@ const SNAT_TRIES: u32 = 8;
 /// (see [`port_free`]) of the configured range, and returns that port. `None` when none was
 /// found: the packet is dropped and the client retries.
 #[inline(always)]
-pub fn record_snat_flow(
-    flow: &Flow,
+pub fn record_snat_flow<A: Family>(
+    flow: &Flow<A>,
     backend_id: u32,
-    backend: &Backend,
-    node: Be32,
+    backend: &Backend<A>,
+    node: A,
     now: u64,
 ) -> Option<Be16> {
     let key = &flow.key;
@@ -354,7 +371,7 @@ pub fn record_snat_flow(
         let reply_key = snat_reply_key(backend, node, port, key.proto);
         // A port a flow still holds (to this endpoint): try another. One whose flow is done
         // with it is overwritten; an unused one is taken only if no other CPU took it meanwhile.
-        let flags = match unsafe { CONNTRACK.get(reply_key) } {
+        let flags = match unsafe { A::conntrack().get(reply_key) } {
             Some(old) if !port_free(old, key.proto, now) => {
                 if reclaimable(old, now) && old.last_seen_ns < opening_seen {
                     (opening_port, opening_seen) = (port, old.last_seen_ns);
@@ -364,11 +381,14 @@ pub fn record_snat_flow(
             Some(_) => BPF_ANY,
             None => BPF_NOEXIST,
         };
-        if CONNTRACK.insert(reply_key, reply, flags as u64).is_err() {
+        if A::conntrack()
+            .insert(reply_key, reply, flags as u64)
+            .is_err()
+        {
             continue;
         }
         forward.nat_port = Be16::new(port);
-        let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
+        let _ = A::conntrack().insert(key, forward, BPF_ANY as u64);
         return Some(forward.nat_port);
     }
     // Every port tried is held: the range is nearly full for this endpoint, by live flows or
@@ -381,13 +401,15 @@ pub fn record_snat_flow(
     }
     let reply_key = snat_reply_key(backend, node, opening_port, key.proto);
     // Unless another CPU changed the entry meanwhile.
-    let old = unsafe { CONNTRACK.get(reply_key) }?;
+    let old = unsafe { A::conntrack().get(reply_key) }?;
     if old.last_seen_ns != opening_seen || !reclaimable(old, now) {
         return None;
     }
-    CONNTRACK.insert(reply_key, reply, BPF_ANY as u64).ok()?;
+    A::conntrack()
+        .insert(reply_key, reply, BPF_ANY as u64)
+        .ok()?;
     forward.nat_port = Be16::new(opening_port);
-    let _ = CONNTRACK.insert(key, forward, BPF_ANY as u64);
+    let _ = A::conntrack().insert(key, forward, BPF_ANY as u64);
     Some(forward.nat_port)
 }
 
@@ -398,13 +420,13 @@ const SNAT_RECLAIM_IDLE_NS: u64 = 1_000_000_000;
 /// Whether the live flow whose reply entry is `old` may give its port up: it is still being
 /// opened (no data acknowledged yet) and has been idle [`SNAT_RECLAIM_IDLE_NS`].
 #[inline(always)]
-fn reclaimable(old: &CtValue, now: u64) -> bool {
+fn reclaimable<A: Family>(old: &CtValue<A>, now: u64) -> bool {
     old.flags & CT_OPENING != 0 && now.saturating_sub(old.last_seen_ns) > SNAT_RECLAIM_IDLE_NS
 }
 
 /// The reply entry's key of a flow sent to `backend` from `node`:`port`.
 #[inline(always)]
-fn snat_reply_key(backend: &Backend, node: Be32, port: u16, proto: u8) -> CtKey {
+fn snat_reply_key<A: Family>(backend: &Backend<A>, node: A, port: u16, proto: u8) -> CtKey<A> {
     CtKey {
         saddr: backend.addr,
         daddr: node,
@@ -434,7 +456,7 @@ fn snat_ports() -> (u16, u16) {
 /// Reusing closed flows' ports is what lets one node carry thousands of short connections a
 /// second to one endpoint.
 #[inline(always)]
-fn port_free(old: &CtValue, proto: u8, now: u64) -> bool {
+fn port_free<A: Family>(old: &CtValue<A>, proto: u8, now: u64) -> bool {
     if old.flags & CT_CLOSING == 0 {
         return expired(old, proto, now);
     }
@@ -454,8 +476,8 @@ fn port_free(old: &CtValue, proto: u8, now: u64) -> bool {
 /// `external`: the packet leaves the node (only external flows' replies do), else it goes to a
 /// pod.
 #[inline(always)]
-pub fn reply(flow: &Flow, client: Be32, external: bool) -> Option<(Be32, Be16)> {
-    let entry = CONNTRACK.get_ptr_mut(flow.key)?;
+pub fn reply<A: Family>(flow: &Flow<A>, client: A, external: bool) -> Option<(A, Be16)> {
+    let entry = A::conntrack().get_ptr_mut(flow.key)?;
     // SAFETY: see established_flow().
     let entry = unsafe { &mut *entry };
     let wanted = if external { CT_EXTERNAL } else { 0 };
@@ -469,8 +491,8 @@ pub fn reply(flow: &Flow, client: Be32, external: bool) -> Option<(Be32, Be16)> 
 /// address and port), if its flow is live: the service address it must come from, and the
 /// client address and port it goes back to.
 #[inline(always)]
-pub fn snat_reply(flow: &Flow) -> Option<((Be32, Be16), (Be32, Be16))> {
-    let entry = CONNTRACK.get_ptr_mut(flow.key)?;
+pub fn snat_reply<A: Family>(flow: &Flow<A>) -> Option<((A, Be16), (A, Be16))> {
+    let entry = A::conntrack().get_ptr_mut(flow.key)?;
     // SAFETY: see established_flow().
     let entry = unsafe { &mut *entry };
     if entry.direction != CT_REPLY || entry.flags & CT_SNAT == 0 {
@@ -485,21 +507,21 @@ pub fn snat_reply(flow: &Flow) -> Option<((Be32, Be16), (Be32, Be16))> {
 /// touched along with its flow's forward entry, if that is live and names the same backend;
 /// otherwise the reply entry is deleted.
 #[inline(always)]
-fn live_reply(
-    flow: &Flow,
-    entry: &mut CtValue,
-    client: Be32,
+fn live_reply<A: Family>(
+    flow: &Flow<A>,
+    entry: &mut CtValue<A>,
+    client: A,
     client_port: Be16,
-) -> Option<(Be32, Be16)> {
+) -> Option<(A, Be16)> {
     let now = unsafe { bpf_ktime_get_ns() };
     let (vip, vport) = (entry.vip, entry.vport);
     let forward_key = forward_key_of(entry, client, client_port, flow.key.proto);
-    let forward = CONNTRACK
+    let forward = A::conntrack()
         .get_ptr_mut(forward_key)
         .map(|f| unsafe { &mut *f })
         .filter(|f| forward_is_live(f, entry, flow.key.proto, now));
     let Some(forward) = forward else {
-        let _ = CONNTRACK.remove(flow.key);
+        let _ = A::conntrack().remove(flow.key);
         return None;
     };
     touch(entry, Some(forward), flow, now);
@@ -509,7 +531,12 @@ fn live_reply(
 /// The forward entry's key of the flow whose reply entry is `reply`: from its client
 /// (`client`:`client_port`) to the service address the reply entry names.
 #[inline(always)]
-fn forward_key_of(reply: &CtValue, client: Be32, client_port: Be16, proto: u8) -> CtKey {
+fn forward_key_of<A: Family>(
+    reply: &CtValue<A>,
+    client: A,
+    client_port: Be16,
+    proto: u8,
+) -> CtKey<A> {
     CtKey {
         saddr: client,
         daddr: reply.vip,
@@ -522,7 +549,12 @@ fn forward_key_of(reply: &CtValue, client: Be32, client_port: Be16, proto: u8) -
 
 /// Whether `forward` is the live forward entry of the flow whose reply entry is `reply`.
 #[inline(always)]
-fn forward_is_live(forward: &CtValue, reply: &CtValue, proto: u8, now: u64) -> bool {
+fn forward_is_live<A: Family>(
+    forward: &CtValue<A>,
+    reply: &CtValue<A>,
+    proto: u8,
+    now: u64,
+) -> bool {
     forward.direction == CT_FORWARD
         && forward.backend_id == reply.backend_id
         && !expired(forward, proto, now)
@@ -533,8 +565,12 @@ fn forward_is_live(forward: &CtValue, reply: &CtValue, proto: u8, now: u64) -> b
 /// up, never touched: an error is no sign of life. `flags`: the flow's kind (`CT_EXTERNAL`,
 /// `CT_SNAT`, both or none), exactly.
 #[inline(always)]
-pub fn related_to_reply(reply_key: &CtKey, flags: u8, now: u64) -> Option<CtValue> {
-    let reply = unsafe { CONNTRACK.get(reply_key) }.copied()?;
+pub fn related_to_reply<A: Family>(
+    reply_key: &CtKey<A>,
+    flags: u8,
+    now: u64,
+) -> Option<CtValue<A>> {
+    let reply = unsafe { A::conntrack().get(reply_key) }.copied()?;
     if reply.direction != CT_REPLY || reply.flags & (CT_EXTERNAL | CT_SNAT) != flags {
         return None;
     }
@@ -545,7 +581,7 @@ pub fn related_to_reply(reply_key: &CtKey, flags: u8, now: u64) -> Option<CtValu
         false => (reply_key.daddr, reply_key.dport),
     };
     let forward_key = forward_key_of(&reply, client, client_port, reply_key.proto);
-    let forward = unsafe { CONNTRACK.get(forward_key) }?;
+    let forward = unsafe { A::conntrack().get(forward_key) }?;
     forward_is_live(forward, &reply, reply_key.proto, now).then_some(reply)
 }
 
@@ -553,21 +589,24 @@ pub fn related_to_reply(reply_key: &CtKey, flags: u8, now: u64) -> Option<CtValu
 /// address), if it is live: found from an ICMP error about a packet sent to its client from the
 /// service address. Its forward entry and backend; never touched.
 #[inline(always)]
-pub fn related_to_forward(forward_key: &CtKey, now: u64) -> Option<(CtValue, Backend)> {
-    let forward = unsafe { CONNTRACK.get(forward_key) }.copied()?;
+pub fn related_to_forward<A: Family>(
+    forward_key: &CtKey<A>,
+    now: u64,
+) -> Option<(CtValue<A>, Backend<A>)> {
+    let forward = unsafe { A::conntrack().get(forward_key) }.copied()?;
     if forward.direction != CT_FORWARD
         || forward.flags & CT_EXTERNAL == 0
         || expired(&forward, forward_key.proto, now)
     {
         return None;
     }
-    let backend = unsafe { BACKENDS.get(forward.backend_id) }.copied()?;
+    let backend = unsafe { A::backends().get(forward.backend_id) }.copied()?;
     Some((forward, backend))
 }
 
 /// The 5-tuple of the other direction of `key`.
 #[inline(always)]
-pub fn reversed(key: &CtKey) -> CtKey {
+pub fn reversed<A: Family>(key: &CtKey<A>) -> CtKey<A> {
     CtKey {
         saddr: key.daddr,
         daddr: key.saddr,
@@ -585,9 +624,9 @@ pub fn reversed(key: &CtKey) -> CtKey {
 /// program after XDP, or at a bridge after the pod's port). `external_only`: only entries of
 /// flows from outside the node (the external programs' own).
 #[inline(always)]
-pub fn forget_finished_reply(key: &CtKey, now: u64, external_only: bool) {
+pub fn forget_finished_reply<A: Family>(key: &CtKey<A>, now: u64, external_only: bool) {
     let reverse = reversed(key);
-    let Some(reply) = (unsafe { CONNTRACK.get(reverse) }).copied() else {
+    let Some(reply) = (unsafe { A::conntrack().get(reverse) }).copied() else {
         return;
     };
     let external = reply.flags & CT_EXTERNAL != 0;
@@ -602,9 +641,9 @@ pub fn forget_finished_reply(key: &CtKey, now: u64, external_only: bool) {
         (key.saddr, key.sport)
     };
     let forward_key = forward_key_of(&reply, saddr, sport, key.proto);
-    let open = unsafe { CONNTRACK.get(forward_key) }
+    let open = unsafe { A::conntrack().get(forward_key) }
         .is_some_and(|f| forward_is_live(f, &reply, key.proto, now) && f.flags & CT_CLOSING == 0);
     if !open {
-        let _ = CONNTRACK.remove(reverse);
+        let _ = A::conntrack().remove(reverse);
     }
 }

@@ -96,7 +96,7 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
     };
     if svc.flags & SERVICE_TWO_SCOPES != 0 || backend.flags & BACKEND_LOCAL != 0 {
         conntrack::record_flow(flow, backend_id, &backend, now, true);
-        return Ok(nat(&key, &backend, conntrack::NO_SNAT));
+        return Ok(nat(&key, &backend, conntrack::no_snat()));
     }
     let node = snat_source(ctx, &key, &backend, ingress, to_node);
     if node.raw() == 0 {
@@ -109,7 +109,7 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
 
 #[inline(always)]
 fn nat(key: &CtKey, backend: &Backend, snat: (Be32, Be16)) -> Verdict {
-    let forward = snat != conntrack::NO_SNAT;
+    let forward = snat != conntrack::no_snat();
     Verdict::Nat {
         src: if forward {
             snat

@@ -7,23 +7,20 @@ use proxy_common::{
     ServiceKey, ServiceValue, flow_hash,
 };
 
-use crate::{
-    maps::{AFFINITY, BACKENDS, CONFIG, MAGLEV, SERVICES},
-    packet::Drop,
-};
+use crate::{family::Family, maps::CONFIG, packet::Drop};
 
 /// The backend for a new flow `key` to the frontend `svc_key` (whose slot 0 is `svc`): the
 /// client's affinity if the service has one, else by the service's algorithm. `None` when the
 /// service has no backend. `choice` picks among the slots where the algorithm is random: a
 /// random number, or one of the client's own to give its flows the same backend.
 #[inline(always)]
-pub fn new_flow_backend(
-    key: &CtKey,
-    svc_key: &ServiceKey,
+pub fn new_flow_backend<A: Family>(
+    key: &CtKey<A>,
+    svc_key: &ServiceKey<A>,
     svc: &ServiceValue,
     now: u64,
     choice: u32,
-) -> Result<Option<(u32, Backend)>, Drop> {
+) -> Result<Option<(u32, Backend<A>)>, Drop> {
     if svc.flags & SERVICE_AFFINITY != 0 {
         affinity_backend(key, svc_key, svc, now, choice)
     } else {
@@ -38,12 +35,12 @@ pub fn random() -> u32 {
 }
 
 #[inline(always)]
-fn by_algorithm(
-    key: &CtKey,
-    svc_key: &ServiceKey,
+fn by_algorithm<A: Family>(
+    key: &CtKey<A>,
+    svc_key: &ServiceKey<A>,
     svc: &ServiceValue,
     choice: u32,
-) -> Result<Option<(u32, Backend)>, Drop> {
+) -> Result<Option<(u32, Backend<A>)>, Drop> {
     if svc.flags & SERVICE_MAGLEV != 0
         && svc.count != 0
         && let Some(found) = maglev_backend(key, svc_key)
@@ -57,7 +54,7 @@ fn by_algorithm(
 /// backend takes new flows (otherwise the caller picks at random: the agent is rewriting the
 /// table, or the endpoint just left).
 #[inline(always)]
-fn maglev_backend(key: &CtKey, svc_key: &ServiceKey) -> Option<(u32, Backend)> {
+fn maglev_backend<A: Family>(key: &CtKey<A>, svc_key: &ServiceKey<A>) -> Option<(u32, Backend<A>)> {
     let size = *CONFIG.get(CONFIG_MAGLEV_TABLE_SIZE)?;
     if size == 0 {
         return None;
@@ -68,10 +65,10 @@ fn maglev_backend(key: &CtKey, svc_key: &ServiceKey) -> Option<(u32, Backend)> {
         slot: (index / MAGLEV_CHUNK as u32) as u16,
         ..*svc_key
     };
-    let chunk = unsafe { MAGLEV.get(chunk_key) }?;
+    let chunk = unsafe { A::maglev().get(chunk_key) }?;
     // The mask keeps the index within the chunk for the verifier (MAGLEV_CHUNK is 2^10).
     let backend_id = chunk.ids[index as usize & (MAGLEV_CHUNK - 1)];
-    let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;
+    let backend = unsafe { A::backends().get(backend_id) }.copied()?;
     if backend.flags & BACKEND_DRAINING != 0 || backend.proto != key.proto {
         return None;
     }
@@ -84,13 +81,13 @@ fn maglev_backend(key: &CtKey, svc_key: &ServiceKey) -> Option<(u32, Backend)> {
 /// ones: a policy changed to Local leaves entries naming remote ones); otherwise one picked
 /// anew, remembered for the client's next flows.
 #[inline(always)]
-pub fn affinity_backend(
-    key: &CtKey,
-    svc_key: &ServiceKey,
+pub fn affinity_backend<A: Family>(
+    key: &CtKey<A>,
+    svc_key: &ServiceKey<A>,
     svc: &ServiceValue,
     now: u64,
     choice: u32,
-) -> Result<Option<(u32, Backend)>, Drop> {
+) -> Result<Option<(u32, Backend<A>)>, Drop> {
     let client = AffinityKey {
         client: key.saddr,
         vip: key.daddr,
@@ -99,11 +96,11 @@ pub fn affinity_backend(
         pad: 0,
     };
     let timeout_ns = u64::from(svc.affinity_timeout_secs()) * 1_000_000_000;
-    if let Some(last) = AFFINITY.get_ptr_mut(client) {
+    if let Some(last) = A::affinity().get_ptr_mut(client) {
         // SAFETY: an LRU map value; a concurrent update at worst gives another fresh backend.
         let last = unsafe { &mut *last };
         if now.saturating_sub(last.last_used_ns) <= timeout_ns
-            && let Some(backend) = unsafe { BACKENDS.get(last.backend_id) }
+            && let Some(backend) = unsafe { A::backends().get(last.backend_id) }
             && backend.flags & BACKEND_DRAINING == 0
             && backend.proto == key.proto
             && (svc.flags & SERVICE_LOCAL_ONLY == 0 || backend.flags & BACKEND_LOCAL != 0)
@@ -119,7 +116,7 @@ pub fn affinity_backend(
             pad: 0,
             last_used_ns: now,
         };
-        let _ = AFFINITY.insert(client, value, 0);
+        let _ = A::affinity().insert(client, value, 0);
     }
     Ok(picked)
 }
@@ -127,11 +124,11 @@ pub fn affinity_backend(
 /// The backend in slot `choice` (modulo the count) of the service `svc_key`, which had
 /// `count` of them when its head was read; `None` when it has none.
 #[inline(always)]
-pub fn select_backend(
-    svc_key: &ServiceKey,
+pub fn select_backend<A: Family>(
+    svc_key: &ServiceKey<A>,
     count: u16,
     choice: u32,
-) -> Result<Option<(u32, Backend)>, Drop> {
+) -> Result<Option<(u32, Backend<A>)>, Drop> {
     if count == 0 {
         return Ok(None);
     }
@@ -139,7 +136,7 @@ pub fn select_backend(
         return Ok(Some(found));
     }
     // The agent shrank the service between the head lookup and ours: read the count again.
-    let count = match unsafe { SERVICES.get(svc_key) } {
+    let count = match unsafe { A::services().get(svc_key) } {
         Some(ServiceValue { count: 0, .. }) | None => return Ok(None),
         Some(svc) => svc.count,
     };
@@ -151,11 +148,11 @@ pub fn select_backend(
 }
 
 #[inline(always)]
-fn pick(svc_key: &ServiceKey, count: u16, choice: u32) -> Option<(u32, Backend)> {
+fn pick<A: Family>(svc_key: &ServiceKey<A>, count: u16, choice: u32) -> Option<(u32, Backend<A>)> {
     let slot = (choice % count as u32) as u16 + 1;
     // The frontend's own key (its scope included), at the slot.
     let slot_key = ServiceKey { slot, ..*svc_key };
-    let backend_id = unsafe { SERVICES.get(slot_key) }?.backend_id;
-    let backend = unsafe { BACKENDS.get(backend_id) }.copied()?;
+    let backend_id = unsafe { A::services().get(slot_key) }?.backend_id;
+    let backend = unsafe { A::backends().get(backend_id) }.copied()?;
     Some((backend_id, backend))
 }

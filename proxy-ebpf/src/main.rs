@@ -9,6 +9,7 @@
 mod conntrack;
 mod egress;
 mod external;
+mod family;
 mod frontend;
 mod icmp;
 mod ingress;

@@ -30,9 +30,9 @@ pub const IP_FRAG_MASK: u16 = 0x3fff;
 /// The fragment offset alone: non-zero on every fragment but the first.
 pub const IP_FRAG_OFFSET: u16 = 0x1fff;
 
-/// An IPv4 TCP or UDP packet's flow, and where its L4 header starts.
-pub struct Flow {
-    pub key: CtKey,
+/// A TCP or UDP packet's flow, and where its L4 header starts (IPv4: `A` is `Be32`).
+pub struct Flow<A = Be32> {
+    pub key: CtKey<A>,
     /// TCP flags (zero for UDP, and for a fragment after the first).
     tcp_flags: u8,
     pub l4_off: usize,
@@ -216,7 +216,7 @@ pub enum End {
     Destination,
 }
 
-impl Flow {
+impl<A> Flow<A> {
     /// The TCP flags (zero for UDP).
     pub fn tcp_flags(&self) -> u8 {
         self.tcp_flags
@@ -228,11 +228,6 @@ impl Flow {
 
     pub fn rst(&self) -> bool {
         self.tcp_flags & TCP_RST != 0
-    }
-
-    /// Whether the IPv4 header carries options.
-    pub fn has_ip_options(&self) -> bool {
-        self.l4_off != IPV4_MIN
     }
 
     /// The TCP/UDP checksum's offset.
@@ -250,11 +245,23 @@ impl Flow {
     }
 
     /// Moves the tuple to `addr`:`port` at `end` (after the packet bytes were rewritten).
-    pub fn set(&mut self, end: End, addr: Be32, port: Be16) {
+    pub fn set(&mut self, end: End, addr: A, port: Be16) {
         match end {
             End::Source => (self.key.saddr, self.key.sport) = (addr, port),
             End::Destination => (self.key.daddr, self.key.dport) = (addr, port),
         }
+    }
+
+    /// A fragment after the first: it follows its datagram's flow but never starts one.
+    pub fn later_fragment(&self) -> bool {
+        self.fragment == Fragment::Later
+    }
+}
+
+impl Flow {
+    /// Whether the IPv4 header carries options.
+    pub fn has_ip_options(&self) -> bool {
+        self.l4_off != IPV4_MIN
     }
 
     /// Rewrites the source or destination address and port, updating the IP header checksum and
@@ -356,11 +363,6 @@ impl Flow {
         }
         self.set(at, addr, port);
         Ok(())
-    }
-
-    /// A fragment after the first: it follows its datagram's flow but never starts one.
-    pub fn later_fragment(&self) -> bool {
-        self.fragment == Fragment::Later
     }
 }
 

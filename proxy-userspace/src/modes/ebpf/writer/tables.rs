@@ -4,7 +4,7 @@ use super::*;
 /// The source-range trie's key for `range` of frontend `fe`.
 pub(super) fn range_key(fe: &Frontend, (addr, len): (Ipv4Addr, u8)) -> LpmKey<SourceRangeKey> {
     LpmKey::new(
-        SOURCE_RANGE_FRONTEND_BITS + u32::from(len),
+        <SourceRangeKey>::FRONTEND_BITS + u32::from(len),
         SourceRangeKey {
             addr: fe.addr,
             port: fe.port,
