@@ -31,7 +31,7 @@ use aya_ebpf::{
 use aya_log_ebpf::error;
 use proxy_common::DROPS_LAST_LOG;
 
-use crate::{maps::DROPS, sock::Family};
+use crate::{maps::DROPS, sock::AddrField};
 
 /// A packet from a pod, seen on the host side of its interface.
 #[classifier]
@@ -75,43 +75,43 @@ pub fn tc_external_egress(ctx: TcContext) -> i32 {
 /// becomes a backend's (sock.rs).
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, Family::Ipv4, false)
+    sock::translate(&ctx, AddrField::Ipv4, false)
 }
 
 /// sendmsg() to an address (unconnected UDP): as connect(), one backend per socket.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, Family::Ipv4, true)
+    sock::translate(&ctx, AddrField::Ipv4, true)
 }
 
 /// recvmsg() of a UDP socket: a reply from the backend shows the service address as its source.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, Family::Ipv4)
+    sock::reverse(&ctx, AddrField::Ipv4)
 }
 
 /// getpeername(): the service address the socket connected to, not the backend's.
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, Family::Ipv4)
+    sock::reverse(&ctx, AddrField::Ipv4)
 }
 
 /// connect() of an IPv6 socket: an IPv4-mapped service address, as [`sock_connect4`].
 #[cgroup_sock_addr(connect6)]
 pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, Family::Ipv4Mapped, false)
+    sock::translate(&ctx, AddrField::Ipv4Mapped, false)
 }
 
 /// recvmsg() of an IPv6 UDP socket, for replies from IPv4 backends (IPv4-mapped).
 #[cgroup_sock_addr(recvmsg6)]
 pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, Family::Ipv4Mapped)
+    sock::reverse(&ctx, AddrField::Ipv4Mapped)
 }
 
 /// getpeername() of an IPv6 socket connected to an IPv4-mapped service address.
 #[cgroup_sock_addr(getpeername6)]
 pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, Family::Ipv4Mapped)
+    sock::reverse(&ctx, AddrField::Ipv4Mapped)
 }
 
 /// At most one drop log line per CPU this often: a flood of bad packets must not flood the log

@@ -58,7 +58,7 @@ const HOST_CLIENT: Be32 = Be32::new(0);
 
 /// Which address field of the socket context a program reads and writes.
 #[derive(Clone, Copy)]
-pub enum Family {
+pub enum AddrField {
     /// `user_ip4` (connect4, sendmsg4, recvmsg4, getpeername4).
     Ipv4,
     /// `user_ip6`, when it holds an IPv4-mapped address (connect6, recvmsg6, getpeername6);
@@ -70,13 +70,13 @@ pub enum Family {
 /// holds them (network byte order).
 const V4_MAPPED_PREFIX: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
 
-impl Family {
+impl AddrField {
     /// The IPv4 address in the context's address field, if it holds one.
     #[inline(always)]
     fn addr(self, sa: &bpf_sock_addr) -> Option<Be32> {
         match self {
-            Family::Ipv4 => Some(Be32::from_raw(read(&sa.user_ip4))),
-            Family::Ipv4Mapped => {
+            AddrField::Ipv4 => Some(Be32::from_raw(read(&sa.user_ip4))),
+            AddrField::Ipv4Mapped => {
                 let prefix = [
                     read(&sa.user_ip6[0]),
                     read(&sa.user_ip6[1]),
@@ -87,25 +87,26 @@ impl Family {
         }
     }
 
-    /// Writes the IPv4 address `addr` into the context's address field (which [`Family::addr`]
-    /// found holding one).
+    /// Writes the IPv4 address `addr` into the context's address field (which
+    /// [`AddrField::addr`] found holding one).
     #[inline(always)]
     fn set_addr(self, sa: &mut bpf_sock_addr, addr: Be32) {
         match self {
-            Family::Ipv4 => sa.user_ip4 = addr.raw(),
-            Family::Ipv4Mapped => sa.user_ip6[3] = addr.raw(),
+            AddrField::Ipv4 => sa.user_ip4 = addr.raw(),
+            AddrField::Ipv4Mapped => sa.user_ip6[3] = addr.raw(),
         }
     }
 }
 
-/// connect4 and sendmsg4 (and connect6 for IPv4-mapped addresses, see [`Family`]): a TCP or UDP service address of a host-network socket (or a pod's TCP
-/// one, see [`client`]) becomes one of the service's backends, picked as the tc path picks one
-/// for a new flow (lb.rs). `datagram` (sendmsg4: an unconnected UDP socket's send): the pick is
-/// the socket's own, so that its datagrams to one Service go to one backend while the
-/// Service's backends stay the same, as a connected socket's do.
+/// connect4 and sendmsg4 (and connect6 for IPv4-mapped addresses, see [`AddrField`]): a TCP or
+/// UDP service address of a host-network socket (or a pod's TCP one, see [`client`]) becomes
+/// one of the service's backends, picked as the tc path picks one for a new flow (lb.rs).
+/// `datagram` (sendmsg4: an unconnected UDP socket's send): the pick is the socket's own, so
+/// that its datagrams to one Service go to one backend while the Service's backends stay the
+/// same, as a connected socket's do.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext, family: Family, datagram: bool) -> i32 {
-    match try_translate(ctx, family, datagram) {
+pub fn translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> i32 {
+    match try_translate(ctx, field, datagram) {
         Ok(verdict) => verdict,
         Err(Drop(reason)) => {
             // Counted with the tc path's drops: a refused connect() is this path's drop.
@@ -119,11 +120,11 @@ pub fn translate(ctx: &SockAddrContext, family: Family, datagram: bool) -> i32 {
 }
 
 #[inline(always)]
-fn try_translate(ctx: &SockAddrContext, family: Family, datagram: bool) -> Result<i32, Drop> {
+fn try_translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> Result<i32, Drop> {
     // SAFETY: the kernel passes a valid context; the fields used are readable (and the
     // address and port writable) for connect4, sendmsg4 and connect6.
     let sa = unsafe { &mut *ctx.sock_addr };
-    let Some(vip) = family.addr(sa) else {
+    let Some(vip) = field.addr(sa) else {
         return Ok(ALLOW); // an IPv6 address: not served here
     };
     // Protocol numbers fit a byte; other than TCP and UDP, the lookup below finds nothing.
@@ -198,7 +199,7 @@ fn try_translate(ctx: &SockAddrContext, family: Family, datagram: bool) -> Resul
     // Recorded before the rewrite, so no reply can come before it. LRU: when full, the least
     // recently used sockets lose it (getpeername and UDP receives then show the backend).
     let _ = SOCK_REVNAT.insert(key, value, 0);
-    family.set_addr(sa, backend.addr);
+    field.set_addr(sa, backend.addr);
     sa.user_port = u32::from(backend.port.raw());
     Ok(ALLOW)
 }
@@ -252,10 +253,10 @@ fn pod_translated(proto: u8, svc: &ServiceValue) -> bool {
 /// address this socket was sent to in place of a service address shows as that service
 /// address. The kernel requires these programs to return 1.
 #[inline(always)]
-pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
+pub fn reverse(ctx: &SockAddrContext, field: AddrField) -> i32 {
     // SAFETY: as in try_translate; the address and port are writable for these hooks too.
     let sa = unsafe { &mut *ctx.sock_addr };
-    let Some(addr) = family.addr(sa) else {
+    let Some(addr) = field.addr(sa) else {
         return ALLOW;
     };
     let key = SockRevNatKey {
@@ -266,7 +267,7 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
     };
     // SAFETY: plain data, written whole.
     if let Some(service) = unsafe { SOCK_REVNAT.get(key) } {
-        family.set_addr(sa, service.addr);
+        field.set_addr(sa, service.addr);
         sa.user_port = u32::from(service.port.raw());
     }
     ALLOW

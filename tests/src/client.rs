@@ -477,8 +477,12 @@ pub fn send_raw(from: &Netns, frames: impl Iterator<Item = Vec<u8>> + Send) -> R
                 }
             };
             if sockets[index].is_none() {
-                let raw = socket2::Socket::new(domain, socket2::Type::RAW, Some(255.into()))
-                    .context("a raw socket")?;
+                let raw = socket2::Socket::new(
+                    domain,
+                    socket2::Type::RAW,
+                    Some(libc::IPPROTO_RAW.into()),
+                )
+                .context("a raw socket")?;
                 sockets[index] = Some(raw);
             }
             let socket = sockets[index].as_ref().unwrap();

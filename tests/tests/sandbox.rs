@@ -209,8 +209,7 @@ fn raw_frames_of_both_families_are_taken_by_the_kernel() {
         let snmp = ns.exec("cat", &["/proc/net/snmp"]).unwrap();
         let lines: Vec<&str> = snmp.lines().collect();
         for pair in lines.chunks(2) {
-            let (names, values) = (pair[0].split_whitespace(), pair[1].split_whitespace());
-            let mut names = names.peekable();
+            let (mut names, values) = (pair[0].split_whitespace(), pair[1].split_whitespace());
             let group = names.next().unwrap().trim_end_matches(':').to_owned();
             for (name, value) in names.zip(values.skip(1)) {
                 all.insert(format!("{group}{name}"), value.parse().unwrap_or(0));

@@ -9,8 +9,7 @@ use proxy_common::{
     CtValue, HAIRPIN_ADDR, IPPROTO_TCP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK,
     MAP_CT_LIFETIMES, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
     SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
-    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, ServiceKey, ServiceValue,
-    SourceRangeKey, ct_lifetime_ns,
+    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, ServiceKey, ServiceValue, SourceRangeKey, ct_lifetime_ns,
 };
 
 use crate::{
@@ -63,7 +62,9 @@ fn source_ranges(
     for key in trie.keys() {
         let key = key?;
         let d = key.data();
-        let len = key.prefix_len().saturating_sub(<SourceRangeKey>::FRONTEND_BITS);
+        let len = key
+            .prefix_len()
+            .saturating_sub(<SourceRangeKey>::FRONTEND_BITS);
         out.entry(ServiceKey::new(d.addr, d.port, d.proto, 0))
             .or_default()
             .push(format!("{}/{len}", ip(d.source)));

@@ -11,7 +11,9 @@ pub(super) fn recover_ranges(
         let key = key.context("listing the source ranges")?;
         let data = key.data();
         let fe = ServiceKey::new(data.addr, data.port, data.proto, 0);
-        let len = key.prefix_len().saturating_sub(<SourceRangeKey>::FRONTEND_BITS) as u8;
+        let len = key
+            .prefix_len()
+            .saturating_sub(<SourceRangeKey>::FRONTEND_BITS) as u8;
         out.entry(fe)
             .or_default()
             .push((Ipv4Addr::from(data.source.octets()), len));
