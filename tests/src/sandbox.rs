@@ -7,7 +7,7 @@ use std::sync::Once;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 
 use crate::netns::{NETNS_DIR, Netns, describe, ip_batches, run, run_parallel};
 
@@ -569,6 +569,38 @@ impl Sandbox {
         let pod = self.pods.remove(i);
         self.node(&pod.node).ip(&["link", "del", &pod.host_if])?;
         drop(pod); // deletes the namespace
+        Ok(())
+    }
+
+    /// Resolves the IPv6 neighbours on every path between a node and a pod (both ways): one
+    /// ping from each node to each pod, all at once. A running cluster's caches are warm; the
+    /// sandbox's first IPv6 contact of a node with another node's pod sometimes waits for one
+    /// neighbour discovery retransmission (1 s, cause not found), which the userspace mode's
+    /// UDP sessions (kube-proxy's 250 ms `--udp-timeout`) do not outlive.
+    pub fn resolve_ipv6_neighbours(&self) -> Result<()> {
+        let pings: Vec<_> = [&self.node1, &self.node2]
+            .into_iter()
+            .flat_map(|node| self.pods.iter().map(move |pod| (node, pod)))
+            .map(|(node, pod)| {
+                let mut ping = node.cmd("ping");
+                ping.args(["-6", "-c1", "-W3", &pod.ip6.to_string()])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null());
+                let child = ping
+                    .spawn()
+                    .with_context(|| format!("pinging {} from {}", pod.ip6, node.name));
+                (node, pod, child)
+            })
+            .collect();
+        for (node, pod, child) in pings {
+            let status = child?.wait()?;
+            ensure!(
+                status.success(),
+                "{} does not answer {}: {status}",
+                pod.ip6,
+                node.name
+            );
+        }
         Ok(())
     }
 

@@ -717,6 +717,11 @@ impl World {
         sandbox
             .start_backends(BACKEND_PORT)
             .expect("starting the backends");
+        if mode.id == "userspace" && stack != Stack::Ipv4 {
+            sandbox
+                .resolve_ipv6_neighbours()
+                .expect("resolving the sandbox's IPv6 neighbours");
+        }
         let manifest = stack
             .manifest(&manifest())
             .expect("the suite's manifest in its stack");

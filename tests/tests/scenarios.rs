@@ -54,13 +54,7 @@ suites! {
     "nftables": nftables_ipv6 Routed, nftables_bridge_ipv6 Bridge, nftables_eni_ipv6 Eni,
         nftables_overlay_ipv6 Overlay, nftables_multihomed_ipv6 MultiHomed;
     "ipvs": ipvs_ipv6 Routed;
-    // Not on bridged pods: there, when the first UDP session of a run goes to the other node's
-    // endpoint, its first reply comes after about 1010 ms (2 of 6 runs, with the sessions'
-    // replies timed in the agent's log; 0.2-0.5 ms otherwise): one neighbour discovery
-    // retransmission somewhere on the way, not bridge multicast snooping (still there with it
-    // off). The proxy's session is idle for kube-proxy's 250 ms --udp-timeout by then and
-    // closed, and the client gets no reply; the other modes keep their conntrack entry.
-    "userspace": userspace_ipv6 Routed, userspace_eni_ipv6 Eni,
+    "userspace": userspace_ipv6 Routed, userspace_bridge_ipv6 Bridge, userspace_eni_ipv6 Eni,
         userspace_overlay_ipv6 Overlay, userspace_multihomed_ipv6 MultiHomed;
 }
 
