@@ -399,8 +399,8 @@ fn node_addresses_that_come_and_go_are_followed() {
 /// A SYN flood through a NodePort (spoofed sources nobody answers for, half of them sent on to
 /// the endpoint on the other node) cannot lock a legitimate client out: with a source port
 /// range the flood fills in two seconds, its flows being opened give their ports up to new
-/// ones, and the client's connections succeed during the flood (a few at their retry) and
-/// after it.
+/// ones, and the client's connections succeed during the flood and after it (a few at their
+/// retry).
 #[test]
 fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
     const PORTS: (u16, u16) = (61000, 61511);
@@ -414,6 +414,22 @@ fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
     };
     let ext = &sandbox.ext;
     let node_port = at(NODE1_IP, FRONT_NODE_PORT);
+    // `n` connections, each tried at most twice, as a client retries: (first tries that
+    // succeeded, the errors of connections whose retry failed too).
+    let connections = |n: usize| {
+        let mut result = (0, Vec::new());
+        for _ in 0..n {
+            match whoami(ext, node_port) {
+                Ok(_) => result.0 += 1,
+                Err(first) => {
+                    if let Err(retry) = whoami(ext, node_port) {
+                        result.1.push(format!("{first:#}; retried: {retry:#}"));
+                    }
+                }
+            }
+        }
+        result
+    };
     let flooding = std::sync::atomic::AtomicBool::new(true);
     // 500 SYNs a second from sources all over 198.18.0.0/15, for as long as the client runs.
     let flood = |flooding: &std::sync::atomic::AtomicBool| -> Result<usize> {
@@ -434,19 +450,7 @@ fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
         let flooder = scope.spawn(|| flood(&flooding));
         // The range fills in about two seconds (half the flood needs a port), then stays full.
         std::thread::sleep(Duration::from_secs(3));
-        // Each connection tried at most twice, as a client retries: (first tries that
-        // succeeded, the errors of connections whose retry failed too).
-        let mut during = (0, Vec::new());
-        for _ in 0..100 {
-            match whoami(ext, node_port) {
-                Ok(_) => during.0 += 1,
-                Err(first) => {
-                    if let Err(retry) = whoami(ext, node_port) {
-                        during.1.push(format!("{first:#}; retried: {retry:#}"));
-                    }
-                }
-            }
-        }
+        let during = connections(100);
         flooding.store(false, std::sync::atomic::Ordering::Relaxed);
         (during, flooder.join().unwrap().expect("flooding"))
     });
@@ -462,8 +466,14 @@ fn a_syn_flood_through_a_node_port_leaves_room_for_legitimate_clients() {
         "{first_tries} of 100 connections succeeded at the first try during the flood; \
          failed twice: {failed:?}"
     );
-    let after = (0..50).filter(|_| whoami(ext, node_port).is_ok()).count();
-    assert_eq!(after, 50, "connections after the flood");
+    // Right after the flood the range is still full of its flows being opened, so a first try
+    // can meet the same as during it (49 of 50 once, in a fresh-clone run); none fails twice.
+    let (first_tries, failed) = connections(50);
+    assert!(
+        first_tries >= 48 && failed.is_empty(),
+        "{first_tries} of 50 connections succeeded at the first try after the flood; failed \
+         twice: {failed:?}"
+    );
 }
 
 /// A node with more addresses than the node-address map holds (256), all NodePort addresses
