@@ -1,6 +1,6 @@
 //! Crafting and checking IPv4 TCP/UDP frames for BPF_PROG_TEST_RUN, and IPv6 ones for raw
 //! sockets (the checks below read IPv4 frames only).
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -237,17 +237,12 @@ fn pseudo_sum(addrs: &[u8], proto: u8, len: usize) -> u32 {
 }
 
 fn fix_checksums(f: &mut [u8]) {
-    let l4_off = if is_ipv6(f) {
-        ETH_HLEN + IPV6_HLEN
+    let (l4_off, proto) = if is_ipv6(f) {
+        (ETH_HLEN + IPV6_HLEN, f[ETH_HLEN + 6])
     } else {
         let ip = ip_checksum(f);
         f[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&ip.to_be_bytes());
-        ETH_HLEN + ihl(f)
-    };
-    let proto = if is_ipv6(f) {
-        f[ETH_HLEN + 6]
-    } else {
-        f[ETH_HLEN + 9]
+        (ETH_HLEN + ihl(f), f[ETH_HLEN + 9])
     };
     let off = l4_off + if proto == TCP { 16 } else { 6 };
     let l4 = l4_checksum(f);
@@ -320,37 +315,11 @@ pub fn icmp_error(
     quoted: &[u8],
     quote_len: usize,
 ) -> Vec<u8> {
-    let from = from.into();
-    let inner = &quoted[ETH_HLEN..];
-    if let IpAddr::V6(from) = from {
-        assert!(is_ipv6(quoted), "an ICMPv6 error about an IPv4 packet");
-        let quote = &inner[..(IPV6_HLEN + quote_len).min(inner.len())];
-        let icmp_len = 8 + quote.len();
-        let mut f = frame_header(ETH_P_IPV6, IPV6_HLEN + icmp_len);
-        f[0..12].rotate_left(6); // from the quoted packet's receiver
-        let ip = &mut f[ETH_HLEN..];
-        ip[0] = 0x60;
-        ip[4..6].copy_from_slice(&(icmp_len as u16).to_be_bytes());
-        ip[6] = ICMPV6;
-        ip[7] = 64;
-        ip[8..24].copy_from_slice(&from.octets());
-        ip[24..40].copy_from_slice(&inner[8..24]);
-        let icmp = &mut ip[IPV6_HLEN..];
-        icmp[0] = kind;
-        icmp[1] = code;
-        if kind == ICMPV6_PACKET_TOO_BIG {
-            icmp[4..8].copy_from_slice(&1400u32.to_be_bytes());
-        }
-        icmp[8..].copy_from_slice(quote);
-        let addrs = f[ETH_HLEN + 8..ETH_HLEN + 40].to_vec();
-        let icmp = &mut f[ETH_HLEN + IPV6_HLEN..];
-        let csum = fold(sum16(icmp, pseudo_sum(&addrs, ICMPV6, icmp_len)));
-        icmp[2..4].copy_from_slice(&csum.to_be_bytes());
-        return f;
-    }
-    let IpAddr::V4(from) = from else {
-        unreachable!()
+    let from = match from.into() {
+        IpAddr::V4(from) => from,
+        IpAddr::V6(from) => return icmpv6_error(from, kind, code, quoted, quote_len),
     };
+    let inner = &quoted[ETH_HLEN..];
     let quote = &inner[..(ihl(quoted) + quote_len).min(inner.len())];
     let mut f = frame_header(ETH_P_IP, 20 + 8 + quote.len());
     f[0..12].rotate_left(6); // from the quoted packet's receiver
@@ -375,6 +344,35 @@ pub fn icmp_error(
     icmp[2..4].copy_from_slice(&csum.to_be_bytes());
     let csum = ip_checksum(&f);
     f[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
+    f
+}
+
+/// [`icmp_error`] about an IPv6 packet: an ICMPv6 error.
+fn icmpv6_error(from: Ipv6Addr, kind: u8, code: u8, quoted: &[u8], quote_len: usize) -> Vec<u8> {
+    let inner = &quoted[ETH_HLEN..];
+    assert!(is_ipv6(quoted), "an ICMPv6 error about an IPv4 packet");
+    let quote = &inner[..(IPV6_HLEN + quote_len).min(inner.len())];
+    let icmp_len = 8 + quote.len();
+    let mut f = frame_header(ETH_P_IPV6, IPV6_HLEN + icmp_len);
+    f[0..12].rotate_left(6); // from the quoted packet's receiver
+    let ip = &mut f[ETH_HLEN..];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&(icmp_len as u16).to_be_bytes());
+    ip[6] = ICMPV6;
+    ip[7] = 64;
+    ip[8..24].copy_from_slice(&from.octets());
+    ip[24..40].copy_from_slice(&inner[8..24]);
+    let icmp = &mut ip[IPV6_HLEN..];
+    icmp[0] = kind;
+    icmp[1] = code;
+    if kind == ICMPV6_PACKET_TOO_BIG {
+        icmp[4..8].copy_from_slice(&1400u32.to_be_bytes());
+    }
+    icmp[8..].copy_from_slice(quote);
+    let addrs = f[ETH_HLEN + 8..ETH_HLEN + 40].to_vec();
+    let icmp = &mut f[ETH_HLEN + IPV6_HLEN..];
+    let csum = fold(sum16(icmp, pseudo_sum(&addrs, ICMPV6, icmp_len)));
+    icmp[2..4].copy_from_slice(&csum.to_be_bytes());
     f
 }
 
