@@ -54,17 +54,99 @@ impl Be32 {
     }
 }
 
+/// A 128-bit value (an IPv6 address) stored in network byte order, as four 32-bit words: 4-byte
+/// aligned, as the kernel's `in6_addr` and the address fields of packets and socket contexts.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct Be128([u32; 4]);
+
+impl Be128 {
+    /// Wraps words that are already in network byte order (as read from a packet).
+    pub const fn from_raw(raw: [u32; 4]) -> Self {
+        Self(raw)
+    }
+    pub const fn raw(self) -> [u32; 4] {
+        self.0
+    }
+    pub const fn from_octets(o: [u8; 16]) -> Self {
+        const fn word(o: &[u8; 16], i: usize) -> u32 {
+            u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]])
+        }
+        Self([word(&o, 0), word(&o, 4), word(&o, 8), word(&o, 12)])
+    }
+    pub const fn octets(self) -> [u8; 16] {
+        let [a, b, c, d] = self.0;
+        let (a, b, c, d) = (
+            a.to_ne_bytes(),
+            b.to_ne_bytes(),
+            c.to_ne_bytes(),
+            d.to_ne_bytes(),
+        );
+        [
+            a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
+            d[2], d[3],
+        ]
+    }
+}
+
 /// An IP address of one family in network byte order: the map types that hold addresses are
-/// generic over it (`Be32`, their default, for IPv4), so that each family has maps of its own
-/// with the same layout rules.
+/// generic over it (`Be32`, their default, for IPv4; `Be128` for IPv6), so that each family has
+/// maps of its own with the same layout rules.
 pub trait Addr: Copy + Default + Eq + Ord + core::hash::Hash + core::fmt::Debug + Pod {
+    /// The address of NodePort frontends: "each node address" (the unspecified address, never
+    /// a real one).
+    const NODE_PORT: Self;
+    /// The source a pod reaching itself through a service is given, so that its replies leave
+    /// it (see [`HAIRPIN_ADDR`]).
+    const HAIRPIN: Self;
     /// The address folded into 32 bits, for [`flow_hash`].
     fn hash_word(self) -> u32;
+    /// This family's form of `ip`, if it is of this family.
+    fn from_ip(ip: core::net::IpAddr) -> Option<Self>;
+    fn ip(self) -> core::net::IpAddr;
 }
 
 impl Addr for Be32 {
+    const NODE_PORT: Self = NODE_PORT_ADDR;
+    const HAIRPIN: Self = HAIRPIN_ADDR;
+
     fn hash_word(self) -> u32 {
         self.get()
+    }
+
+    fn from_ip(ip: core::net::IpAddr) -> Option<Self> {
+        match ip {
+            core::net::IpAddr::V4(v4) => Some(Self::from_octets(v4.octets())),
+            core::net::IpAddr::V6(_) => None,
+        }
+    }
+
+    fn ip(self) -> core::net::IpAddr {
+        core::net::Ipv4Addr::from(self.octets()).into()
+    }
+}
+
+impl Addr for Be128 {
+    const NODE_PORT: Self = Self([0; 4]);
+    const HAIRPIN: Self = HAIRPIN_ADDR6;
+
+    fn hash_word(self) -> u32 {
+        let [a, b, c, d] = self.0;
+        u32::from_be(a)
+            ^ u32::from_be(b).rotate_left(8)
+            ^ u32::from_be(c).rotate_left(16)
+            ^ u32::from_be(d).rotate_left(24)
+    }
+
+    fn from_ip(ip: core::net::IpAddr) -> Option<Self> {
+        match ip {
+            core::net::IpAddr::V6(v6) => Some(Self::from_octets(v6.octets())),
+            core::net::IpAddr::V4(_) => None,
+        }
+    }
+
+    fn ip(self) -> core::net::IpAddr {
+        core::net::Ipv6Addr::from(self.octets()).into()
     }
 }
 
@@ -86,6 +168,12 @@ pod!(
     Backend<Be32> = 4 + 2 + 1 + 1,
     CtKey<Be32> = 4 + 4 + 2 + 2 + 1 + 3,
     CtValue<Be32> = 4 + 4 + 2 + 1 + 1 + 4 + 8 + 2 + 2 + 4,
+    ServiceKey<Be128> = 16 + 2 + 2 + 1 + 1 + 2,
+    SourceRangeKey<Be128> = 16 + 2 + 1 + 1 + 16,
+    AffinityKey<Be128> = 16 + 16 + 2 + 1 + 1,
+    Backend<Be128> = 16 + 2 + 1 + 1,
+    CtKey<Be128> = 16 + 16 + 2 + 2 + 1 + 3,
+    CtValue<Be128> = 4 + 16 + 2 + 1 + 1 + 16 + 8 + 2 + 2 + 4,
 );
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -108,6 +196,15 @@ pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS";
 pub const MAP_SOURCE_IFACES: &str = "SOURCE_IFACES";
 pub const MAP_CT_LIFETIMES: &str = "CT_LIFETIMES";
+/// The IPv6 twins of the maps that hold addresses: the same keys and values over [`Be128`].
+pub const MAP_SERVICES6: &str = "SERVICES6";
+pub const MAP_BACKENDS6: &str = "BACKENDS6";
+pub const MAP_CONNTRACK6: &str = "CONNTRACK6";
+pub const MAP_AFFINITY6: &str = "AFFINITY6";
+pub const MAP_MAGLEV6: &str = "MAGLEV6";
+pub const MAP_NODE_ADDRS6: &str = "NODE_ADDRS6";
+pub const MAP_SOURCE_RANGES6: &str = "SOURCE_RANGES6";
+pub const MAP_FRAGMENTS6: &str = "FRAGMENTS6";
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'
@@ -131,7 +228,10 @@ pub const HOST_NETNS_ENTRIES: u32 = 2;
 pub const AGENT_STATE_NEXT_BACKEND_ID: u32 = 0;
 /// [`MAP_AGENT_STATE`] index of the layout version of the pinned maps ([`LAYOUT_VERSION`]).
 pub const AGENT_STATE_LAYOUT: u32 = 1;
-pub const AGENT_STATE_ENTRIES: u32 = 2;
+/// [`MAP_AGENT_STATE`] index of the first IPv6 backend id never handed out (the IPv6 maps have
+/// ids of their own).
+pub const AGENT_STATE_NEXT_BACKEND_ID6: u32 = 2;
+pub const AGENT_STATE_ENTRIES: u32 = 3;
 /// The meaning of the pinned maps' contents. Raised whenever a release changes what a key or
 /// value means (not only its size), so that an agent never misreads maps an older one left.
 /// 2: backend ids per service port, draining backends and frontends. 3: slot 0 flags for
@@ -424,6 +524,18 @@ pub struct FragValue {
     pub dport: Be16,
 }
 
+/// Key of [`MAP_FRAGMENTS6`]: an IPv6 datagram sent in fragments, as each fragment names it
+/// (RFC 8200: source, destination, and the fragment header's identification).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct FragKey6 {
+    pub saddr: Be128,
+    pub daddr: Be128,
+    pub id: Be32,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
 /// Datagrams in fragments remembered at once ([`MAP_FRAGMENTS`], LRU; Cilium's default size).
 pub const FRAGMENTS_MAX: u32 = 8192;
 
@@ -513,6 +625,11 @@ pub const CT_FLOW_FLAGS: u8 =
 /// its replies leave the pod and can be translated back; such a flow's reply entry is keyed
 /// pod -> this address. Link-local, never a pod's (Cilium uses the same).
 pub const HAIRPIN_ADDR: Be32 = Be32::from_octets([169, 254, 42, 1]);
+/// The IPv6 hairpin source: a unique local address (fd00::/8, with 169.254.42.1 in it) rather
+/// than a link-local one, which a pod would resolve as a neighbour instead of sending it to its
+/// default route, as it sends [`HAIRPIN_ADDR`].
+pub const HAIRPIN_ADDR6: Be128 =
+    Be128::from_octets([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 169, 254, 42, 1]);
 
 /// The states a flow's lifetime depends on ([`CtValue::state`]): each is an index of
 /// [`MAP_CT_LIFETIMES`], which holds its lifetime in nanoseconds as the agent's flags set it
@@ -640,17 +757,20 @@ pub struct CtValue<A = Be32> {
 #[cfg(feature = "user")]
 mod user {
     use super::*;
-    // SAFETY: all of these are `bytemuck::Pod`: no padding, every bit pattern valid.
-    unsafe impl aya::Pod for ServiceKey {}
+    // SAFETY: all of these are `bytemuck::Pod`: no padding, every bit pattern valid. The
+    // generic ones over every `Addr` of this crate (`Be32`, `Be128`), whose instances `pod!`
+    // checks.
+    unsafe impl<A: Addr> aya::Pod for ServiceKey<A> {}
     unsafe impl aya::Pod for ServiceValue {}
-    unsafe impl aya::Pod for Backend {}
-    unsafe impl aya::Pod for CtKey {}
-    unsafe impl aya::Pod for CtValue {}
+    unsafe impl<A: Addr> aya::Pod for Backend<A> {}
+    unsafe impl<A: Addr> aya::Pod for CtKey<A> {}
+    unsafe impl<A: Addr> aya::Pod for CtValue<A> {}
     unsafe impl aya::Pod for ExternalIface {}
-    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl<A: Addr> aya::Pod for AffinityKey<A> {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for MaglevChunk {}
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNatValue {}
-    unsafe impl aya::Pod for SourceRangeKey {}
+    unsafe impl<A: Addr> aya::Pod for SourceRangeKey<A> {}
+    unsafe impl aya::Pod for Be128 {}
 }

@@ -5,15 +5,16 @@
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, programs::TcContext};
 
 use crate::{
-    conntrack, icmp,
-    packet::{self, Drop, End},
+    conntrack,
+    family::Family,
+    packet::{Drop, End},
     source,
 };
 
 #[inline(always)]
-pub fn try_egress(ctx: &TcContext) -> Result<i32, Drop> {
-    let Some(mut flow) = packet::parse(ctx) else {
-        icmp::to_client(ctx, 0)?;
+pub fn try_egress<A: Family>(ctx: &TcContext) -> Result<i32, Drop> {
+    let Some(mut flow) = A::parse(ctx) else {
+        A::not_a_flow_to_pod(ctx)?;
         return Ok(TC_ACT_UNSPEC);
     };
     if source::from_spoofed_source(ctx, &flow) {

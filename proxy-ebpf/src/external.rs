@@ -26,7 +26,9 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack, frontend, icmp, lb,
+    conntrack,
+    family::Family,
+    frontend, icmp, lb,
     maps::{CONFIG, EXTERNAL_IFACES},
     packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_DF, IP_FRAG_FLAGS_OFF, IP_TTL_OFF},
     reject, source,
@@ -165,21 +167,19 @@ pub fn primary_addr() -> Be32 {
 /// `tot_len` of 0 has the kernel check the MTU as its own forwarding does, GSO-aware (a GRO
 /// packet's length is that of all its segments).
 #[inline(always)]
-pub fn route<C: EbpfContext>(
+pub fn route<C: EbpfContext, A: Family>(
     ctx: &C,
-    key: &CtKey,
+    key: &CtKey<A>,
     tot_len: u16,
     ifindex: u32,
 ) -> (i64, bpf_fib_lookup) {
     // SAFETY: a plain C struct; all zeros is a valid (empty) lookup.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = 2; // AF_INET
+    A::fib_addrs(&mut params, key);
     params.l4_protocol = key.proto;
     params.sport = key.sport.raw();
     params.dport = key.dport.raw();
     params.__bindgen_anon_1.tot_len = tot_len;
-    params.__bindgen_anon_3.ipv4_src = key.saddr.raw();
-    params.__bindgen_anon_4.ipv4_dst = key.daddr.raw();
     params.ifindex = ifindex;
     // SAFETY: the context and a lookup struct of the size given.
     let rc = unsafe {

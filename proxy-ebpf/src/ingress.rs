@@ -6,23 +6,34 @@
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
     DROP_HAIRPIN_WITHOUT_FLOW, DROP_INVALID_SOURCE, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE,
-    HAIRPIN_ADDR, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
+    SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
 };
 
 use crate::{
-    conntrack, frontend, lb,
-    packet::{self, Drop, End},
-    reject, source,
+    conntrack,
+    family::Family,
+    frontend, lb,
+    packet::{self, Drop, End, Flow},
+    source,
 };
 
+/// What to do with a pod's packet.
+pub enum Action<A> {
+    /// Return this tc verdict (the packet may have been rewritten).
+    Verdict(i32),
+    /// Answer it with a port unreachable (a service without endpoints): left to the caller, so
+    /// that the answer's buffers need not share this path's stack frame.
+    Reject(Flow<A>),
+}
+
 #[inline(always)]
-pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
-    let Some(mut flow) = packet::parse(ctx) else {
-        return Ok(TC_ACT_UNSPEC);
+pub fn try_ingress<A: Family>(ctx: &TcContext) -> Result<Action<A>, Drop> {
+    let Some(mut flow) = A::parse(ctx) else {
+        return Ok(Action::Verdict(TC_ACT_UNSPEC));
     };
     let key = flow.key;
-    if key.daddr == HAIRPIN_ADDR {
-        return hairpin_reply(ctx, &mut flow);
+    if key.daddr == A::HAIRPIN {
+        return hairpin_reply(ctx, &mut flow).map(Action::Verdict);
     }
     let Some((svc_key, svc)) = frontend::internal(key.daddr, key.dport, key.proto) else {
         if flow.syn_only() {
@@ -30,7 +41,8 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
             // unless this is a service flow's SYN seen a second time (at a bridge, say).
             conntrack::forget_finished_reply(&key, unsafe { bpf_ktime_get_ns() }, false);
         }
-        return Ok(TC_ACT_UNSPEC); // not a service: untouched, on to the next tc program
+        // Not a service: untouched, on to the next tc program.
+        return Ok(Action::Verdict(TC_ACT_UNSPEC));
     };
     // SAFETY: reading the context's ifindex.
     let pod_iface = unsafe { (*ctx.skb.skb).ifindex };
@@ -41,10 +53,10 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     let now = unsafe { bpf_ktime_get_ns() };
     let backend = match conntrack::established_flow(&flow, now) {
         // Opened through kube-proxy's rules before the programs took over: theirs to the end.
-        Some(live) if live.netfilter => return Ok(TC_ACT_UNSPEC),
+        Some(live) if live.netfilter => return Ok(Action::Verdict(TC_ACT_UNSPEC)),
         Some(live) => live.backend,
         // A datagram's later fragment whose first one started no flow: left as it is.
-        None if flow.later_fragment() => return Ok(TC_ACT_UNSPEC),
+        None if flow.later_fragment() => return Ok(Action::Verdict(TC_ACT_UNSPEC)),
         None if !checked && source::spoofed(ctx, &flow, pod_iface) => {
             return Err(Drop(DROP_INVALID_SOURCE));
         }
@@ -60,10 +72,11 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
                     return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
                 }
                 if svc.flags & SERVICE_DRAINING != 0 {
-                    return Ok(TC_ACT_UNSPEC); // a removed service: as if it were not there
+                    // A removed service: as if it were not there.
+                    return Ok(Action::Verdict(TC_ACT_UNSPEC));
                 }
                 // No usable endpoint: refused at once, as kube-proxy does.
-                return reject::reject(ctx, &flow);
+                return Ok(Action::Reject(flow));
             };
             conntrack::record_flow(&flow, backend_id, &backend, now, false);
             backend
@@ -71,17 +84,17 @@ pub fn try_ingress(ctx: &TcContext) -> Result<i32, Drop> {
     };
     flow.rewrite(ctx, End::Destination, backend.addr, backend.port)?;
     if backend.addr != key.saddr {
-        return Ok(TC_ACT_UNSPEC);
+        return Ok(Action::Verdict(TC_ACT_UNSPEC));
     }
     // The pod reaches itself: without a foreign source its reply would never leave it.
-    flow.rewrite(ctx, End::Source, HAIRPIN_ADDR, key.sport)?;
-    packet::bounce(ctx)
+    flow.rewrite(ctx, End::Source, A::HAIRPIN, key.sport)?;
+    packet::bounce(ctx).map(Action::Verdict)
 }
 
-/// A pod's reply to a hairpin flow (backend -> [`HAIRPIN_ADDR`]): back to the same pod, from
-/// the service address.
+/// A pod's reply to a hairpin flow (backend -> [`proxy_common::Addr::HAIRPIN`]): back to the
+/// same pod, from the service address.
 #[inline(always)]
-fn hairpin_reply(ctx: &TcContext, flow: &mut packet::Flow) -> Result<i32, Drop> {
+fn hairpin_reply<A: Family>(ctx: &TcContext, flow: &mut packet::Flow<A>) -> Result<i32, Drop> {
     // The pod is the client: replies go back to its own address.
     let pod = flow.key.saddr;
     // SAFETY: reading the context's ifindex.

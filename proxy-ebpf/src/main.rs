@@ -13,6 +13,7 @@ mod family;
 mod frontend;
 mod icmp;
 mod ingress;
+mod ipv6;
 mod lb;
 mod maps;
 mod packet;
@@ -23,26 +24,77 @@ mod xdp;
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{TC_ACT_SHOT, xdp_action},
+    bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC, xdp_action},
     helpers::bpf_ktime_get_ns,
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
 use aya_log_ebpf::error;
-use proxy_common::DROPS_LAST_LOG;
+use proxy_common::{Be32, Be128, DROPS_LAST_LOG};
 
-use crate::{maps::DROPS, sock::AddrField};
+use crate::{
+    ingress::Action,
+    maps::DROPS,
+    packet::{ETH_P_IP, ETH_P_IPV6},
+    sock::AddrField,
+};
 
-/// A packet from a pod, seen on the host side of its interface.
+/// A packet from a pod, seen on the host side of its interface. Each family's path is a
+/// function of its own (a BPF-to-BPF call), so that IPv6's larger keys need not share the IPv4
+/// path's stack frame (a program's stack, its calls' frames added up, is 512 bytes).
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    verdict(&ctx, ingress::try_ingress(&ctx))
+    let r = match packet::eth_proto(&ctx) {
+        Some(ETH_P_IP) => ingress4(&ctx),
+        // The reject's buffers get a frame of their own too, beside the lookups' rather than
+        // below them.
+        Some(ETH_P_IPV6) => match ingress6(&ctx) {
+            Ok(Some(v)) => Ok(v),
+            Ok(None) => ipv6::reject(&ctx),
+            Err(e) => Err(e),
+        },
+        _ => Ok(TC_ACT_UNSPEC),
+    };
+    verdict(&ctx, r)
 }
 
-/// A packet about to be delivered to a pod.
+#[inline(never)]
+fn ingress4(ctx: &TcContext) -> Result<i32, packet::Drop> {
+    match ingress::try_ingress::<Be32>(ctx)? {
+        Action::Verdict(v) => Ok(v),
+        Action::Reject(flow) => reject::reject(ctx, &flow),
+    }
+}
+
+/// The verdict, or None: reject it.
+#[inline(never)]
+fn ingress6(ctx: &TcContext) -> Result<Option<i32>, packet::Drop> {
+    Ok(match ingress::try_ingress::<Be128>(ctx)? {
+        Action::Verdict(v) => Some(v),
+        Action::Reject(_) => None,
+    })
+}
+
+/// A packet about to be delivered to a pod (each family a function of its own, as in
+/// [`tc_ingress`]).
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
-    verdict(&ctx, egress::try_egress(&ctx))
+    let r = match packet::eth_proto(&ctx) {
+        Some(ETH_P_IPV6) => egress6(&ctx),
+        // IPv4 (any other frame passes there untouched).
+        _ => egress4(&ctx),
+    };
+    verdict(&ctx, r)
+}
+
+#[inline(never)]
+fn egress4(ctx: &TcContext) -> Result<i32, packet::Drop> {
+    egress::try_egress::<Be32>(ctx)
+}
+
+#[inline(never)]
+fn egress6(ctx: &TcContext) -> Result<i32, packet::Drop> {
+    egress::try_egress::<Be128>(ctx)
 }
 
 /// A packet from outside arriving on an external interface (XDP): NodePort, LoadBalancer and

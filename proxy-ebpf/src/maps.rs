@@ -6,10 +6,10 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, CONFIG_ENTRIES, CT_STATES,
-    CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue,
-    HOST_NETNS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
-    SourceRangeKey,
+    AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, Be128, CONFIG_ENTRIES,
+    CT_STATES, CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragKey6,
+    FragValue, HOST_NETNS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -96,3 +96,33 @@ pub static SOURCE_IFACES: HashMap<u32, u32> = HashMap::pinned(1 << 16, BPF_F_NO_
 /// attached; a map of its own so that changing it never recreates another.
 #[map(name = "CT_LIFETIMES")]
 pub static CT_LIFETIMES: Array<u64> = Array::pinned(CT_STATES, 0);
+
+// The IPv6 twins of the maps above (family.rs), of the same sizes (the agent sets them from the
+// same flags).
+
+#[map(name = "SERVICES6")]
+pub static SERVICES6: HashMap<ServiceKey<Be128>, ServiceValue> =
+    HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+#[map(name = "BACKENDS6")]
+pub static BACKENDS6: HashMap<u32, Backend<Be128>> = HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+#[map(name = "CONNTRACK6")]
+pub static CONNTRACK6: LruHashMap<CtKey<Be128>, CtValue<Be128>> = LruHashMap::pinned(1 << 21, 0);
+
+#[map(name = "AFFINITY6")]
+pub static AFFINITY6: LruHashMap<AffinityKey<Be128>, AffinityValue> =
+    LruHashMap::pinned(1 << 16, 0);
+
+#[map(name = "MAGLEV6")]
+pub static MAGLEV6: HashMap<ServiceKey<Be128>, MaglevChunk> =
+    HashMap::pinned(1 << 20, BPF_F_NO_PREALLOC);
+
+#[map(name = "NODE_ADDRS6")]
+pub static NODE_ADDRS6: HashMap<Be128, u32> = HashMap::pinned(256, 0);
+
+#[map(name = "SOURCE_RANGES6")]
+pub static SOURCE_RANGES6: LpmTrie<SourceRangeKey<Be128>, u8> = LpmTrie::pinned(1 << 16, 0);
+
+#[map(name = "FRAGMENTS6")]
+pub static FRAGMENTS6: LruHashMap<FragKey6, FragValue> = LruHashMap::pinned(FRAGMENTS_MAX, 0);

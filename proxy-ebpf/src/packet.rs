@@ -8,7 +8,7 @@ use proxy_common::{
     Be16, Be32, CtKey, DROP_REWRITE_FAILED, FragKey, FragValue, IPPROTO_TCP, IPPROTO_UDP, seq_hint,
 };
 
-use crate::maps::FRAGMENTS;
+use crate::{family::Family, maps::FRAGMENTS};
 
 /// The packet must be dropped, for this reason (`proxy_common::DROP_*`).
 pub struct Drop(pub u32);
@@ -18,6 +18,7 @@ pub const FAILED: Drop = Drop(DROP_REWRITE_FAILED);
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 pub const IP_TTL_OFF: usize = ETH_HLEN + 8;
 /// The byte of the IP header that holds its flags (DF: [`IP_DF`]).
 pub const IP_FRAG_FLAGS_OFF: usize = ETH_HLEN + 6;
@@ -34,13 +35,14 @@ pub const IP_FRAG_OFFSET: u16 = 0x1fff;
 pub struct Flow<A = Be32> {
     pub key: CtKey<A>,
     /// TCP flags (zero for UDP, and for a fragment after the first).
-    tcp_flags: u8,
+    pub tcp_flags: u8,
     pub l4_off: usize,
     /// The IP header's total length (host order).
     pub tot_len: u16,
     pub fragment: Fragment,
-    /// The IP header's identification (what ties a datagram's fragments together).
-    ip_id: Be16,
+    /// What ties a datagram's fragments together: the IPv4 header's identification (16 bits),
+    /// the IPv6 fragment header's (32), as they are in the packet.
+    pub frag_id: u32,
     /// TCP: [`proxy_common::seq_hint`] of the sequence and acknowledgment numbers (zero for UDP).
     pub seq: u16,
     pub ack: u16,
@@ -69,9 +71,22 @@ const IPV4_MIN: usize = ETH_HLEN + 20;
 
 /// Reads a `T` at `p`. Callers have compared `p + size_of::<T>()` with data_end.
 #[inline(always)]
-unsafe fn read<T: Copy>(p: usize) -> T {
+pub unsafe fn read<T: Copy>(p: usize) -> T {
     // SAFETY: bounds checked by the caller; packet data has no alignment guarantee.
     unsafe { (p as *const T).read_unaligned() }
+}
+
+/// The frame's EtherType (host order), if it has one.
+#[inline(always)]
+pub fn eth_proto(ctx: &TcContext) -> Option<u16> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    let raw: u16 = if data + ETH_HLEN <= end {
+        // SAFETY: within the linear data, checked above.
+        unsafe { read(data + 12) }
+    } else {
+        ctx.load(12).ok()?
+    };
+    Some(u16::from_be(raw))
 }
 
 /// Reads the 5-tuple of an IPv4 TCP/UDP packet. A fragment after the first gets its first
@@ -92,7 +107,7 @@ pub fn parse(ctx: &TcContext) -> Option<Flow> {
     let key = FragKey {
         saddr: flow.key.saddr,
         daddr: flow.key.daddr,
-        id: flow.ip_id,
+        id: Be16::from_raw(flow.frag_id as u16),
         proto: flow.key.proto,
         pad: 0,
     };
@@ -160,7 +175,7 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
             l4_off: ETH_HLEN + ihl,
             tot_len: tot_len as u16,
             fragment: Fragment::Later,
-            ip_id,
+            frag_id: ip_id.raw().into(),
             seq: 0,
             ack: 0,
         });
@@ -203,7 +218,7 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
         l4_off: ETH_HLEN + ihl,
         tot_len: tot_len as u16,
         fragment,
-        ip_id,
+        frag_id: ip_id.raw().into(),
         seq,
         ack,
     })
@@ -214,6 +229,15 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
 pub enum End {
     Source,
     Destination,
+}
+
+impl<A: Family> Flow<A> {
+    /// Rewrites the source or destination address and port, updating the checksums that cover
+    /// them (IPv4: [`Flow::rewrite4`]; IPv6: `ipv6::rewrite`).
+    #[inline(always)]
+    pub fn rewrite(&mut self, ctx: &TcContext, at: End, addr: A, port: Be16) -> Result<(), Drop> {
+        A::rewrite(self, ctx, at, addr, port)
+    }
 }
 
 impl<A> Flow<A> {
@@ -268,7 +292,7 @@ impl Flow {
     /// the TCP/UDP checksum (whose pseudo-header covers the addresses). A UDP checksum of zero
     /// means "none" and stays zero.
     #[inline(always)]
-    pub fn rewrite(
+    pub fn rewrite4(
         &mut self,
         ctx: &TcContext,
         at: End,
@@ -401,6 +425,12 @@ impl Sum {
     pub fn replace32(&mut self, old: u32, new: u32) {
         self.replace16(old as u16, new as u16);
         self.replace16((old >> 16) as u16, (new >> 16) as u16);
+    }
+
+    /// The update as a checksum difference (a 32-bit one's complement sum), for
+    /// `bpf_l4_csum_replace` with size 0.
+    pub fn diff(self) -> u32 {
+        self.0
     }
 
     /// The checksum `check` with this update applied.

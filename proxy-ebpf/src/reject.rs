@@ -56,9 +56,7 @@ fn unreachable(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, 
     if flow.has_ip_options() {
         return Ok(TC_ACT_UNSPEC);
     }
-    if !icmp_error_due() {
-        return Err(Drop(DROP_ICMP_RATE_LIMITED));
-    }
+    pace()?;
     let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
     let offending: [u8; IPV4_HLEN] = ctx.load(IP_OFF).map_err(|_| FAILED)?;
     let l4: [u8; QUOTED_L4] = ctx.load(IP_OFF + IPV4_HLEN).map_err(|_| FAILED)?;
@@ -94,6 +92,15 @@ fn unreachable(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, 
     Ok(packet::send_back(ctx))
 }
 
+/// Whether this CPU may send an ICMP error now; a packet that may not have one is dropped.
+#[inline(always)]
+pub fn pace() -> Result<(), Drop> {
+    match icmp_error_due() {
+        true => Ok(()),
+        false => Err(Drop(DROP_ICMP_RATE_LIMITED)),
+    }
+}
+
 /// Whether this CPU may send an ICMP error now: a pace of [`ICMP_ERRORS_PER_SEC`] with
 /// [`ICMP_ERRORS_BURST`] ahead of it allowed (a token bucket kept as the time the next error is
 /// due).
@@ -116,7 +123,7 @@ fn icmp_error_due() -> bool {
 
 /// The one's-complement sum of `bytes` as big-endian 16-bit words (an even length).
 #[inline(always)]
-fn sum_words<const N: usize>(bytes: &[u8; N]) -> u32 {
+pub fn sum_words<const N: usize>(bytes: &[u8; N]) -> u32 {
     let mut sum = 0u32;
     let mut i = 0;
     while i + 1 < N {
@@ -127,7 +134,7 @@ fn sum_words<const N: usize>(bytes: &[u8; N]) -> u32 {
 }
 
 #[inline(always)]
-fn checksum(mut sum: u32) -> u16 {
+pub fn checksum(mut sum: u32) -> u16 {
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);
     !(sum as u16)

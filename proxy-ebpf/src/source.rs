@@ -15,13 +15,14 @@ use aya_ebpf::{
 
 use crate::{
     conntrack, external,
+    family::Family,
     maps::SOURCE_IFACES,
     packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 /// Whether the packet `flow` could change a flow it belongs to (a TCP SYN, FIN or RST).
 #[inline(always)]
-pub fn changes_flow(flow: &Flow) -> bool {
+pub fn changes_flow<A>(flow: &Flow<A>) -> bool {
     flow.tcp_flags() & (TCP_FIN | TCP_SYN | TCP_RST) != 0
 }
 
@@ -29,7 +30,7 @@ pub fn changes_flow(flow: &Flow) -> bool {
 /// itself), has a source that is not routed back through that interface. Unknown interfaces,
 /// and lookups that cannot tell (forwarding off there, say), pass.
 #[inline(always)]
-pub fn spoofed(ctx: &TcContext, flow: &Flow, arrived_on: u32) -> bool {
+pub fn spoofed<A: Family>(ctx: &TcContext, flow: &Flow<A>, arrived_on: u32) -> bool {
     let Some(&route_back) = (unsafe { SOURCE_IFACES.get(arrived_on) }) else {
         return false;
     };
@@ -48,7 +49,7 @@ pub fn spoofed(ctx: &TcContext, flow: &Flow, arrived_on: u32) -> bool {
 /// Whether the packet `flow`, about to leave by a tc egress program, could change a flow and
 /// came from a pod interface with a spoofed source (the interface it entered the node on).
 #[inline(always)]
-pub fn from_spoofed_source(ctx: &TcContext, flow: &Flow) -> bool {
+pub fn from_spoofed_source<A: Family>(ctx: &TcContext, flow: &Flow<A>) -> bool {
     // SAFETY: reading the context's ingress ifindex.
     let arrived_on = unsafe { (*ctx.skb.skb).ingress_ifindex };
     changes_flow(flow) && spoofed(ctx, flow, arrived_on)

@@ -29,13 +29,15 @@ use aya::{
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
-    AffinityValue, Backend, CONFIG_ENTRIES, CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED,
-    CT_STATE_TCP_OPENING, CT_STATE_UDP, CT_STATES, CtKey, CtValue, DROP_REASON_NAMES,
-    DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragValue, HOST_NETNS_ENTRIES,
-    LAYOUT_VERSION, MAP_AFFINITY, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_CONNTRACK,
-    MAP_CT_LIFETIMES, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_FRAGMENTS, MAP_HOST_NETNS, MAP_MAGLEV,
-    MAP_NODE_ADDRS, MAP_SERVICES, MAP_SOCK_REVNAT, MAP_SOURCE_IFACES, MAP_SOURCE_RANGES,
-    MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    AffinityValue, Backend, Be128, CONFIG_ENTRIES, CT_STATE_TCP_ESTABLISHED,
+    CT_STATE_TCP_HALF_CLOSED, CT_STATE_TCP_OPENING, CT_STATE_UDP, CT_STATES, CtKey, CtValue,
+    DROP_REASON_NAMES, DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragKey6, FragValue,
+    HOST_NETNS_ENTRIES, LAYOUT_VERSION, MAP_AFFINITY, MAP_AFFINITY6, MAP_AGENT_STATE, MAP_BACKENDS,
+    MAP_BACKENDS6, MAP_CONFIG, MAP_CONNTRACK, MAP_CONNTRACK6, MAP_CT_LIFETIMES, MAP_DROPS,
+    MAP_EXTERNAL_IFACES, MAP_FRAGMENTS, MAP_FRAGMENTS6, MAP_HOST_NETNS, MAP_MAGLEV, MAP_MAGLEV6,
+    MAP_NODE_ADDRS, MAP_NODE_ADDRS6, MAP_SERVICES, MAP_SERVICES6, MAP_SOCK_REVNAT,
+    MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, ServiceKey,
+    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -107,11 +109,15 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         .map_max_entries(MAP_SERVICES, sizes.services)
         .map_max_entries(MAP_BACKENDS, sizes.backends)
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
+        .map_max_entries(MAP_SERVICES6, sizes.services)
+        .map_max_entries(MAP_BACKENDS6, sizes.backends)
+        .map_max_entries(MAP_CONNTRACK6, sizes.conntrack)
         .override_global(GLOBAL_HAS_SET_RETVAL, &has_set_retval, true);
     if !features.has(&MEMCG_ACCOUNTING) {
         lift_memlock_limit()?;
         // Such kernels refuse a map whose memory cost reaches 4 GiB (1M chunks of 4 KiB).
         loader.map_max_entries(MAP_MAGLEV, 1 << 19);
+        loader.map_max_entries(MAP_MAGLEV6, 1 << 19);
     }
     let mut ebpf = loader.load(BPF_OBJECT).with_context(|| {
         format!(
@@ -186,7 +192,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 16] = [
+const LAYOUTS: [Layout; 24] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -300,6 +306,62 @@ const LAYOUTS: [Layout; 16] = [
         value_size: size_of::<u64>(),
         entries: Some(CT_STATES),
     },
+    Layout {
+        name: MAP_SERVICES6,
+        map_type: MapType::Hash,
+        key_size: size_of::<ServiceKey<Be128>>(),
+        value_size: size_of::<ServiceValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_BACKENDS6,
+        map_type: MapType::Hash,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<Backend<Be128>>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_CONNTRACK6,
+        map_type: MapType::LruHash,
+        key_size: size_of::<CtKey<Be128>>(),
+        value_size: size_of::<CtValue<Be128>>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_AFFINITY6,
+        map_type: MapType::LruHash,
+        key_size: size_of::<AffinityKey<Be128>>(),
+        value_size: size_of::<AffinityValue>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_MAGLEV6,
+        map_type: MapType::Hash,
+        key_size: size_of::<ServiceKey<Be128>>(),
+        value_size: size_of::<MaglevChunk>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_NODE_ADDRS6,
+        map_type: MapType::Hash,
+        key_size: size_of::<Be128>(),
+        value_size: size_of::<u32>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_SOURCE_RANGES6,
+        map_type: MapType::LpmTrie,
+        key_size: size_of::<u32>() + size_of::<SourceRangeKey<Be128>>(),
+        value_size: size_of::<u8>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_FRAGMENTS6,
+        map_type: MapType::LruHash,
+        key_size: size_of::<FragKey6>(),
+        value_size: size_of::<FragValue>(),
+        entries: Some(FRAGMENTS_MAX),
+    },
 ];
 
 /// Maps pinned by another release are reused only if this build reads them right: the same
@@ -342,15 +404,17 @@ fn check_pinned_layout(pin_dir: &Path) -> anyhow::Result<(Option<u64>, bool)> {
             continue;
         }
         let what = match layout.name {
-            MAP_CONNTRACK => "established flows are reset",
-            MAP_SERVICES | MAP_BACKENDS => "services are programmed again by the first sync",
+            MAP_CONNTRACK | MAP_CONNTRACK6 => "established flows are reset",
+            MAP_SERVICES | MAP_BACKENDS | MAP_SERVICES6 | MAP_BACKENDS6 => {
+                "services are programmed again by the first sync"
+            }
             MAP_SOCK_REVNAT => {
                 "host-network sockets connected earlier show their backend, not the service, \
                  as their peer"
             }
-            MAP_AFFINITY => "session affinity starts afresh",
+            MAP_AFFINITY | MAP_AFFINITY6 => "session affinity starts afresh",
             MAP_DROPS => "drop counters start from 0",
-            MAP_FRAGMENTS => "fragments in flight are dropped",
+            MAP_FRAGMENTS | MAP_FRAGMENTS6 => "fragments in flight are dropped",
             _ => "this agent writes it again",
         };
         tracing::warn!(
@@ -405,6 +469,9 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
         (MAP_SERVICES, sizes.services, "--bpf-services-max"),
         (MAP_BACKENDS, sizes.backends, "--bpf-backends-max"),
         (MAP_CONNTRACK, sizes.conntrack, "--bpf-ct-max"),
+        (MAP_SERVICES6, sizes.services, "--bpf-services-max"),
+        (MAP_BACKENDS6, sizes.backends, "--bpf-backends-max"),
+        (MAP_CONNTRACK6, sizes.conntrack, "--bpf-ct-max"),
     ];
     for (name, size, flag) in wanted {
         let Ok(info) = aya::maps::MapInfo::from_pin(pin_dir.join(name)) else {

@@ -3,38 +3,41 @@
 //! pure function of the state, as the other modes' `rules.rs`, golden-tested so that every
 //! change of what is programmed shows in review. The writer ([`super::writer`]) gives the
 //! backends their ids and applies a plan in a safe order.
-use std::{
-    fmt::Write as _,
-    net::{IpAddr, Ipv4Addr},
-};
+use std::{fmt::Write as _, net::IpAddr};
 
 use proxy_common::{
-    BACKEND_LOCAL, Backend, Be16, Be32, NODE_PORT_ADDR, SCOPE_INTERNAL, SERVICE_AFFINITY,
+    Addr, BACKEND_LOCAL, Backend, Be16, Be32, Be128, SCOPE_INTERNAL, SERVICE_AFFINITY,
     SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
     SERVICE_SOURCE_RANGES, SERVICE_TWO_SCOPES, ServiceKey, ServiceValue,
 };
 
 use crate::model::{
-    Cidr, DesiredState, Endpoint, Family, LbAlgorithm, Protocol, ServicePort, ServicePortName, ipv4,
+    DesiredState, Endpoint, Family, LbAlgorithm, Protocol, ServicePort, ServicePortName,
 };
 
 /// A service address as the datapath matches it: slot 0 of the services map.
-pub type Frontend = ServiceKey;
+pub type Frontend<A = Be32> = ServiceKey<A>;
 
-/// `endpoints` as backends of a port of `protocol` (flagged local when on this node). IPv4
-/// only for now: IPv6 addresses are kept in the model and skipped here (the programs could not
-/// match them).
-pub(super) fn as_backends<'a>(
+/// The model's name of the address family `A`.
+pub fn family_of<A: Addr>() -> Family {
+    match A::NODE_PORT.ip() {
+        IpAddr::V4(_) => Family::V4,
+        IpAddr::V6(_) => Family::V6,
+    }
+}
+
+/// `endpoints` of family `A` as backends of a port of `protocol` (flagged local when on this
+/// node); the other family's are another writer's.
+pub(super) fn as_backends<'a, A: Addr>(
     state: &DesiredState,
     endpoints: impl IntoIterator<Item = &'a Endpoint>,
     protocol: Protocol,
-) -> Vec<Backend> {
+) -> Vec<Backend<A>> {
     endpoints
         .into_iter()
         .filter_map(|ep| {
-            let ip = ep.ipv4()?;
             Some(Backend {
-                addr: Be32::from_octets(ip.octets()),
+                addr: A::from_ip(ep.ip)?,
                 port: Be16::new(ep.port),
                 proto: protocol.number(),
                 flags: if state.is_local(ep) { BACKEND_LOCAL } else { 0 },
@@ -44,44 +47,48 @@ pub(super) fn as_backends<'a>(
 }
 
 /// Every endpoint the state lists for `spn`, usable or not.
-pub(super) fn listed_backends(state: &DesiredState, spn: &ServicePortName) -> Vec<Backend> {
+pub(super) fn listed_backends<A: Addr>(
+    state: &DesiredState,
+    spn: &ServicePortName,
+) -> Vec<Backend<A>> {
     state.port(spn).map_or_else(Vec::new, |sp| {
         as_backends(state, state.endpoints_of(spn), sp.protocol)
     })
 }
 
 /// A frontend as a service port wants it: slot 0 (flags, affinity) and the backends.
-pub struct FrontendPlan {
-    pub fe: Frontend,
+pub struct FrontendPlan<A = Be32> {
+    pub fe: Frontend<A>,
     /// Slot 0 without its count (the writer sets it).
     pub head: ServiceValue,
-    pub backends: Vec<Backend>,
-    /// loadBalancerSourceRanges (with [`SERVICE_SOURCE_RANGES`] in the head).
-    pub source_ranges: Vec<(Ipv4Addr, u8)>,
+    pub backends: Vec<Backend<A>>,
+    /// loadBalancerSourceRanges of family `A` (with [`SERVICE_SOURCE_RANGES`] in the head).
+    pub source_ranges: Vec<(IpAddr, u8)>,
 }
 
-/// The frontends a service port should have, each with its slot 0 and backends, new flows
+/// The frontends of family `A` a service port should have, each with its slot 0 and backends, new flows
 /// picking by `lb_algorithm` unless the Service says otherwise: its cluster IPs, and where the
 /// Service is reachable from outside, its NodePort (on every node address), external IPs and
 /// load balancer addresses. With externalTrafficPolicy Local, those hold only this node's
 /// endpoints, and a second scope holds every endpoint for clients inside the cluster. TCP and
-/// UDP only: SCTP ports are kept in the model and skipped here; so are ports without an IPv4
-/// cluster IP.
-pub fn frontends(
+/// UDP only: SCTP ports are kept in the model and skipped here. A port without a cluster IP of
+/// family `A` has none of its frontends (kube-proxy's proxier of that family serves only the
+/// ports with one).
+pub fn frontends<A: Addr>(
     state: &DesiredState,
     spn: &ServicePortName,
     lb_algorithm: LbAlgorithm,
-) -> Vec<FrontendPlan> {
-    // IPv4 for now: the ports with an IPv4 cluster IP (kube-proxy's IPv4 proxier's).
-    let served = |sp: &&ServicePort| sp.protocol != Protocol::Sctp && sp.in_family(Family::V4);
+) -> Vec<FrontendPlan<A>> {
+    let served =
+        |sp: &&ServicePort| sp.protocol != Protocol::Sctp && sp.in_family(family_of::<A>());
     let Some(sp) = state.port(spn).filter(served) else {
         return Vec::new();
     };
     let proto = sp.protocol.number();
-    let v4 = |ips: &[IpAddr]| {
-        ipv4(ips)
-            .into_iter()
-            .map(|ip| Be32::from_octets(ip.octets()))
+    let of_family = |ips: &[IpAddr]| {
+        ips.iter()
+            .filter_map(|ip| A::from_ip(*ip))
+            .collect::<Vec<A>>()
     };
     let mut policy = 0;
     if sp.session_affinity_timeout.is_some() {
@@ -99,7 +106,8 @@ pub fn frontends(
         0
     };
     let cluster = as_backends(state, state.cluster_endpoints(spn), sp.protocol);
-    let mut wanted: Vec<FrontendPlan> = v4(&sp.cluster_ips)
+    let mut wanted: Vec<FrontendPlan<A>> = of_family(&sp.cluster_ips)
+        .into_iter()
         .map(|addr| FrontendPlan {
             fe: ServiceKey::new(addr, Be16::new(sp.port), proto, 0),
             head: head(internal_flags),
@@ -108,24 +116,29 @@ pub fn frontends(
         })
         .collect();
 
-    let mut external: Vec<(ServiceKey, bool)> = Vec::new();
+    let mut external: Vec<(ServiceKey<A>, bool)> = Vec::new();
     if let Some(node_port) = sp.node_port {
         external.push((
-            ServiceKey::new(NODE_PORT_ADDR, Be16::new(node_port), proto, 0),
+            ServiceKey::new(A::NODE_PORT, Be16::new(node_port), proto, 0),
             false,
         ));
     }
-    for addr in v4(&sp.external_ips) {
+    for addr in of_family(&sp.external_ips) {
         external.push((ServiceKey::new(addr, Be16::new(sp.port), proto, 0), false));
     }
-    for addr in v4(&sp.load_balancer_ips) {
+    for addr in of_family(&sp.load_balancer_ips) {
         external.push((ServiceKey::new(addr, Be16::new(sp.port), proto, 0), true));
     }
     if external.is_empty() {
         return wanted;
     }
-    let ranges: Vec<(Ipv4Addr, u8)> = sp.source_ranges.iter().filter_map(Cidr::as_v4).collect();
-    // IPv6 ranges only: no IPv4 source may use the addresses.
+    let ranges: Vec<(IpAddr, u8)> = sp
+        .source_ranges
+        .iter()
+        .filter(|c| A::from_ip(c.addr).is_some())
+        .map(|c| (c.addr, c.len))
+        .collect();
+    // The other family's ranges only: no source of this family may use the addresses.
     let restricted = !sp.source_ranges.is_empty();
     let external_backends = as_backends(state, state.external_endpoints(spn), sp.protocol);
     let every_endpoint = as_backends(state, state.usable_endpoints(spn, false), sp.protocol);
@@ -180,7 +193,10 @@ pub fn render(state: &DesiredState, lb_algorithm: LbAlgorithm) -> String {
     let mut out = String::new();
     for spn in state.port_names() {
         let _ = writeln!(out, "{spn}/{}", spn.protocol);
-        for plan in frontends(state, spn, lb_algorithm) {
+        for plan in frontends::<Be32>(state, spn, lb_algorithm) {
+            let _ = writeln!(out, "  {}", show(&plan));
+        }
+        for plan in frontends::<Be128>(state, spn, lb_algorithm) {
             let _ = writeln!(out, "  {}", show(&plan));
         }
     }
@@ -188,7 +204,7 @@ pub fn render(state: &DesiredState, lb_algorithm: LbAlgorithm) -> String {
 }
 
 /// One frontend of a plan, as [`render`] shows it.
-fn show(plan: &FrontendPlan) -> String {
+fn show<A: Addr>(plan: &FrontendPlan<A>) -> String {
     let mut line = describe(&plan.fe);
     let flags: Vec<&str> = FLAG_NAMES
         .iter()
@@ -211,9 +227,8 @@ fn show(plan: &FrontendPlan) -> String {
                 ""
             };
             format!(
-                "{}:{}{local}",
-                Ipv4Addr::from(b.addr.octets()),
-                b.port.get()
+                "{}{local}",
+                std::net::SocketAddr::new(b.addr.ip(), b.port.get())
             )
         })
         .collect();
@@ -237,12 +252,11 @@ fn show(plan: &FrontendPlan) -> String {
 }
 
 /// A frontend in words, for errors and the plan's golden file.
-pub(super) fn describe(key: &ServiceKey) -> String {
-    let [a, b, c, d] = key.addr.octets();
-    let addr = if key.addr == NODE_PORT_ADDR {
-        "node port ".to_string()
-    } else {
-        format!("{a}.{b}.{c}.{d}")
+pub(super) fn describe<A: Addr>(key: &ServiceKey<A>) -> String {
+    let addr = match key.addr.ip() {
+        _ if key.addr == A::NODE_PORT => "node port ".to_string(),
+        IpAddr::V4(ip) => ip.to_string(),
+        IpAddr::V6(ip) => format!("[{ip}]"),
     };
     let scope = if key.scope == SCOPE_INTERNAL {
         " (internal scope)"
@@ -261,7 +275,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::model::{Endpoint, NamespacedName, ServicePort, TargetPort};
+    use crate::model::{Cidr, Endpoint, NamespacedName, ServicePort, TargetPort};
 
     fn endpoint(ip: &str, node: &str) -> Endpoint {
         Endpoint {
@@ -318,7 +332,7 @@ mod tests {
 
     /// Each frontend as `address:port scope flags [backend addresses (L = local)] ranges`.
     fn shown(state: &DesiredState, spn: &ServicePortName) -> Vec<String> {
-        frontends(state, spn, LbAlgorithm::Random)
+        frontends::<Be32>(state, spn, LbAlgorithm::Random)
             .iter()
             .map(|w| {
                 let backends: Vec<String> = w
@@ -330,7 +344,7 @@ mod tests {
                         } else {
                             ""
                         };
-                        format!("{}{local}", Ipv4Addr::from(b.addr.octets()))
+                        format!("{}{local}", b.addr.ip())
                     })
                     .collect();
                 format!(
@@ -402,19 +416,27 @@ mod tests {
         crate::testing::golden("modes/ebpf", "plan.golden", &plan);
     }
 
-    /// IPv4 only, as kube-proxy's IPv4 proxier: a dual-stack Service's IPv4 half, nothing of
-    /// an IPv6-only one (its NodePort included).
+    /// Each family's frontends for its own maps, as kube-proxy's proxier of each family: a
+    /// dual-stack Service's both halves, an IPv6-only one's IPv6 frontends (its NodePort
+    /// included), each with its own family's endpoints only.
     #[test]
-    fn ipv6_only_ports_get_no_frontend() {
+    fn each_family_gets_its_own_frontends() {
         let state = crate::testing::fixture(crate::testing::DUAL_STACK);
+        for spn in state.port_names() {
+            let v4 = frontends::<Be32>(&state, spn, LbAlgorithm::Random);
+            let v6 = frontends::<Be128>(&state, spn, LbAlgorithm::Random);
+            let sp = state.port(spn).unwrap();
+            assert_eq!(!v4.is_empty(), sp.in_family(Family::V4), "{spn}");
+            assert_eq!(!v6.is_empty(), sp.in_family(Family::V6), "{spn}");
+            for plan in &v6 {
+                assert!(plan.backends.iter().all(|b| b.addr.ip().is_ipv6()), "{spn}");
+            }
+        }
         let plan = render(&state, LbAlgorithm::Random);
         assert!(
             plan.contains("10.96.0.20:80") && plan.contains("10.244.2.11:8080"),
             "{plan}"
         );
-        // Listed, with no frontend.
-        assert!(plan.contains("shop/local:http/TCP\nshop/web"), "{plan}");
-        assert!(!plan.contains("30081") && !plan.contains(":53"), "{plan}");
-        assert!(!plan.contains("fd00:") && !plan.contains("2001:"), "{plan}");
+        assert!(plan.contains("[fd00:"), "{plan}");
     }
 }

@@ -9,7 +9,12 @@
 //! application's next receive fails with ECONNABORTED (a send, with EDESTADDRREQ), and
 //! connecting again picks a serving endpoint. TCP connections are left to drain, as the tc
 //! path leaves them.
-use std::{io, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
+use std::{
+    io,
+    net::{IpAddr, Ipv4Addr},
+    os::fd::OwnedFd,
+    path::Path,
+};
 
 use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
@@ -35,7 +40,7 @@ const TCP_ESTABLISHED: u32 = 1;
 
 /// What the UDP routes of the services map are: (frontend address, port, endpoint address,
 /// port), a NodePort's address unspecified ([`super::MapWriter::udp_routes`]).
-pub type UdpRoutes = HashSet<(Ipv4Addr, u16, Ipv4Addr, u16)>;
+pub type UdpRoutes = HashSet<(IpAddr, u16, IpAddr, u16)>;
 
 /// The kernel cannot destroy sockets (no CONFIG_INET_DIAG_DESTROY): nothing to retry.
 #[derive(Debug, thiserror::Error)]
@@ -94,8 +99,14 @@ fn stale_sockets(
         // An entry evicted while we walk: the others are still read.
         let Ok((key, service)) = entry else { continue };
         let endpoint = (Ipv4Addr::from(key.addr.octets()), key.port.get());
-        let served =
-            |addr: Ipv4Addr| routes.contains(&(addr, service.port.get(), endpoint.0, endpoint.1));
+        let served = |addr: Ipv4Addr| {
+            routes.contains(&(
+                addr.into(),
+                service.port.get(),
+                endpoint.0.into(),
+                endpoint.1,
+            ))
+        };
         // A NodePort's frontend is any node address.
         let node_port = Ipv4Addr::from(NODE_PORT_ADDR.octets());
         if !served(Ipv4Addr::from(service.addr.octets())) && !served(node_port) {

@@ -16,10 +16,10 @@ pub(super) fn earliest(first: &mut Option<Instant>, t: Instant) {
     *first = Some(first.map_or(t, |f| f.min(t)));
 }
 
-impl MapWriter {
+impl<A: FamilyMaps> FamilyWriter<A> {
     /// Turns `fe` into a draining head: no new flows, established TCP connections through it
     /// keep their (draining) backends until the drain period ends.
-    pub(super) fn drain_frontend(&mut self, fe: &Frontend, now: Instant) -> anyhow::Result<()> {
+    pub(super) fn drain_frontend(&mut self, fe: &Frontend<A>, now: Instant) -> anyhow::Result<()> {
         let Some(programmed) = self.frontends.get(fe) else {
             return Ok(());
         };
@@ -78,8 +78,8 @@ impl MapWriter {
             .flat_map(|p| &p.slots)
             .copied()
             .collect();
-        let listed: HashSet<Backend> = listed_backends(state, spn).into_iter().collect();
-        let leaving: Vec<(Backend, u32)> = ids
+        let listed: HashSet<Backend<A>> = listed_backends(state, spn).into_iter().collect();
+        let leaving: Vec<(Backend<A>, u32)> = ids
             .iter()
             .filter(|(_, id)| !in_slots.contains(id))
             .collect();
@@ -104,8 +104,8 @@ impl MapWriter {
     /// After the first full sync since a restart: what the pinned maps held that no port
     /// claimed drains for a period from now (a Service deleted while no agent ran).
     pub(super) fn drain_unclaimed(&mut self, now: Instant) -> anyhow::Result<()> {
-        let claimed: HashSet<Frontend> = self.owners.values().flatten().copied().collect();
-        let stale: Vec<Frontend> = self
+        let claimed: HashSet<Frontend<A>> = self.owners.values().flatten().copied().collect();
+        let stale: Vec<Frontend<A>> = self
             .frontends
             .iter()
             .filter(|(fe, p)| !claimed.contains(fe) && p.draining_until.is_none())
@@ -114,7 +114,7 @@ impl MapWriter {
         for fe in stale {
             self.drain_frontend(&fe, now)?;
         }
-        let unclaimed: Vec<(u32, Backend)> = self
+        let unclaimed: Vec<(u32, Backend<A>)> = self
             .by_id
             .iter()
             .filter(|(_, s)| s.owner.is_none() && s.drain.is_none())
@@ -131,7 +131,7 @@ impl MapWriter {
 
     /// Marks backend `id` (endpoint `b`) draining in the map: no new flows, established TCP
     /// connections stay.
-    pub(super) fn flag_draining(&mut self, id: u32, b: Backend) -> anyhow::Result<()> {
+    pub(super) fn flag_draining(&mut self, id: u32, b: Backend<A>) -> anyhow::Result<()> {
         self.udp_departed |= b.proto == IPPROTO_UDP;
         let flagged = Backend {
             flags: b.flags | BACKEND_DRAINING,
@@ -143,7 +143,7 @@ impl MapWriter {
     }
 
     /// Deletes the draining frontends and backends whose drain period is over.
-    pub(crate) fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
+    pub(super) fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
         if self.unknown {
             return Ok(()); // the next sync reads the maps back first
         }

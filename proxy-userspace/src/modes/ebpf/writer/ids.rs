@@ -1,29 +1,34 @@
-//! Backend ids: one per endpoint of each service port, from a counter reserved in blocks in
+//! Backend<A> ids: one per endpoint of each service port, from a counter reserved in blocks in
 //! `agent_state`, kept while the endpoint is listed or draining.
 use super::*;
 
 /// The backend ids of one service port, by endpoint, sorted: a port has a few endpoints, where a
 /// hash map's table would take several times their size (megabytes at 30k Services).
-#[derive(Default)]
-pub(super) struct PortIds(Vec<(Backend, u32)>);
+pub(super) struct PortIds<A>(Vec<(Backend<A>, u32)>);
 
-impl PortIds {
-    pub(super) fn find(&self, b: &Backend) -> Result<usize, usize> {
+impl<A> Default for PortIds<A> {
+    fn default() -> Self {
+        Self(Vec::new())
+    }
+}
+
+impl<A: Addr> PortIds<A> {
+    pub(super) fn find(&self, b: &Backend<A>) -> Result<usize, usize> {
         self.0.binary_search_by(|(x, _)| x.cmp(b))
     }
 
-    pub(super) fn get(&self, b: &Backend) -> Option<u32> {
+    pub(super) fn get(&self, b: &Backend<A>) -> Option<u32> {
         self.find(b).ok().map(|i| self.0[i].1)
     }
 
-    pub(super) fn insert(&mut self, b: Backend, id: u32) {
+    pub(super) fn insert(&mut self, b: Backend<A>, id: u32) {
         match self.find(&b) {
             Ok(i) => self.0[i].1 = id,
             Err(i) => self.0.insert(i, (b, id)),
         }
     }
 
-    pub(super) fn remove(&mut self, b: &Backend) {
+    pub(super) fn remove(&mut self, b: &Backend<A>) {
         if let Ok(i) = self.find(b) {
             self.0.remove(i);
         }
@@ -33,13 +38,13 @@ impl PortIds {
         self.0.is_empty()
     }
 
-    pub(super) fn iter(&self) -> impl Iterator<Item = (Backend, u32)> + '_ {
+    pub(super) fn iter(&self) -> impl Iterator<Item = (Backend<A>, u32)> + '_ {
         self.0.iter().copied()
     }
 }
 
-pub(super) struct IdState {
-    pub(super) backend: Backend,
+pub(super) struct IdState<A> {
+    pub(super) backend: Backend<A>,
     /// None: recovered from the pinned maps and not yet claimed by a port.
     pub(super) owner: Option<ServicePortName>,
     /// Flagged draining in the map: no new flows, established TCP connections stay.
@@ -49,10 +54,10 @@ pub(super) struct IdState {
 /// Ids reserved in `agent_state` at a time: one map write per this many new backends.
 pub(super) const ID_BLOCK: u32 = 1024;
 
-impl MapWriter {
+impl<A: FamilyMaps> FamilyWriter<A> {
     /// The id `b` already has in `spn`: its own, or, right after a restart, the id that the
     /// slots `old` of a recovered frontend give that endpoint.
-    pub(super) fn id_of(&self, spn: &ServicePortName, old: &[u32], b: &Backend) -> Option<u32> {
+    pub(super) fn id_of(&self, spn: &ServicePortName, old: &[u32], b: &Backend<A>) -> Option<u32> {
         if let Some(id) = self.ids.get(spn).and_then(|ids| ids.get(b)) {
             return Some(id);
         }
@@ -69,7 +74,7 @@ impl MapWriter {
         &mut self,
         spn: &ServicePortName,
         old: &[u32],
-        b: &Backend,
+        b: &Backend<A>,
     ) -> anyhow::Result<u32> {
         if let Some(id) = self.id_of(spn, old, b) {
             if self.by_id[&id].drain.is_some() {
@@ -90,7 +95,7 @@ impl MapWriter {
         if id >= self.reserved_until {
             let until = id.saturating_add(ID_BLOCK);
             self.agent_state
-                .set(AGENT_STATE_NEXT_BACKEND_ID, u64::from(until), 0)
+                .set(A::NEXT_BACKEND_ID, u64::from(until), 0)
                 .context("reserving backend ids")?;
             self.reserved_until = until;
         }

@@ -23,7 +23,7 @@ mod tables;
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr},
+    net::IpAddr,
     time::{Duration, Instant},
 };
 
@@ -31,15 +31,16 @@ use anyhow::{Context, anyhow};
 use aya::{
     Ebpf,
     maps::{
-        Array, HashMap as BpfHashMap, IterableMap, MapData, MapError,
+        Array, HashMap as BpfHashMap, IterableMap, Map, MapData, MapError,
         lpm_trie::{Key as LpmKey, LpmTrie},
     },
 };
 use proxy_common::{
-    AGENT_STATE_NEXT_BACKEND_ID, BACKEND_DRAINING, Backend, Be32, CONFIG_MAGLEV_TABLE_SIZE,
-    IPPROTO_UDP, MAGLEV_CHUNK, MAP_AGENT_STATE, MAP_BACKENDS, MAP_CONFIG, MAP_MAGLEV, MAP_SERVICES,
-    MAP_SOURCE_RANGES, MaglevChunk, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
-    SERVICE_MAGLEV, ServiceKey, ServiceValue, SourceRangeKey,
+    AGENT_STATE_NEXT_BACKEND_ID, AGENT_STATE_NEXT_BACKEND_ID6, Addr, BACKEND_DRAINING, Backend,
+    Be32, Be128, CONFIG_MAGLEV_TABLE_SIZE, IPPROTO_UDP, MAGLEV_CHUNK, MAP_AGENT_STATE,
+    MAP_BACKENDS, MAP_BACKENDS6, MAP_CONFIG, MAP_MAGLEV, MAP_MAGLEV6, MAP_SERVICES, MAP_SERVICES6,
+    MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, SERVICE_DRAINING, SERVICE_EXTERNAL,
+    SERVICE_LOAD_BALANCER, SERVICE_MAGLEV, ServiceKey, ServiceValue, SourceRangeKey,
 };
 
 use foldhash::{HashMap, HashSet};
@@ -82,14 +83,99 @@ impl Default for WriterConfig {
     }
 }
 
+/// The maps of one address family the writer programs, by name, and where its next backend id
+/// is kept in AGENT_STATE (each family's ids are its own: its conntrack names them).
+pub trait FamilyMaps: Addr {
+    const SERVICES: &'static str;
+    const BACKENDS: &'static str;
+    const MAGLEV: &'static str;
+    const SOURCE_RANGES: &'static str;
+    const NEXT_BACKEND_ID: u32;
+}
+
+impl FamilyMaps for Be32 {
+    const SERVICES: &'static str = MAP_SERVICES;
+    const BACKENDS: &'static str = MAP_BACKENDS;
+    const MAGLEV: &'static str = MAP_MAGLEV;
+    const SOURCE_RANGES: &'static str = MAP_SOURCE_RANGES;
+    const NEXT_BACKEND_ID: u32 = AGENT_STATE_NEXT_BACKEND_ID;
+}
+
+impl FamilyMaps for Be128 {
+    const SERVICES: &'static str = MAP_SERVICES6;
+    const BACKENDS: &'static str = MAP_BACKENDS6;
+    const MAGLEV: &'static str = MAP_MAGLEV6;
+    const SOURCE_RANGES: &'static str = MAP_SOURCE_RANGES6;
+    const NEXT_BACKEND_ID: u32 = AGENT_STATE_NEXT_BACKEND_ID6;
+}
+
+/// The writer of both families' maps: a Service port's IPv4 frontends and endpoints go to the
+/// IPv4 maps, its IPv6 ones to the IPv6 maps, as kube-proxy runs one proxier a family.
 pub struct MapWriter {
-    services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
-    backends: BpfHashMap<MapData, u32, Backend>,
+    v4: FamilyWriter<Be32>,
+    v6: FamilyWriter<Be128>,
+}
+
+impl MapWriter {
+    /// Takes both families' maps out of the loaded object (see [`FamilyWriter::take_from`]).
+    pub fn take_from(ebpf: &mut Ebpf, config: WriterConfig) -> anyhow::Result<Self> {
+        Ok(Self {
+            v4: FamilyWriter::take_from(ebpf, config)?,
+            v6: FamilyWriter::take_from(ebpf, config)?,
+        })
+    }
+
+    /// Programs `scope` of `state` in both families' maps; one family's failure does not stop
+    /// the other's.
+    pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
+        let v4 = self.v4.sync(state, scope);
+        let v6 = self.v6.sync(state, scope);
+        match (v4, v6) {
+            (Ok(()), r) | (r, Ok(())) => r,
+            (Err(a), Err(b)) => {
+                let message = format!("IPv4: {a:#}; IPv6: {b:#}");
+                match a.is::<NotProgrammable>() && b.is::<NotProgrammable>() {
+                    true => Err(NotProgrammable(message).into()),
+                    false => Err(anyhow!(message)),
+                }
+            }
+        }
+    }
+
+    /// Whether a UDP endpoint of either family has left a service port since
+    /// [`Self::udp_departures_handled`].
+    pub fn udp_departed(&self) -> bool {
+        self.v4.udp_departed || self.v6.udp_departed
+    }
+
+    pub fn udp_departures_handled(&mut self) {
+        self.v4.udp_departed = false;
+        self.v6.udp_departed = false;
+    }
+
+    /// Every (frontend address, port, endpoint address, port) of UDP through which new flows
+    /// may go now, both families: a NodePort's frontend address is unspecified.
+    pub fn udp_routes(&self) -> HashSet<(IpAddr, u16, IpAddr, u16)> {
+        let mut routes = self.v4.udp_routes();
+        routes.extend(self.v6.udp_routes());
+        routes
+    }
+
+    pub(crate) fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
+        self.v4.expire(now)?;
+        self.v6.expire(now)
+    }
+}
+
+/// The writer of one address family's maps (`A`: `Be32` for IPv4, `Be128` for IPv6).
+pub struct FamilyWriter<A: FamilyMaps> {
+    services: BpfHashMap<MapData, ServiceKey<A>, ServiceValue>,
+    backends: BpfHashMap<MapData, u32, Backend<A>>,
     services_max: usize,
     backends_max: usize,
     drain_period: Duration,
     lb_algorithm: LbAlgorithm,
-    maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
+    maglev: BpfHashMap<MapData, ServiceKey<A>, MaglevChunk>,
     maglev_table_size: u32,
     /// The size the pinned tables were made for, while it is not `maglev_table_size`: the
     /// programs index with it (the CONFIG map) until a full sync has rewritten every table,
@@ -102,18 +188,18 @@ pub struct MapWriter {
     /// A UDP endpoint has left a service port since [`Self::udp_departures_handled`].
     udp_departed: bool,
     /// What the services map holds, by frontend.
-    frontends: HashMap<Frontend, Programmed>,
+    frontends: HashMap<Frontend<A>, Programmed>,
     /// When the first draining frontend's period ends (None: none drains).
     frontend_expiry: Option<Instant>,
     /// Which frontends each service port put there.
-    owners: HashMap<ServicePortName, Vec<Frontend>>,
+    owners: HashMap<ServicePortName, Vec<Frontend<A>>>,
     /// Entries of the services map, counted (heads, draining ones included, and slots).
     used_slots: usize,
     /// Backend ids of each service port, by endpoint. Ids come from a counter, are not reused
     /// soon, and belong to one port, so the draining flag of an id says whether that endpoint
     /// is still in that port, and a conntrack entry never finds a different backend.
-    ids: HashMap<ServicePortName, PortIds>,
-    by_id: HashMap<u32, IdState>,
+    ids: HashMap<ServicePortName, PortIds<A>>,
+    by_id: HashMap<u32, IdState<A>>,
     /// When the first draining backend's period ends (None: none drains for a period).
     backend_expiry: Option<Instant>,
     next_id: u32,
@@ -122,12 +208,12 @@ pub struct MapWriter {
     /// that dies mid-sync never lets its successor reuse one.
     reserved_until: u32,
     agent_state: Array<MapData, u64>,
-    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey<A>, u8>,
     /// The source ranges written for each frontend.
-    ranges: HashMap<Frontend, Vec<(Ipv4Addr, u8)>>,
+    ranges: HashMap<Frontend<A>, Vec<(IpAddr, u8)>>,
     /// During a sync's first phase: the writes to the services and backends maps, held back to
     /// be made a batch at a time (see [`Self::flush`]).
-    batch: Option<Batch>,
+    batch: Option<Batch<A>>,
     /// A batch failed and reading the maps back failed too: what is recorded above may not be
     /// what the maps hold, so nothing is written or expired until they are read back.
     unknown: bool,
@@ -149,15 +235,25 @@ struct Programmed {
 }
 
 /// Writes held back, in the order they were asked for.
-#[derive(Default)]
-struct Batch {
+struct Batch<A> {
     backend_ids: Vec<u32>,
-    backends: Vec<Backend>,
-    service_keys: Vec<ServiceKey>,
+    backends: Vec<Backend<A>>,
+    service_keys: Vec<ServiceKey<A>>,
     services: Vec<ServiceValue>,
 }
 
-impl Batch {
+impl<A> Default for Batch<A> {
+    fn default() -> Self {
+        Self {
+            backend_ids: Vec::new(),
+            backends: Vec::new(),
+            service_keys: Vec::new(),
+            services: Vec::new(),
+        }
+    }
+}
+
+impl<A> Batch<A> {
     /// Writes a batch holds before it is made: enough that system calls cost little, few enough
     /// that the batch costs no memory to speak of.
     const SIZE: usize = 8192;
@@ -177,20 +273,10 @@ impl Batch {
 /// A slot whose id a damaged map lost: never an id (ids start at 1), so it is rewritten.
 const LOST: u32 = 0;
 
-impl MapWriter {
-    /// Whether a UDP endpoint has left a service port (flagged draining) since
-    /// [`Self::udp_departures_handled`].
-    pub fn udp_departed(&self) -> bool {
-        self.udp_departed
-    }
-
-    pub fn udp_departures_handled(&mut self) {
-        self.udp_departed = false;
-    }
-
+impl<A: FamilyMaps> FamilyWriter<A> {
     /// Every (frontend address, port, endpoint address, port) of UDP through which new flows
-    /// may go now: a NodePort's frontend address is unspecified (0.0.0.0).
-    pub fn udp_routes(&self) -> HashSet<(Ipv4Addr, u16, Ipv4Addr, u16)> {
+    /// may go now: a NodePort's frontend address is unspecified.
+    fn udp_routes(&self) -> HashSet<(IpAddr, u16, IpAddr, u16)> {
         let mut routes = HashSet::default();
         for (fe, programmed) in &self.frontends {
             if fe.proto != IPPROTO_UDP {
@@ -202,12 +288,7 @@ impl MapWriter {
                 };
                 if state.drain.is_none() {
                     let b = state.backend;
-                    routes.insert((
-                        Ipv4Addr::from(fe.addr.octets()),
-                        fe.port.get(),
-                        Ipv4Addr::from(b.addr.octets()),
-                        b.port.get(),
-                    ));
+                    routes.insert((fe.addr.ip(), fe.port.get(), b.addr.ip(), b.port.get()));
                 }
             }
         }
@@ -237,7 +318,7 @@ impl MapWriter {
         for spn in &ports {
             let old = self.owners.remove(spn).unwrap_or_default();
             let mut owned = Vec::new();
-            for wanted in plan::frontends(state, spn, self.lb_algorithm) {
+            for wanted in plan::frontends::<A>(state, spn, self.lb_algorithm) {
                 let fe = wanted.fe;
                 // Some frontends need their writes made at once: after what is held back.
                 let direct = self.writes_directly(&wanted);
@@ -331,7 +412,7 @@ impl MapWriter {
     /// services and backends maps around it: slots to delete (it shrinks; held back, their
     /// deletion could overtake a later write of the same frontend, and would free room only
     /// after the batch), a Maglev table, or source ranges (now, or to remove).
-    fn writes_directly(&self, wanted: &FrontendPlan) -> bool {
+    fn writes_directly(&self, wanted: &FrontendPlan<A>) -> bool {
         let maglev = |head: &ServiceValue| head.flags & SERVICE_MAGLEV != 0;
         let programmed = self.frontends.get(&wanted.fe);
         wanted.backends.len() < programmed.map_or(0, |p| p.slots.len())
@@ -373,7 +454,7 @@ impl MapWriter {
     }
 
     /// Writes backend `id`, or holds the write back for [`Self::flush`].
-    fn write_backend(&mut self, id: u32, b: &Backend) -> anyhow::Result<()> {
+    fn write_backend(&mut self, id: u32, b: &Backend<A>) -> anyhow::Result<()> {
         match &mut self.batch {
             Some(batch) => {
                 batch.backend_ids.push(id);
@@ -388,7 +469,7 @@ impl MapWriter {
     }
 
     /// Writes `value` at `key` in the services map, or holds the write back.
-    fn write_service(&mut self, key: ServiceKey, value: ServiceValue) -> anyhow::Result<()> {
+    fn write_service(&mut self, key: ServiceKey<A>, value: ServiceValue) -> anyhow::Result<()> {
         match &mut self.batch {
             Some(batch) => {
                 batch.service_keys.push(key);
@@ -405,14 +486,14 @@ impl MapWriter {
         }
     }
 
-    fn owned_by(&self, spn: &ServicePortName, fe: &Frontend) -> bool {
+    fn owned_by(&self, spn: &ServicePortName, fe: &Frontend<A>) -> bool {
         self.owners.get(spn).is_some_and(|o| o.contains(fe))
     }
 
     /// Makes `wanted.fe` send to `wanted.backends` (the endpoints of `spn`), in that slot order,
     /// with `wanted.head` (its flags) in slot 0, admitting only its source ranges if it has
     /// some. On failure, the maps keep serving what the frontend had before.
-    fn program(&mut self, spn: &ServicePortName, wanted: &FrontendPlan) -> anyhow::Result<()> {
+    fn program(&mut self, spn: &ServicePortName, wanted: &FrontendPlan<A>) -> anyhow::Result<()> {
         let (fe, head, backends) = (&wanted.fe, wanted.head, wanted.backends.as_slice());
         if backends.len() > usize::from(u16::MAX) {
             return Err(NotProgrammable(format!(
@@ -503,7 +584,7 @@ impl MapWriter {
     /// `old_head`.
     fn write_slots(
         &mut self,
-        fe: &Frontend,
+        fe: &Frontend<A>,
         old: &[u32],
         ids: &[u32],
         old_head: Option<ServiceValue>,
@@ -526,7 +607,7 @@ impl MapWriter {
 
     /// After a failed [`Self::write_slots`]: puts `old` back into the slots the head counts and
     /// deletes the ones beyond it (best effort: the maps are failing already).
-    fn restore_slots(&mut self, fe: &Frontend, old: &[u32], ids: &[u32]) {
+    fn restore_slots(&mut self, fe: &Frontend<A>, old: &[u32], ids: &[u32]) {
         for (i, id) in ids.iter().enumerate() {
             let key = ServiceKey {
                 slot: i as u16 + 1,
@@ -546,7 +627,7 @@ impl MapWriter {
         }
     }
 
-    fn remove_slot(&mut self, key: &ServiceKey) -> anyhow::Result<()> {
+    fn remove_slot(&mut self, key: &ServiceKey<A>) -> anyhow::Result<()> {
         match self.services.remove(key) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(e) => {

@@ -3,25 +3,32 @@
 use super::*;
 
 /// The source ranges the pinned trie holds, by frontend (scope 0: only those have ranges).
-pub(super) fn recover_ranges(
-    trie: &LpmTrie<MapData, SourceRangeKey, u8>,
-) -> anyhow::Result<HashMap<Frontend, Vec<(Ipv4Addr, u8)>>> {
-    let mut out: HashMap<Frontend, Vec<(Ipv4Addr, u8)>> = HashMap::default();
+pub(super) fn recover_ranges<A: Addr>(
+    trie: &LpmTrie<MapData, SourceRangeKey<A>, u8>,
+) -> anyhow::Result<HashMap<Frontend<A>, Vec<(IpAddr, u8)>>> {
+    let mut out: HashMap<Frontend<A>, Vec<(IpAddr, u8)>> = HashMap::default();
     for key in trie.keys() {
         let key = key.context("listing the source ranges")?;
         let data = key.data();
         let fe = ServiceKey::new(data.addr, data.port, data.proto, 0);
         let len = key
             .prefix_len()
-            .saturating_sub(<SourceRangeKey>::FRONTEND_BITS) as u8;
-        out.entry(fe)
-            .or_default()
-            .push((Ipv4Addr::from(data.source.octets()), len));
+            .saturating_sub(SourceRangeKey::<A>::FRONTEND_BITS) as u8;
+        out.entry(fe).or_default().push((data.source.ip(), len));
     }
     Ok(out)
 }
 
-impl MapWriter {
+/// A handle of its own on the loaded object's array `name`, which stays in the object.
+fn shared(ebpf: &Ebpf, name: &str) -> anyhow::Result<Map> {
+    let Some(Map::Array(data)) = ebpf.map(name) else {
+        return Err(anyhow!("map {name} missing"));
+    };
+    let id = data.info()?.id();
+    Ok(Map::Array(MapData::from_id(id)?))
+}
+
+impl<A: FamilyMaps> FamilyWriter<A> {
     /// Takes the maps out of the loaded object and recovers what an earlier agent left in them
     /// (ids stay stable across restarts, so established flows keep their backend).
     pub fn take_from(ebpf: &mut Ebpf, config: WriterConfig) -> anyhow::Result<Self> {
@@ -31,12 +38,14 @@ impl MapWriter {
             ebpf.take_map(name)
                 .with_context(|| format!("map {name} missing"))
         };
-        let services: BpfHashMap<_, ServiceKey, ServiceValue> = take(MAP_SERVICES)?.try_into()?;
-        let backends: BpfHashMap<_, u32, Backend> = take(MAP_BACKENDS)?.try_into()?;
-        let agent_state: Array<_, u64> = take(MAP_AGENT_STATE)?.try_into()?;
-        let maglev: BpfHashMap<_, ServiceKey, MaglevChunk> = take(MAP_MAGLEV)?.try_into()?;
-        let source_ranges: LpmTrie<_, SourceRangeKey, u8> = take(MAP_SOURCE_RANGES)?.try_into()?;
-        let mut settings: Array<_, u32> = take(MAP_CONFIG)?.try_into()?;
+        let services: BpfHashMap<_, ServiceKey<A>, ServiceValue> = take(A::SERVICES)?.try_into()?;
+        let backends: BpfHashMap<_, u32, Backend<A>> = take(A::BACKENDS)?.try_into()?;
+        let maglev: BpfHashMap<_, ServiceKey<A>, MaglevChunk> = take(A::MAGLEV)?.try_into()?;
+        let source_ranges: LpmTrie<_, SourceRangeKey<A>, u8> =
+            take(A::SOURCE_RANGES)?.try_into()?;
+        // Shared by both families' writers: a handle of each one's own.
+        let agent_state: Array<_, u64> = shared(ebpf, MAP_AGENT_STATE)?.try_into()?;
+        let mut settings: Array<_, u32> = shared(ebpf, MAP_CONFIG)?.try_into()?;
         let pinned_size = settings.get(&CONFIG_MAGLEV_TABLE_SIZE, 0)?;
         let stale = pinned_size != 0 && pinned_size != config.maglev_table_size;
         if !stale {
@@ -56,11 +65,11 @@ impl MapWriter {
     }
 
     pub(super) fn recover(
-        services: BpfHashMap<MapData, ServiceKey, ServiceValue>,
-        backends: BpfHashMap<MapData, u32, Backend>,
+        services: BpfHashMap<MapData, ServiceKey<A>, ServiceValue>,
+        backends: BpfHashMap<MapData, u32, Backend<A>>,
         agent_state: Array<MapData, u64>,
-        maglev: BpfHashMap<MapData, ServiceKey, MaglevChunk>,
-        source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+        maglev: BpfHashMap<MapData, ServiceKey<A>, MaglevChunk>,
+        source_ranges: LpmTrie<MapData, SourceRangeKey<A>, u8>,
         settings: Array<MapData, u32>,
         config: WriterConfig,
     ) -> anyhow::Result<Self> {
@@ -117,8 +126,8 @@ impl MapWriter {
                 },
             );
         }
-        let keys: Vec<ServiceKey> = self.services.keys().collect::<Result<_, _>>()?;
-        let mut frontends: HashMap<Frontend, Programmed> = HashMap::default();
+        let keys: Vec<ServiceKey<A>> = self.services.keys().collect::<Result<_, _>>()?;
+        let mut frontends: HashMap<Frontend<A>, Programmed> = HashMap::default();
         let mut used_slots = 0;
         let mut damaged = 0;
         for key in keys.iter().filter(|k| k.slot == 0) {
@@ -170,7 +179,7 @@ impl MapWriter {
         }
         // Never below an id still in the maps, nor below one handed out before (conntrack may
         // name it although its backend is gone).
-        let saved = self.agent_state.get(&AGENT_STATE_NEXT_BACKEND_ID, 0)? as u32;
+        let saved = self.agent_state.get(&A::NEXT_BACKEND_ID, 0)? as u32;
         let after_max = by_id.keys().max().map_or(1, |m| m.wrapping_add(1));
         let next_id = saved.max(after_max).max(self.next_id).max(1);
         if !frontends.is_empty() {

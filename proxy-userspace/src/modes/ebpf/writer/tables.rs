@@ -2,37 +2,35 @@
 use super::*;
 
 /// The source-range trie's key for `range` of frontend `fe`.
-pub(super) fn range_key(fe: &Frontend, (addr, len): (Ipv4Addr, u8)) -> LpmKey<SourceRangeKey> {
+pub(super) fn range_key<A: Addr>(
+    fe: &Frontend<A>,
+    (addr, len): (IpAddr, u8),
+) -> LpmKey<SourceRangeKey<A>> {
     LpmKey::new(
-        <SourceRangeKey>::FRONTEND_BITS + u32::from(len),
+        SourceRangeKey::<A>::FRONTEND_BITS + u32::from(len),
         SourceRangeKey {
             addr: fe.addr,
             port: fe.port,
             proto: fe.proto,
             pad: 0,
-            source: Be32::from_octets(addr.octets()),
+            // The plan gives each family's writer its own family's ranges.
+            source: A::from_ip(addr).unwrap_or_default(),
         },
     )
 }
 
-impl MapWriter {
+impl<A: FamilyMaps> FamilyWriter<A> {
     /// Writes the Maglev table of `fe` for `backends` (with these `ids`), in chunks.
     pub(super) fn write_maglev(
         &mut self,
-        fe: &Frontend,
-        backends: &[Backend],
+        fe: &Frontend<A>,
+        backends: &[Backend<A>],
         ids: &[u32],
     ) -> anyhow::Result<()> {
         let members: Vec<maglev::MaglevBackend> = backends
             .iter()
             .zip(ids)
-            .map(|(b, id)| {
-                maglev::MaglevBackend::new(
-                    IpAddr::V4(Ipv4Addr::from(b.addr.octets())),
-                    b.port.get(),
-                    *id,
-                )
-            })
+            .map(|(b, id)| maglev::MaglevBackend::new(b.addr.ip(), b.port.get(), *id))
             .collect();
         let table = maglev::table(&members, self.maglev_table_size)?;
         for (i, part) in table.chunks(MAGLEV_CHUNK).enumerate() {
@@ -61,12 +59,12 @@ impl MapWriter {
         self.remove_maglev_chunks(fe, table.len().div_ceil(MAGLEV_CHUNK))
     }
 
-    pub(super) fn remove_maglev(&mut self, fe: &Frontend) -> anyhow::Result<()> {
+    pub(super) fn remove_maglev(&mut self, fe: &Frontend<A>) -> anyhow::Result<()> {
         self.remove_maglev_chunks(fe, 0)
     }
 
     /// Deletes `fe`'s chunks from `first` on, of a table of either size.
-    fn remove_maglev_chunks(&mut self, fe: &Frontend, first: usize) -> anyhow::Result<()> {
+    fn remove_maglev_chunks(&mut self, fe: &Frontend<A>, first: usize) -> anyhow::Result<()> {
         let size = self
             .maglev_table_size
             .max(self.maglev_pinned_size.unwrap_or(0));
@@ -90,9 +88,9 @@ impl MapWriter {
     /// to hold both, so that what a failure leaves in the trie is removed by a later sync.
     pub(super) fn write_ranges(
         &mut self,
-        fe: &Frontend,
-        wanted: &[(Ipv4Addr, u8)],
-    ) -> anyhow::Result<Vec<(Ipv4Addr, u8)>> {
+        fe: &Frontend<A>,
+        wanted: &[(IpAddr, u8)],
+    ) -> anyhow::Result<Vec<(IpAddr, u8)>> {
         if wanted.is_empty() && !self.ranges.contains_key(fe) {
             return Ok(Vec::new()); // most frontends: none wanted, none held
         }
@@ -122,7 +120,7 @@ impl MapWriter {
     }
 
     /// After slot 0 and [`Self::remove_ranges`]: `fe` holds `wanted` only.
-    pub(super) fn ranges_written(&mut self, fe: &Frontend, wanted: &[(Ipv4Addr, u8)]) {
+    pub(super) fn ranges_written(&mut self, fe: &Frontend<A>, wanted: &[(IpAddr, u8)]) {
         if wanted.is_empty() {
             self.ranges.remove(fe);
         } else {
@@ -132,8 +130,8 @@ impl MapWriter {
 
     pub(super) fn remove_ranges(
         &mut self,
-        fe: &Frontend,
-        ranges: &[(Ipv4Addr, u8)],
+        fe: &Frontend<A>,
+        ranges: &[(IpAddr, u8)],
     ) -> anyhow::Result<()> {
         for range in ranges {
             match self.source_ranges.remove(&range_key(fe, *range)) {

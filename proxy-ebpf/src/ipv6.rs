@@ -1,0 +1,320 @@
+//! IPv6 packets: their TCP/UDP flow, through extension headers, and the rewrite of an address
+//! and port. IPv6 has no header checksum: only the TCP/UDP checksum, whose pseudo-header covers
+//! the addresses, is updated. Neighbour discovery, router advertisements and every other
+//! ICMPv6 message are no flow: they pass untouched.
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_UNSPEC},
+    helpers::bpf_skb_change_tail,
+    programs::TcContext,
+};
+use proxy_common::{
+    Be16, Be32, Be128, CtKey, FragKey6, FragValue, IPPROTO_TCP, IPPROTO_UDP, seq_hint,
+};
+
+use crate::{
+    maps::FRAGMENTS6,
+    packet::{Drop, ETH_HLEN, ETH_P_IPV6, End, FAILED, Flow, Fragment, Sum, read, send_back},
+    reject,
+};
+
+/// The fixed IPv6 header's length, and where it puts the addresses.
+const IPV6_HLEN: usize = 40;
+const IPV6_MIN: usize = ETH_HLEN + IPV6_HLEN;
+const SADDR_OFF: usize = ETH_HLEN + 8;
+const DADDR_OFF: usize = ETH_HLEN + 24;
+
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+const NEXTHDR_ICMP: u8 = 58;
+/// Extension headers walked before the L4 header; a packet with more passes untouched (RFC 8200
+/// orders them: hop-by-hop, destination options, routing, fragment, then AH and destination
+/// options again).
+const MAX_EXT_HEADERS: usize = 6;
+/// The fragment header's offset field: the offset in 8-byte units, then two reserved bits and
+/// the more-fragments flag.
+const FRAG_OFFSET_MASK: u16 = 0xfff8;
+const FRAG_MORE: u16 = 0x0001;
+/// Longest header run pulled into the linear data at once: Ethernet, IPv6, a TCP header (a
+/// packet with extension headers is read through the helpers past them).
+const MAX_HDR: usize = IPV6_MIN + 20;
+
+/// Reads the 5-tuple of an IPv6 TCP/UDP packet, past its extension headers. As for IPv4
+/// (`packet::parse`): a fragment after the first gets its first fragment's ports from
+/// FRAGMENTS6, and anything that is not TCP/UDP (ICMPv6 included), malformed or truncated is
+/// `None`: not ours, it passes untouched.
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Option<Flow<Be128>> {
+    let len = ctx.len() as usize;
+    let wanted = core::cmp::min(len, MAX_HDR);
+    if ctx.data() + wanted > ctx.data_end() {
+        ctx.pull_data(wanted as u32).ok()?;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + IPV6_MIN > end {
+        return None;
+    }
+    let eth_proto = Be16::from_raw(unsafe { read::<u16>(data + 12) });
+    let ver: u8 = unsafe { read(data + ETH_HLEN) };
+    if eth_proto.get() != ETH_P_IPV6 || ver >> 4 != 6 {
+        return None;
+    }
+    let payload_len = Be16::from_raw(unsafe { read::<u16>(data + ETH_HLEN + 4) }).get() as usize;
+    let mut next: u8 = unsafe { read(data + ETH_HLEN + 6) };
+    let saddr = Be128::from_raw(unsafe { read::<[u32; 4]>(data + SADDR_OFF) });
+    let daddr = Be128::from_raw(unsafe { read::<[u32; 4]>(data + DADDR_OFF) });
+    // A jumbogram (payload length 0, the length in a hop-by-hop option) is not ours either.
+    if payload_len == 0 || len < IPV6_MIN + payload_len {
+        return None;
+    }
+    let mut l4_off = IPV6_MIN;
+    // The fragment header's offset field and identification, if there is one (plain
+    // variables: an Option's unset payload is a register the verifier refuses to spill).
+    let mut fragmented = false;
+    let (mut frag_field, mut frag_id) = (0u16, 0u32);
+    // Extension headers are rare: read through the helper, whose offset the verifier need not
+    // follow.
+    for _ in 0..MAX_EXT_HEADERS {
+        let ext_len = match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
+                let hdr: [u8; 2] = ctx.load(l4_off).ok()?;
+                next = hdr[0];
+                (usize::from(hdr[1]) + 1) * 8
+            }
+            NEXTHDR_AUTH => {
+                let hdr: [u8; 2] = ctx.load(l4_off).ok()?;
+                next = hdr[0];
+                (usize::from(hdr[1]) + 2) * 4
+            }
+            NEXTHDR_FRAGMENT => {
+                let hdr: [u8; 8] = ctx.load(l4_off).ok()?;
+                next = hdr[0];
+                fragmented = true;
+                frag_field = u16::from_be_bytes([hdr[2], hdr[3]]);
+                frag_id = u32::from_ne_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
+                8
+            }
+            _ => break,
+        };
+        l4_off += ext_len;
+    }
+    let l4_hdr_len = match next {
+        IPPROTO_TCP => 20,
+        IPPROTO_UDP => 8,
+        _ => return None,
+    };
+    let tot_len = IPV6_HLEN + payload_len;
+    let fragment = if !fragmented {
+        Fragment::Whole
+    } else if frag_field & FRAG_OFFSET_MASK != 0 {
+        Fragment::Later
+    } else if frag_field & FRAG_MORE != 0 {
+        Fragment::First
+    } else {
+        // An atomic fragment (RFC 6946: offset 0, no more): a datagram of its own.
+        Fragment::Whole
+    };
+    let mut flow = Flow {
+        key: CtKey {
+            saddr,
+            daddr,
+            sport: Be16::new(0),
+            dport: Be16::new(0),
+            proto: next,
+            pad: [0; 3],
+        },
+        tcp_flags: 0,
+        l4_off,
+        tot_len: tot_len as u16,
+        fragment,
+        frag_id,
+        seq: 0,
+        ack: 0,
+    };
+    if fragment == Fragment::Later {
+        let ports = unsafe { FRAGMENTS6.get(frag_key(&flow)) }?;
+        (flow.key.sport, flow.key.dport) = (ports.sport, ports.dport);
+        return Some(flow);
+    }
+    if tot_len < l4_off - ETH_HLEN + l4_hdr_len {
+        return None;
+    }
+    let (sport, dport, tcp_flags, seq, ack) = if l4_off == IPV6_MIN {
+        // The usual packet: the L4 header at a constant offset, read in place.
+        let l4 = data + IPV6_MIN;
+        let port = |at: usize| Be16::from_raw(unsafe { read::<u16>(at) });
+        if next == IPPROTO_TCP {
+            if l4 + 20 > end {
+                return None;
+            }
+            let hint = |at: usize| seq_hint(Be32::from_raw(unsafe { read::<u32>(at) }).get());
+            let flags = unsafe { read::<u8>(l4 + 13) };
+            (port(l4), port(l4 + 2), flags, hint(l4 + 4), hint(l4 + 8))
+        } else {
+            if l4 + 8 > end {
+                return None;
+            }
+            (port(l4), port(l4 + 2), 0, 0, 0)
+        }
+    } else {
+        let hdr: [u8; 14] = if next == IPPROTO_TCP {
+            ctx.load(l4_off).ok()?
+        } else {
+            let udp: [u8; 8] = ctx.load(l4_off).ok()?;
+            let mut hdr = [0u8; 14];
+            hdr[..8].copy_from_slice(&udp);
+            hdr
+        };
+        let port = |i: usize| Be16::from_raw(u16::from_ne_bytes([hdr[i], hdr[i + 1]]));
+        let hint = |i: usize| {
+            seq_hint(u32::from_be_bytes([
+                hdr[i],
+                hdr[i + 1],
+                hdr[i + 2],
+                hdr[i + 3],
+            ]))
+        };
+        match next {
+            IPPROTO_TCP => (port(0), port(2), hdr[13], hint(4), hint(8)),
+            _ => (port(0), port(2), 0, 0, 0),
+        }
+    };
+    (flow.key.sport, flow.key.dport) = (sport, dport);
+    (flow.tcp_flags, flow.seq, flow.ack) = (tcp_flags, seq, ack);
+    if fragment == Fragment::First {
+        // A failed insert (memory pressure) leaves the later fragments untranslated.
+        let _ = FRAGMENTS6.insert(frag_key(&flow), FragValue { sport, dport }, 0);
+    }
+    Some(flow)
+}
+
+fn frag_key(flow: &Flow<Be128>) -> FragKey6 {
+    FragKey6 {
+        saddr: flow.key.saddr,
+        daddr: flow.key.daddr,
+        id: Be32::from_raw(flow.frag_id),
+        proto: flow.key.proto,
+        pad: [0; 3],
+    }
+}
+
+/// Rewrites the source or destination address and port of `flow`'s packet, updating the
+/// TCP/UDP checksum (its pseudo-header covers the addresses). A fragment after the first has
+/// only its address rewritten: its datagram's checksum and ports are in the first.
+#[inline(always)]
+pub fn rewrite(
+    flow: &mut Flow<Be128>,
+    ctx: &TcContext,
+    at: End,
+    addr: Be128,
+    port: Be16,
+) -> Result<(), Drop> {
+    let (old_addr, old_port, addr_off, port_off) = match at {
+        End::Source => (flow.key.saddr, flow.key.sport, SADDR_OFF, flow.l4_off),
+        End::Destination => (flow.key.daddr, flow.key.dport, DADDR_OFF, flow.l4_off + 2),
+    };
+    let whole = flow.fragment != Fragment::Later;
+    if whole {
+        let csum_off = flow.l4_csum_off();
+        let l4_flags = if flow.key.proto == IPPROTO_TCP {
+            0
+        } else {
+            BPF_F_MARK_MANGLED_0 as u64
+        };
+        let mut sum = Sum::default();
+        let (old, new) = (old_addr.raw(), addr.raw());
+        for i in 0..4 {
+            sum.replace32(old[i], new[i]);
+        }
+        if old_addr != addr {
+            // Size 0: the value is a checksum difference, added as it is (the helper knows
+            // whether the field holds a full checksum or a pseudo-header sum, see rewrite4).
+            ctx.l4_csum_replace(
+                csum_off,
+                0,
+                sum.diff() as u64,
+                l4_flags | BPF_F_PSEUDO_HDR as u64,
+            )
+            .map_err(|_| FAILED)?;
+        }
+        if old_port != port {
+            let (from, to) = (old_port.raw() as u64, port.raw() as u64);
+            ctx.l4_csum_replace(csum_off, from, to, l4_flags | 2)
+                .map_err(|_| FAILED)?;
+            ctx.store(port_off, &port.raw(), 0).map_err(|_| FAILED)?;
+        }
+    }
+    if old_addr != addr {
+        // The helpers above may have moved the data: its bounds are read again.
+        let (data, end) = (ctx.data(), ctx.data_end());
+        if data + IPV6_MIN > end {
+            return Err(FAILED);
+        }
+        // SAFETY: within data..data + IPV6_MIN, checked above.
+        unsafe { ((data + addr_off) as *mut [u32; 4]).write_unaligned(addr.raw()) };
+    }
+    flow.set(at, addr, port);
+    Ok(())
+}
+
+const ICMPV6_HLEN: usize = 8;
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PORT_UNREACH: u8 = 4;
+/// What the reject quotes of the offending packet besides its IPv6 header.
+const QUOTED_L4: usize = 8;
+const ICMP_OFF: usize = IPV6_MIN;
+const QUOTE_OFF: usize = ICMP_OFF + ICMPV6_HLEN;
+const REPLY_LEN: usize = QUOTE_OFF + IPV6_HLEN + QUOTED_L4;
+
+/// Turns `flow`'s packet into an ICMPv6 port unreachable (RFC 4443) from its destination (the
+/// service address) to its source, and sends it back, as `reject::reject` does for IPv4. A
+/// packet with extension headers passes untouched (its quote would not fit this fixed layout).
+/// A function of its own: its buffers need not share the stack frame of the flow's lookups.
+#[inline(never)]
+pub fn reject(ctx: &TcContext) -> Result<i32, Drop> {
+    let next: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| FAILED)?;
+    if next != IPPROTO_TCP && next != IPPROTO_UDP {
+        return Ok(TC_ACT_UNSPEC);
+    }
+    reject::pace()?;
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
+    let offending: [u8; IPV6_HLEN] = ctx.load(ETH_HLEN).map_err(|_| FAILED)?;
+    let l4: [u8; QUOTED_L4] = ctx.load(IPV6_MIN).map_err(|_| FAILED)?;
+    // SAFETY: the helper takes the context's skb and plain integers.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY_LEN as u32, 0) } != 0 {
+        return Err(FAILED);
+    }
+    let mut eth = [0u8; ETH_HLEN];
+    eth[..6].copy_from_slice(&macs[6..]);
+    eth[6..12].copy_from_slice(&macs[..6]);
+    eth[12..].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
+    let payload_len = (REPLY_LEN - IPV6_MIN) as u16;
+    // From the offending packet's destination to its source.
+    let mut addrs = [0u8; 32];
+    addrs[..16].copy_from_slice(&offending[24..40]);
+    addrs[16..].copy_from_slice(&offending[8..24]);
+    let mut ip = [0u8; IPV6_HLEN];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&payload_len.to_be_bytes());
+    ip[6] = NEXTHDR_ICMP;
+    ip[7] = 64; // hop limit
+    ip[8..].copy_from_slice(&addrs);
+    let mut icmp = [0u8; ICMPV6_HLEN];
+    icmp[0] = ICMPV6_DEST_UNREACH;
+    icmp[1] = ICMPV6_PORT_UNREACH;
+    // The pseudo-header: both addresses, the upper-layer length and next header.
+    let pseudo = reject::sum_words(&addrs) + u32::from(payload_len) + u32::from(NEXTHDR_ICMP);
+    let csum = reject::checksum(
+        pseudo + reject::sum_words(&icmp) + reject::sum_words(&offending) + reject::sum_words(&l4),
+    );
+    icmp[2..4].copy_from_slice(&csum.to_be_bytes());
+    ctx.store(0, &eth, 0).map_err(|_| FAILED)?;
+    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| FAILED)?;
+    ctx.store(ICMP_OFF, &icmp, 0).map_err(|_| FAILED)?;
+    ctx.store(QUOTE_OFF, &offending, 0).map_err(|_| FAILED)?;
+    ctx.store(QUOTE_OFF + IPV6_HLEN, &l4, 0)
+        .map_err(|_| FAILED)?;
+    Ok(send_back(ctx))
+}
