@@ -210,6 +210,10 @@ struct AgentArgs {
     /// Size of the conntrack map (two entries per flow; the least recently used are evicted).
     #[arg(long, default_value_t = MapSizes::default().conntrack)]
     bpf_ct_max: u32,
+    /// Size of the IPv6 conntrack map (two entries per IPv6 flow; preallocated, about 144 bytes
+    /// an entry): raise it on IPv6 and dual-stack clusters with many flows.
+    #[arg(long, default_value_t = MapSizes::default().conntrack6)]
+    bpf_ct6_max: u32,
     /// How long an endpoint that left its Service (not ready, terminating, or removed), or a
     /// deleted Service, keeps serving the TCP connections established through it (new
     /// connections and UDP go to the usable endpoints at once). An endpoint still listed in its
@@ -552,6 +556,7 @@ fn start_config(args: &AgentArgs) -> StartConfig {
                 services: args.bpf_services_max,
                 backends: args.bpf_backends_max,
                 conntrack: args.bpf_ct_max,
+                conntrack6: args.bpf_ct6_max,
             },
             writer: WriterConfig {
                 drain_period: args.bpf_drain_period,

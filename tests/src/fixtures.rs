@@ -28,6 +28,7 @@ pub const SMALL: MapSizes = MapSizes {
     services: 1024,
     backends: 1024,
     conntrack: 4096,
+    conntrack6: 4096,
 };
 
 pub fn setup(test: &str, endpoints: &[(Ipv4Addr, u16)]) -> Option<(Programs, DesiredState)> {

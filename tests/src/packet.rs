@@ -275,9 +275,29 @@ pub fn read(frame: &[u8]) -> Seen {
     }
 }
 
+/// The addresses and ports of a TCP/UDP frame of either family (IPv6: without extension
+/// headers): source, source port, destination, destination port.
+pub fn tuple(frame: &[u8]) -> (IpAddr, u16, IpAddr, u16) {
+    if !is_ipv6(frame) {
+        let seen = read(frame);
+        return (seen.src.into(), seen.sport, seen.dst.into(), seen.dport);
+    }
+    let ip = &frame[ETH_HLEN..];
+    let addr = |at: usize| IpAddr::from(<[u8; 16]>::try_from(&ip[at..at + 16]).unwrap());
+    let port = |at: usize| u16::from_be_bytes([ip[at], ip[at + 1]]);
+    (addr(8), port(IPV6_HLEN), addr(24), port(IPV6_HLEN + 2))
+}
+
 /// Panics unless both checksums in `frame` are what a full recomputation gives (a UDP zero
-/// checksum is accepted when `udp_zero` says the sender used none).
+/// checksum is accepted when `udp_zero` says the sender used none). IPv6 has no header
+/// checksum: only the L4 one (a frame without extension headers).
 pub fn assert_checksums(frame: &[u8], udp_zero: bool) {
+    if is_ipv6(frame) {
+        let off = ETH_HLEN + IPV6_HLEN + if frame[ETH_HLEN + 6] == TCP { 16 } else { 6 };
+        let carried = u16::from_be_bytes([frame[off], frame[off + 1]]);
+        assert_eq!(carried, l4_checksum(frame), "L4 checksum wrong");
+        return;
+    }
     let seen = read(frame);
     assert_eq!(
         seen.ip_csum,

@@ -384,18 +384,23 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
     let endpoints = svc
         .endpoints
         .iter()
-        .map(|(ip, port)| Endpoint {
-            ip: IpAddr::V4(*ip),
-            port: *port,
-            ready: true,
-            serving: true,
-            terminating: false,
-            node_name: None,
-            hints: None,
-        })
+        .map(|(ip, port)| ready_endpoint((*ip).into(), *port))
         .collect();
     state.set_endpoints(key.clone(), endpoints);
     key
+}
+
+/// A ready endpoint at `ip`:`port`, on no node.
+pub fn ready_endpoint(ip: IpAddr, port: u16) -> Endpoint {
+    Endpoint {
+        ip,
+        port,
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: None,
+        hints: None,
+    }
 }
 
 /// A service port with frontends for clients outside the node (NodePort, LoadBalancer and

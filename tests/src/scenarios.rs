@@ -1621,10 +1621,7 @@ pub fn run_launched(test: &str, mode_id: &str, shape: Shape, stack: Stack, launc
         // The IPv6 half not served: said in the log, after the first full sync.
         eventually("the agents' warning about IPv6", || {
             let logs: String = world.agents.iter().map(|a| a.log_text()).collect();
-            ensure!(
-                logs.contains("cluster IP, which this mode does not serve yet"),
-                "{logs}"
-            );
+            ensure!(logs.contains("does not serve yet"), "{logs}");
             Ok(())
         })
         .expect("the warning");

@@ -1,11 +1,15 @@
 //! The tc programs under BPF_PROG_TEST_RUN: crafted frames in, verdict and rewritten bytes out,
 //! both checksums checked by recomputing them.
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
 
 use proxy_common::{
     Be16, Be32, CT_FORWARD, CT_NETFILTER, CT_STATE_TCP_ESTABLISHED, CT_STATE_TCP_HALF_CLOSED,
     CT_STATE_TCP_OPENING, CT_STATE_UDP, CtKey, CtValue, DROP_ICMP_RATE_LIMITED,
-    DROP_INVALID_SOURCE, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
+    DROP_INVALID_SOURCE, HAIRPIN_ADDR6, ICMP_ERRORS_BURST, ICMP_ERRORS_PER_SEC,
 };
 
 use proxy_tests::{
@@ -13,7 +17,9 @@ use proxy_tests::{
     fixtures::*,
     packet::{self, ETH_HLEN, Spec, TCP, UDP},
     privileged,
-    programs::{Programs, Svc, TC_ACT_SHOT, TC_ACT_UNSPEC, add_service},
+    programs::{
+        Programs, Svc, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, add_service, ready_endpoint,
+    },
 };
 use proxy_userspace::{
     dataplane::{NotProgrammable, Scope},
@@ -431,6 +437,7 @@ fn a_full_map_fails_clearly_and_keeps_the_rest() {
         services: 8,
         backends: 64,
         conntrack: 64,
+        conntrack6: 64,
     })
     .unwrap();
     let mut state = DesiredState::default();
@@ -1225,4 +1232,264 @@ fn a_connection_left_to_netfilter_passes_untouched_until_a_new_syn() {
     let seen = dnat(&p, &Spec::tcp(client.0, client.1, vip.0, vip.1));
     assert_eq!((seen.dst, seen.dport), (BE1, 8080));
     assert_eq!(ct.get(&key(client, vip), 0).unwrap().direction, CT_FORWARD);
+}
+
+// IPv6: the same programs, on the IPv6 maps.
+
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x10);
+const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x10);
+const BE6_1: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x11);
+const BE6_2: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 0x11);
+
+/// The programs with an IPv6 web (TCP) and dns (UDP) service on [`VIP6`] port 80, and an IPv4
+/// one on [`VIP`] beside them.
+fn setup6(test: &str, endpoints: &[(Ipv6Addr, u16)]) -> Option<Programs> {
+    let (mut p, mut state) = setup(test, &[(BE1, 8080)])?;
+    for (name, protocol) in [("web6", Protocol::Tcp), ("dns6", Protocol::Udp)] {
+        let spn = add_service(
+            &mut state,
+            &Svc {
+                name,
+                vip: Ipv4Addr::UNSPECIFIED,
+                port: 80,
+                protocol,
+                endpoints: &[],
+            },
+        );
+        let mut port = state.port(&spn).unwrap().clone();
+        port.cluster_ips = vec![VIP6.into()];
+        state.insert_port(spn.clone(), port);
+        let endpoints = endpoints
+            .iter()
+            .map(|(ip, port)| ready_endpoint((*ip).into(), *port))
+            .collect();
+        state.set_endpoints(spn, endpoints);
+    }
+    p.program(&state).expect("programming the maps");
+    Some(p)
+}
+
+/// Runs ingress on an IPv6 frame to [`VIP6`]: passed on, the same length, its destination
+/// rewritten, its source kept, its checksum right; the new destination.
+fn dnat6(p: &Programs, spec: &Spec) -> (IpAddr, u16) {
+    let frame = spec.build();
+    let (verdict, out) = p.run("tc_ingress", &frame);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(out.len(), frame.len(), "length must not change");
+    let (src, sport, dst, dport) = packet::tuple(&out);
+    assert_eq!(
+        (src, sport),
+        (spec.src, spec.sport),
+        "source must not change"
+    );
+    packet::assert_checksums(&out, false);
+    (dst, dport)
+}
+
+#[test]
+fn ipv6_flows_are_translated_both_ways_with_valid_checksums() {
+    let Some(p) = setup6(
+        "ipv6_flows_are_translated_both_ways_with_valid_checksums",
+        &[(BE6_1, 8080)],
+    ) else {
+        return;
+    };
+    for spec in [
+        Spec::tcp(CLIENT6, 40000, VIP6, 80),
+        Spec::udp(CLIENT6, 40000, VIP6, 80),
+    ] {
+        assert_eq!(dnat6(&p, &spec), (BE6_1.into(), 8080), "{spec:?}");
+        // The next packet of the flow follows it.
+        assert_eq!(dnat6(&p, &spec), (BE6_1.into(), 8080), "{spec:?}");
+        let reply = Spec {
+            src: BE6_1.into(),
+            sport: 8080,
+            dst: spec.src,
+            dport: spec.sport,
+            tcp_flags: 0x12,
+            ..spec.clone()
+        }
+        .build();
+        let (verdict, out) = p.run("tc_egress", &reply);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(
+            packet::tuple(&out),
+            (VIP6.into(), 80, CLIENT6.into(), 40000),
+            "{spec:?}"
+        );
+        packet::assert_checksums(&out, false);
+    }
+    // The IPv4 service beside it is untouched by IPv6's maps.
+    assert_eq!(dnat(&p, &Spec::tcp(CLIENT, 40000, VIP, 80)).dst, BE1);
+}
+
+#[test]
+fn ipv6_new_flows_spread_over_the_endpoints() {
+    let Some(p) = setup6(
+        "ipv6_new_flows_spread_over_the_endpoints",
+        &[(BE6_1, 8080), (BE6_2, 8080)],
+    ) else {
+        return;
+    };
+    let seen: BTreeSet<IpAddr> = (0..64)
+        .map(|i| dnat6(&p, &Spec::tcp(CLIENT6, 41000 + i, VIP6, 80)).0)
+        .collect();
+    assert_eq!(seen, BTreeSet::from([BE6_1.into(), BE6_2.into()]));
+}
+
+/// An 8-byte destination options header (PadN only) inserted after the IPv6 header of `frame`.
+fn with_destination_options(frame: &[u8]) -> Vec<u8> {
+    let ip = ETH_HLEN;
+    let mut f = frame[..ip + 40].to_vec();
+    let next = f[ip + 6];
+    f[ip + 6] = 60;
+    let len = u16::from_be_bytes([f[ip + 4], f[ip + 5]]) + 8;
+    f[ip + 4..ip + 6].copy_from_slice(&len.to_be_bytes());
+    f.extend_from_slice(&[next, 0, 1, 4, 0, 0, 0, 0]);
+    f.extend_from_slice(&frame[ip + 40..]);
+    f
+}
+
+/// `frame` with the 8-byte extension header after its IPv6 header taken out again.
+fn without_extension_header(frame: &[u8]) -> Vec<u8> {
+    let ip = ETH_HLEN;
+    let mut f = frame[..ip + 40].to_vec();
+    f[ip + 6] = frame[ip + 40];
+    let len = u16::from_be_bytes([f[ip + 4], f[ip + 5]]) - 8;
+    f[ip + 4..ip + 6].copy_from_slice(&len.to_be_bytes());
+    f.extend_from_slice(&frame[ip + 48..]);
+    f
+}
+
+#[test]
+fn ipv6_extension_headers_and_fragments_are_followed() {
+    let Some(p) = setup6(
+        "ipv6_extension_headers_and_fragments_are_followed",
+        &[(BE6_1, 8080)],
+    ) else {
+        return;
+    };
+    for spec in [
+        Spec::tcp(CLIENT6, 42000, VIP6, 80),
+        Spec::udp(CLIENT6, 42000, VIP6, 80),
+    ] {
+        let frame = with_destination_options(&spec.build());
+        let (verdict, out) = p.run("tc_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(out.len(), frame.len());
+        assert_eq!(
+            &out[ETH_HLEN + 40..ETH_HLEN + 48],
+            &frame[ETH_HLEN + 40..ETH_HLEN + 48]
+        );
+        let out = without_extension_header(&out);
+        assert_eq!(
+            packet::tuple(&out),
+            (CLIENT6.into(), 42000, BE6_1.into(), 8080),
+            "{spec:?}"
+        );
+        packet::assert_checksums(&out, false);
+    }
+    // A datagram in two fragments: both go to the first one's endpoint, and put back together
+    // its checksum is right.
+    let spec = Spec {
+        payload: vec![7; 64],
+        ..Spec::udp(CLIENT6, 42001, VIP6, 80)
+    };
+    let frame = spec.build();
+    let (first, later) = packet::fragments(&frame, 32);
+    let (v1, first) = p.run("tc_ingress", &first);
+    let (v2, later) = p.run("tc_ingress", &later);
+    assert_eq!((v1, v2), (TC_ACT_UNSPEC, TC_ACT_UNSPEC));
+    let dst =
+        |f: &[u8]| IpAddr::from(<[u8; 16]>::try_from(&f[ETH_HLEN + 24..ETH_HLEN + 40]).unwrap());
+    assert_eq!((dst(&first), dst(&later)), (BE6_1.into(), BE6_1.into()));
+    let mut whole = without_extension_header(&first);
+    whole.extend_from_slice(&later[ETH_HLEN + 48..]);
+    let len = (whole.len() - ETH_HLEN - 40) as u16;
+    whole[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&len.to_be_bytes());
+    assert_eq!(
+        packet::tuple(&whole),
+        (CLIENT6.into(), 42001, BE6_1.into(), 8080)
+    );
+    packet::assert_checksums(&whole, false);
+}
+
+#[test]
+fn an_ipv6_service_without_endpoints_is_refused_with_icmpv6() {
+    let Some(p) = setup6(
+        "an_ipv6_service_without_endpoints_is_refused_with_icmpv6",
+        &[],
+    ) else {
+        return;
+    };
+    for spec in [
+        Spec::tcp(CLIENT6, 43000, VIP6, 80),
+        Spec::udp(CLIENT6, 43000, VIP6, 80),
+    ] {
+        let offending = spec.build();
+        let (verdict, out) = p.run("tc_ingress", &offending);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of its interface");
+        let want = packet::icmp_error(
+            VIP6,
+            packet::ICMPV6_DEST_UNREACH,
+            packet::ICMPV6_PORT_UNREACH,
+            &offending,
+            8,
+        );
+        assert_eq!(out[..12], want[..12], "Ethernet addresses swapped");
+        assert_eq!(out[ETH_HLEN..], want[ETH_HLEN..], "{spec:?}");
+    }
+}
+
+#[test]
+fn ipv6_neighbour_discovery_and_other_traffic_pass_untouched() {
+    let Some(p) = setup6(
+        "ipv6_neighbour_discovery_and_other_traffic_pass_untouched",
+        &[(BE6_1, 8080)],
+    ) else {
+        return;
+    };
+    // A neighbour solicitation for the service address: ICMPv6, never a flow.
+    let mut solicitation = Spec::udp(CLIENT6, 0, VIP6, 0).build();
+    solicitation[ETH_HLEN + 6] = packet::ICMPV6;
+    solicitation[ETH_HLEN + 40] = 135;
+    let other_port = Spec::tcp(CLIENT6, 44000, VIP6, 81).build();
+    let to_a_pod = Spec::tcp(CLIENT6, 44000, BE6_2, 80).build();
+    let truncated = &Spec::tcp(CLIENT6, 44000, VIP6, 80).build()[..ETH_HLEN + 40 + 10];
+    for frame in [&solicitation[..], &other_port, &to_a_pod, truncated] {
+        untouched(&p, "tc_ingress", frame);
+        untouched(&p, "tc_egress", frame);
+    }
+}
+
+#[test]
+fn an_ipv6_pod_reaching_itself_goes_out_and_back() {
+    let Some(p) = setup6(
+        "an_ipv6_pod_reaching_itself_goes_out_and_back",
+        &[(CLIENT6, 8080)],
+    ) else {
+        return;
+    };
+    let spec = Spec::tcp(CLIENT6, 45000, VIP6, 80);
+    let (verdict, out) = p.run("tc_ingress", &spec.build());
+    assert_eq!(verdict, TC_ACT_REDIRECT, "bounced back to the pod");
+    let hairpin = IpAddr::from(HAIRPIN_ADDR6.octets());
+    assert_eq!(packet::tuple(&out), (hairpin, 45000, CLIENT6.into(), 8080));
+    packet::assert_checksums(&out, false);
+    // The pod's reply, to the hairpin address, comes back from the service.
+    let reply = Spec {
+        src: CLIENT6.into(),
+        sport: 8080,
+        dst: hairpin,
+        dport: 45000,
+        tcp_flags: 0x12,
+        ..spec
+    };
+    let (verdict, out) = p.run("tc_ingress", &reply.build());
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(
+        packet::tuple(&out),
+        (VIP6.into(), 80, CLIENT6.into(), 45000)
+    );
+    packet::assert_checksums(&out, false);
 }

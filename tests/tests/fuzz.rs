@@ -65,6 +65,7 @@ const SIZES: MapSizes = MapSizes {
     services: 256,
     backends: 1024,
     conntrack: 1 << 16,
+    conntrack6: 1 << 16,
 };
 
 const NS: u64 = 1_000_000_000;

@@ -83,6 +83,7 @@ const SIZES: MapSizes = MapSizes {
     services: 1024,
     backends: 1024,
     conntrack: 1 << 16,
+    conntrack6: 1 << 16,
 };
 
 const ACK: u8 = 0x10;

@@ -387,6 +387,8 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
         backends: count * args.backends + 64,
         // The tc and XDP new flows, and the established ones.
         conntrack: 2 * (args.new_flows + args.new_flows.min(200_000) + REMOTE_FLOWS) + 1024,
+        // IPv4 only.
+        conntrack6: 1024,
     };
     let mut p = Programs::load(sizes)?;
     // The external services' local endpoints are node1's.

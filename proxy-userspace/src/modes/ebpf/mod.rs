@@ -52,7 +52,7 @@ use self::{
 use super::CtLifetimes;
 use crate::{
     dataplane::{Dataplane, Scope},
-    model::DesiredState,
+    model::{DesiredState, Family},
     netfilter::rules::NetfilterConfig,
     node::NodePortAddresses,
 };
@@ -68,12 +68,15 @@ pub const PROG_EXT_INGRESS: &str = "tc_external_ingress";
 pub const PROG_EXT_EGRESS: &str = "tc_external_egress";
 
 /// Map sizes, in entries. The defaults fit 100k service ports with ~10 endpoints each and 1M
-/// flows (two conntrack entries a flow).
+/// IPv4 flows (two conntrack entries a flow). The IPv6 maps take the same sizes, but for
+/// conntrack: preallocated (an LRU map), it would cost every node some 330 MiB of kernel memory
+/// at IPv4's size, IPv4-only nodes included, so it has a size of its own.
 #[derive(Clone, Copy, Debug)]
 pub struct MapSizes {
     pub services: u32,
     pub backends: u32,
     pub conntrack: u32,
+    pub conntrack6: u32,
 }
 
 impl Default for MapSizes {
@@ -82,6 +85,8 @@ impl Default for MapSizes {
             services: 1 << 21,
             backends: 1 << 20,
             conntrack: 1 << 21,
+            // 128k IPv6 flows, about 37 MiB.
+            conntrack6: 1 << 18,
         }
     }
 }
@@ -111,7 +116,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
         .map_max_entries(MAP_SERVICES6, sizes.services)
         .map_max_entries(MAP_BACKENDS6, sizes.backends)
-        .map_max_entries(MAP_CONNTRACK6, sizes.conntrack)
+        .map_max_entries(MAP_CONNTRACK6, sizes.conntrack6)
         .override_global(GLOBAL_HAS_SET_RETVAL, &has_set_retval, true);
     if !features.has(&MEMCG_ACCOUNTING) {
         lift_memlock_limit()?;
@@ -471,7 +476,7 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
         (MAP_CONNTRACK, sizes.conntrack, "--bpf-ct-max"),
         (MAP_SERVICES6, sizes.services, "--bpf-services-max"),
         (MAP_BACKENDS6, sizes.backends, "--bpf-backends-max"),
-        (MAP_CONNTRACK6, sizes.conntrack, "--bpf-ct-max"),
+        (MAP_CONNTRACK6, sizes.conntrack6, "--bpf-ct6-max"),
     ];
     for (name, size, flag) in wanted {
         let Ok(info) = aya::maps::MapInfo::from_pin(pin_dir.join(name)) else {
@@ -866,6 +871,9 @@ impl EbpfDataplane {
 
 impl Dataplane for EbpfDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
+        if matches!(scope, Scope::All) {
+            warn_ipv6_external(state);
+        }
         let synced = self.maps.sync(state, scope);
         self.take_over()?;
         self.tell_stale_udp_sockets();
@@ -876,6 +884,11 @@ impl Dataplane for EbpfDataplane {
 
     /// Also ends the drains whose period is over (full syncs do too, but they come once an
     /// hour).
+    /// Both: IPv6 in part (see [`warn_ipv6_external`]).
+    fn families(&self) -> Vec<Family> {
+        Family::ALL.to_vec()
+    }
+
     fn housekeeping(&mut self) -> anyhow::Result<()> {
         if let Programs::Attached(thread) = &self.programs {
             thread.check()?;
@@ -883,6 +896,30 @@ impl Dataplane for EbpfDataplane {
         self.maps
             .expire(std::time::Instant::now())
             .context("expiring drained entries")
+    }
+}
+
+/// Says, at each full sync, how many Service ports have IPv6 frontends for clients outside
+/// the pods that the programs do not serve yet: IPv6 cluster IPs are served to pods; IPv6
+/// NodePorts, external IPs and load balancer addresses, and host-network clients of IPv6
+/// addresses, are not (their IPv4 ones are).
+fn warn_ipv6_external(state: &DesiredState) {
+    let ports = state
+        .ports()
+        .filter(|(_, p)| {
+            p.in_family(Family::V6)
+                && (p.node_port.is_some()
+                    || p.external_ips
+                        .iter()
+                        .chain(&p.load_balancer_ips)
+                        .any(|ip| ip.is_ipv6()))
+        })
+        .count();
+    if ports > 0 {
+        tracing::warn!(
+            service_ports = ports,
+            "{ports} Service ports have IPv6 NodePorts, external IPs or load balancer addresses,              which the ebpf mode does not serve yet (its IPv6 serves cluster IPs to pods;              host-network clients of IPv6 service addresses are not served either); the              nftables and iptables modes serve them"
+        );
     }
 }
 
