@@ -1,5 +1,7 @@
 //! Taking the maps over, and reading back what they hold: at start (an earlier agent's
 //! entries, so that ids stay stable and flows keep their backend) and after a failed batch.
+use std::os::fd::AsFd;
+
 use super::*;
 
 /// The source ranges the pinned trie holds, by frontend (scope 0: only those have ranges).
@@ -24,8 +26,9 @@ fn shared(ebpf: &Ebpf, name: &str) -> anyhow::Result<Map> {
     let Some(Map::Array(data)) = ebpf.map(name) else {
         return Err(anyhow!("map {name} missing"));
     };
-    let id = data.info()?.id();
-    Ok(Map::Array(MapData::from_id(id)?))
+    // A duplicate of its descriptor (opening it by id would need CAP_SYS_ADMIN).
+    let fd = data.fd().as_fd().try_clone_to_owned()?;
+    Ok(Map::Array(MapData::from_fd(fd)?))
 }
 
 impl<A: FamilyMaps> FamilyWriter<A> {
