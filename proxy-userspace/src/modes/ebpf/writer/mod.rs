@@ -167,6 +167,9 @@ impl MapWriter {
     }
 }
 
+/// A frontend's source ranges (address and prefix length), of its family.
+type SourceRanges = Vec<(IpAddr, u8)>;
+
 /// The writer of one address family's maps (`A`: `Be32` for IPv4, `Be128` for IPv6).
 pub struct FamilyWriter<A: FamilyMaps> {
     services: BpfHashMap<MapData, ServiceKey<A>, ServiceValue>,
@@ -210,7 +213,7 @@ pub struct FamilyWriter<A: FamilyMaps> {
     agent_state: Array<MapData, u64>,
     source_ranges: LpmTrie<MapData, SourceRangeKey<A>, u8>,
     /// The source ranges written for each frontend.
-    ranges: HashMap<Frontend<A>, Vec<(IpAddr, u8)>>,
+    ranges: HashMap<Frontend<A>, SourceRanges>,
     /// During a sync's first phase: the writes to the services and backends maps, held back to
     /// be made a batch at a time (see [`Self::flush`]).
     batch: Option<Batch<A>>,

@@ -7,8 +7,8 @@ use super::*;
 /// The source ranges the pinned trie holds, by frontend (scope 0: only those have ranges).
 pub(super) fn recover_ranges<A: Addr>(
     trie: &LpmTrie<MapData, SourceRangeKey<A>, u8>,
-) -> anyhow::Result<HashMap<Frontend<A>, Vec<(IpAddr, u8)>>> {
-    let mut out: HashMap<Frontend<A>, Vec<(IpAddr, u8)>> = HashMap::default();
+) -> anyhow::Result<HashMap<Frontend<A>, SourceRanges>> {
+    let mut out: HashMap<Frontend<A>, SourceRanges> = HashMap::default();
     for key in trie.keys() {
         let key = key.context("listing the source ranges")?;
         let data = key.data();
