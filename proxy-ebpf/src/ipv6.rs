@@ -223,12 +223,12 @@ pub fn rewrite(
         } else {
             BPF_F_MARK_MANGLED_0 as u64
         };
-        let mut sum = Sum::default();
-        let (old, new) = (old_addr.raw(), addr.raw());
-        for i in 0..4 {
-            sum.replace32(old[i], new[i]);
-        }
         if old_addr != addr {
+            let mut sum = Sum::default();
+            let (old, new) = (old_addr.raw(), addr.raw());
+            for i in 0..4 {
+                sum.replace32(old[i], new[i]);
+            }
             // Size 0: the value is a checksum difference, added as it is (the helper knows
             // whether the field holds a full checksum or a pseudo-header sum, see rewrite4).
             ctx.l4_csum_replace(
@@ -279,17 +279,13 @@ pub fn reject(ctx: &TcContext) -> Result<i32, Drop> {
         return Ok(TC_ACT_UNSPEC);
     }
     reject::pace()?;
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
+    let eth = reject::reply_eth(ctx, ETH_P_IPV6)?;
     let offending: [u8; IPV6_HLEN] = ctx.load(ETH_HLEN).map_err(|_| FAILED)?;
     let l4: [u8; QUOTED_L4] = ctx.load(IPV6_MIN).map_err(|_| FAILED)?;
     // SAFETY: the helper takes the context's skb and plain integers.
     if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY_LEN as u32, 0) } != 0 {
         return Err(FAILED);
     }
-    let mut eth = [0u8; ETH_HLEN];
-    eth[..6].copy_from_slice(&macs[6..]);
-    eth[6..12].copy_from_slice(&macs[..6]);
-    eth[12..].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
     let payload_len = (REPLY_LEN - IPV6_MIN) as u16;
     // From the offending packet's destination to its source.
     let mut addrs = [0u8; 32];

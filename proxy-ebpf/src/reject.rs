@@ -21,7 +21,7 @@ use proxy_common::{
 
 use crate::{
     maps::DROPS,
-    packet::{self, Drop, ETH_HLEN, FAILED, Flow},
+    packet::{self, Drop, ETH_HLEN, ETH_P_IP, FAILED, Flow},
 };
 
 const ICMP_DEST_UNREACH: u8 = 3;
@@ -57,17 +57,13 @@ fn unreachable(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, 
         return Ok(TC_ACT_UNSPEC);
     }
     pace()?;
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
+    let eth = reply_eth(ctx, ETH_P_IP)?;
     let offending: [u8; IPV4_HLEN] = ctx.load(IP_OFF).map_err(|_| FAILED)?;
     let l4: [u8; QUOTED_L4] = ctx.load(IP_OFF + IPV4_HLEN).map_err(|_| FAILED)?;
     // SAFETY: the helper takes the context's skb and plain integers.
     if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY_LEN as u32, 0) } != 0 {
         return Err(FAILED);
     }
-    let mut eth = [0u8; ETH_HLEN];
-    eth[..6].copy_from_slice(&macs[6..]);
-    eth[6..12].copy_from_slice(&macs[..6]);
-    eth[12] = 0x08; // IPv4
     let mut ip = [0u8; IPV4_HLEN];
     ip[0] = 0x45;
     ip[2..4].copy_from_slice(&((REPLY_LEN - ETH_HLEN) as u16).to_be_bytes());
@@ -90,6 +86,18 @@ fn unreachable(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, 
     ctx.store(QUOTE_OFF + IPV4_HLEN, &l4, 0)
         .map_err(|_| FAILED)?;
     Ok(packet::send_back(ctx))
+}
+
+/// The Ethernet header of an answer to the packet in `ctx`: back to its sender, of
+/// `ethertype`.
+#[inline(always)]
+pub fn reply_eth(ctx: &TcContext, ethertype: u16) -> Result<[u8; ETH_HLEN], Drop> {
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
+    let mut eth = [0u8; ETH_HLEN];
+    eth[..6].copy_from_slice(&macs[6..]);
+    eth[6..12].copy_from_slice(&macs[..6]);
+    eth[12..].copy_from_slice(&ethertype.to_be_bytes());
+    Ok(eth)
 }
 
 /// Whether this CPU may send an ICMP error now; a packet that may not have one is dropped.

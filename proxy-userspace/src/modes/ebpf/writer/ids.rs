@@ -1,16 +1,11 @@
-//! Backend<A> ids: one per endpoint of each service port, from a counter reserved in blocks in
+//! Backend ids: one per endpoint of each service port, from a counter reserved in blocks in
 //! `agent_state`, kept while the endpoint is listed or draining.
 use super::*;
 
 /// The backend ids of one service port, by endpoint, sorted: a port has a few endpoints, where a
 /// hash map's table would take several times their size (megabytes at 30k Services).
+#[derive(Default)]
 pub(super) struct PortIds<A>(Vec<(Backend<A>, u32)>);
-
-impl<A> Default for PortIds<A> {
-    fn default() -> Self {
-        Self(Vec::new())
-    }
-}
 
 impl<A: Addr> PortIds<A> {
     pub(super) fn find(&self, b: &Backend<A>) -> Result<usize, usize> {

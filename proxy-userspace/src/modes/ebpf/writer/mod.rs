@@ -161,9 +161,12 @@ impl MapWriter {
         routes
     }
 
+    /// Ends the drains whose period is over, in both families (one's failure does not stop
+    /// the other's).
     pub(crate) fn expire(&mut self, now: Instant) -> anyhow::Result<()> {
-        self.v4.expire(now)?;
-        self.v6.expire(now)
+        let v4 = self.v4.expire(now);
+        let v6 = self.v6.expire(now);
+        v4.and(v6)
     }
 }
 
@@ -238,22 +241,12 @@ struct Programmed {
 }
 
 /// Writes held back, in the order they were asked for.
+#[derive(Default)]
 struct Batch<A> {
     backend_ids: Vec<u32>,
     backends: Vec<Backend<A>>,
     service_keys: Vec<ServiceKey<A>>,
     services: Vec<ServiceValue>,
-}
-
-impl<A> Default for Batch<A> {
-    fn default() -> Self {
-        Self {
-            backend_ids: Vec::new(),
-            backends: Vec::new(),
-            service_keys: Vec::new(),
-            services: Vec::new(),
-        }
-    }
 }
 
 impl<A> Batch<A> {
