@@ -205,6 +205,11 @@ pub const MAP_MAGLEV6: &str = "MAGLEV6";
 pub const MAP_NODE_ADDRS6: &str = "NODE_ADDRS6";
 pub const MAP_SOURCE_RANGES6: &str = "SOURCE_RANGES6";
 pub const MAP_FRAGMENTS6: &str = "FRAGMENTS6";
+/// The program array the pod-facing programs hand IPv6 packets to (a tail call), by index.
+pub const MAP_FAMILY_PROGS: &str = "FAMILY_PROGS";
+pub const FAMILY_PROG_INGRESS6: u32 = 0;
+pub const FAMILY_PROG_EGRESS6: u32 = 1;
+pub const FAMILY_PROGS_ENTRIES: u32 = 2;
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'

@@ -30,43 +30,44 @@ use aya_ebpf::{
     programs::{SockAddrContext, TcContext, XdpContext},
 };
 use aya_log_ebpf::error;
-use proxy_common::{Be32, Be128, DROPS_LAST_LOG};
+use proxy_common::{Be32, Be128, DROPS_LAST_LOG, FAMILY_PROG_EGRESS6, FAMILY_PROG_INGRESS6};
 
 use crate::{
     ingress::Action,
-    maps::DROPS,
-    packet::{ETH_P_IP, ETH_P_IPV6},
+    maps::{DROPS, FAMILY_PROGS},
+    packet::ETH_P_IPV6,
     sock::AddrField,
 };
 
-/// A packet from a pod, seen on the host side of its interface. Each family's path is a
-/// function of its own (a BPF-to-BPF call), so that IPv6's larger keys need not share the IPv4
-/// path's stack frame (a program's stack, its calls' frames added up, is 512 bytes).
+/// A packet from a pod, seen on the host side of its interface. IPv6 goes on in a program of
+/// its own ([`tc_ingress6`], a tail call): its larger keys would not fit one 512-byte stack
+/// beside IPv4's, and IPv4 pays nothing for it.
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    let r = match packet::eth_proto(&ctx) {
-        Some(ETH_P_IP) => ingress4(&ctx),
-        // The reject's buffers get a frame of their own too, beside the lookups' rather than
-        // below them.
-        Some(ETH_P_IPV6) => match ingress6(&ctx) {
-            Ok(Some(v)) => Ok(v),
-            Ok(None) => ipv6::reject(&ctx),
-            Err(e) => Err(e),
-        },
-        _ => Ok(TC_ACT_UNSPEC),
+    if packet::eth_proto(&ctx) == Some(ETH_P_IPV6) {
+        return tail_call(&ctx, FAMILY_PROG_INGRESS6);
+    }
+    let r = match ingress::try_ingress::<Be32>(&ctx) {
+        Ok(Action::Verdict(v)) => Ok(v),
+        Ok(Action::Reject(flow)) => reject::reject(&ctx, &flow),
+        Err(e) => Err(e),
     };
     verdict(&ctx, r)
 }
 
-#[inline(never)]
-fn ingress4(ctx: &TcContext) -> Result<i32, packet::Drop> {
-    match ingress::try_ingress::<Be32>(ctx)? {
-        Action::Verdict(v) => Ok(v),
-        Action::Reject(flow) => reject::reject(ctx, &flow),
-    }
+/// [`tc_ingress`] of an IPv6 packet.
+#[classifier]
+pub fn tc_ingress6(ctx: TcContext) -> i32 {
+    let r = match ingress6(&ctx) {
+        Ok(Some(v)) => Ok(v),
+        Ok(None) => ipv6::reject(&ctx),
+        Err(e) => Err(e),
+    };
+    verdict(&ctx, r)
 }
 
-/// The verdict, or None: reject it.
+/// The verdict, or None: reject it. A function of its own, so that the reject's buffers get a
+/// frame beside the lookups' rather than below them.
 #[inline(never)]
 fn ingress6(ctx: &TcContext) -> Result<Option<i32>, packet::Drop> {
     Ok(match ingress::try_ingress::<Be128>(ctx)? {
@@ -75,26 +76,29 @@ fn ingress6(ctx: &TcContext) -> Result<Option<i32>, packet::Drop> {
     })
 }
 
-/// A packet about to be delivered to a pod (each family a function of its own, as in
-/// [`tc_ingress`]).
+/// A packet about to be delivered to a pod (IPv6 in [`tc_egress6`], as in [`tc_ingress`]).
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
-    let r = match packet::eth_proto(&ctx) {
-        Some(ETH_P_IPV6) => egress6(&ctx),
-        // IPv4 (any other frame passes there untouched).
-        _ => egress4(&ctx),
-    };
-    verdict(&ctx, r)
+    if packet::eth_proto(&ctx) == Some(ETH_P_IPV6) {
+        return tail_call(&ctx, FAMILY_PROG_EGRESS6);
+    }
+    // IPv4 (any other frame passes there untouched).
+    verdict(&ctx, egress::try_egress::<Be32>(&ctx))
 }
 
-#[inline(never)]
-fn egress4(ctx: &TcContext) -> Result<i32, packet::Drop> {
-    egress::try_egress::<Be32>(ctx)
+/// [`tc_egress`] of an IPv6 packet.
+#[classifier]
+pub fn tc_egress6(ctx: TcContext) -> i32 {
+    verdict(&ctx, egress::try_egress::<Be128>(&ctx))
 }
 
-#[inline(never)]
-fn egress6(ctx: &TcContext) -> Result<i32, packet::Drop> {
-    egress::try_egress::<Be128>(ctx)
+/// Goes on in the program at `index` of FAMILY_PROGS. Should that fail (the agent fills the
+/// array before it attaches anything, so it does not), the packet passes untouched.
+#[inline(always)]
+fn tail_call(ctx: &TcContext, index: u32) -> i32 {
+    // SAFETY: on success the call does not return; the context is the program's own.
+    unsafe { FAMILY_PROGS.tail_call(ctx, index) };
+    TC_ACT_UNSPEC
 }
 
 /// A packet from outside arriving on an external interface (XDP): NodePort, LoadBalancer and

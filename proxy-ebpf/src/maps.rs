@@ -3,13 +3,13 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, Be128, CONFIG_ENTRIES,
-    CT_STATES, CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FRAGMENTS_MAX, FragKey, FragKey6,
-    FragValue, HOST_NETNS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey,
+    CT_STATES, CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FAMILY_PROGS_ENTRIES, FRAGMENTS_MAX,
+    FragKey, FragKey6, FragValue, HOST_NETNS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -126,3 +126,10 @@ pub static SOURCE_RANGES6: LpmTrie<SourceRangeKey<Be128>, u8> = LpmTrie::pinned(
 
 #[map(name = "FRAGMENTS6")]
 pub static FRAGMENTS6: LruHashMap<FragKey6, FragValue> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
+
+/// The IPv6 programs the pod-facing programs tail-call into
+/// ([`proxy_common::FAMILY_PROG_INGRESS6`], [`proxy_common::FAMILY_PROG_EGRESS6`]), filled by
+/// the agent at load. Pinned as the rest: the kernel empties a program array once no process
+/// or pin holds it, and the attached programs outlive the agent.
+#[map(name = "FAMILY_PROGS")]
+pub static FAMILY_PROGS: ProgramArray = ProgramArray::pinned(FAMILY_PROGS_ENTRIES, 0);
