@@ -77,8 +77,7 @@ pub fn load_programs(ebpf: &mut Ebpf) -> anyhow::Result<()> {
         if prog.fd().is_ok() {
             continue;
         }
-        prog.load()
-            .with_context(|| format!("the kernel's verifier rejected {name}"))?;
+        super::load_retrying(name, || prog.load())?;
     }
     Ok(())
 }

@@ -25,7 +25,7 @@ use anyhow::{Context, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapInfo, MapType, PerCpuArray, ProgramArray},
-    programs::{SchedClassifier, Xdp},
+    programs::{ProgramError, SchedClassifier, Xdp},
 };
 use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
@@ -159,8 +159,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         .program_mut(PROG_XDP)
         .with_context(|| format!("program {PROG_XDP} missing from the BPF object"))?
         .try_into()?;
-    xdp.load()
-        .with_context(|| format!("the kernel's verifier rejected {PROG_XDP}"))?;
+    load_retrying(PROG_XDP, || xdp.load())?;
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
         .context("map AGENT_STATE missing")?
@@ -182,9 +181,29 @@ fn load_classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut
         .program_mut(name)
         .with_context(|| format!("program {name} missing from the BPF object"))?
         .try_into()?;
-    prog.load()
-        .with_context(|| format!("the kernel's verifier rejected {name}"))?;
+    load_retrying(name, || prog.load())?;
     Ok(prog)
+}
+
+/// Loads a program through `load`, again while the kernel answers EAGAIN: its verifier gives up
+/// when a signal is pending for the loading thread (a child process of ours ending, say), as
+/// libbpf knows (it tries 5 times).
+pub(crate) fn load_retrying(
+    name: &str,
+    mut load: impl FnMut() -> Result<(), ProgramError>,
+) -> anyhow::Result<()> {
+    const ATTEMPTS: u32 = 5;
+    let mut attempt = 1;
+    loop {
+        match load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempt < ATTEMPTS =>
+            {
+                attempt += 1;
+            }
+            r => return r.with_context(|| format!("the kernel's verifier rejected {name}")),
+        }
+    }
 }
 
 /// The loaded programs, and whether a pinned map of another layout was recreated for them
@@ -988,4 +1007,47 @@ fn spawn_bpf_logger(ebpf: &mut Ebpf) {
             guard.clear_ready();
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn interrupted() -> ProgramError {
+        ProgramError::LoadError {
+            io_error: std::io::Error::from_raw_os_error(libc::EAGAIN),
+            verifier_log: aya_obj::VerifierLog::new(String::new()),
+        }
+    }
+
+    #[test]
+    fn a_load_interrupted_by_a_signal_is_tried_again() {
+        let mut calls = 0;
+        let loaded = load_retrying("p", || {
+            calls += 1;
+            if calls < 3 {
+                Err(interrupted())
+            } else {
+                Ok(())
+            }
+        });
+        assert!(loaded.is_ok(), "{loaded:?}");
+        assert_eq!(calls, 3);
+        // Interrupted every time: it gives up after 5 tries, naming the program.
+        let mut calls = 0;
+        let e = load_retrying("p", || {
+            calls += 1;
+            Err(interrupted())
+        })
+        .unwrap_err();
+        assert_eq!(calls, 5);
+        assert!(format!("{e:#}").contains("verifier rejected p"), "{e:#}");
+        // Any other error at once.
+        let mut calls = 0;
+        let _ = load_retrying("p", || {
+            calls += 1;
+            Err(ProgramError::AlreadyLoaded)
+        });
+        assert_eq!(calls, 1);
+    }
 }
