@@ -1,17 +1,17 @@
-//! The ebpf mode's reader: its pinned maps, read back into rows.
-use std::{net::Ipv4Addr, path::Path};
+//! The ebpf mode's reader: its pinned maps, both families', read back into rows.
+use std::{collections::HashMap, net::SocketAddr, path::Path};
 
 use anyhow::Context;
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, lpm_trie::LpmTrie};
 use proxy_common::{
-    AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, CT_CLOSING, CT_EXTERNAL,
-    CT_FORWARD, CT_HALF_CLOSED, CT_NETFILTER, CT_OPENING, CT_REPLY, CT_SNAT, CT_STATES, CtKey,
-    CtValue, HAIRPIN_ADDR, IPPROTO_TCP, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_CT_LIFETIMES, MAP_SERVICES, MAP_SOURCE_RANGES, NODE_PORT_ADDR, SCOPE_INTERNAL,
-    SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER,
-    SERVICE_LOCAL_ONLY, SERVICE_MAGLEV, ServiceKey, ServiceValue, SourceRangeKey, ct_lifetime_ns,
+    Addr, AffinityKey, AffinityValue, BACKEND_DRAINING, Backend, Be32, Be128, CT_CLOSING,
+    CT_EXTERNAL, CT_FORWARD, CT_HALF_CLOSED, CT_NETFILTER, CT_OPENING, CT_REPLY, CT_SNAT,
+    CT_STATES, CtKey, CtValue, IPPROTO_TCP, MAP_CT_LIFETIMES, SCOPE_INTERNAL, SERVICE_AFFINITY,
+    SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_LOCAL_ONLY, SERVICE_MAGLEV,
+    ServiceKey, ServiceValue, SourceRangeKey, ct_lifetime_ns,
 };
 
+use super::writer::FamilyMaps;
 use crate::{
     model::Protocol,
     rows::{AffinityRow, BackendRow, FlowRow, Rows, ServiceRow, What},
@@ -22,8 +22,23 @@ fn proto_name(proto: u8) -> &'static str {
     Protocol::from_number(proto).map_or("?", Protocol::name)
 }
 
-fn ip(addr: Be32) -> Ipv4Addr {
-    Ipv4Addr::from(addr.octets())
+/// An address and port as the rows spell them (`[addr]:port` for IPv6).
+fn socket<A: Addr>(addr: A, port: proxy_common::Be16) -> String {
+    SocketAddr::new(addr.ip(), port.get()).to_string()
+}
+
+/// The rows of both families' maps, IPv4's first, each family's sorted.
+fn both<T>(
+    pin_dir: &Path,
+    v4: fn(&Path) -> anyhow::Result<Vec<T>>,
+    v6: fn(&Path) -> anyhow::Result<Vec<T>>,
+) -> anyhow::Result<Vec<T>> {
+    let mut rows = v4(pin_dir)?;
+    // Agents before IPv6 had no IPv6 maps: nothing of that family to show.
+    if pin_dir.join(Be128::SERVICES).exists() {
+        rows.extend(v6(pin_dir)?);
+    }
+    Ok(rows)
 }
 
 fn open(pin_dir: &Path, name: &str) -> anyhow::Result<MapData> {
@@ -38,8 +53,14 @@ fn open(pin_dir: &Path, name: &str) -> anyhow::Result<MapData> {
     })
 }
 
+/// Both families' backends (each family's ids are its own).
 pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
-    let map: BpfHashMap<_, u32, Backend> = Map::HashMap(open(pin_dir, MAP_BACKENDS)?).try_into()?;
+    both(pin_dir, backends_of::<Be32>, backends_of::<Be128>)
+}
+
+fn backends_of<A: FamilyMaps>(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
+    let map: BpfHashMap<_, u32, Backend<A>> =
+        Map::HashMap(open(pin_dir, A::BACKENDS)?).try_into()?;
     let mut rows = Vec::new();
     for entry in map.iter() {
         let (id, b) = entry?;
@@ -50,24 +71,24 @@ pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
 }
 
 /// The source ranges of each frontend, as CIDRs.
-fn source_ranges(
+fn source_ranges<A: FamilyMaps>(
     pin_dir: &Path,
-) -> anyhow::Result<std::collections::HashMap<ServiceKey, Vec<String>>> {
-    let mut out: std::collections::HashMap<ServiceKey, Vec<String>> = Default::default();
+) -> anyhow::Result<HashMap<ServiceKey<A>, Vec<String>>> {
+    let mut out: HashMap<ServiceKey<A>, Vec<String>> = Default::default();
     // Agents before layout 4 had no such map: nothing to show.
-    let Ok(data) = MapData::from_pin(pin_dir.join(MAP_SOURCE_RANGES)) else {
+    let Ok(data) = MapData::from_pin(pin_dir.join(A::SOURCE_RANGES)) else {
         return Ok(out);
     };
-    let trie: LpmTrie<_, SourceRangeKey, u8> = Map::LpmTrie(data).try_into()?;
+    let trie: LpmTrie<_, SourceRangeKey<A>, u8> = Map::LpmTrie(data).try_into()?;
     for key in trie.keys() {
         let key = key?;
         let d = key.data();
         let len = key
             .prefix_len()
-            .saturating_sub(<SourceRangeKey>::FRONTEND_BITS);
+            .saturating_sub(SourceRangeKey::<A>::FRONTEND_BITS);
         out.entry(ServiceKey::new(d.addr, d.port, d.proto, 0))
             .or_default()
-            .push(format!("{}/{len}", ip(d.source)));
+            .push(format!("{}/{len}", d.source.ip()));
     }
     for ranges in out.values_mut() {
         ranges.sort();
@@ -75,20 +96,26 @@ fn source_ranges(
     Ok(out)
 }
 
-fn backend_row(id: u32, b: &Backend) -> BackendRow {
+fn backend_row<A: Addr>(id: u32, b: &Backend<A>) -> BackendRow {
     BackendRow {
         id,
-        address: format!("{}:{}", ip(b.addr), b.port.get()),
+        address: socket(b.addr, b.port),
         protocol: proto_name(b.proto),
         draining: b.flags & BACKEND_DRAINING != 0,
     }
 }
 
+/// Both families' frontends.
 pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
-    let svc: BpfHashMap<_, ServiceKey, ServiceValue> =
-        Map::HashMap(open(pin_dir, MAP_SERVICES)?).try_into()?;
-    let be: BpfHashMap<_, u32, Backend> = Map::HashMap(open(pin_dir, MAP_BACKENDS)?).try_into()?;
-    let ranges = source_ranges(pin_dir)?;
+    both(pin_dir, services_of::<Be32>, services_of::<Be128>)
+}
+
+fn services_of<A: FamilyMaps>(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
+    let svc: BpfHashMap<_, ServiceKey<A>, ServiceValue> =
+        Map::HashMap(open(pin_dir, A::SERVICES)?).try_into()?;
+    let be: BpfHashMap<_, u32, Backend<A>> =
+        Map::HashMap(open(pin_dir, A::BACKENDS)?).try_into()?;
+    let ranges = source_ranges::<A>(pin_dir)?;
     let mut rows = Vec::new();
     for key in svc.keys() {
         let key = key?;
@@ -114,7 +141,7 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
         }
         let external = head.flags & SERVICE_EXTERNAL != 0;
         let in_cluster_scope = key.scope == SCOPE_INTERNAL;
-        let kind = if key.addr == NODE_PORT_ADDR {
+        let kind = if key.addr == A::NODE_PORT {
             "NodePort"
         } else if head.flags & SERVICE_LOAD_BALANCER != 0 {
             "LoadBalancer"
@@ -125,9 +152,9 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
         };
         let frontend = ServiceKey::new(key.addr, key.port, key.proto, 0);
         rows.push(ServiceRow {
-            address: match key.addr == NODE_PORT_ADDR {
+            address: match key.addr == A::NODE_PORT {
                 true => format!("*:{}", key.port.get()),
-                false => format!("{}:{}", ip(key.addr), key.port.get()),
+                false => socket(key.addr, key.port),
             },
             protocol: proto_name(key.proto),
             kind,
@@ -148,12 +175,17 @@ pub fn services(pin_dir: &Path) -> anyhow::Result<Vec<ServiceRow>> {
     Ok(rows)
 }
 
+/// Both families' flows.
 pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
-    let ct: BpfHashMap<_, CtKey, CtValue> =
-        Map::LruHashMap(open(pin_dir, MAP_CONNTRACK)?).try_into()?;
+    both(pin_dir, conntrack_of::<Be32>, conntrack_of::<Be128>)
+}
+
+fn conntrack_of<A: FamilyMaps>(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
+    let ct: BpfHashMap<_, CtKey<A>, CtValue<A>> =
+        Map::LruHashMap(open(pin_dir, A::CONNTRACK)?).try_into()?;
     let lifetimes = configured_lifetimes(pin_dir);
     let now = monotonic_ns();
-    let entries: std::collections::HashMap<CtKey, CtValue> = ct.iter().collect::<Result<_, _>>()?;
+    let entries: HashMap<CtKey<A>, CtValue<A>> = ct.iter().collect::<Result<_, _>>()?;
     let mut rows = Vec::new();
     for (k, v) in &entries {
         // The programs keep a flow's time in its forward entry (they refresh the reply entry
@@ -176,13 +208,13 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<FlowRow>> {
                 _ => "reply",
             },
             protocol: proto_name(k.proto),
-            source: format!("{}:{}", ip(k.saddr), k.sport.get()),
-            destination: format!("{}:{}", ip(k.daddr), k.dport.get()),
-            service: format!("{}:{}", ip(v.vip), v.vport.get()),
+            source: socket(k.saddr, k.sport),
+            destination: socket(k.daddr, k.dport),
+            service: socket(v.vip, v.vport),
             backend_id: v.backend_id,
             external: v.flags & CT_EXTERNAL != 0,
             translated: (v.flags & CT_SNAT != 0 || v.direction == CT_NETFILTER)
-                .then(|| format!("{}:{}", ip(v.nat_addr), v.nat_port.get())),
+                .then(|| socket(v.nat_addr, v.nat_port)),
             packets: u64::from(v.packets),
             idle_seconds: now.saturating_sub(v.last_seen_ns) as f64 / 1e9,
             closing: v.flags & CT_CLOSING != 0,
@@ -211,15 +243,20 @@ fn configured_lifetimes(pin_dir: &Path) -> [u64; CT_STATES as usize] {
 }
 
 /// Whether the entry `k`, `v` has been idle past its state's lifetime, as the programs judge it.
-fn expired(k: &CtKey, v: &CtValue, now: u64, lifetimes: &[u64; CT_STATES as usize]) -> bool {
+fn expired<A>(
+    k: &CtKey<A>,
+    v: &CtValue<A>,
+    now: u64,
+    lifetimes: &[u64; CT_STATES as usize],
+) -> bool {
     let state = v.state(k.proto);
     v.idle_past(now, ct_lifetime_ns(state, lifetimes[state as usize]))
 }
 
 /// Where the flow of the entry `k`, `v` stands (see [`FlowRow::state`]).
-fn flow_state(
-    k: &CtKey,
-    v: &CtValue,
+fn flow_state<A>(
+    k: &CtKey<A>,
+    v: &CtValue<A>,
     now: u64,
     lifetimes: &[u64; CT_STATES as usize],
 ) -> &'static str {
@@ -240,10 +277,10 @@ fn flow_state(
 /// The forward entry's key of the flow whose reply entry is `k`, `v`: from the client (for an
 /// external flow, the one the entry names; for a pod reaching itself, the pod) to the service
 /// address.
-fn forward_key(k: &CtKey, v: &CtValue) -> CtKey {
+fn forward_key<A: Addr>(k: &CtKey<A>, v: &CtValue<A>) -> CtKey<A> {
     let (client, client_port) = if v.flags & CT_EXTERNAL != 0 {
         (v.nat_addr, v.nat_port)
-    } else if k.daddr == HAIRPIN_ADDR {
+    } else if k.daddr == A::HAIRPIN {
         (k.saddr, k.dport)
     } else {
         (k.daddr, k.dport)
@@ -258,20 +295,25 @@ fn forward_key(k: &CtKey, v: &CtValue) -> CtKey {
     }
 }
 
+/// Both families' affinity entries.
 pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<AffinityRow>> {
-    let map: BpfHashMap<_, AffinityKey, AffinityValue> =
-        Map::LruHashMap(open(pin_dir, MAP_AFFINITY)?).try_into()?;
+    both(pin_dir, affinity_of::<Be32>, affinity_of::<Be128>)
+}
+
+fn affinity_of<A: FamilyMaps>(pin_dir: &Path) -> anyhow::Result<Vec<AffinityRow>> {
+    let map: BpfHashMap<_, AffinityKey<A>, AffinityValue> =
+        Map::LruHashMap(open(pin_dir, A::AFFINITY)?).try_into()?;
     let now = monotonic_ns();
     let mut rows = Vec::new();
     for entry in map.iter() {
         let (k, v) = entry?;
         rows.push(AffinityRow {
-            // The socket programs record host-network clients as 0.0.0.0: this node.
-            client: match k.client.get() {
-                0 => "this node".to_owned(),
-                _ => ip(k.client).to_string(),
+            // The socket programs record host-network clients as the unspecified address.
+            client: match k.client == A::default() {
+                true => "this node".to_owned(),
+                false => k.client.ip().to_string(),
             },
-            service: format!("{}:{}", ip(k.vip), k.vport.get()),
+            service: socket(k.vip, k.vport),
             protocol: proto_name(k.proto),
             backend_id: v.backend_id,
             idle_seconds: now.saturating_sub(v.last_used_ns) as f64 / 1e9,

@@ -37,10 +37,11 @@ use aya::{
 };
 use proxy_common::{
     AGENT_STATE_NEXT_BACKEND_ID, AGENT_STATE_NEXT_BACKEND_ID6, Addr, BACKEND_DRAINING, Backend,
-    Be32, Be128, CONFIG_MAGLEV_TABLE_SIZE, IPPROTO_UDP, MAGLEV_CHUNK, MAP_AGENT_STATE,
-    MAP_BACKENDS, MAP_BACKENDS6, MAP_CONFIG, MAP_MAGLEV, MAP_MAGLEV6, MAP_SERVICES, MAP_SERVICES6,
-    MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, SERVICE_DRAINING, SERVICE_EXTERNAL,
-    SERVICE_LOAD_BALANCER, SERVICE_MAGLEV, ServiceKey, ServiceValue, SourceRangeKey,
+    Be32, Be128, CONFIG_MAGLEV_TABLE_SIZE, IPPROTO_UDP, MAGLEV_CHUNK, MAP_AFFINITY, MAP_AFFINITY6,
+    MAP_AGENT_STATE, MAP_BACKENDS, MAP_BACKENDS6, MAP_CONFIG, MAP_CONNTRACK, MAP_CONNTRACK6,
+    MAP_MAGLEV, MAP_MAGLEV6, MAP_SERVICES, MAP_SERVICES6, MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6,
+    MaglevChunk, SERVICE_DRAINING, SERVICE_EXTERNAL, SERVICE_LOAD_BALANCER, SERVICE_MAGLEV,
+    ServiceKey, ServiceValue, SourceRangeKey,
 };
 
 use foldhash::{HashMap, HashSet};
@@ -90,6 +91,8 @@ pub trait FamilyMaps: Addr {
     const BACKENDS: &'static str;
     const MAGLEV: &'static str;
     const SOURCE_RANGES: &'static str;
+    const CONNTRACK: &'static str;
+    const AFFINITY: &'static str;
     const NEXT_BACKEND_ID: u32;
 }
 
@@ -98,6 +101,8 @@ impl FamilyMaps for Be32 {
     const BACKENDS: &'static str = MAP_BACKENDS;
     const MAGLEV: &'static str = MAP_MAGLEV;
     const SOURCE_RANGES: &'static str = MAP_SOURCE_RANGES;
+    const CONNTRACK: &'static str = MAP_CONNTRACK;
+    const AFFINITY: &'static str = MAP_AFFINITY;
     const NEXT_BACKEND_ID: u32 = AGENT_STATE_NEXT_BACKEND_ID;
 }
 
@@ -106,6 +111,8 @@ impl FamilyMaps for Be128 {
     const BACKENDS: &'static str = MAP_BACKENDS6;
     const MAGLEV: &'static str = MAP_MAGLEV6;
     const SOURCE_RANGES: &'static str = MAP_SOURCE_RANGES6;
+    const CONNTRACK: &'static str = MAP_CONNTRACK6;
+    const AFFINITY: &'static str = MAP_AFFINITY6;
     const NEXT_BACKEND_ID: u32 = AGENT_STATE_NEXT_BACKEND_ID6;
 }
 
