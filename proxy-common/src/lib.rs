@@ -205,11 +205,16 @@ pub const MAP_MAGLEV6: &str = "MAGLEV6";
 pub const MAP_NODE_ADDRS6: &str = "NODE_ADDRS6";
 pub const MAP_SOURCE_RANGES6: &str = "SOURCE_RANGES6";
 pub const MAP_FRAGMENTS6: &str = "FRAGMENTS6";
-/// The program array the pod-facing programs hand IPv6 packets to (a tail call), by index.
+/// The node's primary IPv6 address, [`CONFIG_SNAT_ADDR`]'s twin (one entry; `::` until
+/// written).
+pub const MAP_PRIMARY_ADDR6: &str = "PRIMARY_ADDR6";
+/// The program array the tc programs hand IPv6 packets to (a tail call), by index.
 pub const MAP_FAMILY_PROGS: &str = "FAMILY_PROGS";
 pub const FAMILY_PROG_INGRESS6: u32 = 0;
 pub const FAMILY_PROG_EGRESS6: u32 = 1;
-pub const FAMILY_PROGS_ENTRIES: u32 = 2;
+pub const FAMILY_PROG_EXT_INGRESS6: u32 = 2;
+pub const FAMILY_PROG_EXT_EGRESS6: u32 = 3;
+pub const FAMILY_PROGS_ENTRIES: u32 = 4;
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'
@@ -416,6 +421,8 @@ pub struct ExternalIface {
     /// the replies come back to it; 0: none (the flow leaves from the NodePort's address, or
     /// CONFIG_SNAT_ADDR).
     pub snat_addr: Be32,
+    /// The same for IPv6 flows (`::`: none; then the NodePort's address, or PRIMARY_ADDR6).
+    pub snat_addr6: Be128,
 }
 
 /// [`MAP_NODE_ADDRS`] value flag: an address of the node NodePorts do not answer on, held only
@@ -777,5 +784,6 @@ mod user {
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNatValue {}
     unsafe impl<A: Addr> aya::Pod for SourceRangeKey<A> {}
+    unsafe impl aya::Pod for Be32 {}
     unsafe impl aya::Pod for Be128 {}
 }

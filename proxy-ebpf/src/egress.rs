@@ -7,6 +7,7 @@ use aya_ebpf::{bindings::TC_ACT_UNSPEC, programs::TcContext};
 use crate::{
     conntrack,
     family::Family,
+    icmp,
     packet::{Drop, End},
     source,
 };
@@ -14,7 +15,7 @@ use crate::{
 #[inline(always)]
 pub fn try_egress<A: Family>(ctx: &TcContext) -> Result<i32, Drop> {
     let Some(mut flow) = A::parse(ctx) else {
-        A::not_a_flow_to_pod(ctx)?;
+        icmp::to_client::<A>(ctx, 0)?;
         return Ok(TC_ACT_UNSPEC);
     };
     if source::from_spoofed_source(ctx, &flow) {

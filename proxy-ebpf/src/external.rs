@@ -10,6 +10,9 @@
 //! port picked in conntrack, so that its replies come back here and are translated back
 //! (forwarded by a route lookup: the stack would refuse a packet with its own source).
 //! externalTrafficPolicy Local: only local endpoints, the client's address kept.
+//!
+//! Both families take the same path (generic over the address); IPv6 packets come to it through
+//! programs of their own (main.rs), and XDP leaves them to tc.
 use aya_ebpf::{
     EbpfContext,
     bindings::{
@@ -20,30 +23,32 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    BACKEND_LOCAL, Backend, Be16, Be32, CONFIG_SNAT_ADDR, CT_EXTERNAL, CtKey, DROP_FRAG_NEEDED,
-    DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE, DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE,
-    SERVICE_DRAINING, SERVICE_LOCAL_ONLY, SERVICE_TWO_SCOPES,
+    BACKEND_LOCAL, Backend, Be16, CT_EXTERNAL, CtKey, DROP_NO_LOCAL_ENDPOINTS, DROP_NO_ROUTE,
+    DROP_SNAT_PORTS_EXHAUSTED, DROP_SOURCE_RANGE, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
+    SERVICE_TWO_SCOPES,
 };
 
 use crate::{
     conntrack,
     family::Family,
-    frontend, icmp, lb,
-    maps::{CONFIG, EXTERNAL_IFACES},
-    packet::{self, Drop, End, FAILED, Flow, IP_CSUM_OFF, IP_DF, IP_FRAG_FLAGS_OFF, IP_TTL_OFF},
-    reject, source,
+    frontend, icmp,
+    ingress::Action,
+    lb,
+    maps::EXTERNAL_IFACES,
+    packet::{Drop, End, FAILED, Flow},
+    source,
 };
 
 /// What to do with a packet that came from outside.
-pub enum Verdict {
+pub enum Verdict<A> {
     /// Not for a frontend (or a removed one): on to the stack untouched.
     Pass,
     /// Rewrite the source to `src` and the destination to `dst` (either may be unchanged).
     /// `forward`: send it out by a route lookup (its source is now a node address, or it is a
     /// reply going back to the client); otherwise hand it to the stack (a local endpoint).
     Nat {
-        src: (Be32, Be16),
-        dst: (Be32, Be16),
+        src: (A, Be16),
+        dst: (A, Be16),
         forward: bool,
     },
     /// No usable endpoint: answer with an ICMP port unreachable (tc only).
@@ -53,7 +58,11 @@ pub enum Verdict {
 /// The decision for `flow`, a packet that arrived on the external interface `ingress`. Records
 /// new flows in conntrack.
 #[inline(always)]
-pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verdict, Drop> {
+pub fn decide<C: EbpfContext, A: Family>(
+    ctx: &C,
+    flow: &Flow<A>,
+    ingress: u32,
+) -> Result<Verdict<A>, Drop> {
     let key = flow.key;
     let (node_addr, to_node) = frontend::node_addr(key.daddr);
     if node_addr && let Some((service, client)) = conntrack::snat_reply(flow) {
@@ -101,7 +110,7 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
         return Ok(nat(&key, &backend, conntrack::no_snat()));
     }
     let node = snat_source(ctx, &key, &backend, ingress, to_node);
-    if node.raw() == 0 {
+    if node == A::default() {
         return Err(Drop(DROP_NO_ROUTE));
     }
     let port = conntrack::record_snat_flow(flow, backend_id, &backend, node, now)
@@ -110,7 +119,7 @@ pub fn decide<C: EbpfContext>(ctx: &C, flow: &Flow, ingress: u32) -> Result<Verd
 }
 
 #[inline(always)]
-fn nat(key: &CtKey, backend: &Backend, snat: (Be32, Be16)) -> Verdict {
+fn nat<A: Family>(key: &CtKey<A>, backend: &Backend<A>, snat: (A, Be16)) -> Verdict<A> {
     let forward = snat != conntrack::no_snat();
     Verdict::Nat {
         src: if forward {
@@ -128,13 +137,13 @@ fn nat(key: &CtKey, backend: &Backend, snat: (Be32, Be16)) -> Verdict {
 /// external programs are there to take the replies; else the node address the client used, or
 /// for LoadBalancer and external IPs the node's primary address.
 #[inline(always)]
-fn snat_source<C: EbpfContext>(
+fn snat_source<C: EbpfContext, A: Family>(
     ctx: &C,
-    key: &CtKey,
-    backend: &Backend,
+    key: &CtKey<A>,
+    backend: &Backend<A>,
     ingress: u32,
     to_node: bool,
-) -> Be32 {
+) -> A {
     let towards = CtKey {
         daddr: backend.addr,
         dport: backend.port,
@@ -148,18 +157,17 @@ fn snat_source<C: EbpfContext>(
         || rc == BPF_FIB_LKUP_RET_NO_NEIGH
         || rc == BPF_FIB_LKUP_RET_FRAG_NEEDED
     {
-        let addr = unsafe { EXTERNAL_IFACES.get(route.ifindex) }.map_or(0, |i| i.snat_addr.raw());
-        if addr != 0 {
-            return Be32::from_raw(addr);
+        let addr =
+            unsafe { EXTERNAL_IFACES.get(route.ifindex) }.map_or_else(A::default, A::snat_addr);
+        if addr != A::default() {
+            return addr;
         }
     }
-    if to_node { key.daddr } else { primary_addr() }
-}
-
-/// The node's primary address (`CONFIG_SNAT_ADDR`, the attacher's; 0.0.0.0 until written).
-#[inline(always)]
-pub fn primary_addr() -> Be32 {
-    Be32::from_raw(CONFIG.get(CONFIG_SNAT_ADDR).copied().unwrap_or(0))
+    if to_node {
+        key.daddr
+    } else {
+        A::primary_addr()
+    }
 }
 
 /// A route lookup for a translated packet `key` (of `tot_len` bytes) that came in on
@@ -193,17 +201,19 @@ pub fn route<C: EbpfContext, A: Family>(
     (rc, params)
 }
 
-/// A packet from outside, on the tc ingress of an external interface.
+/// A packet from outside, on the tc ingress of an external interface. Answers (a port
+/// unreachable, a fragmentation needed or packet too big) are left to the caller, as in
+/// ingress.rs.
 #[inline(always)]
-pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
-    let Some(mut flow) = packet::parse(ctx) else {
-        return icmp::from_outside(ctx);
+pub fn try_external_ingress<A: Family>(ctx: &TcContext) -> Result<Action<A>, Drop> {
+    let Some(mut flow) = A::parse(ctx) else {
+        return A::not_a_flow_from_outside(ctx).map(Action::Verdict);
     };
     // SAFETY: reading the context's ifindex.
     let ingress = unsafe { (*ctx.skb.skb).ifindex };
     let (src, dst) = match decide(ctx, &flow, ingress)? {
-        Verdict::Pass => return Ok(TC_ACT_UNSPEC),
-        Verdict::Reject => return reject::reject(ctx, &flow),
+        Verdict::Pass => return Ok(Action::Verdict(TC_ACT_UNSPEC)),
+        Verdict::Reject => return Ok(Action::Reject(flow)),
         Verdict::Nat {
             src,
             dst,
@@ -211,7 +221,7 @@ pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
         } => {
             flow.rewrite(ctx, End::Destination, dst.0, dst.1)?;
             flow.rewrite(ctx, End::Source, src.0, src.1)?;
-            return Ok(TC_ACT_UNSPEC);
+            return Ok(Action::Verdict(TC_ACT_UNSPEC));
         }
         Verdict::Nat { src, dst, .. } => (src, dst),
     };
@@ -223,34 +233,27 @@ pub fn try_external_ingress(ctx: &TcContext) -> Result<i32, Drop> {
         ..flow.key
     };
     let (rc, route) = self::route(ctx, &translated, 0, ingress);
-    if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED && dont_fragment(ctx)? {
+    if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED && A::dont_fragment(ctx)? {
         // As the kernel's forwarding answers: the client learns the path's MTU. The MTU comes
-        // with the lookup from Linux 5.12; before, 0 has the client take its minimum (552).
+        // with the lookup from Linux 5.12; before, 0 has the client take its minimum (552;
+        // 1280 for IPv6).
         // SAFETY: the lookup's output member of the union.
         let mtu = unsafe { route.__bindgen_anon_1.mtu_result };
-        crate::count_drop(ctx, DROP_FRAG_NEEDED);
-        return reject::frag_needed(ctx, &flow, mtu);
+        return A::too_big(ctx, flow, mtu);
     }
     flow.rewrite(ctx, End::Destination, dst.0, dst.1)?;
     flow.rewrite(ctx, End::Source, src.0, src.1)?;
-    send(ctx, rc, &route)
-}
-
-/// Whether the packet's IP header forbids fragmenting it (DF).
-#[inline(always)]
-fn dont_fragment(ctx: &TcContext) -> Result<bool, Drop> {
-    let flags: u8 = ctx.load(IP_FRAG_FLAGS_OFF).map_err(|_| FAILED)?;
-    Ok(flags & IP_DF != 0)
+    send::<A>(ctx, rc, &route).map(Action::Verdict)
 }
 
 /// Sends a translated packet (now `key`) out by a route lookup, resolving the next hop if need
 /// be.
 #[inline(always)]
-pub fn forward_tc(ctx: &TcContext, key: &CtKey) -> Result<i32, Drop> {
+pub fn forward_tc<A: Family>(ctx: &TcContext, key: &CtKey<A>) -> Result<i32, Drop> {
     // SAFETY: reading the context's ifindex.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     let (rc, route) = self::route(ctx, key, 0, ifindex);
-    send(ctx, rc, &route)
+    send::<A>(ctx, rc, &route)
 }
 
 /// Sends a translated packet out as the route lookup `route` (its return code `rc`) says.
@@ -258,13 +261,13 @@ pub fn forward_tc(ctx: &TcContext, key: &CtKey) -> Result<i32, Drop> {
 /// fragments the packet it is carried in (flannel's and Calico's VXLAN; the kernel's own
 /// forwarding would have fragmented it), a plain interface of a smaller MTU drops it.
 #[inline(always)]
-fn send(ctx: &TcContext, rc: i64, route: &bpf_fib_lookup) -> Result<i32, Drop> {
+fn send<A: Family>(ctx: &TcContext, rc: i64, route: &bpf_fib_lookup) -> Result<i32, Drop> {
     let rc = rc as u32;
     let resolved = rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_FRAG_NEEDED;
     if !resolved && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return Err(Drop(DROP_NO_ROUTE));
     }
-    decrement_ttl(ctx)?;
+    A::decrement_hops(ctx)?;
     if resolved {
         let mut macs = [0u8; 12];
         macs[..6].copy_from_slice(&route.dmac);
@@ -277,27 +280,13 @@ fn send(ctx: &TcContext, rc: i64, route: &bpf_fib_lookup) -> Result<i32, Drop> {
     Ok(unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
 }
 
-/// A forwarded packet loses a hop; one that has none left goes no further.
-#[inline(always)]
-fn decrement_ttl(ctx: &TcContext) -> Result<(), Drop> {
-    let word: [u8; 2] = ctx.load(IP_TTL_OFF).map_err(|_| FAILED)?;
-    if word[0] <= 1 {
-        return Err(Drop(DROP_NO_ROUTE));
-    }
-    let new = [word[0] - 1, word[1]];
-    let (from, to) = (u16::from_ne_bytes(word), u16::from_ne_bytes(new));
-    ctx.l3_csum_replace(IP_CSUM_OFF, from as u64, to as u64, 2)
-        .map_err(|_| FAILED)?;
-    ctx.store(IP_TTL_OFF, &new, 0).map_err(|_| FAILED)
-}
-
 /// A packet leaving the node on an external interface: a local endpoint's reply to an
 /// external client gets the frontend's address back as its source (a SYN, FIN or RST from a
 /// spoofed source passes untranslated and changes no flow).
 #[inline(always)]
-pub fn try_external_egress(ctx: &TcContext) -> Result<i32, Drop> {
-    let Some(mut flow) = packet::parse(ctx) else {
-        icmp::to_client(ctx, CT_EXTERNAL)?;
+pub fn try_external_egress<A: Family>(ctx: &TcContext) -> Result<i32, Drop> {
+    let Some(mut flow) = A::parse(ctx) else {
+        icmp::to_client::<A>(ctx, CT_EXTERNAL)?;
         return Ok(TC_ACT_UNSPEC);
     };
     if source::from_spoofed_source(ctx, &flow) {

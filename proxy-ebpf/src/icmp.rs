@@ -6,12 +6,14 @@
 //! endpoint has no listener. The errors are looked up in conntrack, never counted as traffic.
 //!
 //! Handled at constant offsets: outer and quoted IPv4 headers without options (errors with
-//! options pass untranslated; the kernel sends none).
+//! options pass untranslated; the kernel sends none). ICMPv6 errors the same way, through the
+//! family's parse and rewrites (ipv6.rs): IPv6 headers without extension headers.
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{Be16, Be32, CT_EXTERNAL, CT_SNAT, CtKey, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     conntrack, external,
+    family::Family,
     packet::{
         Drop, ETH_HLEN, ETH_P_IP, End, FAILED, IP_FRAG_MASK, IP_FRAG_OFFSET, Sum, read16, write16,
         write32,
@@ -34,13 +36,44 @@ const MIN_LEN: usize = INNER_L4 + 8;
 const TCP_CSUM_END: usize = INNER_L4 + 18;
 
 /// An ICMP error quoting a TCP or UDP packet.
-pub struct Error {
+pub struct Error<A = Be32> {
     /// The quoted packet's 5-tuple, as it was sent (towards this error's sender).
-    pub inner: CtKey,
-    pub outer_saddr: Be32,
-    pub outer_daddr: Be32,
+    pub inner: CtKey<A>,
+    pub outer_saddr: A,
+    pub outer_daddr: A,
     /// The quote holds the TCP header's checksum.
-    quotes_tcp_csum: bool,
+    pub quotes_tcp_csum: bool,
+}
+
+impl<A: Family> Error<A> {
+    /// Rewrites the quoted packet's `at` end to `addr`:`port`, with the checksums that cover
+    /// it (see [`Family::rewrite_quoted`]).
+    #[inline(always)]
+    pub fn rewrite_inner(
+        &mut self,
+        ctx: &TcContext,
+        at: End,
+        addr: A,
+        port: Be16,
+    ) -> Result<(), Drop> {
+        A::rewrite_quoted(self, ctx, at, addr, port)?;
+        match at {
+            End::Source => (self.inner.saddr, self.inner.sport) = (addr, port),
+            End::Destination => (self.inner.daddr, self.inner.dport) = (addr, port),
+        }
+        Ok(())
+    }
+
+    /// Rewrites the error's own `at` address, with the checksums that cover it.
+    #[inline(always)]
+    pub fn rewrite_outer(&mut self, ctx: &TcContext, at: End, addr: A) -> Result<(), Drop> {
+        A::rewrite_error_addr(self, ctx, at, addr)?;
+        match at {
+            End::Source => self.outer_saddr = addr,
+            End::Destination => self.outer_daddr = addr,
+        }
+        Ok(())
+    }
 }
 
 /// The ICMP error `ctx` holds, if it is one about a TCP or UDP packet.
@@ -94,97 +127,86 @@ pub fn parse(ctx: &TcContext) -> Option<Error> {
     })
 }
 
-impl Error {
-    /// Rewrites the quoted packet's `at` end to `addr`:`port`, with its IP checksum, its TCP or
-    /// UDP checksum where quoted (a UDP checksum of zero stays zero), and the ICMP checksum.
-    #[inline(always)]
-    pub fn rewrite_inner(
-        &mut self,
-        ctx: &TcContext,
-        at: End,
-        addr: Be32,
-        port: Be16,
-    ) -> Result<(), Drop> {
-        let (old_addr, old_port) = match at {
-            End::Source => (self.inner.saddr, self.inner.sport),
-            End::Destination => (self.inner.daddr, self.inner.dport),
-        };
-        let (addr_field, port_field) = match at {
-            End::Source => (INNER_IP + 12, INNER_L4),
-            End::Destination => (INNER_IP + 16, INNER_L4 + 2),
-        };
-        let (data, end) = (ctx.data(), ctx.data_end());
-        if data + MIN_LEN > end {
-            return Err(FAILED);
-        }
-        // The ICMP checksum covers every quoted byte changed here, checksums included.
-        let mut icmp = Sum::default();
-        let mut ip = Sum::default();
-        ip.replace32(old_addr.raw(), addr.raw());
-        // The quoted L4 checksum: its pseudo-header holds the address, its header the port.
-        let mut l4 = ip;
-        l4.replace16(old_port.raw(), port.raw());
-        icmp.replace32(old_addr.raw(), addr.raw());
-        icmp.replace16(old_port.raw(), port.raw());
-        // SAFETY (every access): within data..data + MIN_LEN, checked above; the TCP checksum
-        // within data..data + TCP_CSUM_END, checked before it.
-        unsafe {
-            let old = read16(data + INNER_IP + 10);
-            let new = ip.apply(old);
-            icmp.replace16(old, new);
-            write16(data + INNER_IP + 10, new);
-            if self.inner.proto == IPPROTO_UDP {
-                let old = read16(data + INNER_L4 + 6);
-                if old != 0 {
-                    let new = match l4.apply(old) {
-                        0 => 0xffff,
-                        sum => sum,
-                    };
-                    icmp.replace16(old, new);
-                    write16(data + INNER_L4 + 6, new);
-                }
-            } else if self.quotes_tcp_csum && data + TCP_CSUM_END <= end {
-                let old = read16(data + INNER_L4 + 16);
-                let new = l4.apply(old);
+/// Rewrites the quoted packet's `at` end to `addr`:`port`, with its IP checksum, its TCP or
+/// UDP checksum where quoted (a UDP checksum of zero stays zero), and the ICMP checksum.
+#[inline(always)]
+pub fn rewrite_quoted(
+    error: &Error,
+    ctx: &TcContext,
+    at: End,
+    addr: Be32,
+    port: Be16,
+) -> Result<(), Drop> {
+    let (old_addr, old_port) = match at {
+        End::Source => (error.inner.saddr, error.inner.sport),
+        End::Destination => (error.inner.daddr, error.inner.dport),
+    };
+    let (addr_field, port_field) = match at {
+        End::Source => (INNER_IP + 12, INNER_L4),
+        End::Destination => (INNER_IP + 16, INNER_L4 + 2),
+    };
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + MIN_LEN > end {
+        return Err(FAILED);
+    }
+    // The ICMP checksum covers every quoted byte changed here, checksums included.
+    let mut icmp = Sum::default();
+    let mut ip = Sum::default();
+    ip.replace32(old_addr.raw(), addr.raw());
+    // The quoted L4 checksum: its pseudo-header holds the address, its header the port.
+    let mut l4 = ip;
+    l4.replace16(old_port.raw(), port.raw());
+    icmp.replace32(old_addr.raw(), addr.raw());
+    icmp.replace16(old_port.raw(), port.raw());
+    // SAFETY (every access): within data..data + MIN_LEN, checked above; the TCP checksum
+    // within data..data + TCP_CSUM_END, checked before it.
+    unsafe {
+        let old = read16(data + INNER_IP + 10);
+        let new = ip.apply(old);
+        icmp.replace16(old, new);
+        write16(data + INNER_IP + 10, new);
+        if error.inner.proto == IPPROTO_UDP {
+            let old = read16(data + INNER_L4 + 6);
+            if old != 0 {
+                let new = match l4.apply(old) {
+                    0 => 0xffff,
+                    sum => sum,
+                };
                 icmp.replace16(old, new);
-                write16(data + INNER_L4 + 16, new);
+                write16(data + INNER_L4 + 6, new);
             }
-            write32(data + addr_field, addr.raw());
-            write16(data + port_field, port.raw());
-            write16(data + ICMP_OFF + 2, icmp.apply(read16(data + ICMP_OFF + 2)));
+        } else if error.quotes_tcp_csum && data + TCP_CSUM_END <= end {
+            let old = read16(data + INNER_L4 + 16);
+            let new = l4.apply(old);
+            icmp.replace16(old, new);
+            write16(data + INNER_L4 + 16, new);
         }
-        match at {
-            End::Source => (self.inner.saddr, self.inner.sport) = (addr, port),
-            End::Destination => (self.inner.daddr, self.inner.dport) = (addr, port),
-        }
-        Ok(())
+        write32(data + addr_field, addr.raw());
+        write16(data + port_field, port.raw());
+        write16(data + ICMP_OFF + 2, icmp.apply(read16(data + ICMP_OFF + 2)));
     }
+    Ok(())
+}
 
-    /// Rewrites the error's own `at` address, with the IP checksum (ICMP's has no
-    /// pseudo-header).
-    #[inline(always)]
-    pub fn rewrite_outer(&mut self, ctx: &TcContext, at: End, addr: Be32) -> Result<(), Drop> {
-        let (old, field) = match at {
-            End::Source => (self.outer_saddr, OUTER_IP + 12),
-            End::Destination => (self.outer_daddr, OUTER_IP + 16),
-        };
-        let (data, end) = (ctx.data(), ctx.data_end());
-        if data + MIN_LEN > end {
-            return Err(FAILED);
-        }
-        let mut ip = Sum::default();
-        ip.replace32(old.raw(), addr.raw());
-        // SAFETY: within data..data + MIN_LEN, checked above.
-        unsafe {
-            write16(data + OUTER_IP + 10, ip.apply(read16(data + OUTER_IP + 10)));
-            write32(data + field, addr.raw());
-        }
-        match at {
-            End::Source => self.outer_saddr = addr,
-            End::Destination => self.outer_daddr = addr,
-        }
-        Ok(())
+/// Rewrites the error's own `at` address, with the IP checksum (ICMP's has no pseudo-header).
+#[inline(always)]
+pub fn rewrite_error_addr(error: &Error, ctx: &TcContext, at: End, addr: Be32) -> Result<(), Drop> {
+    let (old, field) = match at {
+        End::Source => (error.outer_saddr, OUTER_IP + 12),
+        End::Destination => (error.outer_daddr, OUTER_IP + 16),
+    };
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + MIN_LEN > end {
+        return Err(FAILED);
     }
+    let mut ip = Sum::default();
+    ip.replace32(old.raw(), addr.raw());
+    // SAFETY: within data..data + MIN_LEN, checked above.
+    unsafe {
+        write16(data + OUTER_IP + 10, ip.apply(read16(data + OUTER_IP + 10)));
+        write32(data + field, addr.raw());
+    }
+    Ok(())
 }
 
 /// An ICMP error on its way to a translated flow's client: a pod (tc egress of its interface),
@@ -192,8 +214,8 @@ impl Error {
 /// quotes a packet as the node sent it on to the endpoint; the client sent it to the service
 /// address, and an error from the endpoint itself comes from there too.
 #[inline(always)]
-pub fn to_client(ctx: &TcContext, flags: u8) -> Result<(), Drop> {
-    let Some(mut error) = parse(ctx) else {
+pub fn to_client<A: Family>(ctx: &TcContext, flags: u8) -> Result<(), Drop> {
+    let Some(mut error) = A::icmp_error(ctx) else {
         return Ok(());
     };
     let now = unsafe { bpf_ktime_get_ns() };
@@ -216,8 +238,8 @@ pub fn to_client(ctx: &TcContext, flags: u8) -> Result<(), Drop> {
 /// the reply as the endpoint sent it (through the stack to a local endpoint, forwarded from
 /// the node address to a remote one).
 #[inline(always)]
-pub fn from_outside(ctx: &TcContext) -> Result<i32, Drop> {
-    let Some(mut error) = parse(ctx) else {
+pub fn from_outside<A: Family>(ctx: &TcContext) -> Result<i32, Drop> {
+    let Some(mut error) = A::icmp_error(ctx) else {
         return Ok(TC_ACT_UNSPEC);
     };
     let now = unsafe { bpf_ktime_get_ns() };
@@ -245,13 +267,13 @@ pub fn from_outside(ctx: &TcContext) -> Result<i32, Drop> {
 
 /// Sends the rewritten error on by a route lookup, as the external programs forward.
 #[inline(always)]
-fn forward(ctx: &TcContext, error: &Error) -> Result<i32, Drop> {
+fn forward<A: Family>(ctx: &TcContext, error: &Error<A>) -> Result<i32, Drop> {
     let key = CtKey {
         saddr: error.outer_saddr,
         daddr: error.outer_daddr,
         sport: Be16::new(0),
         dport: Be16::new(0),
-        proto: IPPROTO_ICMP,
+        proto: A::ICMP,
         pad: [0; 3],
     };
     external::forward_tc(ctx, &key)

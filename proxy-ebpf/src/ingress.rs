@@ -24,6 +24,9 @@ pub enum Action<A> {
     /// Answer it with a port unreachable (a service without endpoints): left to the caller, so
     /// that the answer's buffers need not share this path's stack frame.
     Reject(Flow<A>),
+    /// Answer it with a fragmentation needed (IPv6: packet too big) with this MTU, likewise
+    /// (external.rs: too big for the interface it would be forwarded out of).
+    TooBig(Flow<A>, u16),
 }
 
 #[inline(always)]

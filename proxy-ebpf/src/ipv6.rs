@@ -8,12 +8,17 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Be16, Be32, Be128, CtKey, FragKey6, FragValue, IPPROTO_TCP, IPPROTO_UDP, seq_hint,
+    Be16, Be32, Be128, CtKey, DROP_NO_ROUTE, FragKey6, FragValue, IPPROTO_TCP, IPPROTO_UDP,
+    seq_hint,
 };
 
 use crate::{
+    icmp::Error,
     maps::FRAGMENTS6,
-    packet::{Drop, ETH_HLEN, ETH_P_IPV6, End, FAILED, Flow, Fragment, Sum, read, send_back},
+    packet::{
+        Drop, ETH_HLEN, ETH_P_IPV6, End, FAILED, Flow, Fragment, Sum, read, read16, send_back,
+        write16,
+    },
     reject,
 };
 
@@ -28,7 +33,7 @@ const NEXTHDR_ROUTING: u8 = 43;
 const NEXTHDR_FRAGMENT: u8 = 44;
 const NEXTHDR_AUTH: u8 = 51;
 const NEXTHDR_DEST: u8 = 60;
-const NEXTHDR_ICMP: u8 = 58;
+pub const NEXTHDR_ICMP: u8 = 58;
 /// Extension headers walked before the L4 header; a packet with more passes untouched (RFC 8200
 /// orders them: hop-by-hop, destination options, routing, fragment, then AH and destination
 /// options again).
@@ -259,21 +264,53 @@ pub fn rewrite(
     Ok(())
 }
 
+/// Where the hop limit is.
+const HOP_LIMIT_OFF: usize = ETH_HLEN + 7;
+
+/// Takes a hop off a forwarded packet (no checksum covers the hop limit); one that has none
+/// left goes no further.
+#[inline(always)]
+pub fn decrement_hop_limit(ctx: &TcContext) -> Result<(), Drop> {
+    let hops: u8 = ctx.load(HOP_LIMIT_OFF).map_err(|_| FAILED)?;
+    if hops <= 1 {
+        return Err(Drop(DROP_NO_ROUTE));
+    }
+    ctx.store(HOP_LIMIT_OFF, &(hops - 1), 0).map_err(|_| FAILED)
+}
+
 const ICMPV6_HLEN: usize = 8;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
+const ICMPV6_PKT_TOOBIG: u8 = 2;
+/// The smallest MTU an IPv6 link may have (RFC 8200): a packet too big never names less.
+const IPV6_MIN_MTU: u32 = 1280;
 /// What the reject quotes of the offending packet besides its IPv6 header.
 const QUOTED_L4: usize = 8;
 const ICMP_OFF: usize = IPV6_MIN;
 const QUOTE_OFF: usize = ICMP_OFF + ICMPV6_HLEN;
 const REPLY_LEN: usize = QUOTE_OFF + IPV6_HLEN + QUOTED_L4;
 
-/// Turns `flow`'s packet into an ICMPv6 port unreachable (RFC 4443) from its destination (the
+/// Turns the packet into an ICMPv6 port unreachable (RFC 4443) from its destination (the
 /// service address) to its source, and sends it back, as `reject::reject` does for IPv4. A
 /// packet with extension headers passes untouched (its quote would not fit this fixed layout).
 /// A function of its own: its buffers need not share the stack frame of the flow's lookups.
 #[inline(never)]
 pub fn reject(ctx: &TcContext) -> Result<i32, Drop> {
+    answer(ctx, ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0)
+}
+
+/// Turns the packet into an ICMPv6 packet too big with the next hop's `mtu` (RFC 8201's path
+/// MTU discovery; 0, from a kernel whose route lookup does not give it: the minimum), as
+/// [`reject`] does.
+#[inline(never)]
+pub fn too_big(ctx: &TcContext, mtu: u16) -> Result<i32, Drop> {
+    answer(ctx, ICMPV6_PKT_TOOBIG, 0, u32::from(mtu).max(IPV6_MIN_MTU))
+}
+
+/// The ICMPv6 error `kind`, `code` (with `word` after the checksum: the MTU of a packet too
+/// big) answering the packet, sent back to its source.
+#[inline(always)]
+fn answer(ctx: &TcContext, kind: u8, code: u8, word: u32) -> Result<i32, Drop> {
     let next: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| FAILED)?;
     if next != IPPROTO_TCP && next != IPPROTO_UDP {
         return Ok(TC_ACT_UNSPEC);
@@ -298,8 +335,9 @@ pub fn reject(ctx: &TcContext) -> Result<i32, Drop> {
     ip[7] = 64; // hop limit
     ip[8..].copy_from_slice(&addrs);
     let mut icmp = [0u8; ICMPV6_HLEN];
-    icmp[0] = ICMPV6_DEST_UNREACH;
-    icmp[1] = ICMPV6_PORT_UNREACH;
+    icmp[0] = kind;
+    icmp[1] = code;
+    icmp[4..].copy_from_slice(&word.to_be_bytes());
     // The pseudo-header: both addresses, the upper-layer length and next header.
     let pseudo = reject::sum_words(&addrs) + u32::from(payload_len) + u32::from(NEXTHDR_ICMP);
     let csum = reject::checksum(
@@ -313,4 +351,161 @@ pub fn reject(ctx: &TcContext) -> Result<i32, Drop> {
     ctx.store(QUOTE_OFF + IPV6_HLEN, &l4, 0)
         .map_err(|_| FAILED)?;
     Ok(send_back(ctx))
+}
+
+/// ICMPv6 errors (RFC 4443: destination unreachable, packet too big, time exceeded, parameter
+/// problem; informational messages are 128 and up).
+const ICMPV6_ERROR_MAX: u8 = 4;
+const ERROR_ICMP: usize = IPV6_MIN;
+const ERROR_INNER: usize = ERROR_ICMP + ICMPV6_HLEN;
+const ERROR_INNER_L4: usize = ERROR_INNER + IPV6_HLEN;
+/// An error quotes at least the offending packet's IPv6 header and 8 bytes of its payload.
+const ERROR_MIN_LEN: usize = ERROR_INNER_L4 + 8;
+/// Where a quoted TCP header's checksum ends.
+const ERROR_TCP_CSUM_END: usize = ERROR_INNER_L4 + 18;
+
+/// The ICMPv6 error `ctx` holds, if it is one about a TCP or UDP packet (icmp.rs), both IPv6
+/// headers without extension headers (an error with them passes untranslated).
+#[inline(always)]
+pub fn icmp_error(ctx: &TcContext) -> Option<Error<Be128>> {
+    let len = ctx.len() as usize;
+    let wanted = core::cmp::min(len, ERROR_TCP_CSUM_END);
+    if ctx.data() + wanted > ctx.data_end() {
+        ctx.pull_data(wanted as u32).ok()?;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + ERROR_MIN_LEN > end {
+        return None;
+    }
+    // SAFETY (every read): within data..data + ERROR_MIN_LEN, checked above.
+    let word = |off: usize| Be16::from_raw(unsafe { read16(data + off) }).get();
+    let byte = |off: usize| unsafe { read::<u8>(data + off) };
+    // The message ends where the IPv6 header says (what follows is padding), within the frame.
+    let end_of_message = IPV6_MIN + word(ETH_HLEN + 4) as usize;
+    let outer_ok = word(12) == ETH_P_IPV6
+        && byte(ETH_HLEN) >> 4 == 6
+        && byte(ETH_HLEN + 6) == NEXTHDR_ICMP
+        && end_of_message >= ERROR_MIN_LEN
+        && end_of_message <= len;
+    let kind = byte(ERROR_ICMP);
+    let proto = byte(ERROR_INNER + 6);
+    let inner_ok = byte(ERROR_INNER) >> 4 == 6 && (proto == IPPROTO_TCP || proto == IPPROTO_UDP);
+    if !(outer_ok && kind >= 1 && kind <= ICMPV6_ERROR_MAX && inner_ok) {
+        return None;
+    }
+    let addr = |off: usize| Be128::from_raw(unsafe { read::<[u32; 4]>(data + off) });
+    let port = |off: usize| Be16::from_raw(unsafe { read16(data + off) });
+    Some(Error {
+        inner: CtKey {
+            saddr: addr(ERROR_INNER + 8),
+            daddr: addr(ERROR_INNER + 24),
+            sport: port(ERROR_INNER_L4),
+            dport: port(ERROR_INNER_L4 + 2),
+            proto,
+            pad: [0; 3],
+        },
+        outer_saddr: addr(SADDR_OFF),
+        outer_daddr: addr(DADDR_OFF),
+        quotes_tcp_csum: end_of_message >= ERROR_TCP_CSUM_END,
+    })
+}
+
+/// The one's complement difference of replacing the address `old` with `new`.
+#[inline(always)]
+fn addr_sum(old: Be128, new: Be128) -> Sum {
+    let mut sum = Sum::default();
+    let (old, new) = (old.raw(), new.raw());
+    for i in 0..4 {
+        sum.replace32(old[i], new[i]);
+    }
+    sum
+}
+
+/// Rewrites the quoted packet's `at` end of `error` to `addr`:`port`, with its TCP or UDP
+/// checksum where quoted (its pseudo-header holds the address) and the ICMPv6 checksum, which
+/// covers every quoted byte changed.
+#[inline(always)]
+pub fn rewrite_quoted(
+    error: &Error<Be128>,
+    ctx: &TcContext,
+    at: End,
+    addr: Be128,
+    port: Be16,
+) -> Result<(), Drop> {
+    let (old_addr, old_port, addr_field, port_field) = match at {
+        End::Source => (
+            error.inner.saddr,
+            error.inner.sport,
+            ERROR_INNER + 8,
+            ERROR_INNER_L4,
+        ),
+        End::Destination => (
+            error.inner.daddr,
+            error.inner.dport,
+            ERROR_INNER + 24,
+            ERROR_INNER_L4 + 2,
+        ),
+    };
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + ERROR_MIN_LEN > end {
+        return Err(FAILED);
+    }
+    let mut l4 = addr_sum(old_addr, addr);
+    l4.replace16(old_port.raw(), port.raw());
+    let mut icmp = l4;
+    // SAFETY (every access): within data..data + ERROR_MIN_LEN, checked above; the TCP
+    // checksum within data..data + ERROR_TCP_CSUM_END, checked before it.
+    unsafe {
+        let csum_off = if error.inner.proto == IPPROTO_UDP {
+            Some(ERROR_INNER_L4 + 6)
+        } else if error.quotes_tcp_csum && data + ERROR_TCP_CSUM_END <= end {
+            Some(ERROR_INNER_L4 + 16)
+        } else {
+            None
+        };
+        if let Some(off) = csum_off {
+            let old = read16(data + off);
+            let new = match l4.apply(old) {
+                0 if error.inner.proto == IPPROTO_UDP => 0xffff,
+                sum => sum,
+            };
+            icmp.replace16(old, new);
+            write16(data + off, new);
+        }
+        ((data + addr_field) as *mut [u32; 4]).write_unaligned(addr.raw());
+        write16(data + port_field, port.raw());
+        write16(
+            data + ERROR_ICMP + 2,
+            icmp.apply(read16(data + ERROR_ICMP + 2)),
+        );
+    }
+    Ok(())
+}
+
+/// Rewrites `error`'s own `at` address, with the ICMPv6 checksum (its pseudo-header holds it).
+#[inline(always)]
+pub fn rewrite_error_addr(
+    error: &Error<Be128>,
+    ctx: &TcContext,
+    at: End,
+    addr: Be128,
+) -> Result<(), Drop> {
+    let (old, field) = match at {
+        End::Source => (error.outer_saddr, SADDR_OFF),
+        End::Destination => (error.outer_daddr, DADDR_OFF),
+    };
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + ERROR_MIN_LEN > end {
+        return Err(FAILED);
+    }
+    let sum = addr_sum(old, addr);
+    // SAFETY: within data..data + ERROR_MIN_LEN, checked above.
+    unsafe {
+        write16(
+            data + ERROR_ICMP + 2,
+            sum.apply(read16(data + ERROR_ICMP + 2)),
+        );
+        ((data + field) as *mut [u32; 4]).write_unaligned(addr.raw());
+    }
+    Ok(())
 }

@@ -30,7 +30,10 @@ use aya_ebpf::{
     programs::{SockAddrContext, TcContext, XdpContext},
 };
 use aya_log_ebpf::error;
-use proxy_common::{Be32, Be128, DROPS_LAST_LOG, FAMILY_PROG_EGRESS6, FAMILY_PROG_INGRESS6};
+use proxy_common::{
+    Be32, Be128, DROP_FRAG_NEEDED, DROPS_LAST_LOG, FAMILY_PROG_EGRESS6, FAMILY_PROG_EXT_EGRESS6,
+    FAMILY_PROG_EXT_INGRESS6, FAMILY_PROG_INGRESS6,
+};
 
 use crate::{
     ingress::Action,
@@ -43,41 +46,43 @@ use crate::{
 /// its own ([`tc_ingress6`], a tail call): its larger keys would not fit one 512-byte stack
 /// beside IPv4's, and IPv4 pays nothing for it.
 #[classifier]
+#[inline(always)]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     if packet::eth_proto(&ctx) == Some(ETH_P_IPV6) {
         return tail_call(&ctx, FAMILY_PROG_INGRESS6);
     }
-    let r = match ingress::try_ingress::<Be32>(&ctx) {
-        Ok(Action::Verdict(v)) => Ok(v),
-        Ok(Action::Reject(flow)) => reject::reject(&ctx, &flow),
-        Err(e) => Err(e),
-    };
-    verdict(&ctx, r)
+    verdict(&ctx, answer4(&ctx, ingress::try_ingress::<Be32>(&ctx)))
+}
+
+/// The IPv4 programs' verdict: `action`'s, or its answer's.
+#[inline(always)]
+fn answer4(
+    ctx: &TcContext,
+    action: Result<Action<Be32>, packet::Drop>,
+) -> Result<i32, packet::Drop> {
+    match action? {
+        Action::Verdict(v) => Ok(v),
+        Action::Reject(flow) => reject::reject(ctx, &flow),
+        Action::TooBig(flow, mtu) => reject::frag_needed(ctx, &flow, mtu),
+    }
 }
 
 /// [`tc_ingress`] of an IPv6 packet.
 #[classifier]
 pub fn tc_ingress6(ctx: TcContext) -> i32 {
-    let r = match ingress6(&ctx) {
-        Ok(Some(v)) => Ok(v),
-        Ok(None) => ipv6::reject(&ctx),
-        Err(e) => Err(e),
-    };
-    verdict(&ctx, r)
+    verdict(&ctx, answer6(&ctx, ingress6(&ctx)))
 }
 
-/// The verdict, or None: reject it. A function of its own, so that the reject's buffers get a
-/// frame beside the lookups' rather than below them.
+/// The flow's part of [`tc_ingress6`]. A function of its own, so that the answer's buffers get
+/// a frame beside the lookups' rather than below them.
 #[inline(never)]
-fn ingress6(ctx: &TcContext) -> Result<Option<i32>, packet::Drop> {
-    Ok(match ingress::try_ingress::<Be128>(ctx)? {
-        Action::Verdict(v) => Some(v),
-        Action::Reject(_) => None,
-    })
+fn ingress6(ctx: &TcContext) -> Result<Answer, packet::Drop> {
+    ingress::try_ingress::<Be128>(ctx).map(Answer::from)
 }
 
 /// A packet about to be delivered to a pod (IPv6 in [`tc_egress6`], as in [`tc_ingress`]).
 #[classifier]
+#[inline(always)]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     if packet::eth_proto(&ctx) == Some(ETH_P_IPV6) {
         return tail_call(&ctx, FAMILY_PROG_EGRESS6);
@@ -92,7 +97,9 @@ pub fn tc_egress6(ctx: TcContext) -> i32 {
     verdict(&ctx, egress::try_egress::<Be128>(&ctx))
 }
 
-/// Goes on in the program at `index` of FAMILY_PROGS. Should that fail (the agent fills the
+/// Goes on in the program at `index` of FAMILY_PROGS. Only a program's own body may tail-call
+/// (the kernel refuses a tail call in a BPF-to-BPF function of an object without BTF function
+/// info): the programs that call this are `#[inline(always)]` into the macro's entry point. Should that fail (the agent fills the
 /// array before it attaches anything, so it does not), the packet passes untouched.
 #[inline(always)]
 fn tail_call(ctx: &TcContext, index: u32) -> i32 {
@@ -114,17 +121,80 @@ pub fn xdp_external(ctx: XdpContext) -> u32 {
     }
 }
 
-/// The same as [`xdp_external`] on tc: what XDP left to the stack, or everything with
-/// `--xdp-mode tc`.
+/// The same as [`xdp_external`] on tc: what XDP left to the stack (IPv6 among it), or
+/// everything with `--xdp-mode tc`. IPv6 goes on in [`tc_external_ingress6`], as in
+/// [`tc_ingress`].
 #[classifier]
+#[inline(always)]
 pub fn tc_external_ingress(ctx: TcContext) -> i32 {
-    verdict(&ctx, external::try_external_ingress(&ctx))
+    if packet::eth_proto(&ctx) == Some(ETH_P_IPV6) {
+        return tail_call(&ctx, FAMILY_PROG_EXT_INGRESS6);
+    }
+    verdict(
+        &ctx,
+        answer4(&ctx, external::try_external_ingress::<Be32>(&ctx)),
+    )
 }
 
-/// A packet leaving on an external interface: replies of local endpoints to external clients.
+/// [`tc_external_ingress`] of an IPv6 packet.
 #[classifier]
+pub fn tc_external_ingress6(ctx: TcContext) -> i32 {
+    verdict(&ctx, answer6(&ctx, external6(&ctx)))
+}
+
+/// The IPv6 programs' verdict: `answer`'s, or the ICMPv6 error it asks for.
+#[inline(always)]
+fn answer6(ctx: &TcContext, answer: Result<Answer, packet::Drop>) -> Result<i32, packet::Drop> {
+    match answer? {
+        Answer::Verdict(v) => Ok(v),
+        Answer::Reject => ipv6::reject(ctx),
+        Answer::TooBig(mtu) => {
+            count_drop(ctx, DROP_FRAG_NEEDED);
+            ipv6::too_big(ctx, mtu)
+        }
+    }
+}
+
+/// What [`tc_ingress6`] and [`tc_external_ingress6`] do with a packet: the flow's part done,
+/// the answer's (in a frame of its own) still to come.
+enum Answer {
+    Verdict(i32),
+    Reject,
+    TooBig(u16),
+}
+
+impl<A> From<Action<A>> for Answer {
+    #[inline(always)]
+    fn from(action: Action<A>) -> Self {
+        match action {
+            Action::Verdict(v) => Answer::Verdict(v),
+            Action::Reject(_) => Answer::Reject,
+            Action::TooBig(_, mtu) => Answer::TooBig(mtu),
+        }
+    }
+}
+
+/// The flow's part of [`tc_external_ingress6`], as [`ingress6`].
+#[inline(never)]
+fn external6(ctx: &TcContext) -> Result<Answer, packet::Drop> {
+    external::try_external_ingress::<Be128>(ctx).map(Answer::from)
+}
+
+/// A packet leaving on an external interface: replies of local endpoints to external clients
+/// (IPv6 in [`tc_external_egress6`]).
+#[classifier]
+#[inline(always)]
 pub fn tc_external_egress(ctx: TcContext) -> i32 {
-    verdict(&ctx, external::try_external_egress(&ctx))
+    if packet::eth_proto(&ctx) == Some(ETH_P_IPV6) {
+        return tail_call(&ctx, FAMILY_PROG_EXT_EGRESS6);
+    }
+    verdict(&ctx, external::try_external_egress::<Be32>(&ctx))
+}
+
+/// [`tc_external_egress`] of an IPv6 packet.
+#[classifier]
+pub fn tc_external_egress6(ctx: TcContext) -> i32 {
+    verdict(&ctx, external::try_external_egress::<Be128>(&ctx))
 }
 
 /// connect() of a socket in the programs' cgroup: a service address of a host-network client

@@ -127,8 +127,11 @@ pub static SOURCE_RANGES6: LpmTrie<SourceRangeKey<Be128>, u8> = LpmTrie::pinned(
 #[map(name = "FRAGMENTS6")]
 pub static FRAGMENTS6: LruHashMap<FragKey6, FragValue> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
 
-/// The IPv6 programs the pod-facing programs tail-call into
-/// ([`proxy_common::FAMILY_PROG_INGRESS6`], [`proxy_common::FAMILY_PROG_EGRESS6`]), filled by
+/// The node's primary IPv6 address (CONFIG_SNAT_ADDR's twin), written by the agent.
+#[map(name = "PRIMARY_ADDR6")]
+pub static PRIMARY_ADDR6: Array<Be128> = Array::pinned(1, 0);
+
+/// The IPv6 programs the tc programs tail-call into (`proxy_common::FAMILY_PROG_*`), filled by
 /// the agent at load. Pinned as the rest: the kernel empties a program array once no process
 /// or pin holds it, and the attached programs outlive the agent.
 #[map(name = "FAMILY_PROGS")]

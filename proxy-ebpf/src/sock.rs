@@ -31,7 +31,8 @@ use proxy_common::{
 };
 
 use crate::{
-    external, frontend, lb,
+    family::Family,
+    frontend, lb,
     maps::{DROPS, HOST_NETNS, SOCK_REVNAT},
     packet::Drop,
 };
@@ -141,7 +142,7 @@ fn try_translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> Res
     };
     // loadBalancerSourceRanges: the connection would leave from the node's primary address
     // (the source is not chosen yet), which must be within them, as with kube-proxy's rules.
-    if host && frontend::source_refused(&svc_key, &svc, external::primary_addr()) {
+    if host && frontend::source_refused(&svc_key, &svc, Be32::primary_addr()) {
         return Err(Drop(DROP_SOURCE_RANGE));
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };

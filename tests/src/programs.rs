@@ -279,6 +279,7 @@ impl Programs {
         let value = ExternalIface {
             flags,
             snat_addr: Be32::from_octets(snat.octets()),
+            ..ExternalIface::default()
         };
         map.insert(ifindex, value, 0).unwrap();
     }

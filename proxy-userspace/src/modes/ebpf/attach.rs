@@ -15,7 +15,7 @@ use std::{
     collections::{HashMap, HashSet},
     ffi::{CStr, CString},
     io,
-    net::Ipv4Addr,
+    net::IpAddr,
     os::{
         fd::{AsFd, AsRawFd},
         unix::net::UnixStream,
@@ -38,9 +38,9 @@ use aya::{
     sys::SyscallError,
 };
 use proxy_common::{
-    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, ExternalIface,
-    IFACE_XDP_FORWARD, MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, MAP_SOURCE_IFACES,
-    NODE_ADDR_SNAT_ONLY,
+    Addr, Be32, Be128, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, ExternalIface,
+    IFACE_XDP_FORWARD, MAP_CONFIG, MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, MAP_NODE_ADDRS6,
+    MAP_PRIMARY_ADDR6, MAP_SOURCE_IFACES, NODE_ADDR_SNAT_ONLY,
 };
 
 use super::{
@@ -49,7 +49,10 @@ use super::{
     link_events::{self, LinkEvent, LinkEvents},
     pod_interfaces::{BRIDGE_DRIVER, Link, PodInterfaces},
 };
-use crate::node::{self, InterfaceAddr, NodePortAddresses};
+use crate::{
+    model::Family,
+    node::{self, InterfaceAddr, NodePortAddresses},
+};
 
 /// How often the interfaces are listed anyway: a safety net for attachments that failed and
 /// for notifications lost without the kernel saying so (when it says so, they are listed at
@@ -91,8 +94,19 @@ struct Uplink {
     /// It carries addresses NodePorts answer on: XDP as `--xdp-mode` says (else the tc
     /// programs only, for the replies of flows sent out of it).
     node_ports: bool,
-    /// The address flows sent out of it to other nodes' endpoints leave from.
-    snat_addr: Ipv4Addr,
+    /// The addresses flows sent out of it to other nodes' endpoints leave from, one a family
+    /// at most (IPv4's first).
+    snat_addrs: Vec<IpAddr>,
+}
+
+impl Uplink {
+    /// Its SNAT address of the family of `A` (unspecified: none).
+    fn snat_addr<A: Addr>(&self) -> A {
+        self.snat_addrs
+            .iter()
+            .find_map(|ip| A::from_ip(*ip))
+            .unwrap_or_default()
+    }
 }
 
 /// The BPF object (its programs) and the [`Attacher`], on a thread of their own: a matching
@@ -392,9 +406,7 @@ impl Attacher {
             return Ok(());
         };
         let default_route = node::default_route_interface();
-        // The programs serve IPv4 for now.
-        let mut addresses = node::interface_addresses()?;
-        addresses.retain(|a| a.addr.is_ipv4());
+        let addresses = node::interface_addresses()?;
         let selected = node::node_addresses(
             &config.addresses,
             &config.primary,
@@ -448,7 +460,7 @@ impl Attacher {
                         interface = %uplink.name,
                         mode,
                         role,
-                        snat_address = %uplink.snat_addr,
+                        snat_addresses = ?uplink.snat_addrs,
                         "attached external programs"
                     );
                     self.external_attached.insert(uplink.name.clone(), uplink);
@@ -463,7 +475,7 @@ impl Attacher {
 
     /// The interfaces that get the external programs: those carrying the addresses NodePorts
     /// answer on (`selected`), and every other one flows sent on to other nodes' endpoints may
-    /// leave by: an Ethernet interface with an IPv4 address that is neither a pod interface nor
+    /// leave by: an Ethernet interface with an address that is neither a pod interface nor
     /// a pods' bridge (a bridge is an uplink only with a NodePort address or the default route,
     /// as a node's `br0`), the loopback interface aside. Devices without Ethernet headers
     /// (WireGuard, IPIP) are left out: the programs parse Ethernet frames.
@@ -508,16 +520,18 @@ impl Attacher {
                 continue;
             }
             let candidates = if node_ports { &node_port_addrs } else { &own };
-            let Some(snat_addr) = node::primary_ipv4(node_ips, default_route, candidates)
-                .or(candidates.iter().find_map(InterfaceAddr::ipv4))
-            else {
+            let snat_addrs: Vec<IpAddr> = [Family::V4, Family::V6]
+                .into_iter()
+                .filter_map(|family| node::primary_ip(family, node_ips, default_route, candidates))
+                .collect();
+            if snat_addrs.is_empty() {
                 continue;
-            };
+            }
             out.push(Uplink {
                 name: name.clone(),
                 index: *index,
                 node_ports,
-                snat_addr,
+                snat_addrs,
             });
         }
         out
@@ -530,66 +544,37 @@ impl Attacher {
         uplinks: &[Uplink],
         default_route: Option<&str>,
     ) -> anyhow::Result<()> {
-        // Keyed by the raw address (network byte order), as the programs read it.
-        let mut map: BpfHashMap<_, u32, u32> = ebpf
-            .map_mut(MAP_NODE_ADDRS)
-            .context("map NODE_ADDRS missing")?
-            .try_into()?;
-        let raw = |a: Ipv4Addr| Be32::from_octets(a.octets()).raw();
-        // The uplinks' own addresses first (their flows' replies come to them), should the map
-        // not hold them all.
-        let mut wanted: Vec<(u32, u32)> = Vec::new();
-        for u in uplinks {
-            let node_port = selected.iter().any(|a| a.addr == u.snat_addr);
-            let flags = if node_port { 0 } else { NODE_ADDR_SNAT_ONLY };
-            if !wanted.iter().any(|(k, _)| *k == raw(u.snat_addr)) {
-                wanted.push((raw(u.snat_addr), flags));
-            }
-        }
-        for a in selected.iter().filter_map(InterfaceAddr::ipv4) {
-            if !wanted.iter().any(|(k, _)| *k == raw(a)) {
-                wanted.push((raw(a), 0));
-            }
-        }
-        // Stale ones out first, to make room.
-        let stale: Vec<u32> = map
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| !wanted.iter().any(|(w, _)| w == k))
-            .collect();
-        for k in stale {
-            let _ = map.remove(&k);
-        }
-        // A full map leaves some addresses out, and the rest of the set-up goes on.
-        let unwritten: Vec<Ipv4Addr> = wanted
-            .iter()
-            .filter(|(k, flags)| map.insert(k, flags, 0).is_err())
-            .map(|(k, _)| Ipv4Addr::from(k.to_ne_bytes()))
-            .collect();
-        if !unwritten.is_empty() {
-            tracing::warn!(
-                unwritten = ?unwritten,
-                capacity = map.keys().count(),
-                "the node-address map is full: these addresses get no NodePorts and no flows \
-                 sent from them; narrow --nodeport-addresses"
-            );
-        }
+        write_family_node_addrs::<Be32>(ebpf, MAP_NODE_ADDRS, selected, uplinks)?;
+        write_family_node_addrs::<Be128>(ebpf, MAP_NODE_ADDRS6, selected, uplinks)?;
         // Flows to other nodes' endpoints through a LoadBalancer or external IP leave from the
-        // node's primary address among the selected ones where the route to the endpoint goes
-        // out of an interface without the external programs (one on the loopback interface only
-        // when nothing else is selected).
+        // node's primary address (of their family) among the selected ones where the route to
+        // the endpoint goes out of an interface without the external programs (one on the
+        // loopback interface only when nothing else is selected).
         let node_ips = self
             .external
             .as_ref()
             .map_or(&[][..], |e| e.primary.as_slice());
-        let primary = node::primary_ipv4(node_ips, default_route, selected)
-            .or(selected.iter().find_map(InterfaceAddr::ipv4))
-            .map_or(0, raw);
+        let primary = |family| {
+            node::primary_ip(family, node_ips, default_route, selected)
+                .or(selected.iter().map(|a| a.addr).find(|ip| family.has(*ip)))
+        };
+        let primary4: Be32 = primary(Family::V4)
+            .and_then(Be32::from_ip)
+            .unwrap_or_default();
+        let primary6: Be128 = primary(Family::V6)
+            .and_then(Be128::from_ip)
+            .unwrap_or_default();
         let mut config: Array<_, u32> =
             aya::maps::Map::Array(MapData::from_pin(self.pin_dir.join(MAP_CONFIG))?).try_into()?;
         config
-            .set(CONFIG_SNAT_ADDR, primary, 0)
+            .set(CONFIG_SNAT_ADDR, primary4.raw(), 0)
             .context("writing the SNAT address")?;
+        let mut primary_addr6: Array<_, Be128> =
+            aya::maps::Map::Array(MapData::from_pin(self.pin_dir.join(MAP_PRIMARY_ADDR6))?)
+                .try_into()?;
+        primary_addr6
+            .set(0, primary6, 0)
+            .context("writing the IPv6 SNAT address")?;
         let ports = self
             .external
             .as_ref()
@@ -653,7 +638,8 @@ impl Attacher {
             .try_into()?;
         let value = ExternalIface {
             flags: if may_transmit { IFACE_XDP_FORWARD } else { 0 },
-            snat_addr: Be32::from_octets(uplink.snat_addr.octets()),
+            snat_addr: uplink.snat_addr(),
+            snat_addr6: uplink.snat_addr(),
         };
         ifaces
             .insert(index, value, 0)
@@ -1022,4 +1008,59 @@ fn interfaces() -> anyhow::Result<Vec<(String, u32)>> {
         libc::if_freenameindex(list);
     }
     Ok(out)
+}
+
+/// Writes the node addresses of `A`'s family (see [`Attacher::write_node_addrs`]) to its map,
+/// `name`: the uplinks' SNAT addresses first (their flows' replies come to them), should the
+/// map not hold them all, then those NodePorts answer on (`selected`).
+fn write_family_node_addrs<A: Addr + aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &str,
+    selected: &[InterfaceAddr],
+    uplinks: &[Uplink],
+) -> anyhow::Result<()> {
+    let mut map: BpfHashMap<_, A, u32> = ebpf
+        .map_mut(name)
+        .with_context(|| format!("map {name} missing"))?
+        .try_into()?;
+    let selected: Vec<A> = selected.iter().filter_map(|a| A::from_ip(a.addr)).collect();
+    let mut wanted: Vec<(A, u32)> = Vec::new();
+    for addr in uplinks.iter().map(Uplink::snat_addr::<A>) {
+        let flags = match selected.contains(&addr) {
+            true => 0,
+            false => NODE_ADDR_SNAT_ONLY,
+        };
+        if addr != A::default() && !wanted.iter().any(|(k, _)| *k == addr) {
+            wanted.push((addr, flags));
+        }
+    }
+    for addr in selected {
+        if !wanted.iter().any(|(k, _)| *k == addr) {
+            wanted.push((addr, 0));
+        }
+    }
+    // Stale ones out first, to make room.
+    let stale: Vec<A> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !wanted.iter().any(|(w, _)| w == k))
+        .collect();
+    for k in stale {
+        let _ = map.remove(&k);
+    }
+    // A full map leaves some addresses out, and the rest of the set-up goes on.
+    let unwritten: Vec<IpAddr> = wanted
+        .iter()
+        .filter(|(k, flags)| map.insert(k, flags, 0).is_err())
+        .map(|(k, _)| k.ip())
+        .collect();
+    if !unwritten.is_empty() {
+        tracing::warn!(
+            unwritten = ?unwritten,
+            capacity = map.keys().count(),
+            "the node-address map is full: these addresses get no NodePorts and no flows \
+             sent from them; narrow --nodeport-addresses"
+        );
+    }
+    Ok(())
 }

@@ -31,14 +31,15 @@ use proxy_common::{
     AGENT_STATE_ENTRIES, AGENT_STATE_LAYOUT, AGENT_STATE_NEXT_BACKEND_ID, AffinityKey,
     AffinityValue, Backend, Be128, CONFIG_ENTRIES, CT_STATE_TCP_ESTABLISHED,
     CT_STATE_TCP_HALF_CLOSED, CT_STATE_TCP_OPENING, CT_STATE_UDP, CT_STATES, CtKey, CtValue,
-    DROP_REASON_NAMES, DROPS_ENTRIES, ExternalIface, FAMILY_PROG_EGRESS6, FAMILY_PROG_INGRESS6,
-    FAMILY_PROGS_ENTRIES, FRAGMENTS_MAX, FragKey, FragKey6, FragValue, HOST_NETNS_ENTRIES,
-    LAYOUT_VERSION, MAP_AFFINITY, MAP_AFFINITY6, MAP_AGENT_STATE, MAP_BACKENDS, MAP_BACKENDS6,
-    MAP_CONFIG, MAP_CONNTRACK, MAP_CONNTRACK6, MAP_CT_LIFETIMES, MAP_DROPS, MAP_EXTERNAL_IFACES,
-    MAP_FAMILY_PROGS, MAP_FRAGMENTS, MAP_FRAGMENTS6, MAP_HOST_NETNS, MAP_MAGLEV, MAP_MAGLEV6,
-    MAP_NODE_ADDRS, MAP_NODE_ADDRS6, MAP_SERVICES, MAP_SERVICES6, MAP_SOCK_REVNAT,
-    MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, ServiceKey,
-    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    DROP_REASON_NAMES, DROPS_ENTRIES, ExternalIface, FAMILY_PROG_EGRESS6, FAMILY_PROG_EXT_EGRESS6,
+    FAMILY_PROG_EXT_INGRESS6, FAMILY_PROG_INGRESS6, FAMILY_PROGS_ENTRIES, FRAGMENTS_MAX, FragKey,
+    FragKey6, FragValue, HOST_NETNS_ENTRIES, LAYOUT_VERSION, MAP_AFFINITY, MAP_AFFINITY6,
+    MAP_AGENT_STATE, MAP_BACKENDS, MAP_BACKENDS6, MAP_CONFIG, MAP_CONNTRACK, MAP_CONNTRACK6,
+    MAP_CT_LIFETIMES, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_FAMILY_PROGS, MAP_FRAGMENTS,
+    MAP_FRAGMENTS6, MAP_HOST_NETNS, MAP_MAGLEV, MAP_MAGLEV6, MAP_NODE_ADDRS, MAP_NODE_ADDRS6,
+    MAP_PRIMARY_ADDR6, MAP_SERVICES, MAP_SERVICES6, MAP_SOCK_REVNAT, MAP_SOURCE_IFACES,
+    MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -67,6 +68,8 @@ pub const PROG_EGRESS: &str = "tc_egress";
 /// The IPv6 halves of [`PROG_INGRESS`] and [`PROG_EGRESS`] (tail-called, never attached).
 pub const PROG_INGRESS6: &str = "tc_ingress6";
 pub const PROG_EGRESS6: &str = "tc_egress6";
+pub const PROG_EXT_INGRESS6: &str = "tc_external_ingress6";
+pub const PROG_EXT_EGRESS6: &str = "tc_external_egress6";
 pub const PROG_XDP: &str = "xdp_external";
 pub const PROG_EXT_INGRESS: &str = "tc_external_ingress";
 pub const PROG_EXT_EGRESS: &str = "tc_external_egress";
@@ -138,13 +141,15 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
     for name in [PROG_INGRESS, PROG_EGRESS, PROG_EXT_INGRESS, PROG_EXT_EGRESS] {
         load_classifier(&mut ebpf, name)?;
     }
-    // The IPv6 halves of the pod-facing programs, which those tail-call: in place before
-    // anything is attached.
+    // The IPv6 halves of the tc programs, which those tail-call: in place before anything is
+    // attached.
     // Pinned, so the programs serving now (an earlier agent's, until these are attached) call
     // these too: the maps they share have the same layout (check_pinned_layout).
     for (index, name) in [
         (FAMILY_PROG_INGRESS6, PROG_INGRESS6),
         (FAMILY_PROG_EGRESS6, PROG_EGRESS6),
+        (FAMILY_PROG_EXT_INGRESS6, PROG_EXT_INGRESS6),
+        (FAMILY_PROG_EXT_EGRESS6, PROG_EXT_EGRESS6),
     ] {
         let fd = load_classifier(&mut ebpf, name)?.fd()?.try_clone()?;
         let mut family_progs: ProgramArray<_> = ebpf
@@ -243,7 +248,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 25] = [
+const LAYOUTS: [Layout; 26] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -405,6 +410,13 @@ const LAYOUTS: [Layout; 25] = [
         key_size: size_of::<Be128>(),
         value_size: size_of::<u32>(),
         entries: None,
+    },
+    Layout {
+        name: MAP_PRIMARY_ADDR6,
+        map_type: MapType::Array,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<Be128>(),
+        entries: Some(1),
     },
     Layout {
         name: MAP_SOURCE_RANGES6,
