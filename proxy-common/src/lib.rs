@@ -174,6 +174,10 @@ pod!(
     Backend<Be128> = 16 + 2 + 1 + 1,
     CtKey<Be128> = 16 + 16 + 2 + 2 + 1 + 3,
     CtValue<Be128> = 4 + 16 + 2 + 1 + 1 + 16 + 8 + 2 + 2 + 4,
+    SockRevNatKey<Be32> = 8 + 4 + 2 + 2,
+    SockRevNatValue<Be32> = 4 + 2 + 2,
+    SockRevNatKey<Be128> = 8 + 16 + 2 + 2,
+    SockRevNatValue<Be128> = 16 + 2 + 2,
 );
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -205,6 +209,7 @@ pub const MAP_MAGLEV6: &str = "MAGLEV6";
 pub const MAP_NODE_ADDRS6: &str = "NODE_ADDRS6";
 pub const MAP_SOURCE_RANGES6: &str = "SOURCE_RANGES6";
 pub const MAP_FRAGMENTS6: &str = "FRAGMENTS6";
+pub const MAP_SOCK_REVNAT6: &str = "SOCK_REVNAT6";
 /// The node's primary IPv6 address, [`CONFIG_SNAT_ADDR`]'s twin (one entry; `::` until
 /// written).
 pub const MAP_PRIMARY_ADDR6: &str = "PRIMARY_ADDR6";
@@ -551,22 +556,39 @@ pub struct FragKey6 {
 /// Datagrams in fragments remembered at once ([`MAP_FRAGMENTS`], LRU; Cilium's default size).
 pub const FRAGMENTS_MAX: u32 = 8192;
 
-/// Key of [`MAP_SOCK_REVNAT`]: a host-network socket (its cookie, unique for the boot) and the
-/// backend the socket programs sent it to.
+/// Key of [`MAP_SOCK_REVNAT`] (and [`MAP_SOCK_REVNAT6`] over [`Be128`]): a host-network socket
+/// (its cookie, unique for the boot) and the backend the socket programs sent it to. The
+/// cookie in two 32-bit halves, as in memory (so that the IPv6 key has no padding).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct SockRevNatKey {
-    pub cookie: u64,
-    pub addr: Be32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey<A = Be32> {
+    cookie: [u32; 2],
+    pub addr: A,
     pub port: Be16,
     pub pad: u16,
 }
 
-/// Value of [`MAP_SOCK_REVNAT`]: the service address the socket asked for.
+impl<A> SockRevNatKey<A> {
+    pub fn new(cookie: u64, addr: A, port: Be16) -> Self {
+        Self {
+            cookie: bytemuck::cast(cookie),
+            addr,
+            port,
+            pad: 0,
+        }
+    }
+
+    pub fn cookie(&self) -> u64 {
+        bytemuck::cast(self.cookie)
+    }
+}
+
+/// Value of [`MAP_SOCK_REVNAT`] (and [`MAP_SOCK_REVNAT6`]): the service address the socket
+/// asked for.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct SockRevNatValue {
-    pub addr: Be32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatValue<A = Be32> {
+    pub addr: A,
     pub port: Be16,
     pub pad: u16,
 }
@@ -781,8 +803,8 @@ mod user {
     unsafe impl<A: Addr> aya::Pod for AffinityKey<A> {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for MaglevChunk {}
-    unsafe impl aya::Pod for SockRevNatKey {}
-    unsafe impl aya::Pod for SockRevNatValue {}
+    unsafe impl<A: Addr> aya::Pod for SockRevNatKey<A> {}
+    unsafe impl<A: Addr> aya::Pod for SockRevNatValue<A> {}
     unsafe impl<A: Addr> aya::Pod for SourceRangeKey<A> {}
     unsafe impl aya::Pod for Be32 {}
     unsafe impl aya::Pod for Be128 {}

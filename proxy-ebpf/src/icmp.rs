@@ -43,6 +43,9 @@ pub struct Error<A = Be32> {
     pub outer_daddr: A,
     /// The quote holds the TCP header's checksum.
     pub quotes_tcp_csum: bool,
+    /// Where the quoted packet's TCP or UDP header starts (IPv4: always `INNER_L4`; IPv6:
+    /// after a fragment header, when the error quotes a first fragment).
+    pub inner_l4: usize,
 }
 
 impl<A: Family> Error<A> {
@@ -124,6 +127,7 @@ pub fn parse(ctx: &TcContext) -> Option<Error> {
         outer_saddr: addr(OUTER_IP + 12),
         outer_daddr: addr(OUTER_IP + 16),
         quotes_tcp_csum: end_of_message >= TCP_CSUM_END,
+        inner_l4: INNER_L4,
     })
 }
 

@@ -17,7 +17,6 @@ use crate::{
     maps::FRAGMENTS6,
     packet::{
         Drop, ETH_HLEN, ETH_P_IPV6, End, FAILED, Flow, Fragment, Sum, read, read16, send_back,
-        write16,
     },
     reject,
 };
@@ -286,9 +285,13 @@ const ICMPV6_PKT_TOOBIG: u8 = 2;
 const IPV6_MIN_MTU: u32 = 1280;
 /// What the reject quotes of the offending packet besides its IPv6 header.
 const QUOTED_L4: usize = 8;
+/// What a packet too big quotes besides the IPv6 header (the packet is at least 1280 bytes
+/// long): room for a fragment header and the ports behind it, so that the sender of a
+/// fragmented datagram finds its socket. (RFC 4443 asks for as much as fits in 1280 bytes; the
+/// answer's buffers live on the stack, and Linux needs no more.)
+const QUOTED_TOO_BIG: usize = 16;
 const ICMP_OFF: usize = IPV6_MIN;
 const QUOTE_OFF: usize = ICMP_OFF + ICMPV6_HLEN;
-const REPLY_LEN: usize = QUOTE_OFF + IPV6_HLEN + QUOTED_L4;
 
 /// Turns the packet into an ICMPv6 port unreachable (RFC 4443) from its destination (the
 /// service address) to its source, and sends it back, as `reject::reject` does for IPv4. A
@@ -296,7 +299,11 @@ const REPLY_LEN: usize = QUOTE_OFF + IPV6_HLEN + QUOTED_L4;
 /// A function of its own: its buffers need not share the stack frame of the flow's lookups.
 #[inline(never)]
 pub fn reject(ctx: &TcContext) -> Result<i32, Drop> {
-    answer(ctx, ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0)
+    let next: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| FAILED)?;
+    if next != IPPROTO_TCP && next != IPPROTO_UDP {
+        return Ok(TC_ACT_UNSPEC);
+    }
+    answer::<QUOTED_L4>(ctx, ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0)
 }
 
 /// Turns the packet into an ICMPv6 packet too big with the next hop's `mtu` (RFC 8201's path
@@ -304,26 +311,24 @@ pub fn reject(ctx: &TcContext) -> Result<i32, Drop> {
 /// [`reject`] does.
 #[inline(never)]
 pub fn too_big(ctx: &TcContext, mtu: u16) -> Result<i32, Drop> {
-    answer(ctx, ICMPV6_PKT_TOOBIG, 0, u32::from(mtu).max(IPV6_MIN_MTU))
+    answer::<QUOTED_TOO_BIG>(ctx, ICMPV6_PKT_TOOBIG, 0, u32::from(mtu).max(IPV6_MIN_MTU))
 }
 
 /// The ICMPv6 error `kind`, `code` (with `word` after the checksum: the MTU of a packet too
-/// big) answering the packet, sent back to its source.
+/// big) answering the packet, quoting its IPv6 header and the `N` bytes after it, sent back to
+/// its source.
 #[inline(always)]
-fn answer(ctx: &TcContext, kind: u8, code: u8, word: u32) -> Result<i32, Drop> {
-    let next: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| FAILED)?;
-    if next != IPPROTO_TCP && next != IPPROTO_UDP {
-        return Ok(TC_ACT_UNSPEC);
-    }
+fn answer<const N: usize>(ctx: &TcContext, kind: u8, code: u8, word: u32) -> Result<i32, Drop> {
     reject::pace()?;
     let eth = reject::reply_eth(ctx, ETH_P_IPV6)?;
     let offending: [u8; IPV6_HLEN] = ctx.load(ETH_HLEN).map_err(|_| FAILED)?;
-    let l4: [u8; QUOTED_L4] = ctx.load(IPV6_MIN).map_err(|_| FAILED)?;
+    let l4: [u8; N] = ctx.load(IPV6_MIN).map_err(|_| FAILED)?;
+    let reply_len = QUOTE_OFF + IPV6_HLEN + N;
     // SAFETY: the helper takes the context's skb and plain integers.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY_LEN as u32, 0) } != 0 {
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, reply_len as u32, 0) } != 0 {
         return Err(FAILED);
     }
-    let payload_len = (REPLY_LEN - IPV6_MIN) as u16;
+    let payload_len = (reply_len - IPV6_MIN) as u16;
     // From the offending packet's destination to its source.
     let mut addrs = [0u8; 32];
     addrs[..16].copy_from_slice(&offending[24..40]);
@@ -359,17 +364,18 @@ const ICMPV6_ERROR_MAX: u8 = 4;
 const ERROR_ICMP: usize = IPV6_MIN;
 const ERROR_INNER: usize = ERROR_ICMP + ICMPV6_HLEN;
 const ERROR_INNER_L4: usize = ERROR_INNER + IPV6_HLEN;
-/// An error quotes at least the offending packet's IPv6 header and 8 bytes of its payload.
+/// An error quotes at least the offending packet's IPv6 header and 8 bytes of its payload
+/// (for a fragment, its fragment header; then 8 more bytes are needed for its ports).
 const ERROR_MIN_LEN: usize = ERROR_INNER_L4 + 8;
-/// Where a quoted TCP header's checksum ends.
-const ERROR_TCP_CSUM_END: usize = ERROR_INNER_L4 + 18;
+const FRAG_HLEN: usize = 8;
 
-/// The ICMPv6 error `ctx` holds, if it is one about a TCP or UDP packet (icmp.rs), both IPv6
-/// headers without extension headers (an error with them passes untranslated).
+/// The ICMPv6 error `ctx` holds, if it is one about a TCP or UDP packet (icmp.rs): both IPv6
+/// headers without extension headers, but for the fragment header of a quoted first fragment
+/// (a packet too big about a fragmented datagram quotes one). Any other passes untranslated.
 #[inline(always)]
 pub fn icmp_error(ctx: &TcContext) -> Option<Error<Be128>> {
     let len = ctx.len() as usize;
-    let wanted = core::cmp::min(len, ERROR_TCP_CSUM_END);
+    let wanted = core::cmp::min(len, ERROR_MIN_LEN);
     if ctx.data() + wanted > ctx.data_end() {
         ctx.pull_data(wanted as u32).ok()?;
     }
@@ -385,28 +391,35 @@ pub fn icmp_error(ctx: &TcContext) -> Option<Error<Be128>> {
     let outer_ok = word(12) == ETH_P_IPV6
         && byte(ETH_HLEN) >> 4 == 6
         && byte(ETH_HLEN + 6) == NEXTHDR_ICMP
-        && end_of_message >= ERROR_MIN_LEN
         && end_of_message <= len;
     let kind = byte(ERROR_ICMP);
-    let proto = byte(ERROR_INNER + 6);
-    let inner_ok = byte(ERROR_INNER) >> 4 == 6 && (proto == IPPROTO_TCP || proto == IPPROTO_UDP);
-    if !(outer_ok && kind >= 1 && kind <= ICMPV6_ERROR_MAX && inner_ok) {
+    let mut proto = byte(ERROR_INNER + 6);
+    let mut inner_l4 = ERROR_INNER_L4;
+    if proto == NEXTHDR_FRAGMENT && word(ERROR_INNER_L4 + 2) & FRAG_OFFSET_MASK == 0 {
+        proto = byte(ERROR_INNER_L4);
+        inner_l4 += FRAG_HLEN;
+    }
+    let inner_ok = byte(ERROR_INNER) >> 4 == 6
+        && (proto == IPPROTO_TCP || proto == IPPROTO_UDP)
+        && end_of_message >= inner_l4 + 8;
+    if !(outer_ok && (1..=ICMPV6_ERROR_MAX).contains(&kind) && inner_ok) {
         return None;
     }
     let addr = |off: usize| Be128::from_raw(unsafe { read::<[u32; 4]>(data + off) });
-    let port = |off: usize| Be16::from_raw(unsafe { read16(data + off) });
+    let ports: [u16; 2] = ctx.load(inner_l4).ok()?;
     Some(Error {
         inner: CtKey {
             saddr: addr(ERROR_INNER + 8),
             daddr: addr(ERROR_INNER + 24),
-            sport: port(ERROR_INNER_L4),
-            dport: port(ERROR_INNER_L4 + 2),
+            sport: Be16::from_raw(ports[0]),
+            dport: Be16::from_raw(ports[1]),
             proto,
             pad: [0; 3],
         },
         outer_saddr: addr(SADDR_OFF),
         outer_daddr: addr(DADDR_OFF),
-        quotes_tcp_csum: end_of_message >= ERROR_TCP_CSUM_END,
+        quotes_tcp_csum: end_of_message >= inner_l4 + 18,
+        inner_l4,
     })
 }
 
@@ -423,7 +436,7 @@ fn addr_sum(old: Be128, new: Be128) -> Sum {
 
 /// Rewrites the quoted packet's `at` end of `error` to `addr`:`port`, with its TCP or UDP
 /// checksum where quoted (its pseudo-header holds the address) and the ICMPv6 checksum, which
-/// covers every quoted byte changed.
+/// covers every quoted byte changed. Through the helpers: the quoted L4 header's place varies.
 #[inline(always)]
 pub fn rewrite_quoted(
     error: &Error<Be128>,
@@ -432,54 +445,38 @@ pub fn rewrite_quoted(
     addr: Be128,
     port: Be16,
 ) -> Result<(), Drop> {
+    let l4 = error.inner_l4;
     let (old_addr, old_port, addr_field, port_field) = match at {
-        End::Source => (
-            error.inner.saddr,
-            error.inner.sport,
-            ERROR_INNER + 8,
-            ERROR_INNER_L4,
-        ),
+        End::Source => (error.inner.saddr, error.inner.sport, ERROR_INNER + 8, l4),
         End::Destination => (
             error.inner.daddr,
             error.inner.dport,
             ERROR_INNER + 24,
-            ERROR_INNER_L4 + 2,
+            l4 + 2,
         ),
     };
-    let (data, end) = (ctx.data(), ctx.data_end());
-    if data + ERROR_MIN_LEN > end {
-        return Err(FAILED);
-    }
-    let mut l4 = addr_sum(old_addr, addr);
-    l4.replace16(old_port.raw(), port.raw());
-    let mut icmp = l4;
-    // SAFETY (every access): within data..data + ERROR_MIN_LEN, checked above; the TCP
-    // checksum within data..data + ERROR_TCP_CSUM_END, checked before it.
-    unsafe {
-        let csum_off = if error.inner.proto == IPPROTO_UDP {
-            Some(ERROR_INNER_L4 + 6)
-        } else if error.quotes_tcp_csum && data + ERROR_TCP_CSUM_END <= end {
-            Some(ERROR_INNER_L4 + 16)
-        } else {
-            None
-        };
-        if let Some(off) = csum_off {
-            let old = read16(data + off);
-            let new = match l4.apply(old) {
-                0 if error.inner.proto == IPPROTO_UDP => 0xffff,
+    let mut l4_sum = addr_sum(old_addr, addr);
+    l4_sum.replace16(old_port.raw(), port.raw());
+    let mut icmp = l4_sum;
+    let udp = error.inner.proto == IPPROTO_UDP;
+    let csum_off = if udp { l4 + 6 } else { l4 + 16 };
+    if udp || error.quotes_tcp_csum {
+        let old: u16 = ctx.load(csum_off).map_err(|_| FAILED)?;
+        // A UDP checksum of zero means "none" and stays so; a computed zero is sent as ones.
+        if !udp || old != 0 {
+            let new = match l4_sum.apply(old) {
+                0 if udp => 0xffff,
                 sum => sum,
             };
             icmp.replace16(old, new);
-            write16(data + off, new);
+            ctx.store(csum_off, &new, 0).map_err(|_| FAILED)?;
         }
-        ((data + addr_field) as *mut [u32; 4]).write_unaligned(addr.raw());
-        write16(data + port_field, port.raw());
-        write16(
-            data + ERROR_ICMP + 2,
-            icmp.apply(read16(data + ERROR_ICMP + 2)),
-        );
     }
-    Ok(())
+    ctx.store(addr_field, &addr.raw(), 0).map_err(|_| FAILED)?;
+    ctx.store(port_field, &port.raw(), 0).map_err(|_| FAILED)?;
+    let check: u16 = ctx.load(ERROR_ICMP + 2).map_err(|_| FAILED)?;
+    ctx.store(ERROR_ICMP + 2, &icmp.apply(check), 0)
+        .map_err(|_| FAILED)
 }
 
 /// Rewrites `error`'s own `at` address, with the ICMPv6 checksum (its pseudo-header holds it).
@@ -494,18 +491,8 @@ pub fn rewrite_error_addr(
         End::Source => (error.outer_saddr, SADDR_OFF),
         End::Destination => (error.outer_daddr, DADDR_OFF),
     };
-    let (data, end) = (ctx.data(), ctx.data_end());
-    if data + ERROR_MIN_LEN > end {
-        return Err(FAILED);
-    }
-    let sum = addr_sum(old, addr);
-    // SAFETY: within data..data + ERROR_MIN_LEN, checked above.
-    unsafe {
-        write16(
-            data + ERROR_ICMP + 2,
-            sum.apply(read16(data + ERROR_ICMP + 2)),
-        );
-        ((data + field) as *mut [u32; 4]).write_unaligned(addr.raw());
-    }
-    Ok(())
+    let check: u16 = ctx.load(ERROR_ICMP + 2).map_err(|_| FAILED)?;
+    ctx.store(ERROR_ICMP + 2, &addr_sum(old, addr).apply(check), 0)
+        .map_err(|_| FAILED)?;
+    ctx.store(field, &addr.raw(), 0).map_err(|_| FAILED)
 }

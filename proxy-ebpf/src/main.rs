@@ -201,43 +201,60 @@ pub fn tc_external_egress6(ctx: TcContext) -> i32 {
 /// becomes a backend's (sock.rs).
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, AddrField::Ipv4, false)
+    sock::translate::<Be32>(&ctx, AddrField::Ipv4, false)
 }
 
 /// sendmsg() to an address (unconnected UDP): as connect(), one backend per socket.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, AddrField::Ipv4, true)
+    sock::translate::<Be32>(&ctx, AddrField::Ipv4, true)
 }
 
 /// recvmsg() of a UDP socket: a reply from the backend shows the service address as its source.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, AddrField::Ipv4)
+    sock::reverse::<Be32>(&ctx, AddrField::Ipv4)
 }
 
 /// getpeername(): the service address the socket connected to, not the backend's.
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, AddrField::Ipv4)
+    sock::reverse::<Be32>(&ctx, AddrField::Ipv4)
 }
 
-/// connect() of an IPv6 socket: an IPv4-mapped service address, as [`sock_connect4`].
+/// connect() of an IPv6 socket, as [`sock_connect4`]: an IPv6 service address, or an
+/// IPv4-mapped one of an IPv4 service.
 #[cgroup_sock_addr(connect6)]
 pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, AddrField::Ipv4Mapped, false)
+    match sock::ipv4_mapped(&ctx) {
+        true => sock::translate::<Be32>(&ctx, AddrField::Ipv6, false),
+        false => sock::translate::<Be128>(&ctx, AddrField::Ipv6, false),
+    }
 }
 
-/// recvmsg() of an IPv6 UDP socket, for replies from IPv4 backends (IPv4-mapped).
+/// sendmsg() of an unconnected IPv6 UDP socket to an IPv6 service address (to an IPv4-mapped
+/// one the kernel goes through sendmsg4).
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::translate::<Be128>(&ctx, AddrField::Ipv6, true)
+}
+
+/// recvmsg() of an IPv6 UDP socket, as [`sock_recvmsg4`].
 #[cgroup_sock_addr(recvmsg6)]
 pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, AddrField::Ipv4Mapped)
+    match sock::ipv4_mapped(&ctx) {
+        true => sock::reverse::<Be32>(&ctx, AddrField::Ipv6),
+        false => sock::reverse::<Be128>(&ctx, AddrField::Ipv6),
+    }
 }
 
-/// getpeername() of an IPv6 socket connected to an IPv4-mapped service address.
+/// getpeername() of an IPv6 socket, as [`sock_getpeername4`].
 #[cgroup_sock_addr(getpeername6)]
 pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx, AddrField::Ipv4Mapped)
+    match sock::ipv4_mapped(&ctx) {
+        true => sock::reverse::<Be32>(&ctx, AddrField::Ipv6),
+        false => sock::reverse::<Be128>(&ctx, AddrField::Ipv6),
+    }
 }
 
 /// At most one drop log line per CPU this often: a flood of bad packets must not flood the log

@@ -127,6 +127,10 @@ pub static SOURCE_RANGES6: LpmTrie<SourceRangeKey<Be128>, u8> = LpmTrie::pinned(
 #[map(name = "FRAGMENTS6")]
 pub static FRAGMENTS6: LruHashMap<FragKey6, FragValue> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
 
+#[map(name = "SOCK_REVNAT6")]
+pub static SOCK_REVNAT6: LruHashMap<SockRevNatKey<Be128>, SockRevNatValue<Be128>> =
+    LruHashMap::pinned(1 << 16, 0);
+
 /// The node's primary IPv6 address (CONFIG_SNAT_ADDR's twin), written by the agent.
 #[map(name = "PRIMARY_ADDR6")]
 pub static PRIMARY_ADDR6: Array<Be128> = Array::pinned(1, 0);

@@ -5,10 +5,11 @@
 //! no NAT. The choice is recorded per socket, so that recvmsg() and getpeername() show the
 //! service address again (a UDP client may check where replies come from).
 //!
-//! IPv6 sockets reach IPv4 services through IPv4-mapped addresses (`::ffff:10.96.0.1`, what
-//! Java's sockets use by default): connect6, recvmsg6 and getpeername6 translate those in the
-//! IPv4 maps, exactly as their IPv4 twins do. (An unconnected IPv6 socket's datagram to a
-//! mapped address goes through the kernel's IPv4 send path, and so through sendmsg4.)
+//! IPv6 sockets: connect6, sendmsg6, recvmsg6 and getpeername6 translate IPv6 service
+//! addresses in the IPv6 maps (SOCK_REVNAT6 for the reverse), and IPv4 services reached through
+//! IPv4-mapped addresses (`::ffff:10.96.0.1`, what Java's sockets use by default) in the IPv4
+//! maps, exactly as their IPv4 twins do. (An unconnected IPv6 socket's datagram to a mapped
+//! address goes through the kernel's IPv4 send path, and so through sendmsg4.)
 //!
 //! Sockets of the node's own network namespace are translated; pods' TCP connections too with
 //! `--bpf-socket-lb all` (Cilium's socket LB for pods), so that their packets need no NAT
@@ -22,10 +23,11 @@ use aya_ebpf::{
     EbpfContext,
     bindings::bpf_sock_addr,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    maps::LruHashMap,
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Be16, Be32, CtKey, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE, HOST_NETNS_COOKIE,
+    Be16, Be32, Be128, CtKey, DROP_NO_LOCAL_ENDPOINTS, DROP_SOURCE_RANGE, HOST_NETNS_COOKIE,
     HOST_NETNS_PODS_TOO, IPPROTO_TCP, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
     SERVICE_SOURCE_RANGES, ServiceValue, SockRevNatKey, SockRevNatValue, flow_hash,
 };
@@ -33,7 +35,7 @@ use proxy_common::{
 use crate::{
     family::Family,
     frontend, lb,
-    maps::{DROPS, HOST_NETNS, SOCK_REVNAT},
+    maps::{DROPS, HOST_NETNS, SOCK_REVNAT, SOCK_REVNAT6},
     packet::Drop,
 };
 
@@ -50,64 +52,116 @@ const ECONNREFUSED: i32 = 111;
 #[unsafe(no_mangle)]
 static HAS_SET_RETVAL: u8 = 1;
 
-/// The source address of host-network clients for backend selection (their client in the
-/// affinity map): at connect() the source is not chosen yet, and to kube-proxy every such
-/// client is the node itself. No pod sends from 0.0.0.0, so their entries never mix with pods'.
-/// Pods' connections translated here use it too, for Maglev's hash only (their Services have
-/// no affinity).
-const HOST_CLIENT: Be32 = Be32::new(0);
-
 /// Which address field of the socket context a program reads and writes.
 #[derive(Clone, Copy)]
 pub enum AddrField {
     /// `user_ip4` (connect4, sendmsg4, recvmsg4, getpeername4).
     Ipv4,
-    /// `user_ip6`, when it holds an IPv4-mapped address (connect6, recvmsg6, getpeername6);
-    /// any other IPv6 address is left as it is.
-    Ipv4Mapped,
+    /// `user_ip6` (connect6, sendmsg6, recvmsg6, getpeername6).
+    Ipv6,
 }
 
 /// The first three words of an IPv4-mapped IPv6 address (`::ffff:0:0/96`), as the context
 /// holds them (network byte order).
 const V4_MAPPED_PREFIX: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
 
-impl AddrField {
-    /// The IPv4 address in the context's address field, if it holds one.
+/// An address family as the socket programs see it: where its addresses are in the context,
+/// and its reverse map.
+pub trait SockFamily: Family {
+    /// The address of this family in the context's `field`, if it holds one: IPv4 in
+    /// `user_ip4` or IPv4-mapped in `user_ip6`; IPv6 in `user_ip6`, not IPv4-mapped.
+    fn addr(field: AddrField, sa: &bpf_sock_addr) -> Option<Self>;
+    /// Writes `addr` into `field`, which [`SockFamily::addr`] found holding one.
+    fn set_addr(field: AddrField, sa: &mut bpf_sock_addr, addr: Self);
+    fn revnat() -> &'static LruHashMap<SockRevNatKey<Self>, SockRevNatValue<Self>>;
+}
+
+/// The first three words of `user_ip6`.
+#[inline(always)]
+fn ip6_prefix(sa: &bpf_sock_addr) -> [u32; 3] {
+    [
+        read(&sa.user_ip6[0]),
+        read(&sa.user_ip6[1]),
+        read(&sa.user_ip6[2]),
+    ]
+}
+
+impl SockFamily for Be32 {
     #[inline(always)]
-    fn addr(self, sa: &bpf_sock_addr) -> Option<Be32> {
-        match self {
+    fn addr(field: AddrField, sa: &bpf_sock_addr) -> Option<Self> {
+        match field {
             AddrField::Ipv4 => Some(Be32::from_raw(read(&sa.user_ip4))),
-            AddrField::Ipv4Mapped => {
-                let prefix = [
-                    read(&sa.user_ip6[0]),
-                    read(&sa.user_ip6[1]),
-                    read(&sa.user_ip6[2]),
-                ];
-                (prefix == V4_MAPPED_PREFIX).then(|| Be32::from_raw(read(&sa.user_ip6[3])))
+            AddrField::Ipv6 => {
+                (ip6_prefix(sa) == V4_MAPPED_PREFIX).then(|| Be32::from_raw(read(&sa.user_ip6[3])))
             }
         }
     }
 
-    /// Writes the IPv4 address `addr` into the context's address field (which
-    /// [`AddrField::addr`] found holding one).
     #[inline(always)]
-    fn set_addr(self, sa: &mut bpf_sock_addr, addr: Be32) {
-        match self {
+    fn set_addr(field: AddrField, sa: &mut bpf_sock_addr, addr: Self) {
+        match field {
             AddrField::Ipv4 => sa.user_ip4 = addr.raw(),
-            AddrField::Ipv4Mapped => sa.user_ip6[3] = addr.raw(),
+            AddrField::Ipv6 => sa.user_ip6[3] = addr.raw(),
         }
+    }
+
+    #[inline(always)]
+    fn revnat() -> &'static LruHashMap<SockRevNatKey<Self>, SockRevNatValue<Self>> {
+        &SOCK_REVNAT
     }
 }
 
-/// connect4 and sendmsg4 (and connect6 for IPv4-mapped addresses, see [`AddrField`]): a TCP or
-/// UDP service address of a host-network socket (or a pod's TCP one, see [`client`]) becomes
+impl SockFamily for Be128 {
+    #[inline(always)]
+    fn addr(field: AddrField, sa: &bpf_sock_addr) -> Option<Self> {
+        let prefix = ip6_prefix(sa);
+        match field {
+            AddrField::Ipv6 if prefix != V4_MAPPED_PREFIX => Some(Be128::from_raw([
+                prefix[0],
+                prefix[1],
+                prefix[2],
+                read(&sa.user_ip6[3]),
+            ])),
+            _ => None,
+        }
+    }
+
+    #[inline(always)]
+    fn set_addr(_field: AddrField, sa: &mut bpf_sock_addr, addr: Self) {
+        // Word by word at constant offsets from the context: the verifier refuses a store
+        // through a pointer derived from it, which a whole-array copy may become.
+        let [a, b, c, d] = addr.raw();
+        // SAFETY: writable fields of the context.
+        unsafe {
+            core::ptr::write_volatile(&mut sa.user_ip6[0], a);
+            core::ptr::write_volatile(&mut sa.user_ip6[1], b);
+            core::ptr::write_volatile(&mut sa.user_ip6[2], c);
+            core::ptr::write_volatile(&mut sa.user_ip6[3], d);
+        }
+    }
+
+    #[inline(always)]
+    fn revnat() -> &'static LruHashMap<SockRevNatKey<Self>, SockRevNatValue<Self>> {
+        &SOCK_REVNAT6
+    }
+}
+
+/// Whether the context's `user_ip6` holds an IPv4-mapped address (served by the IPv4 maps).
+#[inline(always)]
+pub fn ipv4_mapped(ctx: &SockAddrContext) -> bool {
+    // SAFETY: the kernel passes a valid context, whose `user_ip6` IPv6 hooks may read.
+    ip6_prefix(unsafe { &*ctx.sock_addr }) == V4_MAPPED_PREFIX
+}
+
+/// connect4 and sendmsg4, connect6 and sendmsg6 (IPv4-mapped addresses in the IPv4 maps, see
+/// [`SockFamily`]): a TCP or UDP service address of a host-network socket (or a pod's TCP one, see [`client`]) becomes
 /// one of the service's backends, picked as the tc path picks one for a new flow (lb.rs).
 /// `datagram` (sendmsg4: an unconnected UDP socket's send): the pick is the socket's own, so
 /// that its datagrams to one Service go to one backend while the Service's backends stay the
 /// same, as a connected socket's do.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> i32 {
-    match try_translate(ctx, field, datagram) {
+pub fn translate<A: SockFamily>(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> i32 {
+    match try_translate::<A>(ctx, field, datagram) {
         Ok(verdict) => verdict,
         Err(Drop(reason)) => {
             // Counted with the tc path's drops: a refused connect() is this path's drop.
@@ -121,12 +175,16 @@ pub fn translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> i32
 }
 
 #[inline(always)]
-fn try_translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> Result<i32, Drop> {
+fn try_translate<A: SockFamily>(
+    ctx: &SockAddrContext,
+    field: AddrField,
+    datagram: bool,
+) -> Result<i32, Drop> {
     // SAFETY: the kernel passes a valid context; the fields used are readable (and the
-    // address and port writable) for connect4, sendmsg4 and connect6.
+    // address and port writable) for connect4, sendmsg4, connect6 and sendmsg6.
     let sa = unsafe { &mut *ctx.sock_addr };
-    let Some(vip) = field.addr(sa) else {
-        return Ok(ALLOW); // an IPv6 address: not served here
+    let Some(vip) = A::addr(field, sa) else {
+        return Ok(ALLOW); // an address of the other family: not served here
     };
     // Protocol numbers fit a byte; other than TCP and UDP, the lookup below finds nothing.
     let proto = read(&sa.protocol) as u8;
@@ -142,15 +200,17 @@ fn try_translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> Res
     };
     // loadBalancerSourceRanges: the connection would leave from the node's primary address
     // (the source is not chosen yet), which must be within them, as with kube-proxy's rules.
-    if host && frontend::source_refused(&svc_key, &svc, Be32::primary_addr()) {
+    if host && frontend::source_refused(&svc_key, &svc, A::primary_addr()) {
         return Err(Drop(DROP_SOURCE_RANGE));
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // The flow as the tc path would see it, but for its source, not chosen yet: the node (see
-    // HOST_CLIENT), and the socket's cookie for the port, so that Maglev spreads sockets (and
+    // The flow as the tc path would see it, but for its source, not chosen yet: the node (the
+    // unspecified address: at connect() the source is not chosen yet, and to kube-proxy every
+    // such client is the node itself; no pod sends from it, so the affinity entries of such
+    // clients never mix with pods'), and the socket's cookie for the port, so that Maglev spreads sockets (and
     // like `datagram`'s pick keeps an unconnected UDP socket's datagrams on one backend).
     let flow = CtKey {
-        saddr: HOST_CLIENT,
+        saddr: A::default(),
         daddr: vip,
         sport: Be16::from_raw(cookie as u16),
         dport: vport,
@@ -186,12 +246,7 @@ fn try_translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> Res
         }
         return Ok(REFUSE);
     };
-    let key = SockRevNatKey {
-        cookie,
-        addr: backend.addr,
-        port: backend.port,
-        pad: 0,
-    };
+    let key = SockRevNatKey::new(cookie, backend.addr, backend.port);
     let value = SockRevNatValue {
         addr: vip,
         port: vport,
@@ -199,8 +254,8 @@ fn try_translate(ctx: &SockAddrContext, field: AddrField, datagram: bool) -> Res
     };
     // Recorded before the rewrite, so no reply can come before it. LRU: when full, the least
     // recently used sockets lose it (getpeername and UDP receives then show the backend).
-    let _ = SOCK_REVNAT.insert(key, value, 0);
-    field.set_addr(sa, backend.addr);
+    let _ = A::revnat().insert(key, value, 0);
+    A::set_addr(field, sa, backend.addr);
     sa.user_port = u32::from(backend.port.raw());
     Ok(ALLOW)
 }
@@ -250,25 +305,21 @@ fn pod_translated(proto: u8, svc: &ServiceValue) -> bool {
     proto == IPPROTO_TCP && svc.flags & (SERVICE_AFFINITY | SERVICE_SOURCE_RANGES) == 0
 }
 
-/// recvmsg4 and getpeername4 (and their IPv6 twins for IPv4-mapped addresses): a backend
+/// recvmsg4 and getpeername4, recvmsg6 and getpeername6: a backend
 /// address this socket was sent to in place of a service address shows as that service
 /// address. The kernel requires these programs to return 1.
 #[inline(always)]
-pub fn reverse(ctx: &SockAddrContext, field: AddrField) -> i32 {
+pub fn reverse<A: SockFamily>(ctx: &SockAddrContext, field: AddrField) -> i32 {
     // SAFETY: as in try_translate; the address and port are writable for these hooks too.
     let sa = unsafe { &mut *ctx.sock_addr };
-    let Some(addr) = field.addr(sa) else {
+    let Some(addr) = A::addr(field, sa) else {
         return ALLOW;
     };
-    let key = SockRevNatKey {
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        addr,
-        port: port(read(&sa.user_port)),
-        pad: 0,
-    };
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let key = SockRevNatKey::new(cookie, addr, port(read(&sa.user_port)));
     // SAFETY: plain data, written whole.
-    if let Some(service) = unsafe { SOCK_REVNAT.get(key) } {
-        field.set_addr(sa, service.addr);
+    if let Some(service) = unsafe { A::revnat().get(key) } {
+        A::set_addr(field, sa, service.addr);
         sa.user_port = u32::from(service.port.raw());
     }
     ALLOW

@@ -130,7 +130,7 @@ pub const MODES: &[Mode] = &[
             ("host-network-client", &features::NETNS_COOKIE),
             ("local-policy-shortcut-host", &features::NETNS_COOKIE),
         ],
-        ipv6: false,
+        ipv6: true,
     },
     Mode {
         id: "iptables-legacy",

@@ -30,7 +30,8 @@ fn suite(test: &str, mode: &str, shape: Shape, stack: Stack) {
 /// AWS VPC CNI names them (`<mode>_eni`), bridged behind a VXLAN overlay (`<mode>_overlay`),
 /// and named after the pod on multi-homed nodes (`<mode>_multihomed`), on IPv4 Services; for
 /// the modes that serve IPv6, on IPv6 (`_ipv6`) and dual-stack (`_dual_stack`) Services too;
-/// the others on dual-stack Services, checked over IPv4, with routed pods.
+/// the others (the IPVS and userspace modes' shapes but routed) on dual-stack Services with
+/// routed pods.
 /// The IPVS ones are skipped (loudly) where the kernel has no IPVS: `cargo xtask vm-test` runs
 /// them.
 macro_rules! suites {
@@ -45,6 +46,8 @@ macro_rules! suites {
 
 suites! {
     Ipv6;
+    "ebpf": ebpf_ipv6 Routed, ebpf_bridge_ipv6 Bridge, ebpf_eni_ipv6 Eni,
+        ebpf_overlay_ipv6 Overlay, ebpf_multihomed_ipv6 MultiHomed;
     "iptables-legacy": iptables_legacy_ipv6 Routed, iptables_legacy_bridge_ipv6 Bridge,
         iptables_legacy_eni_ipv6 Eni, iptables_legacy_overlay_ipv6 Overlay,
         iptables_legacy_multihomed_ipv6 MultiHomed;
@@ -60,7 +63,8 @@ suites! {
 
 suites! {
     DualStack;
-    "ebpf": ebpf_dual_stack Routed;
+    "ebpf": ebpf_dual_stack Routed, ebpf_bridge_dual_stack Bridge, ebpf_eni_dual_stack Eni,
+        ebpf_overlay_dual_stack Overlay, ebpf_multihomed_dual_stack MultiHomed;
     "ipvs": ipvs_dual_stack Routed;
     "userspace": userspace_dual_stack Routed;
     "iptables-legacy": iptables_legacy_dual_stack Routed, iptables_legacy_bridge_dual_stack Bridge,

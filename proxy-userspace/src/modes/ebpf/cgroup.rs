@@ -31,17 +31,19 @@ pub const PROG_CONNECT4: &str = "sock_connect4";
 pub const PROG_SENDMSG4: &str = "sock_sendmsg4";
 pub const PROG_RECVMSG4: &str = "sock_recvmsg4";
 pub const PROG_GETPEERNAME4: &str = "sock_getpeername4";
-/// IPv6 sockets' calls with IPv4-mapped service addresses (their datagrams sent without
-/// connect() go through the kernel's IPv4 path, and so through sendmsg4).
+/// IPv6 sockets' calls: IPv6 service addresses, and IPv4-mapped ones of IPv4 services (their
+/// datagrams sent without connect() go through the kernel's IPv4 path, and so through sendmsg4).
 pub const PROG_CONNECT6: &str = "sock_connect6";
+pub const PROG_SENDMSG6: &str = "sock_sendmsg6";
 pub const PROG_RECVMSG6: &str = "sock_recvmsg6";
 pub const PROG_GETPEERNAME6: &str = "sock_getpeername6";
-pub const SOCK_PROGRAMS: [&str; 7] = [
+pub const SOCK_PROGRAMS: [&str; 8] = [
     PROG_CONNECT4,
     PROG_SENDMSG4,
     PROG_RECVMSG4,
     PROG_GETPEERNAME4,
     PROG_CONNECT6,
+    PROG_SENDMSG6,
     PROG_RECVMSG6,
     PROG_GETPEERNAME6,
 ];

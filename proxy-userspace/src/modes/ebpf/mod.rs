@@ -37,9 +37,9 @@ use proxy_common::{
     MAP_AGENT_STATE, MAP_BACKENDS, MAP_BACKENDS6, MAP_CONFIG, MAP_CONNTRACK, MAP_CONNTRACK6,
     MAP_CT_LIFETIMES, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_FAMILY_PROGS, MAP_FRAGMENTS,
     MAP_FRAGMENTS6, MAP_HOST_NETNS, MAP_MAGLEV, MAP_MAGLEV6, MAP_NODE_ADDRS, MAP_NODE_ADDRS6,
-    MAP_PRIMARY_ADDR6, MAP_SERVICES, MAP_SERVICES6, MAP_SOCK_REVNAT, MAP_SOURCE_IFACES,
-    MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey,
+    MAP_PRIMARY_ADDR6, MAP_SERVICES, MAP_SERVICES6, MAP_SOCK_REVNAT, MAP_SOCK_REVNAT6,
+    MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, ServiceKey,
+    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -248,7 +248,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 26] = [
+const LAYOUTS: [Layout; 27] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -409,6 +409,13 @@ const LAYOUTS: [Layout; 26] = [
         map_type: MapType::Hash,
         key_size: size_of::<Be128>(),
         value_size: size_of::<u32>(),
+        entries: None,
+    },
+    Layout {
+        name: MAP_SOCK_REVNAT6,
+        map_type: MapType::LruHash,
+        key_size: size_of::<SockRevNatKey<Be128>>(),
+        value_size: size_of::<SockRevNatValue<Be128>>(),
         entries: None,
     },
     Layout {
@@ -936,9 +943,6 @@ impl EbpfDataplane {
 
 impl Dataplane for EbpfDataplane {
     fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
-        if matches!(scope, Scope::All) {
-            warn_ipv6_external(state);
-        }
         let synced = self.maps.sync(state, scope);
         self.take_over()?;
         self.tell_stale_udp_sockets();
@@ -949,7 +953,7 @@ impl Dataplane for EbpfDataplane {
 
     /// Also ends the drains whose period is over (full syncs do too, but they come once an
     /// hour).
-    /// Both: IPv6 in part (see [`warn_ipv6_external`]).
+    /// Both.
     fn families(&self) -> Vec<Family> {
         Family::ALL.to_vec()
     }
@@ -961,30 +965,6 @@ impl Dataplane for EbpfDataplane {
         self.maps
             .expire(std::time::Instant::now())
             .context("expiring drained entries")
-    }
-}
-
-/// Says, at each full sync, how many Service ports have IPv6 frontends for clients outside
-/// the pods that the programs do not serve yet: IPv6 cluster IPs are served to pods; IPv6
-/// NodePorts, external IPs and load balancer addresses, and host-network clients of IPv6
-/// addresses, are not (their IPv4 ones are).
-fn warn_ipv6_external(state: &DesiredState) {
-    let ports = state
-        .ports()
-        .filter(|(_, p)| {
-            p.in_family(Family::V6)
-                && (p.node_port.is_some()
-                    || p.external_ips
-                        .iter()
-                        .chain(&p.load_balancer_ips)
-                        .any(|ip| ip.is_ipv6()))
-        })
-        .count();
-    if ports > 0 {
-        tracing::warn!(
-            service_ports = ports,
-            "{ports} Service ports have IPv6 NodePorts, external IPs or load balancer addresses,              which the ebpf mode does not serve yet (its IPv6 serves cluster IPs to pods;              host-network clients of IPv6 service addresses are not served either); the              nftables and iptables modes serve them"
-        );
     }
 }
 
