@@ -1,7 +1,7 @@
 //! The BPF programs loaded for BPF_PROG_TEST_RUN, with their maps pinned on a private bpffs,
 //! programmed through the agent's own map writer. Shared by the datapath tests and the bench.
 use std::{
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     sync::{
         Arc,
@@ -17,9 +17,9 @@ use aya::{
     programs::{Program, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    Be32, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue,
+    Be32, Be128, CONFIG_SNAT_ADDR, CONFIG_SNAT_PORT_MAX, CONFIG_SNAT_PORT_MIN, CtKey, CtValue,
     DROPS_ICMP_PACE, ExternalIface, MAP_CONFIG, MAP_CONNTRACK, MAP_CT_LIFETIMES, MAP_DROPS,
-    MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, MAP_SOURCE_IFACES, NODE_ADDR_SNAT_ONLY,
+    MAP_EXTERNAL_IFACES, MAP_NODE_ADDRS, MAP_NODE_ADDRS6, MAP_SOURCE_IFACES, NODE_ADDR_SNAT_ONLY,
 };
 use proxy_userspace::{
     dataplane::Scope,
@@ -234,6 +234,19 @@ impl Programs {
         config
             .set(CONFIG_SNAT_ADDR, Be32::from_octets(snat.octets()).raw(), 0)
             .unwrap();
+    }
+
+    /// The IPv6 node addresses NodePorts answer on (NODE_ADDRS6, replacing what was there).
+    pub fn set_node_addrs6(&self, addrs: &[Ipv6Addr]) {
+        let data = MapData::from_pin(self.bpffs.path().join(MAP_NODE_ADDRS6)).expect("pin");
+        let mut map: BpfHashMap<_, Be128, u32> = Map::HashMap(data).try_into().unwrap();
+        let old: Vec<Be128> = map.keys().map(Result::unwrap).collect();
+        for k in old {
+            map.remove(&k).unwrap();
+        }
+        for a in addrs {
+            map.insert(Be128::from_octets(a.octets()), 0, 0).unwrap();
+        }
     }
 
     /// Lists `ifindex` as a pod interface whose packets' sources must be routed back through

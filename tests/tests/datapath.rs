@@ -1493,3 +1493,61 @@ fn an_ipv6_pod_reaching_itself_goes_out_and_back() {
     );
     packet::assert_checksums(&out, false);
 }
+
+/// ICMPv6 errors about a pod's packets to an IPv6 service reach it as about the service, as
+/// over IPv4: the quoted destination (and the quoted checksum, and the ICMPv6 checksum, whose
+/// pseudo-header holds the outer addresses) back to the service address, an endpoint's own
+/// error from there too, a router's still a router's. A packet too big about a datagram's first
+/// fragment is translated through its fragment header (its sender finds the socket by the ports
+/// behind it); errors about a connection straight to a pod pass untouched.
+#[test]
+fn icmpv6_errors_about_a_service_flow_reach_the_pod_as_about_the_service() {
+    let Some(p) = setup6(
+        "icmpv6_errors_about_a_service_flow_reach_the_pod_as_about_the_service",
+        &[(BE6_1, 8080)],
+    ) else {
+        return;
+    };
+    let router = Ipv6Addr::new(0xfd00, 0x10, 0x244, 9, 0, 0, 0, 1);
+    let unreachable = (packet::ICMPV6_DEST_UNREACH, packet::ICMPV6_PORT_UNREACH);
+    let too_big = (packet::ICMPV6_PACKET_TOO_BIG, 0);
+    let error = |from: Ipv6Addr, (kind, code): (u8, u8), quoted: &[u8], quote| {
+        packet::icmp_error(from, kind, code, quoted, quote)
+    };
+    let translated = |frame: &[u8]| {
+        let (verdict, out) = p.run("tc_ingress", frame);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        out
+    };
+    for (i, (proto, quote)) in [(TCP, 8), (TCP, 20), (UDP, 8)].into_iter().enumerate() {
+        let sport = 40200 + i as u16;
+        let spec = match proto {
+            TCP => Spec::tcp(CLIENT6, sport, VIP6, 80),
+            _ => Spec::udp(CLIENT6, sport, VIP6, 80),
+        };
+        let original = spec.build();
+        let sent = translated(&original);
+        for (from, kind, want_from) in [(router, too_big, router), (BE6_1, unreachable, VIP6)] {
+            let (verdict, out) = p.run("tc_egress", &error(from, kind, &sent, quote));
+            assert_eq!(verdict, TC_ACT_UNSPEC);
+            let want = error(want_from, kind, &original, quote);
+            assert_eq!(out[ETH_HLEN..], want[ETH_HLEN..], "{spec:?} {kind:?}");
+        }
+    }
+    // A datagram's first fragment, quoted with its fragment header and 8 bytes behind it.
+    let datagram = Spec {
+        payload: vec![7; 64],
+        ..Spec::udp(CLIENT6, 40300, VIP6, 80)
+    };
+    let (first, _) = packet::fragments(&datagram.build(), 32);
+    let sent = translated(&first);
+    let (verdict, out) = p.run("tc_egress", &error(router, too_big, &sent, 16));
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(
+        out[ETH_HLEN..],
+        error(router, too_big, &first, 16)[ETH_HLEN..]
+    );
+    let straight = Spec::tcp(CLIENT6, 40301, BE6_2, 8080).build();
+    untouched(&p, "tc_ingress", &straight);
+    untouched(&p, "tc_egress", &error(BE6_2, unreachable, &straight, 8));
+}

@@ -9,7 +9,7 @@
 //! context, tc runs theirs through the `__sk_buff` one.
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     ops::Range,
     sync::atomic::{AtomicU32, Ordering},
 };
@@ -28,7 +28,7 @@ use proxy_tests::{
     privileged,
     programs::{
         ExternalSvc, Programs, Svc, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, XDP_DROP,
-        XDP_PASS, XDP_REDIRECT, XDP_TX, add_external_service, add_service,
+        XDP_PASS, XDP_REDIRECT, XDP_TX, add_external_service, add_service, ready_endpoint,
     },
     say_skipped,
 };
@@ -260,7 +260,7 @@ fn from_client(spec: &Spec) -> Vec<u8> {
 }
 
 /// The answer to `spec`, from `from` to `to` (a SYN-ACK for TCP).
-fn answer(spec: &Spec, from: (Ipv4Addr, u16), to: (Ipv4Addr, u16)) -> Spec {
+fn answer<A: Into<IpAddr>>(spec: &Spec, from: (A, u16), to: (A, u16)) -> Spec {
     Spec {
         src: from.0.into(),
         sport: from.1,
@@ -1997,4 +1997,133 @@ fn a_node_port_connection_left_to_netfilter_passes_untouched() {
         untouched_tc(&lab, "tc_external_ingress", &frame, "the same");
     }
     assert_eq!(lab.ct_len(), 2, "no flow of the programs' own");
+}
+
+// IPv6: the external tc programs on IPv6 frames (XDP leaves them to tc).
+
+/// ext0's IPv6 address, the one NodePorts answer on.
+const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 1, 0, 0, 0, 0x10);
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0xff, 0, 0, 0, 0, 0x99);
+/// node2's pod, behind 2001:db8:0:1::12 on ext0.
+const REMOTE_BE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 0x11);
+/// The MTU of the lab's interfaces for [`lab6`] (what `packet::icmp_error` writes into a packet
+/// too big).
+const LAB6_MTU: u16 = 1400;
+
+/// The lab with IPv6 on ext0 (its address [`NODE6`], the router and node2 as neighbours, node2's
+/// pods routed via node2, an MTU of [`LAB6_MTU`]) and an IPv6-only service with a NodePort, TCP
+/// and UDP, and [`REMOTE_BE6`] as its endpoint.
+fn lab6(test: &str) -> Option<Lab> {
+    if !privileged(test) {
+        return None;
+    }
+    let mut state = DesiredState::new("node1");
+    for protocol in [Protocol::Tcp, Protocol::Udp] {
+        let svc = ExternalSvc {
+            protocol,
+            ..node_port("web6", NODE_PORT, &[])
+        };
+        let key = add_external_service(&mut state, &svc);
+        let sp = state.port_mut(&key).expect("just added");
+        sp.cluster_ips = vec![Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x10).into()];
+        state.set_endpoints(key, vec![ready_endpoint(REMOTE_BE6.into(), TARGET)]);
+    }
+    let lab = lab_with(state);
+    let lines = [
+        format!("link set ext0 mtu {LAB6_MTU}"),
+        "addr add 2001:db8:0:1::10/64 dev ext0 nodad".into(),
+        format!(
+            "neigh add 2001:db8:0:1::1 lladdr {} dev ext0 nud permanent",
+            mac(ROUTER_MAC)
+        ),
+        format!(
+            "neigh add 2001:db8:0:1::12 lladdr {} dev ext0 nud permanent",
+            mac(NODE2_MAC)
+        ),
+        "route add default via 2001:db8:0:1::1 dev ext0".into(),
+        "route add fd00:10:244:2::/64 via 2001:db8:0:1::12 dev ext0".into(),
+    ];
+    lab.ns.ip_batch(&lines).expect("IPv6 in the lab namespace");
+    lab.ns
+        .exec("sysctl", &["-q", "-w", "net.ipv6.conf.all.forwarding=1"])
+        .expect("enabling IPv6 forwarding in the lab namespace");
+    lab.p.set_node_addrs6(&[NODE6]);
+    Some(lab)
+}
+
+/// An IPv6 NodePort whose endpoint is on another node: the client's packet leaves from the
+/// node's address (a SNAT port picked) towards node2, a hop off, with valid checksums; the
+/// endpoint's reply goes back to the client from the NodePort, towards the router. XDP passes
+/// both to tc untouched.
+#[test]
+fn an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_reply_back() {
+    let Some(lab) = lab6(
+        "an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_reply_back",
+    ) else {
+        return;
+    };
+    for spec in [
+        Spec::tcp(CLIENT6, 40000, NODE6, NODE_PORT),
+        Spec::udp(CLIENT6, 40001, NODE6, NODE_PORT),
+    ] {
+        let frame = from_client(&spec);
+        untouched_xdp(&lab, &frame, "an IPv6 packet");
+        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{spec:?}");
+        let (src, snat_port, dst, dport) = packet::tuple(&out);
+        assert_eq!(
+            (src, dst, dport),
+            (NODE6.into(), REMOTE_BE6.into(), TARGET),
+            "{spec:?}"
+        );
+        assert_eq!(out[ETH_HLEN + 7], frame[ETH_HLEN + 7] - 1, "a hop off");
+        assert_eq!((&out[..6], &out[6..12]), (&NODE2_MAC[..], &EXT0_MAC[..]));
+        packet::assert_checksums(&out, false);
+        let reply = on_wire(
+            &answer(&spec, (REMOTE_BE6, TARGET), (NODE6, snat_port)),
+            NODE2_MAC,
+        );
+        untouched_xdp(&lab, &reply, "an IPv6 reply");
+        let (verdict, back) = lab.tc("tc_external_ingress", &reply);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{spec:?}");
+        assert_eq!(
+            packet::tuple(&back),
+            (NODE6.into(), NODE_PORT, CLIENT6.into(), spec.sport),
+            "{spec:?}"
+        );
+        assert_eq!(&back[..6], &ROUTER_MAC[..]);
+        packet::assert_checksums(&back, false);
+    }
+}
+
+/// An IPv6 packet too big for the interface its endpoint is behind is answered with an ICMPv6
+/// packet too big naming that interface's MTU (IPv6 routers never fragment), from the address
+/// the client sent it to, quoting its headers: byte for byte what the test's builder makes.
+#[test]
+fn an_ipv6_packet_too_big_for_the_way_on_is_answered_with_packet_too_big() {
+    let Some(lab) = lab6("an_ipv6_packet_too_big_for_the_way_on_is_answered_with_packet_too_big")
+    else {
+        return;
+    };
+    let spec = Spec {
+        tcp_flags: ACK,
+        payload: vec![0; usize::from(LAB6_MTU)],
+        ..Spec::tcp(CLIENT6, 40002, NODE6, NODE_PORT)
+    };
+    // The flow is open (a SYN fits), then a full-sized segment does not.
+    let syn = Spec {
+        payload: Vec::new(),
+        tcp_flags: 0x02,
+        ..spec.clone()
+    };
+    assert_eq!(
+        lab.tc("tc_external_ingress", &from_client(&syn)).0,
+        TC_ACT_REDIRECT
+    );
+    let frame = from_client(&spec);
+    let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of ext0");
+    let want = packet::icmp_error(NODE6, packet::ICMPV6_PACKET_TOO_BIG, 0, &frame, 16);
+    assert_eq!(out[ETH_HLEN..], want[ETH_HLEN..]);
+    assert_eq!(lab.p.drops(DROP_FRAG_NEEDED), 1);
 }
