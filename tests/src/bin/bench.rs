@@ -11,7 +11,7 @@
 //! be measured one run at a time (each run a new 5-tuple); the kernel's timer reads are then
 //! inside each figure, so the same one-run method is also shown for established flows.
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     time::{Duration, Instant},
 };
 
@@ -21,6 +21,7 @@ use proxy_tests::{
     packet::{self, ETH_HLEN, Spec},
     programs::{
         ExternalSvc, Programs, Svc, TC_ACT_UNSPEC, XDP_PASS, add_external_service, add_service,
+        ready_endpoint,
     },
 };
 use proxy_userspace::{
@@ -250,7 +251,125 @@ fn datapath(args: &Datapath) -> anyhow::Result<()> {
          looked up; transmitting is not measured (a test run's packet has nowhere to go, so the \
          program leaves it to tc); {REMOTE_FLOWS} flows over 10 endpoints."
     );
+    println!(
+        "\ntc_ingress on IPv6 frames (tc_ingress6, by tail call), IPv6 services only, ns per packet"
+    );
+    println!("{:>9} {:>13} {:>13}", "services", "established", "new flow");
+    println!("{:>9} {:>13} {:>13}", "", rep, "1 run each");
+    for &count in &args.services {
+        let row = measure6(args, count).with_context(|| format!("IPv6, with {count} services"))?;
+        println!(
+            "{:>9} {:>13.1} {:>13.1}",
+            count, row.established, row.new_flow
+        );
+    }
+    println!("XDP passes IPv6 to the tc programs: no XDP rows.");
     Ok(())
+}
+
+/// The IPv6 figures of one service count.
+struct Row6 {
+    established: f64,
+    new_flow: f64,
+}
+
+/// The IPv6 twin of `vip(i)` (`fd00:97::` and the same low 32 bits).
+fn vip6(i: u32) -> Ipv6Addr {
+    let v4 = vip(i).octets();
+    Ipv6Addr::from([
+        0xfd, 0, 0, 0x97, 0, 0, 0, 0, 0, 0, 0, 0, v4[0], v4[1], v4[2], v4[3],
+    ])
+}
+
+/// An IPv6-only service port `name` on `vip`:`port` (TCP) with `endpoints`.
+fn add_service6(
+    state: &mut DesiredState,
+    name: &str,
+    vip: Ipv6Addr,
+    port: u16,
+    endpoints: &[(Ipv6Addr, u16)],
+) {
+    let spn = add_service(
+        state,
+        &Svc {
+            name,
+            vip: Ipv4Addr::UNSPECIFIED,
+            port,
+            protocol: Protocol::Tcp,
+            endpoints: &[],
+        },
+    );
+    let mut sp = state.port(&spn).expect("just added").clone();
+    sp.cluster_ips = vec![vip.into()];
+    state.insert_port(spn.clone(), sp);
+    let endpoints = endpoints
+        .iter()
+        .map(|(ip, port)| ready_endpoint((*ip).into(), *port))
+        .collect();
+    state.set_endpoints(spn, endpoints);
+}
+
+/// [`measure`]'s tc figures over IPv6: `count` IPv6 services, and an IPv6 ping-pong pair.
+fn measure6(args: &Datapath, count: u32) -> anyhow::Result<Row6> {
+    let sizes = MapSizes {
+        services: count * (args.backends + 1) + 64,
+        backends: count * args.backends + 64,
+        conntrack: 1024,
+        conntrack6: 2 * (args.new_flows + 4) + 1024,
+    };
+    let mut p = Programs::load(sizes)?;
+    let mut state = DesiredState::new("node1");
+    let backend = |n: u32| {
+        let mut o = vip6(0).octets();
+        o[3] = 0x98;
+        o[12..].copy_from_slice(&n.to_be_bytes());
+        Ipv6Addr::from(o)
+    };
+    let mut endpoints = Vec::with_capacity(args.backends as usize);
+    for i in 0..count {
+        endpoints.clear();
+        endpoints.extend((0..args.backends).map(|b| (backend(i * args.backends + b), 8080)));
+        add_service6(&mut state, &format!("svc6-{i}"), vip6(i), 80, &endpoints);
+    }
+    let (a, b) = (vip6(u32::MAX), vip6(u32::MAX - 1));
+    add_service6(&mut state, "bench6-a", a, 80, &[(b, 81)]);
+    add_service6(&mut state, "bench6-b", b, 81, &[(a, 80)]);
+    p.program(&state)?;
+    let ns = |d: Duration| d.as_nanos() as f64;
+    let client = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x10);
+    let ping = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(client, 40000, a, 80)
+    }
+    .build();
+    let (_, to_b) = p.run("tc_ingress", &ping);
+    let (_, to_a) = p.run("tc_ingress", &to_b);
+    answer(&p, "tc_egress", &to_b);
+    answer(&p, "tc_egress", &to_a);
+    p.time("tc_ingress", &ping, 2)?;
+    let established = ns(p.time("tc_ingress", &ping, args.repeat)?);
+    // One run each, new flows to every service in turn: the destination, a client address
+    // byte and the source port from the flow number.
+    let mut frame = Spec::tcp(client, 0, vip6(0), 80).build();
+    let (daddr, sport) = (ETH_HLEN + 24, ETH_HLEN + 40);
+    let mut total = 0.0;
+    for i in 0..args.new_flows {
+        frame[daddr..daddr + 16].copy_from_slice(&vip6(i % count).octets());
+        frame[ETH_HLEN + 22] = (i >> 16) as u8;
+        frame[sport..sport + 2].copy_from_slice(&((i & 0xffff) as u16).to_be_bytes());
+        let (verdict, out, took) = p.run_timed("tc_ingress", &frame);
+        let (_, _, dst, _) = packet::tuple(&out);
+        if verdict != TC_ACT_UNSPEC
+            || !matches!(dst, std::net::IpAddr::V6(d) if d.octets()[3] == 0x98)
+        {
+            bail!("IPv6 new flow {i} was not sent to a backend (verdict {verdict}, to {dst})");
+        }
+        total += ns(took);
+    }
+    Ok(Row6 {
+        established,
+        new_flow: total / args.new_flows as f64,
+    })
 }
 
 struct XdpRow {
@@ -387,7 +506,7 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
         backends: count * args.backends + 64,
         // The tc and XDP new flows, and the established ones.
         conntrack: 2 * (args.new_flows + args.new_flows.min(200_000) + REMOTE_FLOWS) + 1024,
-        // IPv4 only.
+        // IPv4 only (measure6 has the IPv6 figures).
         conntrack6: 1024,
     };
     let mut p = Programs::load(sizes)?;
