@@ -267,6 +267,31 @@ fn datapath(args: &Datapath) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The repeated established-flow figure: `client`'s packet to `vip`, whose endpoint is the
+/// other service of a ping-pong pair whose endpoint is `vip` again, so that a repeated run on
+/// one buffer is an established flow every time.
+fn ping_pong(
+    p: &Programs,
+    client: impl Into<std::net::IpAddr>,
+    vip: impl Into<std::net::IpAddr>,
+    repeat: u32,
+) -> anyhow::Result<Duration> {
+    let ping = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(client, 40000, vip, 80)
+    }
+    .build();
+    // Two warm-up runs create both flows' conntrack entries; each flow's answer, and the
+    // client's packet after it, open them (as a handshake would: an opening flow takes the
+    // slow path).
+    let (_, to_b) = p.run("tc_ingress", &ping);
+    let (_, to_a) = p.run("tc_ingress", &to_b);
+    answer(p, "tc_egress", &to_b);
+    answer(p, "tc_egress", &to_a);
+    p.time("tc_ingress", &ping, 2)?;
+    p.time("tc_ingress", &ping, repeat)
+}
+
 /// The IPv6 figures of one service count.
 struct Row6 {
     established: f64,
@@ -337,17 +362,7 @@ fn measure6(args: &Datapath, count: u32) -> anyhow::Result<Row6> {
     p.program(&state)?;
     let ns = |d: Duration| d.as_nanos() as f64;
     let client = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x10);
-    let ping = Spec {
-        tcp_flags: 0x10,
-        ..Spec::tcp(client, 40000, a, 80)
-    }
-    .build();
-    let (_, to_b) = p.run("tc_ingress", &ping);
-    let (_, to_a) = p.run("tc_ingress", &to_b);
-    answer(&p, "tc_egress", &to_b);
-    answer(&p, "tc_egress", &to_a);
-    p.time("tc_ingress", &ping, 2)?;
-    let established = ns(p.time("tc_ingress", &ping, args.repeat)?);
+    let established = ns(ping_pong(&p, client, a, args.repeat)?);
     // One run each, new flows to every service in turn: the destination, a client address
     // byte and the source port from the flow number.
     let mut frame = Spec::tcp(client, 0, vip6(0), 80).build();
@@ -564,20 +579,7 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
     let floor = ns(p.time("tc_ingress", &arp, args.repeat)?);
     let pass_frame = Spec::tcp(CLIENT, 40000, Ipv4Addr::new(10, 244, 9, 9), 80).build();
     let pass = ns(p.time("tc_ingress", &pass_frame, args.repeat)?);
-    let ping = Spec {
-        tcp_flags: 0x10,
-        ..Spec::tcp(CLIENT, 40000, VIP_A, 80)
-    }
-    .build();
-    // Two warm-up runs create both flows' conntrack entries; each flow's answer, and the
-    // client's packet after it, open them (as a handshake would: an opening flow takes the
-    // slow path).
-    let (_, to_b) = p.run("tc_ingress", &ping);
-    let (_, to_a) = p.run("tc_ingress", &to_b);
-    answer(&p, "tc_egress", &to_b);
-    answer(&p, "tc_egress", &to_a);
-    p.time("tc_ingress", &ping, 2)?;
-    let established = ns(p.time("tc_ingress", &ping, args.repeat)?);
+    let established = ns(ping_pong(&p, CLIENT, VIP_A, args.repeat)?);
 
     // One run each: new flows to every service in turn, then one established flow as often.
     let mut frame = Spec::tcp(CLIENT, 0, vip(0), 80).build();
