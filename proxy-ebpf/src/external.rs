@@ -207,7 +207,7 @@ pub fn route<C: EbpfContext, A: Family>(
 #[inline(always)]
 pub fn try_external_ingress<A: Family>(ctx: &TcContext) -> Result<Action<A>, Drop> {
     let Some(mut flow) = A::parse(ctx) else {
-        return A::not_a_flow_from_outside(ctx).map(Action::Verdict);
+        return A::not_a_flow_from_outside(ctx);
     };
     // SAFETY: reading the context's ifindex.
     let ingress = unsafe { (*ctx.skb.skb).ifindex };

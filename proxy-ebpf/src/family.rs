@@ -4,7 +4,7 @@
 //! `Be128` for IPv6 (ipv6.rs). Each family has maps of its own, so that IPv4's keep their size
 //! (Cilium's lb4/lb6 split).
 use aya_ebpf::{
-    bindings::{TC_ACT_UNSPEC, bpf_fib_lookup},
+    bindings::bpf_fib_lookup,
     maps::{HashMap, LpmTrie, LruHashMap},
     programs::TcContext,
 };
@@ -82,9 +82,9 @@ pub trait Family: Addr + 'static {
     /// with a fragmentation needed at once (IPv4), or left to the caller (IPv6:
     /// `Action::TooBig`, whose answer needs a frame of its own; main.rs counts it there).
     fn too_big(ctx: &TcContext, flow: Flow<Self>, mtu: u16) -> Result<Action<Self>, Drop>;
-    /// A packet from outside that is no TCP or UDP flow: an ICMP error about one is translated
-    /// (icmp.rs; IPv4 only).
-    fn not_a_flow_from_outside(ctx: &TcContext) -> Result<i32, Drop>;
+    /// A packet from outside that is no TCP or UDP flow: an ICMP error about one translated at
+    /// once (IPv4), or left to the caller as `too_big` leaves it (IPv6).
+    fn not_a_flow_from_outside(ctx: &TcContext) -> Result<Action<Self>, Drop>;
 }
 
 /// The map accessors of a family's [`Family`] impl, from its maps in this order.
@@ -226,8 +226,8 @@ impl Family for Be32 {
     }
 
     #[inline(always)]
-    fn not_a_flow_from_outside(ctx: &TcContext) -> Result<i32, Drop> {
-        icmp::from_outside::<Self>(ctx)
+    fn not_a_flow_from_outside(ctx: &TcContext) -> Result<Action<Self>, Drop> {
+        icmp::from_outside::<Self>(ctx).map(Action::Verdict)
     }
 }
 
@@ -318,10 +318,8 @@ impl Family for Be128 {
         Ok(Action::TooBig(flow, mtu))
     }
 
-    /// Not yet: ICMPv6 errors from outside pass untranslated (both ways of `from_outside`
-    /// together need a stack frame of over 700 bytes as compiled; each alone, too).
     #[inline(always)]
-    fn not_a_flow_from_outside(_ctx: &TcContext) -> Result<i32, Drop> {
-        Ok(TC_ACT_UNSPEC)
+    fn not_a_flow_from_outside(_ctx: &TcContext) -> Result<Action<Self>, Drop> {
+        Ok(Action::IcmpFromOutside)
     }
 }

@@ -27,6 +27,9 @@ pub enum Action<A> {
     /// Answer it with a fragmentation needed (IPv6: packet too big) with this MTU, likewise
     /// (external.rs: too big for the interface it would be forwarded out of).
     TooBig(Flow<A>, u16),
+    /// Not a TCP or UDP flow, from outside: an ICMP error about one is translated
+    /// (`icmp::from_outside`), left to the caller likewise (IPv6).
+    IcmpFromOutside,
 }
 
 #[inline(always)]

@@ -445,6 +445,18 @@ pub fn rewrite_quoted(
     addr: Be128,
     port: Be16,
 ) -> Result<(), Drop> {
+    rewrite_quoted_to(error, ctx, at, &(addr, port))
+}
+
+/// [`rewrite_quoted`] in a function of its own (its arguments packed: a call takes at most
+/// five).
+#[inline(never)]
+fn rewrite_quoted_to(
+    error: &Error<Be128>,
+    ctx: &TcContext,
+    at: End,
+    &(addr, port): &(Be128, Be16),
+) -> Result<(), Drop> {
     let l4 = error.inner_l4;
     let (old_addr, old_port, addr_field, port_field) = match at {
         End::Source => (error.inner.saddr, error.inner.sport, ERROR_INNER + 8, l4),
@@ -480,7 +492,7 @@ pub fn rewrite_quoted(
 }
 
 /// Rewrites `error`'s own `at` address, with the ICMPv6 checksum (its pseudo-header holds it).
-#[inline(always)]
+#[inline(never)]
 pub fn rewrite_error_addr(
     error: &Error<Be128>,
     ctx: &TcContext,

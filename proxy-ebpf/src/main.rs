@@ -64,6 +64,7 @@ fn answer4(
         Action::Verdict(v) => Ok(v),
         Action::Reject(flow) => reject::reject(ctx, &flow),
         Action::TooBig(flow, mtu) => reject::frag_needed(ctx, &flow, mtu),
+        Action::IcmpFromOutside => icmp::from_outside::<Be32>(ctx),
     }
 }
 
@@ -152,7 +153,14 @@ fn answer6(ctx: &TcContext, answer: Result<Answer, packet::Drop>) -> Result<i32,
             count_drop(ctx, DROP_FRAG_NEEDED);
             ipv6::too_big(ctx, mtu)
         }
+        Answer::IcmpFromOutside => icmp_from_outside6(ctx),
     }
+}
+
+/// An ICMPv6 error from outside (see [`Answer`]), in a frame of its own.
+#[inline(never)]
+fn icmp_from_outside6(ctx: &TcContext) -> Result<i32, packet::Drop> {
+    icmp::from_outside::<Be128>(ctx)
 }
 
 /// What [`tc_ingress6`] and [`tc_external_ingress6`] do with a packet: the flow's part done,
@@ -161,6 +169,7 @@ enum Answer {
     Verdict(i32),
     Reject,
     TooBig(u16),
+    IcmpFromOutside,
 }
 
 impl<A> From<Action<A>> for Answer {
@@ -170,6 +179,7 @@ impl<A> From<Action<A>> for Answer {
             Action::Verdict(v) => Answer::Verdict(v),
             Action::Reject(_) => Answer::Reject,
             Action::TooBig(_, mtu) => Answer::TooBig(mtu),
+            Action::IcmpFromOutside => Answer::IcmpFromOutside,
         }
     }
 }

@@ -2127,3 +2127,74 @@ fn an_ipv6_packet_too_big_for_the_way_on_is_answered_with_packet_too_big() {
     assert_eq!(out[ETH_HLEN..], want[ETH_HLEN..]);
     assert_eq!(lab.p.drops(DROP_FRAG_NEEDED), 1);
 }
+
+/// ICMPv6 errors from outside about an IPv6 NodePort flow to another node's endpoint, as over
+/// IPv4: the endpoint's port unreachable about what the node sent it goes back to the client
+/// from the NodePort, quoting the client's packet; a router's packet too big about the reply
+/// sent to the client goes on to the endpoint, quoting its reply as it sent it. Both forwarded
+/// a hop off, byte for byte what the test's builder makes (the ICMPv6 checksum covers the
+/// rewritten outer addresses). An error about no flow passes untouched.
+#[test]
+fn icmpv6_errors_about_external_flows_are_translated_back() {
+    let Some(lab) = lab6("icmpv6_errors_about_external_flows_are_translated_back") else {
+        return;
+    };
+    let router = Ipv6Addr::new(0x2001, 0xdb8, 0, 1, 0, 0, 0, 1);
+    let unreachable = (packet::ICMPV6_DEST_UNREACH, packet::ICMPV6_PORT_UNREACH);
+    let too_big = (packet::ICMPV6_PACKET_TOO_BIG, 0);
+    let error = |from: Ipv6Addr, (kind, code): (u8, u8), quoted: &Spec, quote| {
+        packet::icmp_error(from, kind, code, &quoted.build(), quote)
+    };
+    let hop = |mut f: Vec<u8>| {
+        f[ETH_HLEN + 7] -= 1;
+        f
+    };
+    for (i, (proto, quote)) in [(TCP, 8), (TCP, 20), (UDP, 8)].into_iter().enumerate() {
+        let what = format!("proto {proto}, quoting {quote} bytes");
+        let sport = 42000 + i as u16;
+        let spec = match proto {
+            TCP => Spec::tcp(CLIENT6, sport, NODE6, NODE_PORT),
+            _ => Spec::udp(CLIENT6, sport, NODE6, NODE_PORT),
+        };
+        let (verdict, out) = lab.tc("tc_external_ingress", &from_client(&spec));
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{what}");
+        let sent = (NODE6, packet::tuple(&out).1);
+        let got = Spec {
+            src: sent.0.into(),
+            sport: sent.1,
+            dst: REMOTE_BE6.into(),
+            dport: TARGET,
+            ..spec.clone()
+        };
+        let frame = arriving(error(REMOTE_BE6, unreachable, &got, quote), NODE2_MAC);
+        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{what}");
+        assert_eq!((&out[0..6], &out[6..12]), (&ROUTER_MAC[..], &EXT0_MAC[..]));
+        let want = hop(error(NODE6, unreachable, &spec, quote));
+        assert_eq!(
+            out[ETH_HLEN..],
+            want[ETH_HLEN..],
+            "{what}: the endpoint's error"
+        );
+        let reply = answer(&spec, (NODE6, NODE_PORT), (CLIENT6, sport));
+        let frame = arriving(error(router, too_big, &reply, quote), ROUTER_MAC);
+        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{what}");
+        assert_eq!((&out[0..6], &out[6..12]), (&NODE2_MAC[..], &EXT0_MAC[..]));
+        let by_endpoint = answer(&spec, (REMOTE_BE6, TARGET), sent);
+        let want = hop(error(NODE6, too_big, &by_endpoint, quote));
+        assert_eq!(
+            out[ETH_HLEN..],
+            want[ETH_HLEN..],
+            "{what}: the router's error"
+        );
+    }
+    let stray = Spec::tcp(NODE6, NODE_PORT, CLIENT6, 9);
+    let frame = arriving(error(router, too_big, &stray, 8), ROUTER_MAC);
+    untouched_tc(
+        &lab,
+        "tc_external_ingress",
+        &frame,
+        "an error about no flow",
+    );
+}
