@@ -56,12 +56,14 @@ pub enum Verdict<A> {
 }
 
 /// The decision for `flow`, a packet that arrived on the external interface `ingress`. Records
-/// new flows in conntrack.
+/// new flows in conntrack; without `new_flows`, a packet that would start one passes (to the
+/// tc program, which decides it: XDP's IPv6 path, whose stack holds no more).
 #[inline(always)]
 pub fn decide<C: EbpfContext, A: Family>(
     ctx: &C,
     flow: &Flow<A>,
     ingress: u32,
+    new_flows: bool,
 ) -> Result<Verdict<A>, Drop> {
     let key = flow.key;
     let (node_addr, to_node) = frontend::node_addr(key.daddr);
@@ -91,8 +93,8 @@ pub fn decide<C: EbpfContext, A: Family>(
         }
         return Ok(nat(&key, &live.backend, live.snat));
     }
-    if flow.later_fragment() {
-        return Ok(Verdict::Pass); // its first fragment started no flow
+    if flow.later_fragment() || !new_flows {
+        return Ok(Verdict::Pass); // its first fragment started no flow; or left to tc
     }
     let Some((backend_id, backend)) =
         lb::new_flow_backend(&key, &svc_key, &svc, now, lb::random())?
@@ -211,7 +213,7 @@ pub fn try_external_ingress<A: Family>(ctx: &TcContext) -> Result<Action<A>, Dro
     };
     // SAFETY: reading the context's ifindex.
     let ingress = unsafe { (*ctx.skb.skb).ifindex };
-    let (src, dst) = match decide(ctx, &flow, ingress)? {
+    let (src, dst) = match decide(ctx, &flow, ingress, true)? {
         Verdict::Pass => return Ok(Action::Verdict(TC_ACT_UNSPEC)),
         Verdict::Reject => return Ok(Action::Reject(flow)),
         Verdict::Nat {

@@ -37,7 +37,7 @@ use proxy_common::{
 
 use crate::{
     ingress::Action,
-    maps::{DROPS, FAMILY_PROGS},
+    maps::{DROPS, FAMILY_PROGS, XDP_FAMILY_PROGS},
     packet::ETH_P_IPV6,
     sock::AddrField,
 };
@@ -110,13 +110,32 @@ fn tail_call(ctx: &TcContext, index: u32) -> i32 {
 }
 
 /// A packet from outside arriving on an external interface (XDP): NodePort, LoadBalancer and
-/// external IP traffic translated before the stack sees it.
+/// external IP traffic translated before the stack sees it. IPv6 goes on in
+/// [`xdp_external6`] (a tail call, as in [`tc_ingress`]).
 #[xdp]
+#[inline(always)]
 pub fn xdp_external(ctx: XdpContext) -> u32 {
-    match xdp::try_xdp(&ctx) {
+    if xdp::is_ipv6(&ctx) {
+        // SAFETY: on success the call does not return; the context is the program's own.
+        unsafe { XDP_FAMILY_PROGS.tail_call(&ctx, 0) };
+        return xdp_action::XDP_PASS; // not filled (it always is): to tc
+    }
+    xdp_verdict(&ctx, xdp::try_xdp(&ctx))
+}
+
+/// [`xdp_external`] of an IPv6 packet.
+#[xdp]
+pub fn xdp_external6(ctx: XdpContext) -> u32 {
+    xdp_verdict(&ctx, xdp::try_xdp6(&ctx))
+}
+
+/// [`verdict`] of the XDP programs.
+#[inline(always)]
+fn xdp_verdict(ctx: &XdpContext, r: Result<u32, packet::Drop>) -> u32 {
+    match r {
         Ok(action) => action,
         Err(packet::Drop(reason)) => {
-            count_drop(&ctx, reason);
+            count_drop(ctx, reason);
             xdp_action::XDP_DROP
         }
     }

@@ -140,3 +140,8 @@ pub static PRIMARY_ADDR6: Array<Be128> = Array::pinned(1, 0);
 /// or pin holds it, and the attached programs outlive the agent.
 #[map(name = "FAMILY_PROGS")]
 pub static FAMILY_PROGS: ProgramArray = ProgramArray::pinned(FAMILY_PROGS_ENTRIES, 0);
+
+/// The IPv6 program `xdp_external` tail-calls into (index 0), filled by the agent at load, as
+/// FAMILY_PROGS is for the tc programs.
+#[map(name = "XDP_FAMILY_PROGS")]
+pub static XDP_FAMILY_PROGS: ProgramArray = ProgramArray::pinned(1, 0);

@@ -2053,8 +2053,9 @@ fn lab6(test: &str) -> Option<Lab> {
 
 /// An IPv6 NodePort whose endpoint is on another node: the client's packet leaves from the
 /// node's address (a SNAT port picked) towards node2, a hop off, with valid checksums; the
-/// endpoint's reply goes back to the client from the NodePort, towards the router. XDP passes
-/// both to tc untouched.
+/// endpoint's reply goes back to the client from the NodePort, towards the router. XDP leaves
+/// the flow's first packet to tc (over IPv6 it serves established flows only) and sends the
+/// flow's later packets and the replies out again itself, as tc would.
 #[test]
 fn an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_reply_back() {
     let Some(lab) = lab6(
@@ -2067,7 +2068,7 @@ fn an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_rep
         Spec::udp(CLIENT6, 40001, NODE6, NODE_PORT),
     ] {
         let frame = from_client(&spec);
-        untouched_xdp(&lab, &frame, "an IPv6 packet");
+        untouched_xdp(&lab, &frame, "a new IPv6 flow's first packet");
         let (verdict, out) = lab.tc("tc_external_ingress", &frame);
         assert_eq!(verdict, TC_ACT_REDIRECT, "{spec:?}");
         let (src, snat_port, dst, dport) = packet::tuple(&out);
@@ -2079,20 +2080,32 @@ fn an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_rep
         assert_eq!(out[ETH_HLEN + 7], frame[ETH_HLEN + 7] - 1, "a hop off");
         assert_eq!((&out[..6], &out[6..12]), (&NODE2_MAC[..], &EXT0_MAC[..]));
         packet::assert_checksums(&out, false);
+        // The flow's next packet, through XDP: sent back out of ext0, as tc sent the first.
+        let next = Spec {
+            tcp_flags: if spec.proto == TCP { ACK } else { 0 },
+            ..spec.clone()
+        };
+        let (verdict, by_xdp) = lab.xdp(&from_client(&next));
+        assert_eq!(verdict, XDP_TX, "{spec:?}");
+        let (_, by_tc) = lab.tc("tc_external_ingress", &from_client(&next));
+        assert_eq!(by_xdp, by_tc, "XDP and tc translate alike: {spec:?}");
+        packet::assert_checksums(&by_xdp, false);
         let reply = on_wire(
             &answer(&spec, (REMOTE_BE6, TARGET), (NODE6, snat_port)),
             NODE2_MAC,
         );
-        untouched_xdp(&lab, &reply, "an IPv6 reply");
-        let (verdict, back) = lab.tc("tc_external_ingress", &reply);
-        assert_eq!(verdict, TC_ACT_REDIRECT, "{spec:?}");
+        let (verdict, back) = lab.xdp(&reply);
+        assert_eq!(verdict, XDP_TX, "{spec:?}");
         assert_eq!(
             packet::tuple(&back),
             (NODE6.into(), NODE_PORT, CLIENT6.into(), spec.sport),
             "{spec:?}"
         );
-        assert_eq!(&back[..6], &ROUTER_MAC[..]);
+        assert_eq!(back[ETH_HLEN + 7], reply[ETH_HLEN + 7] - 1, "a hop off");
+        assert_eq!((&back[..6], &back[6..12]), (&ROUTER_MAC[..], &EXT0_MAC[..]));
         packet::assert_checksums(&back, false);
+        let (verdict, by_tc) = lab.tc("tc_external_ingress", &reply);
+        assert_eq!((verdict, by_tc), (TC_ACT_REDIRECT, back), "{spec:?}");
     }
 }
 

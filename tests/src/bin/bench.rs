@@ -252,18 +252,31 @@ fn datapath(args: &Datapath) -> anyhow::Result<()> {
          program leaves it to tc); {REMOTE_FLOWS} flows over 10 endpoints."
     );
     println!(
-        "\ntc_ingress on IPv6 frames (tc_ingress6, by tail call), IPv6 services only, ns per packet"
+        "\ntc_ingress and xdp_external on IPv6 frames (tc_ingress6 and xdp_external6, by tail \
+         call), IPv6 services only, ns per packet"
     );
-    println!("{:>9} {:>13} {:>13}", "services", "established", "new flow");
-    println!("{:>9} {:>13} {:>13}", "", rep, "1 run each");
+    println!(
+        "{:>9} {:>13} {:>13} {:>15}",
+        "services", "established", "new flow", "XDP established"
+    );
+    println!(
+        "{:>9} {:>13} {:>13} {:>15}",
+        "",
+        rep,
+        "1 run each",
+        format!("local, {rep}")
+    );
     for &count in &args.services {
         let row = measure6(args, count).with_context(|| format!("IPv6, with {count} services"))?;
         println!(
-            "{:>9} {:>13.1} {:>13.1}",
-            count, row.established, row.new_flow
+            "{:>9} {:>13.1} {:>13.1} {:>15.1}",
+            count, row.established, row.new_flow, row.xdp_established
         );
     }
-    println!("XDP passes IPv6 to the tc programs: no XDP rows.");
+    println!(
+        "XDP serves IPv6's established flows (xdp_external6, by tail call) and leaves new ones \
+         to tc: no XDP new-flow figures."
+    );
     Ok(())
 }
 
@@ -296,6 +309,8 @@ fn ping_pong(
 struct Row6 {
     established: f64,
     new_flow: f64,
+    /// xdp_external (to xdp_external6 by tail call) on an established NodePort flow.
+    xdp_established: f64,
 }
 
 /// The IPv6 twin of `vip(i)` (`fd00:97::` and the same low 32 bits).
@@ -306,14 +321,15 @@ fn vip6(i: u32) -> Ipv6Addr {
     ])
 }
 
-/// An IPv6-only service port `name` on `vip`:`port` (TCP) with `endpoints`.
+/// An IPv6-only service port `name` on `vip`:`port` (TCP) with `endpoints` (on another node);
+/// its name.
 fn add_service6(
     state: &mut DesiredState,
     name: &str,
     vip: Ipv6Addr,
     port: u16,
     endpoints: &[(Ipv6Addr, u16)],
-) {
+) -> proxy_userspace::model::ServicePortName {
     let spn = add_service(
         state,
         &Svc {
@@ -331,7 +347,8 @@ fn add_service6(
         .iter()
         .map(|(ip, port)| ready_endpoint((*ip).into(), *port))
         .collect();
-    state.set_endpoints(spn, endpoints);
+    state.set_endpoints(spn.clone(), endpoints);
+    spn
 }
 
 /// [`measure`]'s tc figures over IPv6: `count` IPv6 services, and an IPv6 ping-pong pair.
@@ -359,7 +376,28 @@ fn measure6(args: &Datapath, count: u32) -> anyhow::Result<Row6> {
     let (a, b) = (vip6(u32::MAX), vip6(u32::MAX - 1));
     add_service6(&mut state, "bench6-a", a, 80, &[(b, 81)]);
     add_service6(&mut state, "bench6-b", b, 81, &[(a, 80)]);
+    // The XDP ping-pong pair, as IPv4's (add_external): a NodePort whose local endpoint is a
+    // load balancer address whose local endpoint is the NodePort.
+    let (node, lb) = (
+        Ipv6Addr::new(0x2001, 0xdb8, 0, 2, 0, 0, 0, 0x11),
+        Ipv6Addr::new(0x2001, 0xdb8, 0x203, 0, 0, 0, 0, 2),
+    );
+    for (name, i, port, endpoint) in [
+        ("bench6-np", 1, 80, (lb, 81)),
+        ("bench6-lb", 2, 81, (node, NODE_PORT)),
+    ] {
+        let spn = add_service6(&mut state, name, vip6(u32::MAX - 1 - i), port, &[endpoint]);
+        let sp = state.port_mut(&spn).expect("just added");
+        match name {
+            "bench6-np" => sp.node_port = Some(NODE_PORT),
+            _ => sp.load_balancer_ips = vec![lb.into()],
+        }
+        for e in state.endpoints_mut(&spn).into_iter().flatten() {
+            e.node_name = Some("node1".into());
+        }
+    }
     p.program(&state)?;
+    p.set_node_addrs6(&[node]);
     let ns = |d: Duration| d.as_nanos() as f64;
     let client = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x10);
     let established = ns(ping_pong(&p, client, a, args.repeat)?);
@@ -381,9 +419,24 @@ fn measure6(args: &Datapath, count: u32) -> anyhow::Result<Row6> {
         }
         total += ns(took);
     }
+    // XDP serves established IPv6 flows only: tc starts the pair's two flows (and answers
+    // open them), then XDP is timed on the client's packet.
+    let client6 = Ipv6Addr::new(0x2001, 0xdb8, 0xff, 0, 0, 0, 0, 0x99);
+    let ping = Spec {
+        tcp_flags: 0x10,
+        ..Spec::tcp(client6, 40000, node, NODE_PORT)
+    }
+    .build();
+    let (_, to_lb) = p.run("tc_external_ingress", &ping);
+    let (_, to_np) = p.run("tc_external_ingress", &to_lb);
+    answer(&p, "tc_external_egress", &to_lb);
+    answer(&p, "tc_external_egress", &to_np);
+    time_xdp(&p, &ping, 2)?;
+    let xdp_established = ns(time_xdp(&p, &ping, args.repeat)?);
     Ok(Row6 {
         established,
         new_flow: total / args.new_flows as f64,
+        xdp_established,
     })
 }
 

@@ -38,8 +38,8 @@ use proxy_common::{
     MAP_CT_LIFETIMES, MAP_DROPS, MAP_EXTERNAL_IFACES, MAP_FAMILY_PROGS, MAP_FRAGMENTS,
     MAP_FRAGMENTS6, MAP_HOST_NETNS, MAP_MAGLEV, MAP_MAGLEV6, MAP_NODE_ADDRS, MAP_NODE_ADDRS6,
     MAP_PRIMARY_ADDR6, MAP_SERVICES, MAP_SERVICES6, MAP_SOCK_REVNAT, MAP_SOCK_REVNAT6,
-    MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MaglevChunk, ServiceKey,
-    ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MAP_XDP_FAMILY_PROGS, MaglevChunk,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 use attach::detach_all;
@@ -71,6 +71,8 @@ pub const PROG_EGRESS6: &str = "tc_egress6";
 pub const PROG_EXT_INGRESS6: &str = "tc_external_ingress6";
 pub const PROG_EXT_EGRESS6: &str = "tc_external_egress6";
 pub const PROG_XDP: &str = "xdp_external";
+/// The IPv6 half of [`PROG_XDP`] (tail-called, never attached).
+pub const PROG_XDP6: &str = "xdp_external6";
 pub const PROG_EXT_INGRESS: &str = "tc_external_ingress";
 pub const PROG_EXT_EGRESS: &str = "tc_external_egress";
 
@@ -160,11 +162,27 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
             .set(index, &fd, 0)
             .with_context(|| format!("putting {name} in FAMILY_PROGS"))?;
     }
-    let xdp: &mut Xdp = ebpf
-        .program_mut(PROG_XDP)
-        .with_context(|| format!("program {PROG_XDP} missing from the BPF object"))?
+    for name in [PROG_XDP6, PROG_XDP] {
+        let xdp: &mut Xdp = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the BPF object"))?
+            .try_into()?;
+        load_retrying(name, || xdp.load())?;
+    }
+    // XDP's IPv6 half, which it tail-calls (XDP programs call only XDP programs: an array of
+    // their own).
+    let fd = ebpf
+        .program(PROG_XDP6)
+        .context("the IPv6 XDP program")?
+        .fd()?
+        .try_clone()?;
+    let mut xdp_family_progs: ProgramArray<_> = ebpf
+        .map_mut(MAP_XDP_FAMILY_PROGS)
+        .context("map XDP_FAMILY_PROGS missing")?
         .try_into()?;
-    load_retrying(PROG_XDP, || xdp.load())?;
+    xdp_family_progs
+        .set(0, &fd, 0)
+        .with_context(|| format!("putting {PROG_XDP6} in XDP_FAMILY_PROGS"))?;
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
         .context("map AGENT_STATE missing")?
@@ -248,7 +266,7 @@ struct Layout {
     entries: Option<u32>,
 }
 
-const LAYOUTS: [Layout; 27] = [
+const LAYOUTS: [Layout; 28] = [
     Layout {
         name: MAP_SERVICES,
         map_type: MapType::Hash,
@@ -417,6 +435,13 @@ const LAYOUTS: [Layout; 27] = [
         key_size: size_of::<SockRevNatKey<Be128>>(),
         value_size: size_of::<SockRevNatValue<Be128>>(),
         entries: None,
+    },
+    Layout {
+        name: MAP_XDP_FAMILY_PROGS,
+        map_type: MapType::ProgramArray,
+        key_size: size_of::<u32>(),
+        value_size: size_of::<u32>(),
+        entries: Some(1),
     },
     Layout {
         name: MAP_PRIMARY_ADDR6,
