@@ -12,7 +12,7 @@
 //! externalTrafficPolicy Local: only local endpoints, the client's address kept.
 //!
 //! Both families take the same path (generic over the address); IPv6 packets come to it through
-//! programs of their own (main.rs), and XDP leaves them to tc.
+//! programs of their own (main.rs), XDP's for established flows only (xdp.rs).
 use aya_ebpf::{
     EbpfContext,
     bindings::{

@@ -7,7 +7,8 @@
 //!
 //! Handled at constant offsets: outer and quoted IPv4 headers without options (errors with
 //! options pass untranslated; the kernel sends none). ICMPv6 errors the same way, through the
-//! family's parse and rewrites (ipv6.rs): IPv6 headers without extension headers.
+//! family's parse and rewrites (ipv6.rs): IPv6 headers without extension headers, but for the
+//! fragment header of a quoted first fragment.
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{Be16, Be32, CT_EXTERNAL, CT_SNAT, CtKey, IPPROTO_TCP, IPPROTO_UDP};
 

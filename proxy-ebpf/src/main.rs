@@ -54,7 +54,9 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     verdict(&ctx, answer4(&ctx, ingress::try_ingress::<Be32>(&ctx)))
 }
 
-/// The IPv4 programs' verdict: `action`'s, or its answer's.
+/// The IPv4 programs' verdict: `action`'s, or its answer's. (IPv4's path answers a packet too
+/// big and translates an ICMP error from outside at once, family.rs: the last two arms are
+/// IPv6's way, taken here only for completeness.)
 #[inline(always)]
 fn answer4(
     ctx: &TcContext,
@@ -98,10 +100,11 @@ pub fn tc_egress6(ctx: TcContext) -> i32 {
     verdict(&ctx, egress::try_egress::<Be128>(&ctx))
 }
 
-/// Goes on in the program at `index` of FAMILY_PROGS. Only a program's own body may tail-call
-/// (the kernel refuses a tail call in a BPF-to-BPF function of an object without BTF function
-/// info): the programs that call this are `#[inline(always)]` into the macro's entry point. Should that fail (the agent fills the
-/// array before it attaches anything, so it does not), the packet passes untouched.
+/// Goes on in the program at `index` of FAMILY_PROGS. Should that fail (the agent fills the
+/// array before it attaches anything, so it does not), the packet passes untouched. Only a
+/// program's own body may tail-call (the kernel refuses a tail call in a BPF-to-BPF function
+/// of an object without BTF function info): the programs that call this are `#[inline(always)]`
+/// into the macro's entry point.
 #[inline(always)]
 fn tail_call(ctx: &TcContext, index: u32) -> i32 {
     // SAFETY: on success the call does not return; the context is the program's own.

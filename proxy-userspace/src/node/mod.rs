@@ -181,7 +181,7 @@ pub fn node_addresses(
 }
 
 /// Whether `ip` is an IPv6 link-local address (fe80::/10): meaningful on one link only.
-fn is_link_local(ip: IpAddr) -> bool {
+pub fn is_link_local(ip: IpAddr) -> bool {
     matches!(ip, IpAddr::V6(ip) if ip.segments()[0] & 0xffc0 == 0xfe80)
 }
 

@@ -520,9 +520,17 @@ impl Attacher {
                 continue;
             }
             let candidates = if node_ports { &node_port_addrs } else { &own };
+            // The family's primary address among them, else any of them (an address on lo,
+            // say, which primary_ip passes over); never an IPv6 link-local one, meaningful on
+            // one link only.
             let snat_addrs: Vec<IpAddr> = [Family::V4, Family::V6]
                 .into_iter()
-                .filter_map(|family| node::primary_ip(family, node_ips, default_route, candidates))
+                .filter_map(|family| {
+                    node::primary_ip(family, node_ips, default_route, candidates).or(candidates
+                        .iter()
+                        .map(|a| a.addr)
+                        .find(|ip| family.has(*ip) && !node::is_link_local(*ip)))
+                })
                 .collect();
             if snat_addrs.is_empty() {
                 continue;
@@ -555,8 +563,10 @@ impl Attacher {
             .as_ref()
             .map_or(&[][..], |e| e.primary.as_slice());
         let primary = |family| {
-            node::primary_ip(family, node_ips, default_route, selected)
-                .or(selected.iter().map(|a| a.addr).find(|ip| family.has(*ip)))
+            node::primary_ip(family, node_ips, default_route, selected).or(selected
+                .iter()
+                .map(|a| a.addr)
+                .find(|ip| family.has(*ip) && !node::is_link_local(*ip)))
         };
         let primary4: Be32 = primary(Family::V4)
             .and_then(Be32::from_ip)
