@@ -154,8 +154,9 @@ pub fn ipv4_mapped(ctx: &SockAddrContext) -> bool {
 }
 
 /// connect4 and sendmsg4, connect6 and sendmsg6 (IPv4-mapped addresses in the IPv4 maps, see
-/// [`SockFamily`]): a TCP or UDP service address of a host-network socket (or a pod's TCP one, see [`client`]) becomes
-/// one of the service's backends, picked as the tc path picks one for a new flow (lb.rs).
+/// [`SockFamily`]): a TCP or UDP service address of a host-network socket (or a pod's TCP one,
+/// see [`client`]) becomes one of the service's backends, picked as the tc path picks one for a
+/// new flow (lb.rs).
 /// `datagram` (sendmsg4: an unconnected UDP socket's send): the pick is the socket's own, so
 /// that its datagrams to one Service go to one backend while the Service's backends stay the
 /// same, as a connected socket's do.
@@ -207,8 +208,9 @@ fn try_translate<A: SockFamily>(
     // The flow as the tc path would see it, but for its source, not chosen yet: the node (the
     // unspecified address: at connect() the source is not chosen yet, and to kube-proxy every
     // such client is the node itself; no pod sends from it, so the affinity entries of such
-    // clients never mix with pods'), and the socket's cookie for the port, so that Maglev spreads sockets (and
-    // like `datagram`'s pick keeps an unconnected UDP socket's datagrams on one backend).
+    // clients never mix with pods'), and the socket's cookie for the port, so that Maglev
+    // spreads sockets (and like `datagram`'s pick keeps an unconnected UDP socket's datagrams on
+    // one backend).
     let flow = CtKey {
         saddr: A::default(),
         daddr: vip,

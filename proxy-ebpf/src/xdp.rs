@@ -10,8 +10,9 @@
 //!
 //! What XDP cannot do it leaves, untouched, to the tc program on the same interface: packets
 //! with IP options or IPv6 extension headers, rejects, next hops not resolved yet, TTLs (hop
-//! limits) running out, and transmitting where the agent did not allow it (`IFACE_XDP_FORWARD`: on veth in native mode, the peer
-//! drops XDP frames unless it has NAPI, and the agent cannot see the peer).
+//! limits) running out, and transmitting where the agent did not allow it
+//! (`IFACE_XDP_FORWARD`: on veth in native mode, the peer drops XDP frames unless it has NAPI,
+//! and the agent cannot see the peer).
 use aya_ebpf::{
     bindings::{BPF_FIB_LKUP_RET_SUCCESS, xdp_action},
     helpers::bpf_redirect,
