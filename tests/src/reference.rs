@@ -5,10 +5,13 @@
 //! ("Datapath"), `proxy-common` and the programs' documentation state, so that `tests/fuzz.rs`
 //! can send the same frames through both and compare verdicts and bytes.
 //!
-//! - Both programs read a well-formed IPv4 TCP or UDP packet, or a fragment of one: a first
-//!   fragment as a whole packet (its datagram's ports remembered), a later one with its first
-//!   fragment's ports (without them it passes unchanged), rewritten in its IP header only.
-//!   Anything else passes unchanged.
+//! - Both programs read a well-formed IPv4 or IPv6 TCP or UDP packet, or a fragment of one: a
+//!   first fragment as a whole packet (its datagram's ports remembered), a later one with its
+//!   first fragment's ports (without them it passes unchanged), rewritten in its IP header
+//!   only. IPv6 is read through up to six extension headers; a jumbogram, and anything that is
+//!   not TCP or UDP after them (ICMPv6, neighbour discovery), is no flow. Anything else passes
+//!   unchanged. The families are apart: their own maps (conntrack, affinity, services,
+//!   backends with ids of their own), their own hairpin address.
 //! - `tc_ingress` (a frame leaving a pod): one to the hairpin address is a pod answering its own
 //!   connection through a service: it is turned around (from the service address, to the pod,
 //!   Ethernet addresses swapped, redirected) when its flow is live, and dropped otherwise. One to
@@ -19,18 +22,20 @@
 //!   that was within the timeout and the backend takes new flows). The destination becomes the
 //!   backend; a pod reaching itself also gets the hairpin address as its source and is
 //!   redirected. A service without a backend for a new flow refuses it, as kube-proxy does: the
-//!   frame becomes an ICMP port unreachable from the service address, sent back to the pod (but
-//!   a removed service's, draining, passes as if it were not there, and so does a packet with IP
-//!   options, which that fixed-size answer does not quote); one whose traffic must stay on the
-//!   node (internalTrafficPolicy: Local) drops it. Anything else passes, and a bare SYN forgets
-//!   the reply entry on its reverse 5-tuple if that entry's flow is over (the pod now talks to
-//!   that address directly).
+//!   frame becomes an ICMP (ICMPv6) port unreachable from the service address, sent back to the
+//!   pod (but a removed service's, draining, passes as if it were not there, and so does a
+//!   packet with IP options or IPv6 extension headers, which that fixed-size answer does not
+//!   quote); one whose traffic must stay on the node (internalTrafficPolicy: Local) drops it.
+//!   Anything else passes, and a bare SYN forgets the reply entry on its reverse 5-tuple if that
+//!   entry's flow is over (the pod now talks to that address directly).
 //! - `tc_egress` (a frame to a pod): a reply of a live flow gets the service address back as
 //!   its source; a reply entry whose flow is over is forgotten. An ICMP error (destination
-//!   unreachable, time exceeded, parameter problem; both IP headers without options) quoting a
-//!   live flow's packet as it was sent on to the backend quotes it as the pod sent it, to the
-//!   service address (checksums adjusted), and comes from there if the backend sent it; it
-//!   refreshes nothing. Everything else passes.
+//!   unreachable, time exceeded, parameter problem; both IP headers without options) or ICMPv6
+//!   error (destination unreachable, packet too big, time exceeded, parameter problem; both
+//!   IPv6 headers without extension headers, but for the fragment header of a quoted first
+//!   fragment) quoting a live flow's packet as it was sent on to the backend quotes it as the
+//!   pod sent it, to the service address (checksums adjusted), and comes from there if the
+//!   backend sent it; it refreshes nothing. Everything else passes.
 //!
 //! Conntrack is keyed as the real one is, two entries a flow, each by the 5-tuple that its
 //! direction's packets carry: which packets meet which entry (and which flows share one) is part
@@ -44,15 +49,19 @@
 //! Time is the model's own, in whole seconds, advanced only by [`Model::advance`]; an entry is
 //! expired when it has been idle for longer than its lifetime. The harness keeps the kernel's
 //! clock in step with it (tests/fuzz.rs).
-use std::{collections::BTreeMap, net::Ipv4Addr, path::Path};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::Path,
+};
 
 use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use proxy_common::{
-    BACKEND_DRAINING, Backend, CT_STATE_CLOSING, CT_STATE_TCP_ESTABLISHED,
+    Addr, BACKEND_DRAINING, Backend, Be32, Be128, CT_STATE_CLOSING, CT_STATE_TCP_ESTABLISHED,
     CT_STATE_TCP_HALF_CLOSED, CT_STATE_TCP_OPENING, CT_STATE_UDP, CT_STATES, MAP_BACKENDS,
-    MAP_SERVICES, SEQ_AHEAD, SEQ_BEHIND, SERVICE_AFFINITY, SERVICE_DRAINING, SERVICE_LOCAL_ONLY,
-    ServiceKey, ServiceValue,
+    MAP_BACKENDS6, MAP_SERVICES, MAP_SERVICES6, SEQ_AHEAD, SEQ_BEHIND, SERVICE_AFFINITY,
+    SERVICE_DRAINING, SERVICE_LOCAL_ONLY, ServiceKey, ServiceValue,
 };
 
 use crate::programs::{TC_ACT_SHOT, TC_ACT_UNSPEC};
@@ -62,12 +71,27 @@ pub const TC_ACT_REDIRECT: u32 = 7;
 /// The source given to a pod's packets to itself through a service (and the address its replies
 /// go to).
 pub const HAIRPIN: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
+/// IPv6's: a unique local address with [`HAIRPIN`] in its last 32 bits.
+pub const HAIRPIN6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0xa9fe, 0x2a01);
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
 const IP_MIN: usize = 20;
+const IPV6_HLEN: usize = 40;
+/// Where what follows the fixed IPv6 header starts.
+pub const IPV6_END: usize = ETH_HLEN + IPV6_HLEN;
+/// IPv6 extension headers (RFC 8200, and AH: RFC 4302).
+pub const HOP_BY_HOP: u8 = 0;
+pub const ROUTING: u8 = 43;
+pub const FRAGMENT: u8 = 44;
+pub const AUTH: u8 = 51;
+pub const DEST_OPTIONS: u8 = 60;
+/// The extension headers the programs walk before they give up on a packet.
+const MAX_EXT_HEADERS: usize = 6;
+pub const ICMPV6: u8 = 58;
 /// Forward packets between two looks at a flow's reply entry (the programs' constant).
 const REPLY_CHECK_PACKETS: u32 = 32;
 const FIN: u8 = 0x01;
@@ -75,11 +99,19 @@ const SYN: u8 = 0x02;
 const RST: u8 = 0x04;
 const ACK: u8 = 0x10;
 
-/// A flow's 5-tuple as one direction's packets carry it.
+/// The hairpin address of `like`'s family.
+pub fn hairpin_of(like: IpAddr) -> IpAddr {
+    match like {
+        IpAddr::V4(_) => HAIRPIN.into(),
+        IpAddr::V6(_) => HAIRPIN6.into(),
+    }
+}
+
+/// A flow's 5-tuple as one direction's packets carry it (both addresses of one family).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Tuple {
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+    pub src: IpAddr,
+    pub dst: IpAddr,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
@@ -104,27 +136,31 @@ impl std::fmt::Display for Tuple {
             UDP => "udp",
             _ => "?",
         };
-        write!(
-            f,
-            "{proto} {}:{} -> {}:{}",
-            self.src, self.sport, self.dst, self.dport
-        )
+        let (src, dst) = (
+            SocketAddr::new(self.src, self.sport),
+            SocketAddr::new(self.dst, self.dport),
+        );
+        write!(f, "{proto} {src} -> {dst}")
     }
 }
 
 /// Why a frame is not the datapath's to translate (it passes unchanged).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Skip {
-    /// Shorter than an Ethernet and a minimal IPv4 header.
+    /// Shorter than an Ethernet and a minimal IPv4 header (IPv6: its fixed header).
     Short,
-    NotIpv4,
-    /// IP version other than 4, or a header length below 20 bytes.
+    /// Neither IPv4 nor IPv6.
+    NotIp,
+    /// An IP version other than the ethertype's, or an IPv4 header length below 20 bytes.
     BadIpHeader,
     /// A later fragment of a datagram whose first fragment (which has the ports) was not seen;
     /// from [`parse`], any fragment (it reads whole packets only).
     Fragment,
     NotTcpUdp,
-    /// The total length cannot hold the headers, or the frame does not hold the total length.
+    /// IPv6: more extension headers than the programs walk, or one past the frame's end.
+    ExtensionHeaders,
+    /// The total (IPv6: payload) length cannot hold the headers, or the frame does not hold the
+    /// total length; an IPv6 jumbogram.
     BadLength,
 }
 
@@ -145,12 +181,13 @@ pub struct Headers {
     pub ack: u16,
 }
 
-/// Where a packet stands in its datagram, and the datagram's identification.
+/// Where a packet stands in its datagram, and the datagram's identification (IPv4's 16 bits,
+/// IPv6's 32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Piece {
     Whole,
-    First(u16),
-    Later(u16),
+    First(u32),
+    Later(u32),
 }
 
 impl Headers {
@@ -170,6 +207,16 @@ impl Headers {
     /// Where the TCP or UDP checksum is.
     pub fn l4_checksum_at(&self) -> usize {
         self.l4 + if self.tuple.proto == TCP { 16 } else { 6 }
+    }
+
+    /// The L4 header right after the fixed IP header: no IPv4 options, no IPv6 extension
+    /// headers.
+    pub fn plain(&self) -> bool {
+        self.l4
+            == match self.tuple.src {
+                IpAddr::V4(_) => ETH_HLEN + IP_MIN,
+                IpAddr::V6(_) => IPV6_END,
+            }
     }
 }
 
@@ -212,14 +259,34 @@ fn be16(b: &[u8]) -> u16 {
     u16::from_be_bytes([b[0], b[1]])
 }
 
-fn addr(b: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::new(b[0], b[1], b[2], b[3])
+fn ipv4_at(b: &[u8]) -> IpAddr {
+    Ipv4Addr::new(b[0], b[1], b[2], b[3]).into()
 }
 
-/// Reads the headers of an Ethernet frame carrying an unfragmented IPv4 TCP or UDP packet whose
-/// headers are all there and consistent; anything else is not the datapath's business.
-/// Contents the datapath does not depend on are not judged: checksums, IP options, the TCP data
-/// offset, the UDP length, bytes after the IP total length (Ethernet padding).
+fn ipv6_at(b: &[u8]) -> IpAddr {
+    <[u8; 16]>::try_from(&b[..16]).unwrap().into()
+}
+
+fn octets(a: IpAddr) -> Vec<u8> {
+    match a {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+/// Where the source and destination addresses of `a`'s family are in a frame.
+fn addr_offsets(a: IpAddr) -> (usize, usize) {
+    match a {
+        IpAddr::V4(_) => (ETH_HLEN + 12, ETH_HLEN + 16),
+        IpAddr::V6(_) => (ETH_HLEN + 8, ETH_HLEN + 24),
+    }
+}
+
+/// Reads the headers of an Ethernet frame carrying an unfragmented IPv4 or IPv6 TCP or UDP
+/// packet whose headers are all there and consistent; anything else is not the datapath's
+/// business. Contents the datapath does not depend on are not judged: checksums, IP options,
+/// what extension headers hold, the TCP data offset, the UDP length, bytes after the IP total
+/// length (Ethernet padding).
 pub fn parse(frame: &[u8]) -> Result<Headers, Skip> {
     match parse_piece(frame)? {
         (h, Piece::Whole) => Ok(h),
@@ -233,9 +300,52 @@ pub fn parse_piece(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
     if frame.len() < ETH_HLEN + IP_MIN {
         return Err(Skip::Short);
     }
-    if be16(&frame[12..]) != ETH_P_IP {
-        return Err(Skip::NotIpv4);
+    match be16(&frame[12..]) {
+        ETH_P_IP => parse_ipv4(frame),
+        ETH_P_IPV6 => parse_ipv6(frame),
+        _ => Err(Skip::NotIp),
     }
+}
+
+/// The headers of a whole packet or first fragment from `src` to `dst` whose `proto` header
+/// (there, checked) starts at `l4`.
+fn whole(frame: &[u8], (src, dst): (IpAddr, IpAddr), proto: u8, l4: usize) -> Headers {
+    let tcp = proto == TCP;
+    Headers {
+        tuple: Tuple {
+            src,
+            dst,
+            sport: be16(&frame[l4..]),
+            dport: be16(&frame[l4 + 2..]),
+            proto,
+        },
+        tcp_flags: if tcp { frame[l4 + 13] } else { 0 },
+        l4,
+        later: false,
+        seq: if tcp { seq_units(&frame[l4 + 4..]) } else { 0 },
+        ack: if tcp { seq_units(&frame[l4 + 8..]) } else { 0 },
+    }
+}
+
+/// The headers of a later fragment (its ports to come from its first fragment).
+fn later((src, dst): (IpAddr, IpAddr), proto: u8, l4: usize) -> Headers {
+    Headers {
+        tuple: Tuple {
+            src,
+            dst,
+            sport: 0,
+            dport: 0,
+            proto,
+        },
+        tcp_flags: 0,
+        l4,
+        later: true,
+        seq: 0,
+        ack: 0,
+    }
+}
+
+fn parse_ipv4(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
     let ip = &frame[ETH_HLEN..];
     let header_len = usize::from(ip[0] & 0x0f) * 4;
     if ip[0] >> 4 != 4 || header_len < IP_MIN {
@@ -248,27 +358,15 @@ pub fn parse_piece(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
         _ => return Err(Skip::NotTcpUdp),
     };
     let total = usize::from(be16(&ip[2..]));
+    let addrs = (ipv4_at(&ip[12..]), ipv4_at(&ip[16..]));
+    let l4 = ETH_HLEN + header_len;
     // More-fragments, or a non-zero offset; don't-fragment and the reserved bit do not matter.
-    let (flags, id) = (be16(&ip[6..]), be16(&ip[4..]));
+    let (flags, id) = (be16(&ip[6..]), u32::from(be16(&ip[4..])));
     if flags & 0x1fff != 0 {
         if total < header_len || frame.len() < ETH_HLEN + total {
             return Err(Skip::BadLength);
         }
-        let headers = Headers {
-            tuple: Tuple {
-                src: addr(&ip[12..]),
-                dst: addr(&ip[16..]),
-                sport: 0,
-                dport: 0,
-                proto,
-            },
-            tcp_flags: 0,
-            l4: ETH_HLEN + header_len,
-            later: true,
-            seq: 0,
-            ack: 0,
-        };
-        return Ok((headers, Piece::Later(id)));
+        return Ok((later(addrs, proto, l4), Piece::Later(id)));
     }
     let piece = match flags & 0x2000 != 0 {
         true => Piece::First(id),
@@ -277,30 +375,71 @@ pub fn parse_piece(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
     if total < header_len + l4_len || frame.len() < ETH_HLEN + total {
         return Err(Skip::BadLength);
     }
-    let l4 = ETH_HLEN + header_len;
-    let headers = Headers {
-        tuple: Tuple {
-            src: addr(&ip[12..]),
-            dst: addr(&ip[16..]),
-            sport: be16(&frame[l4..]),
-            dport: be16(&frame[l4 + 2..]),
-            proto,
-        },
-        tcp_flags: if proto == TCP { frame[l4 + 13] } else { 0 },
-        l4,
-        later: false,
-        seq: if proto == TCP {
-            seq_units(&frame[l4 + 4..])
-        } else {
-            0
-        },
-        ack: if proto == TCP {
-            seq_units(&frame[l4 + 8..])
-        } else {
-            0
-        },
+    Ok((whole(frame, addrs, proto, l4), piece))
+}
+
+fn parse_ipv6(frame: &[u8]) -> Result<(Headers, Piece), Skip> {
+    if frame.len() < IPV6_END {
+        return Err(Skip::Short);
+    }
+    let ip = &frame[ETH_HLEN..];
+    if ip[0] >> 4 != 6 {
+        return Err(Skip::BadIpHeader);
+    }
+    let payload = usize::from(be16(&ip[4..]));
+    // A jumbogram's length is in a hop-by-hop option: not followed.
+    if payload == 0 || frame.len() < IPV6_END + payload {
+        return Err(Skip::BadLength);
+    }
+    let addrs = (ipv6_at(&ip[8..]), ipv6_at(&ip[24..]));
+    let (mut next, mut l4) = (ip[6], IPV6_END);
+    // The (last) fragment header's offset field and identification.
+    let mut fragment = None;
+    for _ in 0..MAX_EXT_HEADERS {
+        // Within the frame, whatever the payload length says (as the programs' loads).
+        let header = |n: usize| frame.get(l4..l4 + n).ok_or(Skip::ExtensionHeaders);
+        let len = match next {
+            HOP_BY_HOP | ROUTING | DEST_OPTIONS => {
+                let h = header(2)?;
+                next = h[0];
+                (usize::from(h[1]) + 1) * 8
+            }
+            AUTH => {
+                let h = header(2)?;
+                next = h[0];
+                (usize::from(h[1]) + 2) * 4
+            }
+            FRAGMENT => {
+                let h = header(8)?;
+                next = h[0];
+                fragment = Some((be16(&h[2..]), u32::from_be_bytes([h[4], h[5], h[6], h[7]])));
+                8
+            }
+            _ => break,
+        };
+        l4 += len;
+    }
+    let l4_len = match next {
+        TCP => 20,
+        UDP => 8,
+        HOP_BY_HOP | ROUTING | FRAGMENT | AUTH | DEST_OPTIONS => {
+            return Err(Skip::ExtensionHeaders);
+        }
+        _ => return Err(Skip::NotTcpUdp),
     };
-    Ok((headers, piece))
+    // The offset (in 8-byte units, then two reserved bits) and more-fragments.
+    let piece = match fragment {
+        Some((field, id)) if field & 0xfff8 != 0 => {
+            return Ok((later(addrs, next, l4), Piece::Later(id)));
+        }
+        Some((field, id)) if field & 1 != 0 => Piece::First(id),
+        // An atomic fragment (offset 0, no more fragments) is a datagram of its own.
+        _ => Piece::Whole,
+    };
+    if IPV6_END + payload < l4 + l4_len {
+        return Err(Skip::BadLength);
+    }
+    Ok((whole(frame, addrs, next, l4), piece))
 }
 
 /// A checksum after some of the 16-bit words it covers changed: RFC 1624, eqn. 3,
@@ -320,19 +459,16 @@ fn adjust_checksum(old: u16, removed: &[u16], added: &[u16]) -> u16 {
     if sum == 0 { 0 } else { !(sum as u16) }
 }
 
-fn words(a: Ipv4Addr) -> [u16; 2] {
-    let o = a.octets();
-    [
-        u16::from_be_bytes([o[0], o[1]]),
-        u16::from_be_bytes([o[2], o[3]]),
-    ]
+fn words(a: IpAddr) -> Vec<u16> {
+    octets(a).chunks(2).map(be16).collect()
 }
 
 /// `frame` with the source and destination (address, port) replaced, and the IPv4 header and
 /// TCP/UDP checksums adjusted for what changed (the TCP/UDP one covers the addresses through
-/// its pseudo-header). A UDP checksum of zero ("none") stays zero, and a UDP checksum that
-/// comes out as zero is sent as 0xffff (RFC 768). Nothing changes: the checksums stay as sent.
-fn rewrite(frame: &[u8], h: &Headers, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> Vec<u8> {
+/// its pseudo-header; IPv6 has no header checksum). A UDP checksum of zero ("none") stays zero,
+/// and a UDP checksum that comes out as zero is sent as 0xffff (RFC 768). Nothing changes: the
+/// checksums stay as sent.
+fn rewrite(frame: &[u8], h: &Headers, src: (IpAddr, u16), dst: (IpAddr, u16)) -> Vec<u8> {
     let t = h.tuple;
     let mut out = frame.to_vec();
     let (mut addr_old, mut addr_new, mut port_old, mut port_new) = (vec![], vec![], vec![], vec![]);
@@ -349,12 +485,15 @@ fn rewrite(frame: &[u8], h: &Headers, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)
         }
     }
     let ip_csum = ETH_HLEN + 10;
-    if !addr_old.is_empty() {
+    if t.src.is_ipv4() && !addr_old.is_empty() {
         let c = adjust_checksum(be16(&out[ip_csum..]), &addr_old, &addr_new);
         out[ip_csum..ip_csum + 2].copy_from_slice(&c.to_be_bytes());
     }
-    out[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&src.0.octets());
-    out[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&dst.0.octets());
+    let (src_at, dst_at) = addr_offsets(t.src);
+    for (at, addr) in [(src_at, src.0), (dst_at, dst.0)] {
+        let o = octets(addr);
+        out[at..at + o.len()].copy_from_slice(&o);
+    }
     if h.later {
         return out; // the first fragment carried the ports and the L4 checksum
     }
@@ -380,14 +519,37 @@ fn rewrite(frame: &[u8], h: &Headers, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)
 /// without options: the only errors the programs translate).
 const QUOTED_IP: usize = ETH_HLEN + IP_MIN + 8;
 const QUOTED_L4: usize = QUOTED_IP + IP_MIN;
+/// The same in an ICMPv6 error (both IPv6 headers without extension headers; a quoted first
+/// fragment's L4 header comes after its fragment header).
+const QUOTED_IPV6: usize = IPV6_END + 8;
+const QUOTED_IPV6_END: usize = QUOTED_IPV6 + IPV6_HLEN;
 
-/// The 5-tuple an ICMP error quotes, if `frame` is one the programs translate: Ethernet, IPv4
-/// without options and unfragmented, ICMP destination unreachable (3), time exceeded (11) or
-/// parameter problem (12), quoting an IPv4 header without options of a TCP or UDP packet that
-/// is whole or a first fragment, and at least 8 bytes after it, within the IP total length
-/// (what follows is padding). Also where the message ends.
-pub fn parse_icmp_error(frame: &[u8]) -> Option<(Tuple, usize)> {
-    if frame.len() < QUOTED_L4 + 8 || be16(&frame[12..]) != ETH_P_IP {
+/// An ICMP error the programs translate.
+#[derive(Clone, Copy, Debug)]
+pub struct Quote {
+    /// The quoted packet's 5-tuple.
+    pub tuple: Tuple,
+    /// Where the quoted TCP/UDP header starts.
+    pub l4: usize,
+    /// Where the message ends (what follows is padding).
+    pub end: usize,
+}
+
+/// The packet an ICMP or ICMPv6 error quotes, if `frame` is one the programs translate.
+pub fn parse_icmp_error(frame: &[u8]) -> Option<Quote> {
+    match frame.get(12..14).map(be16) {
+        Some(ETH_P_IP) => parse_icmpv4_error(frame),
+        Some(ETH_P_IPV6) => parse_icmpv6_error(frame),
+        _ => None,
+    }
+}
+
+/// Ethernet, IPv4 without options and unfragmented, ICMP destination unreachable (3), time
+/// exceeded (11) or parameter problem (12), quoting an IPv4 header without options of a TCP or
+/// UDP packet that is whole or a first fragment, and at least 8 bytes after it, within the IP
+/// total length.
+fn parse_icmpv4_error(frame: &[u8]) -> Option<Quote> {
+    if frame.len() < QUOTED_L4 + 8 {
         return None;
     }
     let (ip, quoted) = (&frame[ETH_HLEN..], &frame[QUOTED_IP..]);
@@ -400,13 +562,49 @@ pub fn parse_icmp_error(frame: &[u8]) -> Option<(Tuple, usize)> {
     let about_tcp_udp =
         quoted[0] == 0x45 && be16(&quoted[6..]) & 0x1fff == 0 && matches!(quoted[9], TCP | UDP);
     let tuple = Tuple {
-        src: addr(&quoted[12..]),
-        dst: addr(&quoted[16..]),
+        src: ipv4_at(&quoted[12..]),
+        dst: ipv4_at(&quoted[16..]),
         sport: be16(&quoted[IP_MIN..]),
         dport: be16(&quoted[IP_MIN + 2..]),
         proto: quoted[9],
     };
-    (error && about_tcp_udp).then_some((tuple, end))
+    (error && about_tcp_udp).then_some(Quote {
+        tuple,
+        l4: QUOTED_L4,
+        end,
+    })
+}
+
+/// Ethernet, IPv6 with ICMPv6 right after its fixed header, an error (types 1 to 4: destination
+/// unreachable, packet too big, time exceeded, parameter problem) quoting an IPv6 header with
+/// TCP or UDP right after it, or after a fragment header at offset 0, and at least 8 bytes of
+/// that, within the payload length.
+fn parse_icmpv6_error(frame: &[u8]) -> Option<Quote> {
+    if frame.len() < QUOTED_IPV6_END + 8 {
+        return None;
+    }
+    let (ip, quoted) = (&frame[ETH_HLEN..], &frame[QUOTED_IPV6..]);
+    let end = IPV6_END + usize::from(be16(&ip[4..]));
+    let error = ip[0] >> 4 == 6
+        && ip[6] == ICMPV6
+        && end <= frame.len()
+        && (1..=4).contains(&frame[IPV6_END]);
+    let (mut proto, mut l4) = (quoted[6], QUOTED_IPV6_END);
+    if proto == FRAGMENT && be16(&frame[l4 + 2..]) & 0xfff8 == 0 {
+        (proto, l4) = (frame[l4], l4 + 8);
+    }
+    let about_tcp_udp = quoted[0] >> 4 == 6 && matches!(proto, TCP | UDP) && end >= l4 + 8;
+    if !(error && about_tcp_udp) {
+        return None;
+    }
+    let tuple = Tuple {
+        src: ipv6_at(&quoted[8..]),
+        dst: ipv6_at(&quoted[24..]),
+        sport: be16(&frame[l4..]),
+        dport: be16(&frame[l4 + 2..]),
+        proto,
+    };
+    Some(Quote { tuple, l4, end })
 }
 
 /// The Internet checksum (RFC 1071) of `data` (an even length).
@@ -418,29 +616,55 @@ fn internet_checksum(data: &[u8]) -> u16 {
     !(sum as u16)
 }
 
-/// The answer to `frame` (an IPv4 packet without options) when nothing listens at its
-/// destination: an ICMP destination unreachable, port unreachable (RFC 792: type 3, code 3,
-/// quoting the IP header and the first 8 bytes of what followed it), from that destination back
-/// to the source. Ethernet addresses swapped; a plain IPv4 header (no id, no flags, TTL 64).
+/// The answer to `frame` (a packet without IP options or extension headers) when nothing
+/// listens at its destination: an ICMP destination unreachable, port unreachable (RFC 792: type
+/// 3, code 3; a plain IPv4 header: no id, no flags, TTL 64) or its ICMPv6 twin (RFC 4443: type
+/// 1, code 4; hop limit 64), quoting the IP header and the first 8 bytes of what followed it,
+/// from that destination back to the source. Ethernet addresses swapped.
 fn port_unreachable(frame: &[u8], h: &Headers) -> Vec<u8> {
     let quoted = &frame[ETH_HLEN..h.l4 + 8];
-    let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
-    icmp.extend_from_slice(quoted);
-    let c = internet_checksum(&icmp);
-    icmp[2..4].copy_from_slice(&c.to_be_bytes());
-    let mut ip = [0u8; IP_MIN];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&((IP_MIN + icmp.len()) as u16).to_be_bytes());
-    ip[8] = 64;
-    ip[9] = 1; // ICMP
-    ip[12..16].copy_from_slice(&h.tuple.dst.octets());
-    ip[16..20].copy_from_slice(&h.tuple.src.octets());
-    let c = internet_checksum(&ip);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let (src, dst) = (octets(h.tuple.dst), octets(h.tuple.src));
+    let (ethertype, ip, icmp) = match h.tuple.src {
+        IpAddr::V4(_) => {
+            let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+            icmp.extend_from_slice(quoted);
+            let c = internet_checksum(&icmp);
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            let mut ip = vec![0u8; IP_MIN];
+            ip[0] = 0x45;
+            ip[2..4].copy_from_slice(&((IP_MIN + icmp.len()) as u16).to_be_bytes());
+            ip[8] = 64;
+            ip[9] = 1; // ICMP
+            ip[12..16].copy_from_slice(&src);
+            ip[16..20].copy_from_slice(&dst);
+            let c = internet_checksum(&ip);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            (ETH_P_IP, ip, icmp)
+        }
+        IpAddr::V6(_) => {
+            let mut icmp = vec![1, 4, 0, 0, 0, 0, 0, 0];
+            icmp.extend_from_slice(quoted);
+            let mut ip = vec![0u8; IPV6_HLEN];
+            ip[0] = 0x60;
+            ip[4..6].copy_from_slice(&(icmp.len() as u16).to_be_bytes());
+            ip[6] = ICMPV6;
+            ip[7] = 64;
+            ip[8..24].copy_from_slice(&src);
+            ip[24..40].copy_from_slice(&dst);
+            // Over the pseudo-header: the addresses, the upper-layer length, the next header.
+            let mut covered = ip[8..40].to_vec();
+            covered.extend_from_slice(&(icmp.len() as u32).to_be_bytes());
+            covered.extend_from_slice(&[0, 0, 0, ICMPV6]);
+            covered.extend_from_slice(&icmp);
+            let c = internet_checksum(&covered);
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            (ETH_P_IPV6, ip, icmp)
+        }
+    };
     let mut out = Vec::with_capacity(ETH_HLEN + ip.len() + icmp.len());
     out.extend_from_slice(&frame[6..12]);
     out.extend_from_slice(&frame[..6]);
-    out.extend_from_slice(&ETH_P_IP.to_be_bytes());
+    out.extend_from_slice(&ethertype.to_be_bytes());
     out.extend_from_slice(&ip);
     out.extend_from_slice(&icmp);
     out
@@ -455,7 +679,8 @@ fn swap_macs(frame: &mut [u8]) {
 /// A service address: slot 0 of the services map.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Frontend {
-    /// The backend ids of slots 1..=count, in slot order (empty for a draining frontend).
+    /// The backend ids of slots 1..=count, in slot order (empty for a draining frontend); ids
+    /// of the frontend's family.
     pub slots: Vec<u32>,
     /// Removed, kept only for the connections established through it.
     pub draining: bool,
@@ -467,92 +692,115 @@ pub struct Frontend {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BackendEntry {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: u8,
     /// Left its service port: keeps its established TCP connections, takes nothing new.
     pub draining: bool,
 }
 
-/// What the services and backends maps hold, as the programs see it.
+/// What the services and backends maps of both families hold, as the programs see it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tables {
     /// By (address, port, protocol).
-    pub frontends: BTreeMap<(Ipv4Addr, u16, u8), Frontend>,
+    pub frontends: BTreeMap<(IpAddr, u16, u8), Frontend>,
+    /// IPv4's backends, by id.
     pub backends: BTreeMap<u32, BackendEntry>,
+    /// IPv6's, by ids of their own.
+    pub backends6: BTreeMap<u32, BackendEntry>,
 }
 
 impl Tables {
-    /// Reads the SERVICES and BACKENDS maps pinned in `pin_dir`. Fails when a frontend counts a
-    /// slot that is missing or names a backend that is not there: the map writer never leaves
-    /// the maps so between two syncs, and the model's pick of a backend relies on it.
+    /// Reads the SERVICES and BACKENDS maps (and their IPv6 twins) pinned in `pin_dir`. Fails
+    /// when a frontend counts a slot that is missing or names a backend that is not there: the
+    /// map writer never leaves the maps so between two syncs, and the model's pick of a backend
+    /// relies on it.
     pub fn read(pin_dir: &Path) -> anyhow::Result<Self> {
-        let services: BpfHashMap<_, ServiceKey, ServiceValue> =
-            Map::HashMap(MapData::from_pin(pin_dir.join(MAP_SERVICES))?).try_into()?;
-        let backends_map: BpfHashMap<_, u32, Backend> =
-            Map::HashMap(MapData::from_pin(pin_dir.join(MAP_BACKENDS))?).try_into()?;
-        let mut backends = BTreeMap::new();
-        for entry in backends_map.iter() {
-            let (id, b) = entry?;
-            backends.insert(
-                id,
-                BackendEntry {
-                    addr: Ipv4Addr::from(b.addr.octets()),
-                    port: b.port.get(),
-                    proto: b.proto,
-                    draining: b.flags & BACKEND_DRAINING != 0,
-                },
-            );
-        }
-        let entries: BTreeMap<ServiceKey, ServiceValue> =
-            services.iter().collect::<Result<_, _>>()?;
-        let mut frontends = BTreeMap::new();
-        for (key, head) in entries.iter().filter(|(k, _)| k.slot == 0) {
-            let fe = (Ipv4Addr::from(key.addr.octets()), key.port.get(), key.proto);
-            let mut slots = Vec::new();
-            for slot in 1..=head.count {
-                let id = entries
-                    .get(&ServiceKey { slot, ..*key })
-                    .with_context(|| format!("{fe:?} counts slot {slot}, which is missing"))?
-                    .backend_id;
-                let Some(b) = backends.get(&id) else {
-                    bail!("slot {slot} of {fe:?} names backend {id}, which is missing");
-                };
-                if b.proto != key.proto || b.draining {
-                    bail!("slot {slot} of {fe:?} names backend {id}, {b:?}");
-                }
-                slots.push(id);
-            }
-            let known = SERVICE_DRAINING | SERVICE_LOCAL_ONLY | SERVICE_AFFINITY;
-            if head.flags & !known != 0 {
-                bail!(
-                    "{fe:?} has flags {:#x}, which the model does not know",
-                    head.flags
-                );
-            }
-            frontends.insert(
-                fe,
-                Frontend {
-                    slots,
-                    draining: head.flags & SERVICE_DRAINING != 0,
-                    local_only: head.flags & SERVICE_LOCAL_ONLY != 0,
-                    affinity_secs: (head.flags & SERVICE_AFFINITY != 0)
-                        .then(|| head.affinity_timeout_secs()),
-                },
-            );
-        }
-        Ok(Self {
-            frontends,
-            backends,
-        })
+        let mut tables = Self::default();
+        let (services, backends) = (pin_dir.join(MAP_SERVICES), pin_dir.join(MAP_BACKENDS));
+        tables.backends = read_family::<Be32>(&services, &backends, &mut tables.frontends)?;
+        let (services, backends) = (pin_dir.join(MAP_SERVICES6), pin_dir.join(MAP_BACKENDS6));
+        tables.backends6 = read_family::<Be128>(&services, &backends, &mut tables.frontends)?;
+        Ok(tables)
     }
+
+    /// The backends of `like`'s family.
+    pub fn backends_of(&self, like: IpAddr) -> &BTreeMap<u32, BackendEntry> {
+        match like {
+            IpAddr::V4(_) => &self.backends,
+            IpAddr::V6(_) => &self.backends6,
+        }
+    }
+}
+
+/// One family's frontends (added to `frontends`) and backends, from the maps pinned at
+/// `services` and `backends`.
+fn read_family<A: Addr>(
+    services: &Path,
+    backends: &Path,
+    frontends: &mut BTreeMap<(IpAddr, u16, u8), Frontend>,
+) -> anyhow::Result<BTreeMap<u32, BackendEntry>> {
+    let services: BpfHashMap<_, ServiceKey<A>, ServiceValue> =
+        Map::HashMap(MapData::from_pin(services)?).try_into()?;
+    let backends_map: BpfHashMap<_, u32, Backend<A>> =
+        Map::HashMap(MapData::from_pin(backends)?).try_into()?;
+    let mut backends = BTreeMap::new();
+    for entry in backends_map.iter() {
+        let (id, b) = entry?;
+        backends.insert(
+            id,
+            BackendEntry {
+                addr: b.addr.ip(),
+                port: b.port.get(),
+                proto: b.proto,
+                draining: b.flags & BACKEND_DRAINING != 0,
+            },
+        );
+    }
+    let entries: BTreeMap<ServiceKey<A>, ServiceValue> =
+        services.iter().collect::<Result<_, _>>()?;
+    for (key, head) in entries.iter().filter(|(k, _)| k.slot == 0) {
+        let fe = (key.addr.ip(), key.port.get(), key.proto);
+        let mut slots = Vec::new();
+        for slot in 1..=head.count {
+            let id = entries
+                .get(&ServiceKey { slot, ..*key })
+                .with_context(|| format!("{fe:?} counts slot {slot}, which is missing"))?
+                .backend_id;
+            let Some(b) = backends.get(&id) else {
+                bail!("slot {slot} of {fe:?} names backend {id}, which is missing");
+            };
+            if b.proto != key.proto || b.draining {
+                bail!("slot {slot} of {fe:?} names backend {id}, {b:?}");
+            }
+            slots.push(id);
+        }
+        let known = SERVICE_DRAINING | SERVICE_LOCAL_ONLY | SERVICE_AFFINITY;
+        if head.flags & !known != 0 {
+            bail!(
+                "{fe:?} has flags {:#x}, which the model does not know",
+                head.flags
+            );
+        }
+        frontends.insert(
+            fe,
+            Frontend {
+                slots,
+                draining: head.flags & SERVICE_DRAINING != 0,
+                local_only: head.flags & SERVICE_LOCAL_ONLY != 0,
+                affinity_secs: (head.flags & SERVICE_AFFINITY != 0)
+                    .then(|| head.affinity_timeout_secs()),
+            },
+        );
+    }
+    Ok(backends)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
     /// Keyed client -> service address: the flow itself, naming its backend.
     Forward,
-    /// Keyed backend -> client (or -> [`HAIRPIN`]): what the replies must come from.
+    /// Keyed backend -> client (or -> the hairpin address): what the replies must come from.
     Reply,
 }
 
@@ -562,7 +810,7 @@ pub struct Entry {
     pub direction: Direction,
     pub backend_id: u32,
     /// The service address and port the client used.
-    pub vip: Ipv4Addr,
+    pub vip: IpAddr,
     pub vport: u16,
     /// This direction sent a FIN.
     pub fin: bool,
@@ -590,14 +838,14 @@ pub struct Entry {
     /// which checks that the kernel's entry was refreshed too, and no other.
     pub refreshed: bool,
     /// Where the flow was sent (not in the kernel's entry; for generating the backend's replies).
-    pub backend: (Ipv4Addr, u16),
+    pub backend: (IpAddr, u16),
 }
 
 /// A client of a service address with session affinity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Client {
-    pub client: Ipv4Addr,
-    pub vip: Ipv4Addr,
+    pub client: IpAddr,
+    pub vip: IpAddr,
     pub vport: u16,
     pub proto: u8,
 }
@@ -628,7 +876,7 @@ pub struct Affinity {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Candidate {
     pub id: u32,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
 }
 
@@ -640,11 +888,11 @@ pub enum Event {
     /// Passed unchanged: ingress, to no service address.
     NotService,
     /// Passed unchanged: to a removed service (draining) without a live flow, or to a service
-    /// without backends but with IP options (not refused).
+    /// without backends but with IP options or IPv6 extension headers (not refused).
     NoBackend,
     /// Dropped: to a service whose traffic stays on the node, with no endpoint here.
     NoLocalEndpoint,
-    /// Ingress: to a service without backends: answered with an ICMP port unreachable.
+    /// Ingress: to a service without backends: answered with an ICMP (ICMPv6) port unreachable.
     Rejected,
     /// Ingress: a new flow, sent to a backend.
     NewFlow,
@@ -654,7 +902,8 @@ pub enum Event {
     NoReply,
     /// Egress: a reply, from the service address again.
     ReverseNat,
-    /// Egress: an ICMP error about a live flow's packet, quoting it as sent to the service.
+    /// Egress: an ICMP (ICMPv6) error about a live flow's packet, quoting it as sent to the
+    /// service.
     IcmpTranslated,
     /// Egress: an ICMP error about no live flow, passed unchanged.
     IcmpUnrelated,
@@ -710,7 +959,8 @@ pub struct Outcome {
     pub verdict: u32,
     pub frame: Vec<u8>,
     pub event: Event,
-    /// The frame was translated for a pod reaching itself (source set to [`HAIRPIN`]).
+    /// The frame was translated for a pod reaching itself (source set to [`HAIRPIN`] or
+    /// [`HAIRPIN6`]).
     pub hairpin: bool,
     pub notes: Vec<Note>,
 }
@@ -744,10 +994,14 @@ fn lifetime_state(e: &Entry, proto: u8) -> u32 {
 
 /// Where the backend's replies to the flow `t` come from and go to: to the client, or, when
 /// the client is the backend itself, to the hairpin address its packets were given.
-fn reply_tuple(t: &Tuple, backend: (Ipv4Addr, u16)) -> Tuple {
+fn reply_tuple(t: &Tuple, backend: (IpAddr, u16)) -> Tuple {
     Tuple {
         src: backend.0,
-        dst: if backend.0 == t.src { HAIRPIN } else { t.src },
+        dst: if backend.0 == t.src {
+            hairpin_of(t.src)
+        } else {
+            t.src
+        },
         sport: backend.1,
         dport: t.sport,
         proto: t.proto,
@@ -767,7 +1021,7 @@ fn random_backend(
         .slots
         .iter()
         .map(|id| {
-            let b = tables.backends[id];
+            let b = tables.backends_of(h.tuple.dst)[id];
             Candidate {
                 id: *id,
                 addr: b.addr,
@@ -790,9 +1044,9 @@ pub struct Model {
     tables: Tables,
     conntrack: BTreeMap<Tuple, Entry>,
     affinity: BTreeMap<Client, Affinity>,
-    /// Datagrams sent in fragments (source, destination, protocol, identification): the ports
-    /// of their first fragment.
-    fragments: BTreeMap<(Ipv4Addr, Ipv4Addr, u8, u16), (u16, u16)>,
+    /// Datagrams sent in fragments (source, destination, protocol, identification), of either
+    /// family: the ports of their first fragment.
+    fragments: BTreeMap<(IpAddr, IpAddr, u8, u32), (u16, u16)>,
     /// What `CT_LIFETIMES` holds, by state (0: the default).
     lifetimes: [u64; CT_STATES as usize],
     now: u64,
@@ -811,9 +1065,10 @@ impl Model {
         self.lifetimes[state as usize] = ns;
     }
 
-    /// Datagrams whose first fragment's ports are remembered.
-    pub fn fragments_remembered(&self) -> usize {
-        self.fragments.len()
+    /// Datagrams whose first fragment's ports are remembered: IPv4's, IPv6's.
+    pub fn fragments_remembered(&self) -> [usize; 2] {
+        let v6 = self.fragments.keys().filter(|k| k.0.is_ipv6()).count();
+        [self.fragments.len() - v6, v6]
     }
 
     /// The maps changed (the agent synced).
@@ -931,7 +1186,7 @@ impl Model {
         if h.later {
             notes.push(Note::LaterFragment);
         }
-        if t.dst == HAIRPIN {
+        if t.dst == hairpin_of(t.src) {
             // The pod is both ends: its reply goes back to itself, from the service address.
             let pod = t.src;
             return Ok(match self.reply_of_live_flow(&h, pod, &mut notes) {
@@ -987,7 +1242,7 @@ impl Model {
         let hairpin = backend.0 == t.src;
         let src = if hairpin {
             // Its reply would otherwise never leave the pod: it must come to a foreign address.
-            (HAIRPIN, t.sport)
+            (hairpin_of(t.src), t.sport)
         } else {
             (t.src, t.sport)
         };
@@ -1018,7 +1273,7 @@ impl Model {
                 notes,
             };
         }
-        if fe.draining || h.l4 != ETH_HLEN + IP_MIN {
+        if fe.draining || !h.plain() {
             return Outcome::pass(frame, Event::NoBackend, notes);
         }
         Outcome {
@@ -1045,7 +1300,7 @@ impl Model {
         let client = Client::of(&t);
         if let Some(a) = self.affinity.get(&client)
             && self.now - a.last_used <= u64::from(timeout)
-            && let Some(b) = self.tables.backends.get(&a.backend_id)
+            && let Some(b) = self.tables.backends_of(t.dst).get(&a.backend_id)
             && !b.draining
             && b.proto == t.proto
         {
@@ -1080,8 +1335,8 @@ impl Model {
     pub fn egress(&mut self, frame: &[u8]) -> Outcome {
         let h = match self.read(frame) {
             Ok(h) => h,
-            Err(Skip::NotTcpUdp) if let Some((quoted, end)) = parse_icmp_error(frame) => {
-                return self.icmp_error(frame, quoted, end);
+            Err(_) if let Some(quote) = parse_icmp_error(frame) => {
+                return self.icmp_error(frame, quote);
             }
             Err(why) => return Outcome::pass(frame, Event::Skipped(why), vec![]),
         };
@@ -1102,9 +1357,9 @@ impl Model {
         }
     }
 
-    /// `tc_egress` on an ICMP error quoting `quoted` (a pod's packet as the node sent it on),
-    /// the message ending at `end`.
-    fn icmp_error(&self, frame: &[u8], quoted: Tuple, end: usize) -> Outcome {
+    /// `tc_egress` on an ICMP or ICMPv6 error quoting a pod's packet as the node sent it on.
+    fn icmp_error(&self, frame: &[u8], quote: Quote) -> Outcome {
+        let quoted = quote.tuple;
         let reply = quoted.reversed();
         let service = self.conntrack.get(&reply).and_then(|r| {
             let forward = Tuple {
@@ -1128,41 +1383,64 @@ impl Model {
         let put = |out: &mut Vec<u8>, at: usize, word: u16| {
             out[at..at + 2].copy_from_slice(&word.to_be_bytes());
         };
+        let v4 = vip.is_ipv4();
         let (old_addr, old_port) = (quoted.dst, quoted.dport);
-        // The ICMP checksum covers every quoted word changed, checksums included.
-        let mut removed = [words(old_addr).as_slice(), &[old_port]].concat();
-        let mut added = [words(vip).as_slice(), &[vport]].concat();
-        let ip_csum = QUOTED_IP + 10;
-        let old = be16(&out[ip_csum..]);
-        let new = adjust_checksum(old, &words(old_addr), &words(vip));
-        put(&mut out, ip_csum, new);
-        (removed, added) = ([removed, vec![old]].concat(), [added, vec![new]].concat());
+        // The ICMP checksum covers every quoted word changed, checksums included; the quoted
+        // L4 checksum covers the address (pseudo-header) and the port.
+        let mut removed = [words(old_addr), vec![old_port]].concat();
+        let mut added = [words(vip), vec![vport]].concat();
+        let covered_by_l4 = removed.len();
+        if v4 {
+            let ip_csum = QUOTED_IP + 10;
+            let old = be16(&out[ip_csum..]);
+            let new = adjust_checksum(old, &words(old_addr), &words(vip));
+            put(&mut out, ip_csum, new);
+            (removed, added) = ([removed, vec![old]].concat(), [added, vec![new]].concat());
+        }
         let l4_csum = match quoted.proto {
-            UDP => Some(QUOTED_L4 + 6),
-            _ if end >= QUOTED_L4 + 18 => Some(QUOTED_L4 + 16),
+            UDP => Some(quote.l4 + 6),
+            _ if quote.end >= quote.l4 + 18 => Some(quote.l4 + 16),
             _ => None,
         };
         let old = l4_csum.map(|at| be16(&out[at..]));
         if let (Some(at), Some(old)) = (l4_csum, old)
             && !(quoted.proto == UDP && old == 0)
         {
-            let mut new = adjust_checksum(old, &removed[..3], &added[..3]);
+            let n = covered_by_l4;
+            let mut new = adjust_checksum(old, &removed[..n], &added[..n]);
             if quoted.proto == UDP && new == 0 {
                 new = 0xffff;
             }
             put(&mut out, at, new);
             (removed, added) = ([removed, vec![old]].concat(), [added, vec![new]].concat());
         }
-        out[QUOTED_IP + 16..QUOTED_IP + 20].copy_from_slice(&vip.octets());
-        put(&mut out, QUOTED_L4 + 2, vport);
-        let icmp_csum = ETH_HLEN + IP_MIN + 2;
+        let quoted_dst = match vip {
+            IpAddr::V4(_) => QUOTED_IP + 16,
+            IpAddr::V6(_) => QUOTED_IPV6 + 24,
+        };
+        let o = octets(vip);
+        out[quoted_dst..quoted_dst + o.len()].copy_from_slice(&o);
+        put(&mut out, quote.l4 + 2, vport);
+        let (src_at, _) = addr_offsets(vip);
+        let from_endpoint = out[src_at..src_at + o.len()] == octets(old_addr);
+        if from_endpoint {
+            out[src_at..src_at + o.len()].copy_from_slice(&o);
+            if v4 {
+                let c = adjust_checksum(be16(&out[ETH_HLEN + 10..]), &words(old_addr), &words(vip));
+                put(&mut out, ETH_HLEN + 10, c);
+            } else {
+                // ICMPv6's checksum covers the error's own addresses (pseudo-header).
+                removed.extend(words(old_addr));
+                added.extend(words(vip));
+            }
+        }
+        let icmp_csum = if v4 {
+            ETH_HLEN + IP_MIN + 2
+        } else {
+            IPV6_END + 2
+        };
         let c = adjust_checksum(be16(&out[icmp_csum..]), &removed, &added);
         put(&mut out, icmp_csum, c);
-        if addr(&frame[ETH_HLEN + 12..]) == old_addr {
-            let c = adjust_checksum(be16(&out[ETH_HLEN + 10..]), &words(old_addr), &words(vip));
-            put(&mut out, ETH_HLEN + 10, c);
-            out[ETH_HLEN + 12..ETH_HLEN + 16].copy_from_slice(&vip.octets());
-        }
         Outcome {
             verdict: TC_ACT_UNSPEC,
             frame: out,
@@ -1174,7 +1452,7 @@ impl Model {
 
     /// The backend of the live flow `h` belongs to, if that backend may keep it; the flow's
     /// entries are refreshed (and its reply entry written again if it is not the flow's).
-    fn follow_flow(&mut self, h: &Headers, notes: &mut Vec<Note>) -> Option<(Ipv4Addr, u16)> {
+    fn follow_flow(&mut self, h: &Headers, notes: &mut Vec<Note>) -> Option<(IpAddr, u16)> {
         let t = h.tuple;
         let e = self.conntrack.get(&t)?;
         if e.direction != Direction::Forward {
@@ -1190,7 +1468,8 @@ impl Model {
             return None;
         }
         let id = e.backend_id;
-        let Some(b) = self.tables.backends.get(&id).filter(|b| b.proto == t.proto) else {
+        let backends = self.tables.backends_of(t.dst);
+        let Some(b) = backends.get(&id).filter(|b| b.proto == t.proto) else {
             notes.push(Note::BackendGone);
             return None;
         };
@@ -1280,9 +1559,9 @@ impl Model {
     fn reply_of_live_flow(
         &mut self,
         h: &Headers,
-        client: Ipv4Addr,
+        client: IpAddr,
         notes: &mut Vec<Note>,
-    ) -> Option<(Ipv4Addr, u16)> {
+    ) -> Option<(IpAddr, u16)> {
         let t = h.tuple;
         let r = self.conntrack.get(&t)?;
         if r.direction != Direction::Reply {
@@ -1377,22 +1656,50 @@ mod tests {
 
     #[test]
     fn adjusted_checksums_equal_recomputed_ones() {
-        let client = Ipv4Addr::new(10, 244, 1, 10);
-        let vip = Ipv4Addr::new(10, 96, 0, 10);
-        let backend = Ipv4Addr::new(10, 244, 2, 11);
-        for sport in [1, 40000, 65535] {
-            for spec in [
-                Spec::tcp(client, sport, vip, 80),
-                Spec::udp(client, sport, vip, 80),
-            ] {
-                let frame = spec.build();
-                let h = parse(&frame).unwrap();
-                let out = rewrite(&frame, &h, (client, sport), (backend, 8080));
-                packet::assert_checksums(&out, false);
-                let seen = packet::read(&out);
-                assert_eq!((seen.dst, seen.dport), (backend, 8080));
+        let v4 = [[10, 244, 1, 10], [10, 96, 0, 10], [10, 244, 2, 11]].map(Ipv4Addr::from);
+        let v6 = ["fd00:10:244:1::10", "fd00:10:96::10", "fd00:10:244:2::11"]
+            .map(|a| a.parse::<Ipv6Addr>().unwrap());
+        let families: [[IpAddr; 3]; 2] = [v4.map(IpAddr::from), v6.map(IpAddr::from)];
+        for [client, vip, backend] in families {
+            for sport in [1, 40000, 65535] {
+                for spec in [
+                    Spec::tcp(client, sport, vip, 80),
+                    Spec::udp(client, sport, vip, 80),
+                ] {
+                    let frame = spec.build();
+                    let h = parse(&frame).unwrap();
+                    let out = rewrite(&frame, &h, (client, sport), (backend, 8080));
+                    packet::assert_checksums(&out, false);
+                    let (_, _, dst, dport) = packet::tuple(&out);
+                    assert_eq!((dst, dport), (backend, 8080));
+                }
             }
         }
+    }
+
+    #[test]
+    fn ipv6_is_read_through_extension_headers() {
+        let client: Ipv6Addr = "fd00:10:244:1::10".parse().unwrap();
+        let vip: Ipv6Addr = "fd00:10:96::10".parse().unwrap();
+        let mut frame = Spec::udp(client, 40000, vip, 53).build();
+        // Hop-by-hop options (padding), then an atomic fragment: a datagram of its own.
+        let hop_by_hop = [FRAGMENT, 0, 1, 4, 0, 0, 0, 0];
+        let fragment = [UDP, 0, 0, 0, 0, 0, 0, 0];
+        frame.splice(IPV6_END..IPV6_END, hop_by_hop.into_iter().chain(fragment));
+        frame[ETH_HLEN + 6] = HOP_BY_HOP;
+        frame[ETH_HLEN + 5] += 16;
+        let h = parse(&frame).unwrap();
+        assert_eq!(
+            (h.l4, h.tuple.sport, h.tuple.dport),
+            (IPV6_END + 16, 40000, 53)
+        );
+        // More fragments: the first of a datagram.
+        frame[IPV6_END + 8 + 3] = 1;
+        let (_, piece) = parse_piece(&frame).unwrap();
+        assert_eq!(piece, Piece::First(0));
+        // A jumbogram is not followed.
+        frame[ETH_HLEN + 4..ETH_HLEN + 6].fill(0);
+        assert_eq!(parse_piece(&frame).unwrap_err(), Skip::BadLength);
     }
 
     #[test]

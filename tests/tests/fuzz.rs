@@ -1,10 +1,14 @@
 //! The tc programs fuzzed against the reference model (`proxy_tests::reference`): generated and
 //! mutated frames go through `tc_ingress` or `tc_egress` under BPF_PROG_TEST_RUN and through the
-//! model, and verdicts and bytes must be the same. At every step of time, and at least every
-//! quarter second, the whole conntrack and session affinity maps are compared with the model's,
-//! last uses included. Meanwhile the agent's map writer reprograms the services (endpoints
-//! added, removed, turned not ready or terminating; services deleted, renamed and re-added; full
-//! syncs, which end the drains), and the maps must hold what the desired state says.
+//! model, and verdicts and bytes must be the same. About half the frames are IPv6 (which the
+//! programs hand to `tc_ingress6` and `tc_egress6`): the services are dual-stack, each with an
+//! IPv6 twin of its address and of its endpoints (the sandbox's twins), and IPv6 frames come with
+//! extension headers where IPv4 ones come with options. At every step of time, and at least
+//! every quarter second, the whole conntrack and session affinity maps of both families are
+//! compared with the model's, last uses included. Meanwhile the agent's map writer reprograms
+//! the services (endpoints added, removed, turned not ready or terminating; services deleted,
+//! renamed and re-added; full syncs, which end the drains), and the maps must hold what the
+//! desired state says.
 //!
 //! The model cannot tell a random pick from a kept affinity that happens to be the same
 //! backend: that an affinity lapses is checked statistically (a lapsed client must not go back
@@ -27,7 +31,8 @@
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -36,18 +41,20 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Be16, Be32, CT_ANSWERED, CT_CLOSING, CT_FIN, CT_FORWARD,
-    CT_HALF_CLOSED, CT_OPENING, CT_REPLY, CT_STATE_TCP_ESTABLISHED, CT_TIME_WAIT, CtKey, CtValue,
-    MAP_AFFINITY,
+    Addr, AffinityKey, AffinityValue, Be16, Be32, Be128, CT_ANSWERED, CT_CLOSING, CT_FIN,
+    CT_FORWARD, CT_HALF_CLOSED, CT_OPENING, CT_REPLY, CT_STATE_TCP_ESTABLISHED, CT_TIME_WAIT,
+    CtKey, CtValue, MAP_AFFINITY, MAP_AFFINITY6, MAP_CONNTRACK, MAP_CONNTRACK6,
 };
 use proxy_tests::{
     packet::{self, ETH_HLEN, Spec},
     privileged,
     programs::{Programs, Svc, TC_ACT_SHOT, TC_ACT_UNSPEC, add_service, spn},
     reference::{
-        self, Client, Direction, Entry, Event, HAIRPIN, Model, Note, Outcome, TC_ACT_REDIRECT, TCP,
-        Tables, Tuple, UDP,
+        self, AUTH, Client, DEST_OPTIONS, Direction, Entry, Event, FRAGMENT, HOP_BY_HOP, Headers,
+        ICMPV6, IPV6_END, Model, Note, Outcome, ROUTING, TC_ACT_REDIRECT, TCP, Tables, Tuple, UDP,
+        hairpin_of,
     },
+    twin,
 };
 use proxy_userspace::{
     dataplane::Scope,
@@ -114,8 +121,18 @@ struct ServiceDef {
 }
 
 impl ServiceDef {
-    fn frontend(&self) -> (Ipv4Addr, u16, u8) {
-        (self.vip, self.port, self.protocol.number())
+    /// The frontend of its IPv4 address, or of the IPv6 twin.
+    fn frontend(&self, v6: bool) -> (IpAddr, u16, u8) {
+        (in_family(self.vip, v6), self.port, self.protocol.number())
+    }
+}
+
+/// `addr`, or its IPv6 twin (the sandbox's; 8.8.8.8's is Google's 2001:4860:4860::8888).
+fn in_family(addr: Ipv4Addr, v6: bool) -> IpAddr {
+    match (v6, addr.octets()) {
+        (false, _) => addr.into(),
+        (true, [8, 8, 8, 8]) => Ipv6Addr::new(0x2001, 0x4860, 0x4860, 0, 0, 0, 0, 0x8888).into(),
+        (true, _) => twin(addr).into(),
     }
 }
 
@@ -212,7 +229,8 @@ const SERVICES: [ServiceDef; 9] = [
     },
 ];
 
-/// Addresses the generator sends to besides the services': near misses and elsewhere.
+/// Addresses the generator sends to besides the services': near misses and elsewhere (or their
+/// IPv6 twins).
 const NOT_SERVICES: [(Ipv4Addr, u16, u8); 3] = [
     (VIP_A, 81, TCP),
     (VIP_C, 80, UDP),
@@ -292,7 +310,8 @@ impl World {
         self.name[i].map(|n| spn(SERVICES[i].names[n], SERVICES[i].protocol))
     }
 
-    /// Service `i` under its name `n`, with `endpoints` (sorted, unique, as the model keeps them).
+    /// Service `i` under its name `n`, with the IPv4 `endpoints` (sorted, unique, as the model
+    /// keeps them); dual-stack: its address's IPv6 twin too, with the endpoints' twins.
     fn put(&mut self, i: usize, n: usize, endpoints: Vec<Endpoint>) -> ServicePortName {
         let def = &SERVICES[i];
         let key = add_service(
@@ -306,9 +325,17 @@ impl World {
             },
         );
         let port = self.state.port_mut(&key).unwrap();
+        port.cluster_ips.push(in_family(def.vip, true));
         port.session_affinity_timeout = def.affinity;
         port.internal_traffic_local = def.local;
-        self.state.set_endpoints(key.clone(), endpoints);
+        let twins: Vec<Endpoint> = (endpoints.iter())
+            .map(|ep| Endpoint {
+                ip: twin(ep.ipv4().expect("IPv4 endpoints")).into(),
+                ..ep.clone()
+            })
+            .collect();
+        self.state
+            .set_endpoints(key.clone(), [endpoints, twins].concat());
         self.name[i] = Some(n);
         key
     }
@@ -335,7 +362,9 @@ impl World {
             }
             (4..=5, Some(n)) => {
                 let key = self.spn(i).unwrap();
-                let mut eps = self.state.endpoints_of(&key).to_vec();
+                let all = self.state.endpoints_of(&key);
+                let mut eps: Vec<Endpoint> =
+                    all.iter().filter(|ep| ep.ip.is_ipv4()).cloned().collect();
                 if eps.is_empty() {
                     eps = random_endpoints(rng, def);
                 } else {
@@ -437,44 +466,40 @@ fn show_endpoints(eps: &[Endpoint]) -> String {
 /// terminating ones); a deleted service's frontend is draining or gone.
 fn check_programmed(world: &World, tables: &Tables) -> Result<(), String> {
     for (i, def) in SERVICES.iter().enumerate() {
-        let fe = tables.frontends.get(&def.frontend());
-        match world.spn(i) {
-            Some(key) => {
-                let fe = fe.ok_or_else(|| format!("{key}: no frontend"))?;
-                let mut have: Vec<(Ipv4Addr, u16)> = fe
-                    .slots
-                    .iter()
-                    .map(|id| (tables.backends[id].addr, tables.backends[id].port))
-                    .collect();
-                have.sort();
-                let mut want: Vec<(Ipv4Addr, u16)> = world
-                    .state
-                    .cluster_endpoints(&key)
-                    .into_iter()
-                    .map(|ep| match ep.ip {
-                        IpAddr::V4(ip) => (ip, ep.port),
-                        IpAddr::V6(_) => unreachable!(),
-                    })
-                    .collect();
-                want.sort();
-                if fe.draining || have != want {
-                    return Err(format!(
-                        "{key}: frontend {fe:?}, backends {have:?}, wanted {want:?}"
-                    ));
+        for v6 in [false, true] {
+            let fe = tables.frontends.get(&def.frontend(v6));
+            match world.spn(i) {
+                Some(key) => {
+                    let fe = fe.ok_or_else(|| format!("{key}: no frontend (IPv6: {v6})"))?;
+                    let backends = tables.backends_of(in_family(def.vip, v6));
+                    let mut have: Vec<(IpAddr, u16)> = (fe.slots.iter())
+                        .map(|id| (backends[id].addr, backends[id].port))
+                        .collect();
+                    have.sort();
+                    let mut want: Vec<(IpAddr, u16)> = (world.state.cluster_endpoints(&key))
+                        .into_iter()
+                        .filter(|ep| ep.ip.is_ipv6() == v6)
+                        .map(|ep| (ep.ip, ep.port))
+                        .collect();
+                    want.sort();
+                    if fe.draining || have != want {
+                        return Err(format!(
+                            "{key}: frontend {fe:?}, backends {have:?}, wanted {want:?}"
+                        ));
+                    }
                 }
-            }
-            None => {
-                if fe.is_some_and(|fe| !fe.draining || !fe.slots.is_empty()) {
-                    return Err(format!("{}: deleted, yet {fe:?}", def.names[0]));
+                None => {
+                    if fe.is_some_and(|fe| !fe.draining || !fe.slots.is_empty()) {
+                        return Err(format!("{}: deleted, yet {fe:?}", def.names[0]));
+                    }
                 }
             }
         }
     }
-    match tables
-        .frontends
-        .keys()
-        .find(|k| !SERVICES.iter().any(|d| d.frontend() == **k))
-    {
+    let known = |k: &(IpAddr, u16, u8)| {
+        (SERVICES.iter()).any(|d| d.frontend(false) == *k || d.frontend(true) == *k)
+    };
+    match tables.frontends.keys().find(|k| !known(k)) {
         Some(k) => Err(format!("a frontend no service had: {k:?}")),
         None => Ok(()),
     }
@@ -517,7 +542,7 @@ enum Kind {
     /// soon after (now and then before the first, or never).
     Fragments,
     /// One of the above, mutated (truncated, bad lengths, IHL, version, fragments, protocol,
-    /// ethertype, checksums, flipped bytes, trailing bytes).
+    /// IPv6 extension headers, ethertype, checksums, flipped bytes, trailing bytes).
     Mutant,
     /// Random bytes.
     Random,
@@ -606,11 +631,12 @@ impl Generator {
             }
             680..740 => self.direct(model),
             740..760 => {
-                let pod = self.rng.pick(&CLIENTS);
+                let v6 = self.rng.chance(1, 2);
+                let pod = in_family(self.rng.pick(&CLIENTS), v6);
                 let any_port = self.rng.next() as u16;
                 let t = Tuple {
                     src: pod,
-                    dst: HAIRPIN,
+                    dst: hairpin_of(pod),
                     sport: self.rng.pick(&[8080, 53, any_port]),
                     dport: self.rng.pick(&CLIENT_PORTS),
                     proto: self.rng.pick(&[TCP, UDP]),
@@ -647,12 +673,21 @@ impl Generator {
                 f
             }
             _ => {
-                let len = self.rng.below(101);
+                // IPv6's fixed header alone is 40 bytes.
+                let v6 = self.rng.chance(1, 2);
+                let len = self.rng.below(if v6 { 141 } else { 101 });
                 let mut bytes = self.rng.bytes(len);
                 if len >= 15 && self.rng.chance(1, 2) {
-                    bytes[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+                    let ethertype: u16 = if v6 { 0x86dd } else { 0x0800 };
+                    bytes[12..14].copy_from_slice(&ethertype.to_be_bytes());
                     if self.rng.chance(1, 2) {
-                        bytes[14] = 0x45;
+                        bytes[14] = if v6 { 0x60 } else { 0x45 };
+                    }
+                    // Now and then a payload length that fits, and TCP or UDP next.
+                    if v6 && len >= IPV6_END && self.rng.chance(1, 2) {
+                        let payload = (len - IPV6_END) as u16;
+                        bytes[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&payload.to_be_bytes());
+                        bytes[ETH_HLEN + 6] = self.rng.pick(&[TCP, UDP, FRAGMENT, ICMPV6]);
                     }
                 }
                 let prog = if self.rng.chance(1, 2) {
@@ -670,16 +705,18 @@ impl Generator {
     }
 
     fn new_client_tuple(&mut self) -> Tuple {
-        let src = self.rng.pick(&CLIENTS);
+        let v6 = self.rng.chance(1, 2);
+        let src = in_family(self.rng.pick(&CLIENTS), v6);
         let sport = if self.rng.chance(1, 10) {
             MORE_CLIENT_PORTS.start + self.rng.below(MORE_CLIENT_PORTS.len()) as u16
         } else {
             self.rng.pick(&CLIENT_PORTS)
         };
         let (dst, dport, proto) = if self.rng.chance(1, 10) {
-            self.rng.pick(&NOT_SERVICES)
+            let (addr, port, proto) = self.rng.pick(&NOT_SERVICES);
+            (in_family(addr, v6), port, proto)
         } else {
-            SERVICES[self.rng.below(SERVICES.len())].frontend()
+            SERVICES[self.rng.below(SERVICES.len())].frontend(v6)
         };
         let t = Tuple {
             src,
@@ -724,12 +761,13 @@ impl Generator {
     /// Where the backend of the client flow `t` is: the one the model knows the flow went to,
     /// or else one it might have gone to. (Randomness is drawn either way, so that the frames
     /// that follow do not depend on the programs' random picks.)
-    fn backend_of(&mut self, model: &Model, t: &Tuple) -> (Ipv4Addr, u16) {
+    fn backend_of(&mut self, model: &Model, t: &Tuple) -> (IpAddr, u16) {
+        let v6 = t.src.is_ipv6();
         let port = SERVICES
             .iter()
-            .find(|d| d.frontend() == (t.dst, t.dport, t.proto))
+            .find(|d| d.frontend(v6) == (t.dst, t.dport, t.proto))
             .map_or(8080, |d| d.target_port);
-        let guess = (self.rng.pick(&PODS), port);
+        let guess = (in_family(self.rng.pick(&PODS), v6), port);
         match model.conntrack().get(t) {
             Some(e) if e.direction == Direction::Forward => e.backend,
             _ => guess,
@@ -743,7 +781,7 @@ impl Generator {
                 let (addr, port) = self.backend_of(model, &t);
                 // A pod's reply to itself goes to the hairpin address, and leaves it on ingress.
                 let (dst, prog) = if addr == t.src {
-                    (HAIRPIN, Prog::Ingress)
+                    (hairpin_of(addr), Prog::Ingress)
                 } else {
                     (t.src, Prog::Egress)
                 };
@@ -761,8 +799,8 @@ impl Generator {
 
     /// An ICMP message to a pod about a recent flow's packet as the node sent it on (to the
     /// backend it went to, or might have): an error from that backend or from a router, or
-    /// now and then a message that is no error; quoting the least a router sends or more. Now
-    /// and then to the other program.
+    /// now and then a message that is no error; quoting the least a router sends or more (an
+    /// IPv6 packet now and then as its first fragment). Now and then to the other program.
     fn icmp_error(&mut self, model: &Model) -> Frame {
         let t = self.recent_tuple();
         let flags = self.tcp_flags();
@@ -772,14 +810,37 @@ impl Generator {
             dport: port,
             ..t
         };
-        let quoted = self.frame(Prog::Egress, sent, flags, Kind::IcmpError).bytes;
-        let from = self.rng.pick(&[addr, Ipv4Addr::new(10, 244, 9, 1)]);
-        // Port unreachable, fragmentation needed, time exceeded, parameter problem; echo
-        // reply and redirect are no errors.
-        let (kind, code) = self
+        let mut quoted = self.frame(Prog::Egress, sent, flags, Kind::IcmpError).bytes;
+        let v6 = addr.is_ipv6();
+        let from = self
             .rng
-            .pick(&[(3, 3), (3, 4), (11, 0), (12, 0), (0, 0), (5, 1)]);
+            .pick(&[addr, in_family(Ipv4Addr::new(10, 244, 9, 1), v6)]);
+        let (kind, code) = if v6 {
+            // Port unreachable, no route, packet too big, time exceeded, parameter problem;
+            // echo request and reply, neighbour solicitation are no errors.
+            self.rng.pick(&[
+                (1, 4),
+                (1, 0),
+                (2, 0),
+                (3, 0),
+                (4, 0),
+                (128, 0),
+                (129, 0),
+                (135, 0),
+            ])
+        } else {
+            // Port unreachable, fragmentation needed, time exceeded, parameter problem; echo
+            // reply and redirect are no errors.
+            self.rng
+                .pick(&[(3, 3), (3, 4), (11, 0), (12, 0), (0, 0), (5, 1)])
+        };
         let quote = self.rng.pick(&[8, 12, 20, 28, 100]);
+        if v6 && self.rng.chance(1, 4) {
+            let cut = 8 * (1 + self.rng.below(3));
+            if cut < payload_len6(&quoted) {
+                quoted = packet::fragments(&quoted, cut).0;
+            }
+        }
         let prog = if self.rng.chance(1, 10) {
             Prog::Ingress
         } else {
@@ -793,9 +854,9 @@ impl Generator {
     }
 
     /// A packet of a recent flow, from its client or its backend, cut in two fragments at a
-    /// multiple of 8 bytes past the whole L4 header (the first also lacks don't-fragment). The
-    /// first is returned, the later one kept for soon; now and then the other way round, or
-    /// the later one lost.
+    /// multiple of 8 bytes past the whole L4 header (IPv4: the first also lacks don't-fragment;
+    /// IPv6: a fragment header after the fixed one). The first is returned, the later one kept
+    /// for soon; now and then the other way round, or the later one lost.
     fn fragments(&mut self, model: &Model) -> Frame {
         let t = self.recent_tuple();
         let flags = self.tcp_flags();
@@ -805,17 +866,32 @@ impl Generator {
         };
         let whole = self.step(model, step, Kind::Fragments);
         let bytes = &whole.bytes;
-        let header_len = usize::from(bytes[ETH_HLEN] & 0x0f) * 4;
-        let total = usize::from(u16::from_be_bytes([
-            bytes[ETH_HLEN + 2],
-            bytes[ETH_HLEN + 3],
-        ]));
-        let l4_len: usize = if bytes[ETH_HLEN + 9] == TCP { 20 } else { 8 };
-        let cut = l4_len.next_multiple_of(8) + 8 * self.rng.below(2);
-        if header_len + cut >= total {
+        let Ok(h) = reference::parse(bytes) else {
+            return whole;
+        };
+        // Where the fragmentable part starts, and where the datagram ends.
+        let (header_end, end) = if t.src.is_ipv6() {
+            (IPV6_END, IPV6_END + payload_len6(bytes))
+        } else {
+            let header_len = usize::from(bytes[ETH_HLEN] & 0x0f) * 4;
+            let total = usize::from(u16::from_be_bytes([
+                bytes[ETH_HLEN + 2],
+                bytes[ETH_HLEN + 3],
+            ]));
+            (ETH_HLEN + header_len, ETH_HLEN + total)
+        };
+        let l4_len: usize = if t.proto == TCP { 20 } else { 8 };
+        let cut = (h.l4 + l4_len - header_end).next_multiple_of(8) + 8 * self.rng.below(2);
+        if header_end + cut >= end {
             return whole; // too short to cut: sent whole
         }
-        let (first, later) = packet::fragments(bytes, cut);
+        let (mut first, mut later) = packet::fragments(bytes, cut);
+        if t.src.is_ipv6() {
+            let id = self.fragment_id();
+            for piece in [&mut first, &mut later] {
+                piece[IPV6_END + 4..IPV6_END + 8].copy_from_slice(&id.to_be_bytes());
+            }
+        }
         let piece = |bytes| Frame {
             prog: whole.prog,
             bytes,
@@ -832,6 +908,15 @@ impl Generator {
                 self.fragments.push(later);
                 first
             }
+        }
+    }
+
+    /// An IPv6 datagram's identification: few of them (as IPv4's, mostly one: see
+    /// [`Self::frame`]), so that datagrams meet and the fragments map stays small.
+    fn fragment_id(&mut self) -> u32 {
+        match self.rng.chance(1, 4) {
+            true => 0x1234 | u32::from(self.rng.byte()) << 24,
+            false => 0x1234,
         }
     }
 
@@ -894,9 +979,10 @@ impl Generator {
                 self.frame(Prog::Ingress, direct, flags, Kind::Direct)
             }
             n => {
+                let v6 = self.rng.chance(1, 2);
                 let t = Tuple {
-                    src: self.rng.pick(&CLIENTS),
-                    dst: self.rng.pick(&PODS),
+                    src: in_family(self.rng.pick(&CLIENTS), v6),
+                    dst: in_family(self.rng.pick(&PODS), v6),
                     sport: self.rng.pick(&CLIENT_PORTS),
                     dport: self.rng.pick(&[8080, 53]),
                     proto: self.rng.pick(&[TCP, UDP]),
@@ -907,34 +993,20 @@ impl Generator {
         }
     }
 
-    /// A well-formed frame for `t` (IP options, payload, MACs, TTL and id vary; now and then a
-    /// UDP zero checksum, or Ethernet padding after the IP packet).
+    /// A well-formed frame for `t` (IPv4 options or IPv6 extension headers, payload, MACs, TTL
+    /// and id or hop limit and flow label vary; now and then a UDP zero checksum, or Ethernet
+    /// padding after the IP packet).
     fn frame(&mut self, prog: Prog, t: Tuple, tcp_flags: u8, kind: Kind) -> Frame {
-        let ip_options = if self.rng.chance(1, 6) {
-            let words = 1 + self.rng.below(10);
-            match self.rng.below(3) {
-                0 => {
-                    let mut o = vec![1u8; words * 4]; // NOPs, then end of options
-                    *o.last_mut().unwrap() = 0;
-                    o
-                }
-                1 => {
-                    // Record route, with its pointer at the first free slot.
-                    let mut o = vec![0u8; words * 4];
-                    o[0] = 7;
-                    o[1] = (words * 4 - 1).min(39) as u8;
-                    o[2] = 4;
-                    o
-                }
-                _ => self.rng.bytes(words * 4),
-            }
-        } else {
-            Vec::new()
+        let v6 = t.src.is_ipv6();
+        let (ip_options, ext_headers) = match (self.rng.chance(1, 6), v6) {
+            (true, false) => (self.ip_options(), vec![]),
+            (true, true) => (vec![], self.ext_headers()),
+            (false, _) => (vec![], vec![]),
         };
         let payload_len = self.rng.below(25);
         let spec = Spec {
-            src: t.src.into(),
-            dst: t.dst.into(),
+            src: t.src,
+            dst: t.dst,
             sport: t.sport,
             dport: t.dport,
             proto: t.proto,
@@ -946,20 +1018,91 @@ impl Generator {
             ack: self.seq_number(),
         };
         let mut bytes = spec.build();
+        insert_ext_headers(&mut bytes, &ext_headers);
         if self.rng.chance(1, 2) {
             let macs = self.rng.bytes(12);
             bytes[..12].copy_from_slice(&macs);
         }
         if self.rng.chance(1, 4) {
-            bytes[ETH_HLEN + 4] = self.rng.byte(); // id
-            bytes[ETH_HLEN + 8] = self.rng.byte(); // TTL
-            packet::set_ip_checksum(&mut bytes);
+            if v6 {
+                bytes[ETH_HLEN + 3] = self.rng.byte(); // flow label
+                bytes[ETH_HLEN + 7] = self.rng.byte(); // hop limit
+            } else {
+                bytes[ETH_HLEN + 4] = self.rng.byte(); // id
+                bytes[ETH_HLEN + 8] = self.rng.byte(); // TTL
+                packet::set_ip_checksum(&mut bytes);
+            }
         }
         if self.rng.chance(1, 10) {
             let n = 1 + self.rng.below(20);
             bytes.extend(self.rng.bytes(n));
         }
         Frame { prog, bytes, kind }
+    }
+
+    /// IPv4 options: NOPs, a record route, or anything.
+    fn ip_options(&mut self) -> Vec<u8> {
+        let words = 1 + self.rng.below(10);
+        match self.rng.below(3) {
+            0 => {
+                let mut o = vec![1u8; words * 4]; // NOPs, then end of options
+                *o.last_mut().unwrap() = 0;
+                o
+            }
+            1 => {
+                // Record route, with its pointer at the first free slot.
+                let mut o = vec![0u8; words * 4];
+                o[0] = 7;
+                o[1] = (words * 4 - 1).min(39) as u8;
+                o[2] = 4;
+                o
+            }
+            _ => self.rng.bytes(words * 4),
+        }
+    }
+
+    /// IPv6 extension headers (see [`insert_ext_headers`]): mostly one to three of hop-by-hop
+    /// and destination options, a routing header, AH, an atomic fragment; now and then more
+    /// than the programs walk.
+    fn ext_headers(&mut self) -> Vec<(u8, Vec<u8>)> {
+        let n = if self.rng.chance(1, 10) {
+            6 + self.rng.below(2)
+        } else {
+            1 + self.rng.below(3)
+        };
+        (0..n).map(|_| self.ext_header()).collect()
+    }
+
+    /// One IPv6 extension header: its number, and its bytes (the first, the next header, is
+    /// filled in when it is inserted).
+    fn ext_header(&mut self) -> (u8, Vec<u8>) {
+        match self.rng.below(5) {
+            0 | 1 => {
+                // Hop-by-hop or destination options: PadN to a length of 8 or 16 bytes.
+                let units = self.rng.below(2);
+                let mut h = vec![0, units as u8, 1, (6 + 8 * units - 2) as u8];
+                h.resize(8 + 8 * units, 0);
+                (self.rng.pick(&[HOP_BY_HOP, DEST_OPTIONS]), h)
+            }
+            2 => {
+                // A routing header of type 4 (segment routing) with no segments left.
+                let mut h = vec![0, 0, 4, 0];
+                h.resize(8, 0);
+                (ROUTING, h)
+            }
+            3 => {
+                // AH: its length in 4-byte units, minus 2; SPI, sequence number, a 12-byte ICV.
+                let mut h = vec![0, 4, 0, 0];
+                h.extend(self.rng.bytes(20));
+                (AUTH, h)
+            }
+            _ => {
+                // An atomic fragment: offset 0, no more fragments.
+                let mut h = vec![0, 0, 0, 0];
+                h.extend(self.fragment_id().to_be_bytes());
+                (FRAGMENT, h)
+            }
+        }
     }
 
     /// A TCP sequence or acknowledgment number: mostly near one place (in window, moving it on
@@ -980,6 +1123,9 @@ impl Generator {
     }
 
     fn mutate(&mut self, f: &mut Vec<u8>) {
+        if is_ipv6(f) {
+            return self.mutate6(f);
+        }
         if f.len() < ETH_HLEN + 20 {
             if !f.is_empty() {
                 let i = self.rng.below(f.len());
@@ -1061,6 +1207,139 @@ impl Generator {
             }
         }
     }
+
+    /// [`Self::mutate`] of an IPv6 frame: truncated, bad payload lengths (a jumbogram's 0),
+    /// version, next header, fragment and other extension headers (too many, cut short, odd
+    /// lengths), ethertype, checksum, flipped bytes, TCP flags, trailing bytes.
+    fn mutate6(&mut self, f: &mut Vec<u8>) {
+        if f.len() < IPV6_END {
+            if !f.is_empty() {
+                let i = self.rng.below(f.len());
+                f[i] ^= 1 + self.rng.below(255) as u8;
+            }
+            return;
+        }
+        let ip = ETH_HLEN;
+        let l4 = reference::parse(f).ok().map(|h| h.l4_checksum_at());
+        match self.rng.below(12) {
+            0 => f.truncate(self.rng.below(f.len())),
+            1 => f[ip] = ((self.rng.below(16) as u8) << 4) | (f[ip] & 0x0f),
+            2 => {
+                let payload = payload_len6(f) as u16;
+                let len = (f.len() - IPV6_END) as u16;
+                let new = match self.rng.below(6) {
+                    0 => self.rng.next() as u16,
+                    1 => payload.saturating_sub(1 + self.rng.below(8) as u16),
+                    2 => payload + 1 + self.rng.below(8) as u16,
+                    3 => len,
+                    4 => 0,
+                    _ => self.rng.pick(&[7, 8, 19, 20, 27, 28]),
+                };
+                f[ip + 4..ip + 6].copy_from_slice(&new.to_be_bytes());
+            }
+            3 => {
+                f[ip + 6] = match f[ip + 6] {
+                    TCP if self.rng.chance(1, 3) => UDP,
+                    UDP if self.rng.chance(1, 3) => TCP,
+                    _ => self.rng.pick(&[
+                        HOP_BY_HOP,
+                        ROUTING,
+                        FRAGMENT,
+                        AUTH,
+                        DEST_OPTIONS,
+                        ICMPV6,
+                        59, // no next header
+                        1,
+                        255,
+                    ]),
+                }
+            }
+            4 => {
+                // A fragment header: a first, a later, or an atomic one.
+                let field: u16 = match self.rng.below(5) {
+                    0 => 1,
+                    1 => (1 + self.rng.below(0x1fff) as u16) << 3,
+                    2 => ((1 + self.rng.below(0x1fff) as u16) << 3) | 1,
+                    3 => 0,
+                    _ => 6, // the reserved bits: atomic still
+                };
+                let mut h = vec![0, 0];
+                h.extend(field.to_be_bytes());
+                h.extend(self.fragment_id().to_be_bytes());
+                insert_ext_headers(f, &[(FRAGMENT, h)]);
+            }
+            5 => {
+                let ethertype: u16 = self.rng.pick(&[0x0800, 0x0806, 0x8100, 0x88cc, 0x86dc]);
+                f[12..14].copy_from_slice(&ethertype.to_be_bytes());
+            }
+            6 => {
+                let headers = self.ext_headers();
+                insert_ext_headers(f, &headers);
+            }
+            7 => {
+                let at = l4.unwrap_or(ip + 2);
+                let any = self.rng.next() as u16;
+                let c = self.rng.pick(&[0, 0xffff, any]);
+                f[at..at + 2].copy_from_slice(&c.to_be_bytes());
+            }
+            8 => {
+                for _ in 0..1 + self.rng.below(4) {
+                    let i = self.rng.below(f.len());
+                    f[i] ^= 1 + self.rng.below(255) as u8;
+                }
+            }
+            9 => match reference::parse(f) {
+                // The TCP data offset and flags, anything.
+                Ok(h) if h.tuple.proto == TCP => {
+                    f[h.l4 + 12] = self.rng.byte();
+                    f[h.l4 + 13] = self.rng.byte();
+                }
+                _ => f[ip + 1] = self.rng.byte(), // traffic class
+            },
+            10 if f.len() > IPV6_END + 1 => {
+                // The first extension header's length (or whatever is there), anything.
+                f[IPV6_END + 1] = self.rng.byte();
+            }
+            _ => {
+                let n = 1 + self.rng.below(40);
+                f.extend(self.rng.bytes(n));
+            }
+        }
+    }
+}
+
+/// Puts IPv6 extension `headers` (number, bytes) in front of what follows the fixed header of
+/// the frame `f`, chained in order before the header that was there, with the payload length
+/// grown to match.
+fn insert_ext_headers(f: &mut Vec<u8>, headers: &[(u8, Vec<u8>)]) {
+    let Some((first, _)) = headers.first() else {
+        return;
+    };
+    let mut next = f[ETH_HLEN + 6];
+    let mut bytes = Vec::new();
+    for (kind, h) in headers.iter().rev() {
+        let mut h = h.clone();
+        h[0] = next;
+        next = *kind;
+        bytes.splice(0..0, h);
+    }
+    f[ETH_HLEN + 6] = *first;
+    let payload = u16::from_be_bytes([f[ETH_HLEN + 4], f[ETH_HLEN + 5]]);
+    let grown = payload.wrapping_add(bytes.len() as u16);
+    f[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&grown.to_be_bytes());
+    f.splice(IPV6_END..IPV6_END, bytes);
+}
+
+fn is_ipv6(frame: &[u8]) -> bool {
+    frame.get(12..14) == Some(&[0x86, 0xdd])
+}
+
+/// The payload length an IPv6 frame's header gives.
+fn payload_len6(frame: &[u8]) -> usize {
+    usize::from(u16::from_be_bytes([
+        frame[ETH_HLEN + 4],
+        frame[ETH_HLEN + 5],
+    ]))
 }
 
 fn other(prog: Prog) -> Prog {
@@ -1098,10 +1377,15 @@ fn refused(frame: &[u8]) -> bool {
     frame.len() < ETH_HLEN + needs
 }
 
-fn ct_key(t: &Tuple) -> CtKey {
+/// The address `a` is, as family `A` (the caller knows it is of that family).
+fn family_addr<A: Addr>(a: IpAddr) -> A {
+    A::from_ip(a).expect("an address of the map's family")
+}
+
+fn ct_key<A: Addr>(t: &Tuple) -> CtKey<A> {
     CtKey {
-        saddr: Be32::from_octets(t.src.octets()),
-        daddr: Be32::from_octets(t.dst.octets()),
+        saddr: family_addr(t.src),
+        daddr: family_addr(t.dst),
         sport: Be16::new(t.sport),
         dport: Be16::new(t.dport),
         proto: t.proto,
@@ -1109,10 +1393,10 @@ fn ct_key(t: &Tuple) -> CtKey {
     }
 }
 
-fn tuple(k: &CtKey) -> Tuple {
+fn tuple<A: Addr>(k: &CtKey<A>) -> Tuple {
     Tuple {
-        src: Ipv4Addr::from(k.saddr.octets()),
-        dst: Ipv4Addr::from(k.daddr.octets()),
+        src: k.saddr.ip(),
+        dst: k.daddr.ip(),
         sport: k.sport.get(),
         dport: k.dport.get(),
         proto: k.proto,
@@ -1121,13 +1405,13 @@ fn tuple(k: &CtKey) -> Tuple {
 
 /// The fields of an entry that behaviour depends on: direction, backend id, service address and
 /// port, flags, sequence hint. (Not the packet counter: a statistic.)
-type Fields = (u8, u32, Ipv4Addr, u16, u8, u16);
+type Fields = (u8, u32, IpAddr, u16, u8, u16);
 
-fn kernel_fields(v: &CtValue) -> Fields {
+fn kernel_fields<A: Addr>(v: &CtValue<A>) -> Fields {
     (
         v.direction,
         v.backend_id,
-        Ipv4Addr::from(v.vip.octets()),
+        v.vip.ip(),
         v.vport.get(),
         v.flags,
         v.seq_hint,
@@ -1147,6 +1431,13 @@ fn model_fields(e: &Entry) -> Fields {
         | flag(e.answered, CT_ANSWERED)
         | flag(e.half_closed, CT_HALF_CLOSED);
     (direction, e.backend_id, e.vip, e.vport, flags, e.seq_hint)
+}
+
+/// A family's conntrack entries as compared: the fields behaviour depends on, and the last use.
+fn compared<A: Addr>(
+    entries: &BTreeMap<Tuple, CtValue<A>>,
+) -> impl Iterator<Item = (Tuple, (Fields, u64))> + '_ {
+    (entries.iter()).map(|(t, v)| (*t, (kernel_fields(v), v.last_seen_ns)))
 }
 
 /// Keeps the kernel's conntrack times in step with the model's, and compares the two maps.
@@ -1176,10 +1467,10 @@ impl Clock {
         }
     }
 
-    /// Compares the kernel's conntrack and affinity maps with the model's: the same entries
-    /// with the same fields, refreshed since the last check exactly when the model's were; then
-    /// lets `advance` seconds pass in the model and writes every entry's last use to match.
-    /// Returns the number of conntrack entries.
+    /// Compares the kernel's conntrack and affinity maps (both families') with the model's: the
+    /// same entries with the same fields, refreshed since the last check exactly when the
+    /// model's were; then lets `advance` seconds pass in the model and writes every entry's last
+    /// use to match. Returns the number of conntrack entries.
     fn check(
         &mut self,
         maps: &mut KernelMaps,
@@ -1187,37 +1478,25 @@ impl Clock {
         advance: u64,
     ) -> Result<usize, Vec<(Option<Tuple>, String)>> {
         let t0 = monotonic_ns();
-        let conntrack: BTreeMap<Tuple, CtValue> = maps
-            .conntrack
-            .iter()
-            .map(|e| e.map(|(k, v)| (tuple(&k), v)))
-            .collect::<Result<_, _>>()
-            .expect("reading conntrack");
-        let affinity: BTreeMap<Client, AffinityValue> = maps
-            .affinity
-            .iter()
-            .map(|e| e.map(|(k, v)| (client(&k), v)))
-            .collect::<Result<_, _>>()
-            .expect("reading the affinity map");
+        let (v4, v6) = (maps.v4.read(), maps.v6.read());
+        let conntrack: BTreeMap<Tuple, (Fields, u64)> =
+            compared(&v4.0).chain(compared(&v6.0)).collect();
+        let affinity: BTreeMap<Client, AffinityValue> =
+            v4.1.iter().chain(&v6.1).map(|(c, v)| (*c, *v)).collect();
         let mut problems = Vec::new();
-        for (t, v) in &conntrack {
+        for (t, &(fields, last_seen_ns)) in &conntrack {
             let Some(m) = model.conntrack().get(t) else {
-                problems.push((
-                    Some(*t),
-                    format!("only in the kernel: {:?}", kernel_fields(v)),
-                ));
+                problems.push((Some(*t), format!("only in the kernel: {fields:?}")));
                 continue;
             };
-            if kernel_fields(v) != model_fields(m) {
+            if fields != model_fields(m) {
                 let what = format!(
-                    "kernel {:?}, model {:?} (direction, backend, service, flags)",
-                    kernel_fields(v),
+                    "kernel {fields:?}, model {:?} (direction, backend, service, flags)",
                     model_fields(m)
                 );
                 problems.push((Some(*t), what));
             }
-            if let Some(what) = self.last_use_problem(m.refreshed, m.last_seen, v.last_seen_ns, t0)
-            {
+            if let Some(what) = self.last_use_problem(m.refreshed, m.last_seen, last_seen_ns, t0) {
                 problems.push((Some(*t), what));
             }
         }
@@ -1267,24 +1546,8 @@ impl Clock {
         // written here (see the module documentation).
         let base = t0 + NS / 2;
         let written = |last: u64| base - (model.now() - last) * NS;
-        for (t, m) in model.conntrack() {
-            let v = CtValue {
-                last_seen_ns: written(m.last_seen),
-                ..conntrack[t]
-            };
-            maps.conntrack
-                .insert(ct_key(t), v, 0)
-                .expect("writing conntrack");
-        }
-        for (c, m) in model.affinity() {
-            let v = AffinityValue {
-                last_used_ns: written(m.last_used),
-                ..affinity[c]
-            };
-            maps.affinity
-                .insert(affinity_key(c), v, 0)
-                .expect("writing the affinity map");
-        }
+        maps.v4.write(model, &v4, written);
+        maps.v6.write(model, &v6, written);
         *self = Self {
             base,
             since: t0,
@@ -1318,23 +1581,89 @@ impl Clock {
 
 /// The maps the model's state is compared with.
 struct KernelMaps {
-    conntrack: BpfHashMap<MapData, CtKey, CtValue>,
-    affinity: BpfHashMap<MapData, AffinityKey, AffinityValue>,
+    v4: FamilyMaps<Be32>,
+    v6: FamilyMaps<Be128>,
 }
 
-fn client(k: &AffinityKey) -> Client {
+impl KernelMaps {
+    fn open(pin_dir: &Path) -> Self {
+        Self {
+            v4: FamilyMaps::open(pin_dir, MAP_CONNTRACK, MAP_AFFINITY),
+            v6: FamilyMaps::open(pin_dir, MAP_CONNTRACK6, MAP_AFFINITY6),
+        }
+    }
+}
+
+/// One family's conntrack and session affinity maps.
+struct FamilyMaps<A: Addr> {
+    conntrack: BpfHashMap<MapData, CtKey<A>, CtValue<A>>,
+    affinity: BpfHashMap<MapData, AffinityKey<A>, AffinityValue>,
+}
+
+impl<A: Addr> FamilyMaps<A> {
+    fn open(pin_dir: &Path, conntrack: &str, affinity: &str) -> Self {
+        let map = |name: &str| {
+            let data = MapData::from_pin(pin_dir.join(name))
+                .unwrap_or_else(|e| panic!("the pin of {name}: {e}"));
+            Map::LruHashMap(data)
+        };
+        Self {
+            conntrack: map(conntrack).try_into().expect("a conntrack map"),
+            affinity: map(affinity).try_into().expect("an affinity map"),
+        }
+    }
+
+    fn read(&self) -> (BTreeMap<Tuple, CtValue<A>>, BTreeMap<Client, AffinityValue>) {
+        let conntrack = (self.conntrack.iter())
+            .map(|e| e.map(|(k, v)| (tuple(&k), v)))
+            .collect::<Result<_, _>>()
+            .expect("reading conntrack");
+        let affinity = (self.affinity.iter())
+            .map(|e| e.map(|(k, v)| (client(&k), v)))
+            .collect::<Result<_, _>>()
+            .expect("reading the affinity map");
+        (conntrack, affinity)
+    }
+
+    /// Writes the last uses of the model's entries of this family as `written` gives them, the
+    /// rest of each entry as the kernel's (`conntrack`, `affinity`) holds it.
+    fn write(
+        &mut self,
+        model: &Model,
+        (conntrack, affinity): &(BTreeMap<Tuple, CtValue<A>>, BTreeMap<Client, AffinityValue>),
+        written: impl Fn(u64) -> u64,
+    ) {
+        let ours = |a: IpAddr| A::from_ip(a).is_some();
+        for (t, m) in model.conntrack().iter().filter(|(t, _)| ours(t.src)) {
+            let v = CtValue {
+                last_seen_ns: written(m.last_seen),
+                ..conntrack[t]
+            };
+            (self.conntrack.insert(ct_key::<A>(t), v, 0)).expect("writing conntrack");
+        }
+        for (c, m) in model.affinity().iter().filter(|(c, _)| ours(c.client)) {
+            let v = AffinityValue {
+                last_used_ns: written(m.last_used),
+                ..affinity[c]
+            };
+            (self.affinity.insert(affinity_key::<A>(c), v, 0)).expect("writing the affinity map");
+        }
+    }
+}
+
+fn client<A: Addr>(k: &AffinityKey<A>) -> Client {
     Client {
-        client: Ipv4Addr::from(k.client.octets()),
-        vip: Ipv4Addr::from(k.vip.octets()),
+        client: k.client.ip(),
+        vip: k.vip.ip(),
         vport: k.vport.get(),
         proto: k.proto,
     }
 }
 
-fn affinity_key(c: &Client) -> AffinityKey {
+fn affinity_key<A: Addr>(c: &Client) -> AffinityKey<A> {
     AffinityKey {
-        client: Be32::from_octets(c.client.octets()),
-        vip: Be32::from_octets(c.vip.octets()),
+        client: family_addr(c.client),
+        vip: family_addr(c.vip),
         vport: Be16::new(c.vport),
         proto: c.proto,
         pad: 0,
@@ -1344,7 +1673,13 @@ fn affinity_key(c: &Client) -> AffinityKey {
 /// Whether a packet of `u` may have met the conntrack entry of `t`: they share an end that is
 /// not a service address (a client's address and port, or a backend's).
 fn related(u: &Tuple, t: &Tuple) -> bool {
-    let service = |a: Ipv4Addr, p: u16| SERVICES.iter().any(|d| (d.vip, d.port) == (a, p));
+    let service = |a: IpAddr, p: u16| {
+        (SERVICES.iter()).any(|d| {
+            [false, true]
+                .map(|v6| (in_family(d.vip, v6), d.port))
+                .contains(&(a, p))
+        })
+    };
     let ends = |t: &Tuple| [(t.src, t.sport), (t.dst, t.dport)];
     u.proto == t.proto
         && ends(u)
@@ -1387,9 +1722,10 @@ fn class(o: &Outcome) -> &'static str {
 
 #[derive(Default)]
 struct Stats {
-    classes: BTreeMap<&'static str, u64>,
+    /// By the family of the frame ([`family`]).
+    classes: BTreeMap<&'static str, BTreeMap<&'static str, u64>>,
     events: BTreeMap<Event, u64>,
-    notes: BTreeMap<Note, u64>,
+    notes: BTreeMap<&'static str, BTreeMap<Note, u64>>,
     kinds: BTreeMap<(Kind, Prog), u64>,
     refused: u64,
     checksums_checked: u64,
@@ -1556,14 +1892,7 @@ fn the_programs_agree_with_the_reference_model() {
         .expect("programming the maps");
     let tables = Tables::read(programs.bpffs.path()).expect("reading the maps");
     check_programmed(&world, &tables).expect("the first sync");
-    let affinity = MapData::from_pin(programs.bpffs.path().join(MAP_AFFINITY))
-        .expect("the affinity map's pin");
-    let maps = KernelMaps {
-        conntrack: programs.conntrack(),
-        affinity: Map::LruHashMap(affinity)
-            .try_into()
-            .expect("the affinity map"),
-    };
+    let maps = KernelMaps::open(programs.bpffs.path());
     let mut run = Run {
         seed,
         model: {
@@ -1648,13 +1977,8 @@ fn the_programs_agree_with_the_reference_model() {
         let expected = match frame.prog {
             Prog::Ingress => run.model.ingress(&frame.bytes, |h, candidates| {
                 // Which backend the program sent the new flow to, if any of these.
-                let dst = out.get(ETH_HLEN + 16..ETH_HLEN + 20)?;
-                let dport = out.get(h.l4 + 2..h.l4 + 4)?;
-                let dst = Ipv4Addr::new(dst[0], dst[1], dst[2], dst[3]);
-                let dport = u16::from_be_bytes([dport[0], dport[1]]);
-                candidates
-                    .iter()
-                    .position(|c| (c.addr, c.port) == (dst, dport))
+                let dst = destination(&out, h)?;
+                candidates.iter().position(|c| (c.addr, c.port) == dst)
             }),
             Prog::Egress => Ok(run.model.egress(&frame.bytes)),
         };
@@ -1734,10 +2058,15 @@ fn the_programs_agree_with_the_reference_model() {
             run.stats.lapsed.1 += u64::from(run.model.affinity()[&client].backend_id == old);
         }
         let s = &mut run.stats;
-        *s.classes.entry(class(&expected)).or_default() += 1;
+        let family = family(&frame.bytes);
+        *s.classes
+            .entry(family)
+            .or_default()
+            .entry(class(&expected))
+            .or_default() += 1;
         *s.events.entry(expected.event).or_default() += 1;
         for n in &expected.notes {
-            *s.notes.entry(*n).or_default() += 1;
+            *s.notes.entry(family).or_default().entry(*n).or_default() += 1;
         }
         *s.kinds.entry((frame.kind, frame.prog)).or_default() += 1;
     }
@@ -1749,9 +2078,30 @@ fn the_programs_agree_with_the_reference_model() {
         "fuzz: {frames} frames in {elapsed:.1?} ({:.0} frames/s), seed {seed}\n",
         frames as f64 / elapsed.as_secs_f64()
     );
-    let _ = writeln!(report, "  outcomes: {:?}", s.classes);
+    for (family, classes) in &s.classes {
+        let _ = writeln!(report, "  outcomes ({family}): {classes:?}");
+    }
+    let frames_of = |family| s.classes.get(family).map_or(0, |c| c.values().sum::<u64>());
+    let served_of = |family| {
+        s.classes.get(family).map_or(0, |c| {
+            (c.iter())
+                .filter(|(class, _)| !["pass", "drop"].contains(class))
+                .map(|(_, n)| n)
+                .sum::<u64>()
+        })
+    };
+    let _ = writeln!(
+        report,
+        "  IPv4 frames: {}, {} translated or answered; IPv6 frames: {}, {} translated or answered",
+        frames_of("IPv4"),
+        served_of("IPv4"),
+        frames_of("IPv6"),
+        served_of("IPv6"),
+    );
     let _ = writeln!(report, "  events: {:?}", s.events);
-    let _ = writeln!(report, "  conntrack notes: {:?}", s.notes);
+    for (family, notes) in &s.notes {
+        let _ = writeln!(report, "  conntrack notes ({family}): {notes:?}");
+    }
     let _ = writeln!(report, "  frames by kind: {:?}", s.kinds);
     let _ = writeln!(
         report,
@@ -1775,13 +2125,19 @@ fn the_programs_agree_with_the_reference_model() {
         s.lapsed.0, s.lapsed.1
     );
     let fragments = run.model.fragments_remembered();
-    let _ = writeln!(report, "  datagrams in fragments remembered: {fragments}");
+    let _ = writeln!(
+        report,
+        "  datagrams in fragments remembered: {} IPv4, {} IPv6",
+        fragments[0], fragments[1]
+    );
     eprint!("{report}");
-    // The model forgets no datagram: the kernel's LRU must never have to.
+    // The model forgets no datagram: the kernel's LRUs (one a family) must never have to.
     assert!(
-        fragments < proxy_common::FRAGMENTS_MAX as usize / 2,
-        "seed {seed}: {fragments} datagrams in fragments: near FRAGMENTS' size, its LRU may have \
-         evicted what the model kept; make the generator's datagrams fewer"
+        fragments
+            .iter()
+            .all(|&n| n < proxy_common::FRAGMENTS_MAX as usize / 2),
+        "seed {seed}: {fragments:?} datagrams in fragments: near FRAGMENTS' size, its LRU may \
+         have evicted what the model kept; make the generator's datagrams fewer"
     );
     // Drawn at random among two or more, the old backend comes again half the time at most:
     // 90% of 40 or more is next to impossible (p < 1e-7) unless the programs kept it.
@@ -1802,9 +2158,15 @@ fn the_programs_agree_with_the_reference_model() {
         "drop",
         "reject",
     ] {
+        let count =
+            |family| (s.classes.get(family)).map_or(0, |c| c.get(class).copied().unwrap_or(0));
         assert!(
-            s.classes.get(class).copied().unwrap_or(0) > 0,
+            count("IPv4") + count("IPv6") > 0,
             "seed {seed}: no frame was a {class}"
+        );
+        assert!(
+            frames < SHORT_RUN || count("IPv6") > 0,
+            "seed {seed}: no IPv6 frame was a {class}"
         );
     }
     if frames >= SHORT_RUN {
@@ -1828,16 +2190,74 @@ fn the_programs_agree_with_the_reference_model() {
             if note == Note::Expired && run.clock.cap < 14 {
                 continue; // nothing can be idle long enough
             }
-            assert!(
-                s.notes.get(&note).copied().unwrap_or(0) > 0,
-                "seed {seed}: no frame met {note:?}"
-            );
+            for family in ["IPv4", "IPv6"] {
+                let met = (s.notes.get(family)).and_then(|n| n.get(&note).copied());
+                assert!(
+                    met.is_some_and(|n| n > 0),
+                    "seed {seed}: no {family} frame met {note:?}"
+                );
+            }
         }
     }
 }
 
-/// Whether the IPv4 header and ICMP checksums of an ICMP message without IP options are right.
+/// The family of `frame` as the stats count it, by its ethertype.
+fn family(frame: &[u8]) -> &'static str {
+    match frame.get(12..14) {
+        Some([0x08, 0x00]) => "IPv4",
+        Some([0x86, 0xdd]) => "IPv6",
+        _ => "other",
+    }
+}
+
+/// Where a program sent the packet `h` was read from: the destination address and port of its
+/// output.
+fn destination(out: &[u8], h: &Headers) -> Option<(IpAddr, u16)> {
+    let dst: IpAddr = match h.tuple.dst {
+        IpAddr::V4(_) => <[u8; 4]>::try_from(out.get(ETH_HLEN + 16..ETH_HLEN + 20)?)
+            .ok()?
+            .into(),
+        IpAddr::V6(_) => <[u8; 16]>::try_from(out.get(ETH_HLEN + 24..IPV6_END)?)
+            .ok()?
+            .into(),
+    };
+    let dport = out.get(h.l4 + 2..h.l4 + 4)?;
+    Some((dst, u16::from_be_bytes([dport[0], dport[1]])))
+}
+
+/// The Internet checksum of `data` (an odd length padded with a zero byte), over `pseudo` (an
+/// even length) too.
+fn checksum(pseudo: &[u8], data: &[u8]) -> u16 {
+    let mut sum: u32 = (pseudo.chunks(2).chain(data.chunks(2)))
+        .map(|w| u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// IPv6's pseudo-header for `len` bytes of `proto` in the frame's packet.
+fn pseudo_header6(frame: &[u8], len: usize, proto: u8) -> Vec<u8> {
+    let mut pseudo = frame[ETH_HLEN + 8..IPV6_END].to_vec();
+    pseudo.extend((len as u32).to_be_bytes());
+    pseudo.extend([0, 0, 0, proto]);
+    pseudo
+}
+
+/// Whether the IPv4 header and ICMP checksums of an ICMP message without IP options are right,
+/// or the ICMPv6 checksum of an ICMPv6 message right after the fixed IPv6 header.
 fn icmp_checksums_valid(frame: &[u8]) -> bool {
+    if is_ipv6(frame) {
+        let len = payload_len6(frame);
+        if !(8..=frame.len() - IPV6_END).contains(&len) {
+            return false; // a mutant's length
+        }
+        let mut icmp = frame[IPV6_END..IPV6_END + len].to_vec();
+        let carried = u16::from_be_bytes([icmp[2], icmp[3]]);
+        icmp[2..4].fill(0);
+        return checksum(&pseudo_header6(frame, len, ICMPV6), &icmp) == carried;
+    }
     let ip = &frame[ETH_HLEN..];
     let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
     if !(28..=ip.len()).contains(&total) {
@@ -1847,23 +2267,36 @@ fn icmp_checksums_valid(frame: &[u8]) -> bool {
     let mut icmp = ip[20..total].to_vec();
     let icmp_carried = u16::from_be_bytes([icmp[2], icmp[3]]);
     icmp[2..4].fill(0);
-    let mut sum: u32 = icmp
-        .chunks(2)
-        .map(|w| u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    packet::ip_checksum(frame) == carried && !(sum as u16) == icmp_carried
+    packet::ip_checksum(frame) == carried && checksum(&[], &icmp) == icmp_carried
 }
 
 /// Whether the IPv4 header and TCP/UDP checksums of a parsed frame are right (a UDP checksum of
-/// zero counts as right: none was sent).
-fn checksums_valid(frame: &[u8], h: &reference::Headers) -> bool {
-    let ip_ok = packet::ip_checksum(frame)
-        == u16::from_be_bytes([frame[ETH_HLEN + 10], frame[ETH_HLEN + 11]]);
+/// zero counts as right: none was sent); IPv6 has only the TCP/UDP one, past any extension
+/// headers.
+fn checksums_valid(frame: &[u8], h: &Headers) -> bool {
     let at = h.l4_checksum_at();
     let carried = u16::from_be_bytes([frame[at], frame[at + 1]]);
-    let l4_ok = (h.tuple.proto == UDP && carried == 0) || packet::l4_checksum(frame) == carried;
+    let (ip_ok, l4) = if is_ipv6(frame) {
+        let mut segment = frame[h.l4..IPV6_END + payload_len6(frame)].to_vec();
+        segment[at - h.l4..at - h.l4 + 2].fill(0);
+        let pseudo = pseudo_header6(frame, segment.len(), h.tuple.proto);
+        let c = checksum(&pseudo, &segment);
+        // UDP sends an all-zero result as all ones (zero means "no checksum").
+        (
+            true,
+            if h.tuple.proto == UDP && c == 0 {
+                0xffff
+            } else {
+                c
+            },
+        )
+    } else {
+        let carried_ip = u16::from_be_bytes([frame[ETH_HLEN + 10], frame[ETH_HLEN + 11]]);
+        (
+            packet::ip_checksum(frame) == carried_ip,
+            packet::l4_checksum(frame),
+        )
+    };
+    let l4_ok = (h.tuple.proto == UDP && carried == 0) || l4 == carried;
     ip_ok && l4_ok
 }
