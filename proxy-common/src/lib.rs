@@ -221,8 +221,12 @@ pub const FAMILY_PROG_EXT_INGRESS6: u32 = 2;
 pub const FAMILY_PROG_EXT_EGRESS6: u32 = 3;
 pub const FAMILY_PROGS_ENTRIES: u32 = 4;
 /// The program array `xdp_external` hands IPv6 packets to (XDP programs may tail-call only XDP
-/// programs): `xdp_external6` at index 0.
+/// programs), by index.
 pub const MAP_XDP_FAMILY_PROGS: &str = "XDP_FAMILY_PROGS";
+pub const XDP_PROG_IPV6: u32 = 0;
+/// Where `xdp_external6` sends a packet that starts a flow.
+pub const XDP_PROG_NEW_FLOW6: u32 = 1;
+pub const XDP_FAMILY_PROGS_ENTRIES: u32 = 2;
 /// [`MAP_CONFIG`] index of the Maglev table size (a prime; the same for every frontend).
 pub const CONFIG_MAGLEV_TABLE_SIZE: u32 = 0;
 /// [`MAP_CONFIG`] index of the address (raw, network byte order) external flows to other nodes'

@@ -51,13 +51,17 @@ pub enum Verdict<A> {
         dst: (A, Be16),
         forward: bool,
     },
+    /// A packet that would start a flow, left to the caller (only without `new_flows`, see
+    /// [`decide`]).
+    NewFlow,
     /// No usable endpoint: answer with an ICMP port unreachable (tc only).
     Reject,
 }
 
 /// The decision for `flow`, a packet that arrived on the external interface `ingress`. Records
-/// new flows in conntrack; without `new_flows`, a packet that would start one passes (to the
-/// tc program, which decides it: XDP's IPv6 path, whose stack holds no more).
+/// new flows in conntrack; without `new_flows`, a packet that would start one is
+/// [`Verdict::NewFlow`] (XDP's IPv6 path: its stack does not hold the new-flow path beside the
+/// rewrite, so a program of its own starts the flow, xdp.rs).
 #[inline(always)]
 pub fn decide<C: EbpfContext, A: Family>(
     ctx: &C,
@@ -93,8 +97,11 @@ pub fn decide<C: EbpfContext, A: Family>(
         }
         return Ok(nat(&key, &live.backend, live.snat));
     }
-    if flow.later_fragment() || !new_flows {
-        return Ok(Verdict::Pass); // its first fragment started no flow; or left to tc
+    if flow.later_fragment() {
+        return Ok(Verdict::Pass); // its first fragment started no flow
+    }
+    if !new_flows {
+        return Ok(Verdict::NewFlow);
     }
     let Some((backend_id, backend)) =
         lb::new_flow_backend(&key, &svc_key, &svc, now, lb::random())?
@@ -214,7 +221,7 @@ pub fn try_external_ingress<A: Family>(ctx: &TcContext) -> Result<Action<A>, Dro
     // SAFETY: reading the context's ifindex.
     let ingress = unsafe { (*ctx.skb.skb).ifindex };
     let (src, dst) = match decide(ctx, &flow, ingress, true)? {
-        Verdict::Pass => return Ok(Action::Verdict(TC_ACT_UNSPEC)),
+        Verdict::Pass | Verdict::NewFlow => return Ok(Action::Verdict(TC_ACT_UNSPEC)),
         Verdict::Reject => return Ok(Action::Reject(flow)),
         Verdict::Nat {
             src,

@@ -32,7 +32,7 @@ use aya_ebpf::{
 use aya_log_ebpf::error;
 use proxy_common::{
     Be32, Be128, DROP_FRAG_NEEDED, DROPS_LAST_LOG, FAMILY_PROG_EGRESS6, FAMILY_PROG_EXT_EGRESS6,
-    FAMILY_PROG_EXT_INGRESS6, FAMILY_PROG_INGRESS6,
+    FAMILY_PROG_EXT_INGRESS6, FAMILY_PROG_INGRESS6, XDP_PROG_IPV6, XDP_PROG_NEW_FLOW6,
 };
 
 use crate::{
@@ -119,17 +119,41 @@ fn tail_call(ctx: &TcContext, index: u32) -> i32 {
 #[inline(always)]
 pub fn xdp_external(ctx: XdpContext) -> u32 {
     if xdp::is_ipv6(&ctx) {
-        // SAFETY: on success the call does not return; the context is the program's own.
-        unsafe { XDP_FAMILY_PROGS.tail_call(&ctx, 0) };
-        return xdp_action::XDP_PASS; // not filled (it always is): to tc
+        return xdp_tail_call(&ctx, XDP_PROG_IPV6);
     }
     xdp_verdict(&ctx, xdp::try_xdp(&ctx))
 }
 
-/// [`xdp_external`] of an IPv6 packet.
+/// [`xdp_external`] of an IPv6 packet; one that starts a flow goes on to [`xdp_new_flow6`].
 #[xdp]
+#[inline(always)]
 pub fn xdp_external6(ctx: XdpContext) -> u32 {
-    xdp_verdict(&ctx, xdp::try_xdp6(&ctx))
+    match xdp::try_xdp6(&ctx) {
+        Ok(xdp::Xdp6::NewFlow) => xdp_tail_call(&ctx, XDP_PROG_NEW_FLOW6),
+        Ok(xdp::Xdp6::Action(action)) => action,
+        Err(e) => xdp_verdict(&ctx, Err(e)),
+    }
+}
+
+/// Starts the flow of an IPv6 packet [`xdp_external6`] found none for, and hands the packet
+/// back to it, which now does.
+#[xdp]
+#[inline(always)]
+pub fn xdp_new_flow6(ctx: XdpContext) -> u32 {
+    match xdp::start_flow6(&ctx) {
+        Ok(true) => xdp_tail_call(&ctx, XDP_PROG_IPV6),
+        Ok(false) => xdp_action::XDP_PASS,
+        Err(e) => xdp_verdict(&ctx, Err(e)),
+    }
+}
+
+/// Goes on in the XDP program at `index` of XDP_FAMILY_PROGS; should that fail (the agent
+/// fills the array at load, and a packet goes round at most twice), the packet goes to tc.
+#[inline(always)]
+fn xdp_tail_call(ctx: &XdpContext, index: u32) -> u32 {
+    // SAFETY: on success the call does not return; the context is the program's own.
+    unsafe { XDP_FAMILY_PROGS.tail_call(ctx, index) };
+    xdp_action::XDP_PASS
 }
 
 /// [`verdict`] of the XDP programs.

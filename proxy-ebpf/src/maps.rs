@@ -9,7 +9,7 @@ use proxy_common::{
     AGENT_STATE_ENTRIES, AffinityKey, AffinityValue, Backend, Be32, Be128, CONFIG_ENTRIES,
     CT_STATES, CtKey, CtValue, DROPS_ENTRIES, ExternalIface, FAMILY_PROGS_ENTRIES, FRAGMENTS_MAX,
     FragKey, FragKey6, FragValue, HOST_NETNS_ENTRIES, MaglevChunk, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey, XDP_FAMILY_PROGS_ENTRIES,
 };
 
 /// Service slots (slot 0 per service port, slots 1..=n its backends). Not preallocated: most
@@ -141,7 +141,7 @@ pub static PRIMARY_ADDR6: Array<Be128> = Array::pinned(1, 0);
 #[map(name = "FAMILY_PROGS")]
 pub static FAMILY_PROGS: ProgramArray = ProgramArray::pinned(FAMILY_PROGS_ENTRIES, 0);
 
-/// The IPv6 program `xdp_external` tail-calls into (index 0), filled by the agent at load, as
+/// The IPv6 XDP programs (`proxy_common::XDP_PROG_*`), filled by the agent at load, as
 /// FAMILY_PROGS is for the tc programs.
 #[map(name = "XDP_FAMILY_PROGS")]
-pub static XDP_FAMILY_PROGS: ProgramArray = ProgramArray::pinned(1, 0);
+pub static XDP_FAMILY_PROGS: ProgramArray = ProgramArray::pinned(XDP_FAMILY_PROGS_ENTRIES, 0);

@@ -4,9 +4,9 @@
 //! interface (XDP_TX) or out of another (redirect), after a route lookup.
 //!
 //! IPv6 packets come to a program of their own ([`try_xdp6`], by tail call) and take the same
-//! path, without an IP checksum, for established flows: a new IPv6 flow's first packet is left
-//! to tc (the new-flow path's lookups and the rewrite would not fit XDP's 512-byte stack
-//! together).
+//! path, without an IP checksum. A packet that starts a flow goes on to a third program
+//! ([`start_flow6`]), which records the flow and hands the packet back: the new-flow path's
+//! lookups and the rewrite would not fit one 512-byte stack together.
 //!
 //! What XDP cannot do it leaves, untouched, to the tc program on the same interface: packets
 //! with IP options or IPv6 extension headers, rejects, next hops not resolved yet, TTLs (hop
@@ -61,7 +61,7 @@ pub fn try_xdp(ctx: &XdpContext) -> Result<u32, Drop> {
     // SAFETY: reading the context's ingress interface.
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     let (src, dst, forward) = match external::decide(ctx, &flow, ingress, true)? {
-        Verdict::Pass | Verdict::Reject => return Ok(xdp_action::XDP_PASS),
+        Verdict::Pass | Verdict::NewFlow | Verdict::Reject => return Ok(xdp_action::XDP_PASS),
         Verdict::Nat { src, dst, forward } => (src, dst, forward),
     };
     if !forward {
@@ -201,10 +201,49 @@ const L4_6: usize = ETH_HLEN + IPV6_HLEN;
 /// Where the hop limit is.
 const HOP_LIMIT: usize = ETH_HLEN + 7;
 
-/// [`try_xdp`] of an IPv6 packet (`xdp_external6`). A function of its own, so that a drop's
-/// log call (main.rs) is not stacked below its frame.
+/// What `xdp_external6` does with a packet.
+pub enum Xdp6 {
+    /// Return this action.
+    Action(u32),
+    /// The packet starts a flow: `xdp_new_flow6` starts it, then hands the packet back.
+    NewFlow,
+}
+
+/// [`try_xdp`] of an IPv6 packet (`xdp_external6`), for established flows. A function of its
+/// own, so that a drop's log call (main.rs) is not stacked below its frame.
 #[inline(never)]
-pub fn try_xdp6(ctx: &XdpContext) -> Result<u32, Drop> {
+pub fn try_xdp6(ctx: &XdpContext) -> Result<Xdp6, Drop> {
+    try_established6(ctx).map(|action| match action {
+        NEW_FLOW => Xdp6::NewFlow,
+        action => Xdp6::Action(action),
+    })
+}
+
+/// Not an XDP action: [`try_established6`]'s word for a packet that starts a flow.
+const NEW_FLOW: u32 = u32::MAX;
+
+/// `xdp_new_flow6`: starts the flow `ctx`'s packet opens (records it in conntrack, as tc's
+/// path does); true when the packet should go back to `xdp_external6`, which now finds the
+/// flow. A rejected or passed packet goes to tc (false). A function of its own, as
+/// [`try_xdp6`].
+#[inline(never)]
+pub fn start_flow6(ctx: &XdpContext) -> Result<bool, Drop> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    // SAFETY: reading a context field (read apart from `end`, as in try_xdp).
+    let len = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize - data;
+    let Some(flow) = parse6(data, end, len) else {
+        return Ok(false);
+    };
+    // SAFETY: reading the context's ingress interface.
+    let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
+    Ok(matches!(
+        external::decide(ctx, &flow, ingress, true)?,
+        Verdict::Nat { .. }
+    ))
+}
+
+#[inline(always)]
+fn try_established6(ctx: &XdpContext) -> Result<u32, Drop> {
     let (data, end) = (ctx.data(), ctx.data_end());
     // SAFETY: reading a context field (read apart from `end`, as in try_xdp).
     let len = unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) } as usize - data;
@@ -214,6 +253,7 @@ pub fn try_xdp6(ctx: &XdpContext) -> Result<u32, Drop> {
     // SAFETY: reading the context's ingress interface.
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     let (src, dst, forward) = match external::decide(ctx, &flow, ingress, false)? {
+        Verdict::NewFlow => return Ok(NEW_FLOW),
         Verdict::Pass | Verdict::Reject => return Ok(xdp_action::XDP_PASS),
         Verdict::Nat { src, dst, forward } => (src, dst, forward),
     };

@@ -2053,9 +2053,8 @@ fn lab6(test: &str) -> Option<Lab> {
 
 /// An IPv6 NodePort whose endpoint is on another node: the client's packet leaves from the
 /// node's address (a SNAT port picked) towards node2, a hop off, with valid checksums; the
-/// endpoint's reply goes back to the client from the NodePort, towards the router. XDP leaves
-/// the flow's first packet to tc (over IPv6 it serves established flows only) and sends the
-/// flow's later packets and the replies out again itself, as tc would.
+/// endpoint's reply goes back to the client from the NodePort, towards the router. XDP sends
+/// each out again itself (a new flow through xdp_new_flow6 and back), byte for byte as tc does.
 #[test]
 fn an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_reply_back() {
     let Some(lab) = lab6(
@@ -2068,9 +2067,10 @@ fn an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_rep
         Spec::udp(CLIENT6, 40001, NODE6, NODE_PORT),
     ] {
         let frame = from_client(&spec);
-        untouched_xdp(&lab, &frame, "a new IPv6 flow's first packet");
-        let (verdict, out) = lab.tc("tc_external_ingress", &frame);
-        assert_eq!(verdict, TC_ACT_REDIRECT, "{spec:?}");
+        let (verdict, out) = lab.xdp(&frame);
+        assert_eq!(verdict, XDP_TX, "{spec:?}");
+        let (verdict, by_tc) = lab.tc("tc_external_ingress", &frame);
+        assert_eq!((verdict, &by_tc), (TC_ACT_REDIRECT, &out), "{spec:?}");
         let (src, snat_port, dst, dport) = packet::tuple(&out);
         assert_eq!(
             (src, dst, dport),
@@ -2080,7 +2080,7 @@ fn an_ipv6_node_port_to_another_nodes_endpoint_is_sent_from_the_node_and_its_rep
         assert_eq!(out[ETH_HLEN + 7], frame[ETH_HLEN + 7] - 1, "a hop off");
         assert_eq!((&out[..6], &out[6..12]), (&NODE2_MAC[..], &EXT0_MAC[..]));
         packet::assert_checksums(&out, false);
-        // The flow's next packet, through XDP: sent back out of ext0, as tc sent the first.
+        // The flow's next packet.
         let next = Spec {
             tcp_flags: if spec.proto == TCP { ACK } else { 0 },
             ..spec.clone()

@@ -40,6 +40,7 @@ use proxy_common::{
     MAP_PRIMARY_ADDR6, MAP_SERVICES, MAP_SERVICES6, MAP_SOCK_REVNAT, MAP_SOCK_REVNAT6,
     MAP_SOURCE_IFACES, MAP_SOURCE_RANGES, MAP_SOURCE_RANGES6, MAP_XDP_FAMILY_PROGS, MaglevChunk,
     ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    XDP_FAMILY_PROGS_ENTRIES, XDP_PROG_IPV6, XDP_PROG_NEW_FLOW6,
 };
 
 use attach::detach_all;
@@ -71,8 +72,9 @@ pub const PROG_EGRESS6: &str = "tc_egress6";
 pub const PROG_EXT_INGRESS6: &str = "tc_external_ingress6";
 pub const PROG_EXT_EGRESS6: &str = "tc_external_egress6";
 pub const PROG_XDP: &str = "xdp_external";
-/// The IPv6 half of [`PROG_XDP`] (tail-called, never attached).
+/// The IPv6 half of [`PROG_XDP`], and where it starts new flows (tail-called, never attached).
 pub const PROG_XDP6: &str = "xdp_external6";
+pub const PROG_XDP_NEW_FLOW6: &str = "xdp_new_flow6";
 pub const PROG_EXT_INGRESS: &str = "tc_external_ingress";
 pub const PROG_EXT_EGRESS: &str = "tc_external_egress";
 
@@ -162,27 +164,31 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
             .set(index, &fd, 0)
             .with_context(|| format!("putting {name} in FAMILY_PROGS"))?;
     }
-    for name in [PROG_XDP6, PROG_XDP] {
+    let xdp: &mut Xdp = ebpf
+        .program_mut(PROG_XDP)
+        .with_context(|| format!("program {PROG_XDP} missing from the BPF object"))?
+        .try_into()?;
+    load_retrying(PROG_XDP, || xdp.load())?;
+    // XDP's IPv6 programs, which it tail-calls (XDP programs call only XDP programs: an array
+    // of their own).
+    for (index, name) in [
+        (XDP_PROG_IPV6, PROG_XDP6),
+        (XDP_PROG_NEW_FLOW6, PROG_XDP_NEW_FLOW6),
+    ] {
         let xdp: &mut Xdp = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the BPF object"))?
             .try_into()?;
         load_retrying(name, || xdp.load())?;
+        let fd = xdp.fd()?.try_clone()?;
+        let mut xdp_family_progs: ProgramArray<_> = ebpf
+            .map_mut(MAP_XDP_FAMILY_PROGS)
+            .context("map XDP_FAMILY_PROGS missing")?
+            .try_into()?;
+        xdp_family_progs
+            .set(index, &fd, 0)
+            .with_context(|| format!("putting {name} in XDP_FAMILY_PROGS"))?;
     }
-    // XDP's IPv6 half, which it tail-calls (XDP programs call only XDP programs: an array of
-    // their own).
-    let fd = ebpf
-        .program(PROG_XDP6)
-        .context("the IPv6 XDP program")?
-        .fd()?
-        .try_clone()?;
-    let mut xdp_family_progs: ProgramArray<_> = ebpf
-        .map_mut(MAP_XDP_FAMILY_PROGS)
-        .context("map XDP_FAMILY_PROGS missing")?
-        .try_into()?;
-    xdp_family_progs
-        .set(0, &fd, 0)
-        .with_context(|| format!("putting {PROG_XDP6} in XDP_FAMILY_PROGS"))?;
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
         .context("map AGENT_STATE missing")?
@@ -441,7 +447,7 @@ const LAYOUTS: [Layout; 28] = [
         map_type: MapType::ProgramArray,
         key_size: size_of::<u32>(),
         value_size: size_of::<u32>(),
-        entries: Some(1),
+        entries: Some(XDP_FAMILY_PROGS_ENTRIES),
     },
     Layout {
         name: MAP_PRIMARY_ADDR6,
