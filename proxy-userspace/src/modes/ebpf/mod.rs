@@ -102,6 +102,23 @@ impl Default for MapSizes {
     }
 }
 
+/// Puts the loaded program `name` (`fd`) at `index` of the program array `map`.
+fn put_program(
+    ebpf: &mut Ebpf,
+    map: &str,
+    index: u32,
+    name: &str,
+    fd: &aya::programs::ProgramFd,
+) -> anyhow::Result<()> {
+    let mut array: ProgramArray<_> = ebpf
+        .map_mut(map)
+        .with_context(|| format!("map {map} missing"))?
+        .try_into()?;
+    array
+        .set(index, fd, 0)
+        .with_context(|| format!("putting {name} in {map}"))
+}
+
 /// Loads the tc and XDP programs (the socket programs are loaded when attached:
 /// [`cgroup::attach`]), reusing the maps already pinned in `pin_dir` (so flows and services
 /// survive an agent restart) or creating and pinning them there.
@@ -156,13 +173,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         (FAMILY_PROG_EXT_EGRESS6, PROG_EXT_EGRESS6),
     ] {
         let fd = load_classifier(&mut ebpf, name)?.fd()?.try_clone()?;
-        let mut family_progs: ProgramArray<_> = ebpf
-            .map_mut(MAP_FAMILY_PROGS)
-            .context("map FAMILY_PROGS missing")?
-            .try_into()?;
-        family_progs
-            .set(index, &fd, 0)
-            .with_context(|| format!("putting {name} in FAMILY_PROGS"))?;
+        put_program(&mut ebpf, MAP_FAMILY_PROGS, index, name, &fd)?;
     }
     let xdp: &mut Xdp = ebpf
         .program_mut(PROG_XDP)
@@ -181,13 +192,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
             .try_into()?;
         load_retrying(name, || xdp.load())?;
         let fd = xdp.fd()?.try_clone()?;
-        let mut xdp_family_progs: ProgramArray<_> = ebpf
-            .map_mut(MAP_XDP_FAMILY_PROGS)
-            .context("map XDP_FAMILY_PROGS missing")?
-            .try_into()?;
-        xdp_family_progs
-            .set(index, &fd, 0)
-            .with_context(|| format!("putting {name} in XDP_FAMILY_PROGS"))?;
+        put_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index, name, &fd)?;
     }
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
