@@ -215,7 +215,7 @@ pub fn route<C: EbpfContext, A: Family>(
 /// ingress.rs.
 #[inline(always)]
 pub fn try_external_ingress<A: Family>(ctx: &TcContext) -> Result<Action<A>, Drop> {
-    let Some(mut flow) = A::parse(ctx) else {
+    let Some(mut flow) = A::parse_from_outside(ctx) else {
         return A::not_a_flow_from_outside(ctx);
     };
     // SAFETY: reading the context's ifindex.

@@ -36,6 +36,9 @@ pub trait Family: Addr + 'static {
 
     /// The TCP or UDP flow of a packet of this family (see [`packet::parse`]).
     fn parse(ctx: &TcContext) -> Option<Flow<Self>>;
+    /// [`Family::parse`] of a packet from outside (IPv6: fewer extension headers, see
+    /// `ipv6::MAX_EXT_HEADERS_FROM_OUTSIDE`).
+    fn parse_from_outside(ctx: &TcContext) -> Option<Flow<Self>>;
     /// Rewrites `flow`'s address and port at `at` with the checksums (see [`Flow::rewrite`]).
     fn rewrite(
         flow: &mut Flow<Self>,
@@ -145,6 +148,11 @@ impl Family for Be32 {
     }
 
     #[inline(always)]
+    fn parse_from_outside(ctx: &TcContext) -> Option<Flow<Self>> {
+        packet::parse(ctx)
+    }
+
+    #[inline(always)]
     fn rewrite(
         flow: &mut Flow<Self>,
         ctx: &TcContext,
@@ -244,7 +252,12 @@ impl Family for Be128 {
 
     #[inline(always)]
     fn parse(ctx: &TcContext) -> Option<Flow<Self>> {
-        ipv6::parse(ctx)
+        ipv6::parse::<{ ipv6::MAX_EXT_HEADERS }>(ctx)
+    }
+
+    #[inline(always)]
+    fn parse_from_outside(ctx: &TcContext) -> Option<Flow<Self>> {
+        ipv6::parse::<{ ipv6::MAX_EXT_HEADERS_FROM_OUTSIDE }>(ctx)
     }
 
     #[inline(always)]

@@ -33,10 +33,14 @@ const NEXTHDR_FRAGMENT: u8 = 44;
 const NEXTHDR_AUTH: u8 = 51;
 const NEXTHDR_DEST: u8 = 60;
 pub const NEXTHDR_ICMP: u8 = 58;
-/// Extension headers walked before the L4 header; a packet with more passes untouched (RFC 8200
-/// orders them: hop-by-hop, destination options, routing, fragment, then AH and destination
-/// options again).
-const MAX_EXT_HEADERS: usize = 6;
+/// Extension headers walked before the L4 header of a pod's packet; a packet with more passes
+/// untouched (RFC 8200 orders them: hop-by-hop, destination options, routing, fragment, then AH
+/// and destination options again).
+pub const MAX_EXT_HEADERS: usize = 6;
+/// The same for packets from outside (one: a fragment header, typically). Their path holds the
+/// SNAT port search, and each way through the header walk has the verifier go through that
+/// search again: with six, Linux 6.1's verifier gives up (a million instructions).
+pub const MAX_EXT_HEADERS_FROM_OUTSIDE: usize = 1;
 /// The fragment header's offset field: the offset in 8-byte units, then two reserved bits and
 /// the more-fragments flag.
 const FRAG_OFFSET_MASK: u16 = 0xfff8;
@@ -45,12 +49,13 @@ const FRAG_MORE: u16 = 0x0001;
 /// packet with extension headers is read through the helpers past them).
 const MAX_HDR: usize = IPV6_MIN + 20;
 
-/// Reads the 5-tuple of an IPv6 TCP/UDP packet, past its extension headers. As for IPv4
+/// Reads the 5-tuple of an IPv6 TCP/UDP packet, past its extension headers (`MAX_EXT` of them
+/// at most). As for IPv4
 /// (`packet::parse`): a fragment after the first gets its first fragment's ports from
 /// FRAGMENTS6, and anything that is not TCP/UDP (ICMPv6 included), malformed or truncated is
 /// `None`: not ours, it passes untouched.
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Option<Flow<Be128>> {
+pub fn parse<const MAX_EXT: usize>(ctx: &TcContext) -> Option<Flow<Be128>> {
     let len = ctx.len() as usize;
     let wanted = core::cmp::min(len, MAX_HDR);
     if ctx.data() + wanted > ctx.data_end() {
@@ -80,7 +85,7 @@ pub fn parse(ctx: &TcContext) -> Option<Flow<Be128>> {
     let (mut frag_field, mut frag_id) = (0u16, 0u32);
     // Extension headers are rare: read through the helper, whose offset the verifier need not
     // follow.
-    for _ in 0..MAX_EXT_HEADERS {
+    for _ in 0..MAX_EXT {
         let ext_len = match next {
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
                 let hdr: [u8; 2] = ctx.load(l4_off).ok()?;

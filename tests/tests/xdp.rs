@@ -34,8 +34,8 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     model::{DesiredState, Protocol},
-    modes::ebpf::MapSizes,
     modes::ebpf::inspect::monotonic_ns,
+    modes::ebpf::{self, MapSizes},
 };
 
 /// The translated flows' source ports here (`--bpf-snat-port-range`): narrower than the
@@ -2029,6 +2029,22 @@ fn lab6(test: &str) -> Option<Lab> {
         state.set_endpoints(key, vec![ready_endpoint(REMOTE_BE6.into(), TARGET)]);
     }
     let lab = lab_with(state);
+    let programs = [
+        ebpf::PROG_EXT_INGRESS6,
+        ebpf::PROG_EXT_EGRESS6,
+        ebpf::PROG_XDP6,
+        ebpf::PROG_XDP_NEW_FLOW6,
+    ];
+    if !lab.p.loaded_all(test, &programs) {
+        return None;
+    }
+    if !lab.p.xdp_runs_take_a_context() {
+        say_skipped(
+            test,
+            "this kernel's BPF_PROG_TEST_RUN takes no xdp_md context (Linux 5.15)",
+        );
+        return None;
+    }
     let lines = [
         format!("link set ext0 mtu {LAB6_MTU}"),
         "addr add 2001:db8:0:1::10/64 dev ext0 nodad".into(),

@@ -21,7 +21,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, bail};
+use anyhow::{Context, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapInfo, MapType, PerCpuArray, ProgramArray},
@@ -166,14 +166,28 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
     // attached.
     // Pinned, so the programs serving now (an earlier agent's, until these are attached) call
     // these too: the maps they share have the same layout (check_pinned_layout).
+    // One the kernel's verifier refuses is left out (see `refused_ipv6`): its slot stays empty,
+    // and the IPv4 program passes what it would have handled on untouched.
+    let mut refused = Vec::new();
+    let old_verifier = !features::kernel_at_least(6, 12);
     for (index, name) in [
         (FAMILY_PROG_INGRESS6, PROG_INGRESS6),
         (FAMILY_PROG_EGRESS6, PROG_EGRESS6),
         (FAMILY_PROG_EXT_INGRESS6, PROG_EXT_INGRESS6),
         (FAMILY_PROG_EXT_EGRESS6, PROG_EXT_EGRESS6),
     ] {
-        let fd = load_classifier(&mut ebpf, name)?.fd()?.try_clone()?;
-        put_program(&mut ebpf, MAP_FAMILY_PROGS, index, name, &fd)?;
+        if old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name) {
+            refused.push((name, anyhow!("{OLD_VERIFIERS}")));
+            continue;
+        }
+        match load_classifier(&mut ebpf, name) {
+            Ok(prog) => {
+                let fd = prog.fd()?.try_clone()?;
+                put_program(&mut ebpf, MAP_FAMILY_PROGS, index, name, &fd)?;
+            }
+            Err(e) if refused_by_verifier(&e) => refused.push((name, e)),
+            Err(e) => return Err(e),
+        }
     }
     let xdp: &mut Xdp = ebpf
         .program_mut(PROG_XDP)
@@ -181,19 +195,29 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         .try_into()?;
     load_retrying(PROG_XDP, || xdp.load())?;
     // XDP's IPv6 programs, which it tail-calls (XDP programs call only XDP programs: an array
-    // of their own).
+    // of their own). Without them, XDP leaves IPv6 to the tc programs.
     for (index, name) in [
         (XDP_PROG_IPV6, PROG_XDP6),
         (XDP_PROG_NEW_FLOW6, PROG_XDP_NEW_FLOW6),
     ] {
+        if old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name) {
+            refused.push((name, anyhow!("{OLD_VERIFIERS}")));
+            continue;
+        }
         let xdp: &mut Xdp = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the BPF object"))?
             .try_into()?;
-        load_retrying(name, || xdp.load())?;
-        let fd = xdp.fd()?.try_clone()?;
-        put_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index, name, &fd)?;
+        match load_retrying(name, || xdp.load()) {
+            Ok(()) => {
+                let fd = xdp.fd()?.try_clone()?;
+                put_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index, name, &fd)?;
+            }
+            Err(e) if refused_by_verifier(&e) => refused.push((name, e)),
+            Err(e) => return Err(e),
+        }
     }
+    warn_refused_ipv6(&refused);
     let mut state: Array<_, u64> = ebpf
         .map_mut(MAP_AGENT_STATE)
         .context("map AGENT_STATE missing")?
@@ -206,7 +230,48 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         ebpf,
         recreated,
         empty,
+        refused_ipv6: refused.into_iter().map(|(name, _)| name).collect(),
     })
+}
+
+/// The IPv6 programs the verifiers of Linux 5.10 and 6.1 refuse (their call chains' stack,
+/// counted in 32-byte units per function, passes 512 bytes), not tried on kernels before 6.12
+/// (the oldest tested that takes them): a refusal costs the whole verification first, seconds
+/// at every load. Any kernel's refusal is handled the same way (`warn_refused_ipv6`).
+const REFUSED_BY_OLD_VERIFIERS: [&str; 2] = [PROG_EXT_INGRESS6, PROG_XDP6];
+const OLD_VERIFIERS: &str = "not tried before Linux 6.12: the verifiers of 5.10 and 6.1 refuse \
+                             its stack";
+
+/// Whether `e` (from [`load_retrying`]) is the verifier's refusal of a program, rather than a
+/// missing program or permission.
+fn refused_by_verifier(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<ProgramError>(),
+        Some(ProgramError::LoadError { io_error, .. })
+            if matches!(io_error.raw_os_error(), Some(libc::EACCES | libc::E2BIG | libc::EINVAL))
+    )
+}
+
+/// Says which IPv6 programs this kernel's verifier refused, and what goes unserved for it.
+/// Older verifiers count each function's stack in 32-byte units and give up sooner: the IPv6
+/// programs, whose addresses are four words each, are the largest.
+fn warn_refused_ipv6(refused: &[(&str, anyhow::Error)]) {
+    for (name, e) in refused {
+        let what = match *name {
+            PROG_INGRESS6 | PROG_EGRESS6 => "pods' IPv6 Service traffic (cluster IPs) is",
+            PROG_EXT_INGRESS6 | PROG_EXT_EGRESS6 => {
+                "IPv6 NodePorts, external IPs and load balancer addresses are"
+            }
+            _ => "XDP's IPv6 path (the tc programs serve it instead) is",
+        };
+        let reason = format!("{:#}", e.root_cause());
+        let reason = reason.lines().next().unwrap_or_default();
+        tracing::warn!(
+            program = name,
+            "this kernel's verifier refuses {name} ({reason}): {what} not served by the ebpf \
+             mode on this node (the nftables and iptables modes serve IPv6 here)"
+        );
+    }
 }
 
 /// Loads the tc program `name` of `ebpf`.
@@ -248,6 +313,8 @@ pub struct Loaded {
     pub ebpf: Ebpf,
     pub recreated: bool,
     pub empty: bool,
+    /// The IPv6 programs this kernel's verifier refused (left out, see `warn_refused_ipv6`).
+    pub refused_ipv6: Vec<&'static str>,
 }
 
 /// The constant of the socket programs that says whether they may call bpf_set_retval.
@@ -863,6 +930,7 @@ impl EbpfDataplane {
             mut ebpf,
             recreated,
             empty,
+            ..
         } = loaded;
         let kernel = Features::of_this_kernel()?;
         let mut host_clients = None;
