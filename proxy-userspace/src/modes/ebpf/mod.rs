@@ -102,6 +102,34 @@ impl Default for MapSizes {
     }
 }
 
+/// Loads the XDP program `name`; its fd.
+fn load_xdp(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<aya::programs::ProgramFd> {
+    let xdp: &mut Xdp = ebpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the BPF object"))?
+        .try_into()?;
+    load_retrying(name, || xdp.load())?;
+    Ok(xdp.fd()?.try_clone()?)
+}
+
+/// Empties `index` of the program array `map`: a program left there by an earlier agent (the
+/// array is pinned) must not serve where this one's was refused.
+fn clear_program(ebpf: &mut Ebpf, map: &str, index: u32) -> anyhow::Result<()> {
+    let mut array: ProgramArray<_> = ebpf
+        .map_mut(map)
+        .with_context(|| format!("map {map} missing"))?
+        .try_into()?;
+    match array.clear_index(&index) {
+        // Never filled.
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+        {
+            Ok(())
+        }
+        r => r.with_context(|| format!("emptying {map}[{index}]")),
+    }
+}
+
 /// Puts the loaded program `name` (`fd`) at `index` of the program array `map`.
 fn put_program(
     ebpf: &mut Ebpf,
@@ -176,16 +204,17 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         (FAMILY_PROG_EXT_INGRESS6, PROG_EXT_INGRESS6),
         (FAMILY_PROG_EXT_EGRESS6, PROG_EXT_EGRESS6),
     ] {
-        if old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name) {
-            refused.push((name, anyhow!("{OLD_VERIFIERS}")));
-            continue;
-        }
-        match load_classifier(&mut ebpf, name) {
-            Ok(prog) => {
-                let fd = prog.fd()?.try_clone()?;
-                put_program(&mut ebpf, MAP_FAMILY_PROGS, index, name, &fd)?;
+        let skipped = old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name);
+        let loaded = match skipped {
+            true => Err(anyhow!("{OLD_VERIFIERS}")),
+            false => load_classifier(&mut ebpf, name).and_then(|p| Ok(p.fd()?.try_clone()?)),
+        };
+        match loaded {
+            Ok(fd) => put_program(&mut ebpf, MAP_FAMILY_PROGS, index, name, &fd)?,
+            Err(e) if skipped || refused_by_verifier(&e) => {
+                clear_program(&mut ebpf, MAP_FAMILY_PROGS, index)?;
+                refused.push((name, e));
             }
-            Err(e) if refused_by_verifier(&e) => refused.push((name, e)),
             Err(e) => return Err(e),
         }
     }
@@ -200,20 +229,17 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         (XDP_PROG_IPV6, PROG_XDP6),
         (XDP_PROG_NEW_FLOW6, PROG_XDP_NEW_FLOW6),
     ] {
-        if old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name) {
-            refused.push((name, anyhow!("{OLD_VERIFIERS}")));
-            continue;
-        }
-        let xdp: &mut Xdp = ebpf
-            .program_mut(name)
-            .with_context(|| format!("program {name} missing from the BPF object"))?
-            .try_into()?;
-        match load_retrying(name, || xdp.load()) {
-            Ok(()) => {
-                let fd = xdp.fd()?.try_clone()?;
-                put_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index, name, &fd)?;
+        let skipped = old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name);
+        let loaded = match skipped {
+            true => Err(anyhow!("{OLD_VERIFIERS}")),
+            false => load_xdp(&mut ebpf, name),
+        };
+        match loaded {
+            Ok(fd) => put_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index, name, &fd)?,
+            Err(e) if skipped || refused_by_verifier(&e) => {
+                clear_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index)?;
+                refused.push((name, e));
             }
-            Err(e) if refused_by_verifier(&e) => refused.push((name, e)),
             Err(e) => return Err(e),
         }
     }
