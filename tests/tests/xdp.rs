@@ -1999,7 +1999,7 @@ fn a_node_port_connection_left_to_netfilter_passes_untouched() {
     assert_eq!(lab.ct_len(), 2, "no flow of the programs' own");
 }
 
-// IPv6: the external tc programs on IPv6 frames (XDP leaves them to tc).
+// IPv6: the external programs, tc and XDP, on IPv6 frames.
 
 /// ext0's IPv6 address, the one NodePorts answer on.
 const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 1, 0, 0, 0, 0x10);
