@@ -16,8 +16,8 @@ use crate::{
     conntrack, external,
     family::Family,
     packet::{
-        Drop, ETH_HLEN, ETH_P_IP, End, FAILED, IP_FRAG_MASK, IP_FRAG_OFFSET, Sum, read16, write16,
-        write32,
+        Drop, ETH_HLEN, ETH_P_IP, End, FAILED, IP_FRAG_MASK, IP_FRAG_OFFSET, Sum, pull_headers,
+        read16, write16, write32,
     },
 };
 
@@ -83,10 +83,7 @@ impl<A: Family> Error<A> {
 /// The ICMP error `ctx` holds, if it is one about a TCP or UDP packet.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Error> {
-    let wanted = core::cmp::min(ctx.len() as usize, TCP_CSUM_END);
-    if ctx.data() + wanted > ctx.data_end() {
-        ctx.pull_data(wanted as u32).ok()?;
-    }
+    pull_headers(ctx, TCP_CSUM_END)?;
     let (data, end) = (ctx.data(), ctx.data_end());
     if data + MIN_LEN > end {
         return None;

@@ -16,7 +16,8 @@ use crate::{
     icmp::Error,
     maps::FRAGMENTS6,
     packet::{
-        Drop, ETH_HLEN, ETH_P_IPV6, End, FAILED, Flow, Fragment, Sum, read, read16, send_back,
+        Drop, ETH_HLEN, ETH_P_IPV6, End, FAILED, Flow, Fragment, Sum, pull_headers, read, read16,
+        send_back, tcp_fields,
     },
     reject,
 };
@@ -57,10 +58,7 @@ const MAX_HDR: usize = IPV6_MIN + 20;
 #[inline(always)]
 pub fn parse<const MAX_EXT: usize>(ctx: &TcContext) -> Option<Flow<Be128>> {
     let len = ctx.len() as usize;
-    let wanted = core::cmp::min(len, MAX_HDR);
-    if ctx.data() + wanted > ctx.data_end() {
-        ctx.pull_data(wanted as u32).ok()?;
-    }
+    pull_headers(ctx, MAX_HDR)?;
     let (data, end) = (ctx.data(), ctx.data_end());
     if data + IPV6_MIN > end {
         return None;
@@ -155,12 +153,8 @@ pub fn parse<const MAX_EXT: usize>(ctx: &TcContext) -> Option<Flow<Be128>> {
         let l4 = data + IPV6_MIN;
         let port = |at: usize| Be16::from_raw(unsafe { read::<u16>(at) });
         if next == IPPROTO_TCP {
-            if l4 + 20 > end {
-                return None;
-            }
-            let hint = |at: usize| seq_hint(Be32::from_raw(unsafe { read::<u32>(at) }).get());
-            let flags = unsafe { read::<u8>(l4 + 13) };
-            (port(l4), port(l4 + 2), flags, hint(l4 + 4), hint(l4 + 8))
+            let (flags, seq, ack) = tcp_fields(l4, end)?;
+            (port(l4), port(l4 + 2), flags, seq, ack)
         } else {
             if l4 + 8 > end {
                 return None;
@@ -380,10 +374,7 @@ const FRAG_HLEN: usize = 8;
 #[inline(always)]
 pub fn icmp_error(ctx: &TcContext) -> Option<Error<Be128>> {
     let len = ctx.len() as usize;
-    let wanted = core::cmp::min(len, ERROR_MIN_LEN);
-    if ctx.data() + wanted > ctx.data_end() {
-        ctx.pull_data(wanted as u32).ok()?;
-    }
+    pull_headers(ctx, ERROR_MIN_LEN)?;
     let (data, end) = (ctx.data(), ctx.data_end());
     if data + ERROR_MIN_LEN > end {
         return None;

@@ -89,17 +89,37 @@ pub fn eth_proto(ctx: &TcContext) -> Option<u16> {
     Some(u16::from_be(raw))
 }
 
+/// Pulls the packet's first `max` bytes (all of it, if shorter) into the linear data, once:
+/// headers can sit partly outside it (GRO, some drivers).
+#[inline(always)]
+pub fn pull_headers(ctx: &TcContext, max: usize) -> Option<()> {
+    let wanted = core::cmp::min(ctx.len() as usize, max);
+    if ctx.data() + wanted > ctx.data_end() {
+        ctx.pull_data(wanted as u32).ok()?;
+    }
+    Some(())
+}
+
+/// The flags and the sequence and acknowledgment hints ([`seq_hint`]) of the TCP header at
+/// `l4`, checked to be within the frame with a constant length of its own (older verifiers,
+/// 6.1's, lose a variable one).
+#[inline(always)]
+pub fn tcp_fields(l4: usize, end: usize) -> Option<(u8, u16, u16)> {
+    if l4 + 20 > end {
+        return None;
+    }
+    // SAFETY: within l4..l4 + 20, checked above.
+    let hint = |at: usize| seq_hint(Be32::from_raw(unsafe { read::<u32>(at) }).get());
+    Some((unsafe { read::<u8>(l4 + 13) }, hint(l4 + 4), hint(l4 + 8)))
+}
+
 /// Reads the 5-tuple of an IPv4 TCP/UDP packet. A fragment after the first gets its first
 /// fragment's ports, which that one left in FRAGMENTS; without them (it came first, or the
 /// first is long gone) it is `None`, as is anything else not TCP/UDP over IPv4, including
 /// malformed or truncated headers: such packets are not ours to rewrite and pass untouched.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Flow> {
-    // Headers can sit partly outside the linear data (GRO, some drivers): pull them in once.
-    let wanted = core::cmp::min(ctx.len() as usize, MAX_HDR);
-    if ctx.data() + wanted > ctx.data_end() {
-        ctx.pull_data(wanted as u32).ok()?;
-    }
+    pull_headers(ctx, MAX_HDR)?;
     let mut flow = parse_headers(ctx.data(), ctx.data_end(), ctx.len() as usize)?;
     if flow.fragment == Fragment::Whole {
         return Some(flow);
@@ -200,11 +220,7 @@ pub fn parse_headers(data: usize, end: usize, len: usize) -> Option<Flow> {
     // A check with a constant length of its own: older verifiers (6.1) lose the variable
     // one above.
     let (tcp_flags, seq, ack) = if l4_proto == IPPROTO_TCP {
-        if l4 + 20 > end {
-            return None;
-        }
-        let hint = |at: usize| seq_hint(Be32::from_raw(unsafe { read::<u32>(at) }).get());
-        (unsafe { read::<u8>(l4 + 13) }, hint(l4 + 4), hint(l4 + 8))
+        tcp_fields(l4, end)?
     } else {
         (0, 0, 0)
     };

@@ -18,9 +18,7 @@ use aya_ebpf::{
     helpers::bpf_redirect,
     programs::XdpContext,
 };
-use proxy_common::{
-    Be16, Be32, Be128, CtKey, IFACE_XDP_FORWARD, IPPROTO_TCP, IPPROTO_UDP, seq_hint,
-};
+use proxy_common::{Be16, Be32, Be128, CtKey, IFACE_XDP_FORWARD, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     external::{self, Verdict},
@@ -306,11 +304,7 @@ fn parse6(data: usize, end: usize, len: usize) -> Option<Flow<Be128>> {
     let l4 = data + L4_6;
     // Constant lengths, each checked as the verifier wants.
     let (tcp_flags, seq, ack) = if proto == IPPROTO_TCP {
-        if l4 + 20 > end {
-            return None;
-        }
-        let hint = |at: usize| seq_hint(Be32::from_raw(unsafe { read::<u32>(at) }).get());
-        (unsafe { read::<u8>(l4 + 13) }, hint(l4 + 4), hint(l4 + 8))
+        packet::tcp_fields(l4, end)?
     } else {
         if l4 + 8 > end {
             return None;
