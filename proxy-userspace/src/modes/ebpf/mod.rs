@@ -263,8 +263,10 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
 /// The IPv6 programs the verifiers of Linux 5.10 and 6.1 refuse (their call chains' stack,
 /// counted in 32-byte units per function, passes 512 bytes), not tried on kernels before 6.12
 /// (the oldest tested that takes them): a refusal costs the whole verification first, seconds
-/// at every load. Any kernel's refusal is handled the same way (`warn_refused_ipv6`).
-const REFUSED_BY_OLD_VERIFIERS: [&str; 2] = [PROG_EXT_INGRESS6, PROG_XDP6];
+/// at every load. `xdp_new_flow6` with them: only `xdp_external6` reaches it, and its frame is
+/// within a few bytes of those kernels' limit. Any kernel's refusal is handled the same way
+/// (`warn_refused_ipv6`).
+const REFUSED_BY_OLD_VERIFIERS: [&str; 3] = [PROG_EXT_INGRESS6, PROG_XDP6, PROG_XDP_NEW_FLOW6];
 const OLD_VERIFIERS: &str = "not tried before Linux 6.12: the verifiers of 5.10 and 6.1 refuse \
                              its stack";
 
