@@ -1122,14 +1122,26 @@ impl Generator {
         (u32::from(units) << 16) | u32::from(self.rng.next() as u16)
     }
 
+    /// One byte of `f` (not empty) flipped somewhere.
+    fn flip_byte(&mut self, f: &mut [u8]) {
+        let i = self.rng.below(f.len());
+        f[i] ^= 1 + self.rng.below(255) as u8;
+    }
+
+    /// The checksum at `at` in `f` made 0, all ones, or anything.
+    fn bad_checksum(&mut self, f: &mut [u8], at: usize) {
+        let any = self.rng.next() as u16;
+        let c = self.rng.pick(&[0, 0xffff, any]);
+        f[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    }
+
     fn mutate(&mut self, f: &mut Vec<u8>) {
         if is_ipv6(f) {
             return self.mutate6(f);
         }
         if f.len() < ETH_HLEN + 20 {
             if !f.is_empty() {
-                let i = self.rng.below(f.len());
-                f[i] ^= 1 + self.rng.below(255) as u8;
+                self.flip_byte(f);
             }
             return;
         }
@@ -1174,23 +1186,18 @@ impl Generator {
                 f[12..14].copy_from_slice(&ethertype.to_be_bytes());
             }
             7 => {
-                let any = self.rng.next() as u16;
-                let c = self.rng.pick(&[0, 0xffff, any]);
-                f[ip + 10..ip + 12].copy_from_slice(&c.to_be_bytes());
+                self.bad_checksum(f, ip + 10);
             }
             8 => {
                 let at = match l4 {
                     Some(l4) => l4 + if f[ip + 9] == TCP { 16 } else { 6 },
                     None => ip + 10,
                 };
-                let any = self.rng.next() as u16;
-                let c = self.rng.pick(&[0, 0xffff, any]);
-                f[at..at + 2].copy_from_slice(&c.to_be_bytes());
+                self.bad_checksum(f, at);
             }
             9 => {
                 for _ in 0..1 + self.rng.below(4) {
-                    let i = self.rng.below(f.len());
-                    f[i] ^= 1 + self.rng.below(255) as u8;
+                    self.flip_byte(f);
                 }
             }
             10 => match l4 {
@@ -1214,8 +1221,7 @@ impl Generator {
     fn mutate6(&mut self, f: &mut Vec<u8>) {
         if f.len() < IPV6_END {
             if !f.is_empty() {
-                let i = self.rng.below(f.len());
-                f[i] ^= 1 + self.rng.below(255) as u8;
+                self.flip_byte(f);
             }
             return;
         }
@@ -1278,14 +1284,11 @@ impl Generator {
             }
             7 => {
                 let at = l4.unwrap_or(ip + 2);
-                let any = self.rng.next() as u16;
-                let c = self.rng.pick(&[0, 0xffff, any]);
-                f[at..at + 2].copy_from_slice(&c.to_be_bytes());
+                self.bad_checksum(f, at);
             }
             8 => {
                 for _ in 0..1 + self.rng.below(4) {
-                    let i = self.rng.below(f.len());
-                    f[i] ^= 1 + self.rng.below(255) as u8;
+                    self.flip_byte(f);
                 }
             }
             9 => match reference::parse(f) {
