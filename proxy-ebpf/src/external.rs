@@ -69,7 +69,9 @@ pub fn decide<C: EbpfContext, A: Family>(
     ingress: u32,
     new_flows: bool,
 ) -> Result<Verdict<A>, Drop> {
-    let key = flow.key;
+    // Borrowed: a copy of an IPv6 key is 40 bytes more of stack, which 5.10's and 6.1's
+    // verifiers refuse here (ARCHITECTURE.md).
+    let key = &flow.key;
     let (node_addr, to_node) = frontend::node_addr(key.daddr);
     if node_addr && let Some((service, client)) = conntrack::snat_reply(flow) {
         return Ok(Verdict::Nat {
@@ -83,7 +85,7 @@ pub fn decide<C: EbpfContext, A: Family>(
             // A connection straight to a pod (or to anything else): a reply entry left on its
             // reverse 5-tuple by an earlier flow through a frontend (the client reusing its
             // port) must not rewrite its replies.
-            conntrack::forget_finished_reply(&key, unsafe { bpf_ktime_get_ns() }, true);
+            conntrack::forget_finished_reply(key, unsafe { bpf_ktime_get_ns() }, true);
         }
         return Ok(Verdict::Pass);
     };
@@ -95,7 +97,7 @@ pub fn decide<C: EbpfContext, A: Family>(
         if live.netfilter {
             return Ok(Verdict::Pass); // netfilter's to the end, as in ingress.rs
         }
-        return Ok(nat(&key, &live.backend, live.snat));
+        return Ok(nat(key, &live.backend, live.snat));
     }
     if flow.later_fragment() {
         return Ok(Verdict::Pass); // its first fragment started no flow
@@ -103,8 +105,7 @@ pub fn decide<C: EbpfContext, A: Family>(
     if !new_flows {
         return Ok(Verdict::NewFlow);
     }
-    let Some((backend_id, backend)) =
-        lb::new_flow_backend(&key, &svc_key, &svc, now, lb::random())?
+    let Some((backend_id, backend)) = lb::new_flow_backend(key, &svc_key, &svc, now, lb::random())?
     else {
         if svc.flags & SERVICE_LOCAL_ONLY != 0 {
             return Err(Drop(DROP_NO_LOCAL_ENDPOINTS));
@@ -116,15 +117,15 @@ pub fn decide<C: EbpfContext, A: Family>(
     };
     if svc.flags & SERVICE_TWO_SCOPES != 0 || backend.flags & BACKEND_LOCAL != 0 {
         conntrack::record_flow(flow, backend_id, &backend, now, true);
-        return Ok(nat(&key, &backend, conntrack::no_snat()));
+        return Ok(nat(key, &backend, conntrack::no_snat()));
     }
-    let node = snat_source(ctx, &key, &backend, ingress, to_node);
+    let node = snat_source(ctx, key, &backend, ingress, to_node);
     if node == A::default() {
         return Err(Drop(DROP_NO_ROUTE));
     }
     let port = conntrack::record_snat_flow(flow, backend_id, &backend, node, now)
         .ok_or(Drop(DROP_SNAT_PORTS_EXHAUSTED))?;
-    Ok(nat(&key, &backend, (node, port)))
+    Ok(nat(key, &backend, (node, port)))
 }
 
 #[inline(always)]

@@ -92,8 +92,6 @@ impl Drop for PrivateBpffs {
 pub struct Programs {
     pub ebpf: Ebpf,
     pub maps: MapWriter,
-    /// The IPv6 programs this kernel's verifier refused (the agent leaves them out).
-    pub refused_ipv6: Vec<&'static str>,
     // Dropped last: the maps are pinned there.
     pub bpffs: PrivateBpffs,
 }
@@ -132,33 +130,19 @@ impl Programs {
     pub fn load_with(sizes: MapSizes, writer: WriterConfig) -> anyhow::Result<Self> {
         let bpffs = PrivateBpffs::new()?;
         let loaded = ebpf::load(bpffs.path(), sizes)?;
-        let (mut ebpf, refused_ipv6) = (loaded.ebpf, loaded.refused_ipv6);
+        // The agent serves on with a program a verifier refuses (it warns), but every kernel
+        // tested (5.10, 6.1, 6.12, this machine's) must take them all.
+        anyhow::ensure!(
+            loaded.refused_ipv6.is_empty(),
+            "this kernel's verifier refused {}",
+            loaded.refused_ipv6.join(", ")
+        );
+        let mut ebpf = loaded.ebpf;
         // The agent loads them only to attach them; loaded here so that every kernel's
         // verifier checks them (5.10's too, which cannot attach them).
         ebpf::cgroup::load_programs(&mut ebpf)?;
         let maps = MapWriter::take_from(&mut ebpf, writer)?;
-        Ok(Self {
-            ebpf,
-            maps,
-            refused_ipv6,
-            bpffs,
-        })
-    }
-
-    /// Whether `test` can run: every program of `programs` loaded. Skipped (loudly) where this
-    /// kernel's verifier refused one, even under SANDBOX_NO_SKIP: the kernel, not the machine,
-    /// lacks it (the agent warns and leaves it out).
-    pub fn loaded_all(&self, test: &str, programs: &[&str]) -> bool {
-        let refused: Vec<&str> = (programs.iter().copied())
-            .filter(|p| self.refused_ipv6.contains(p))
-            .collect();
-        if !refused.is_empty() {
-            crate::say_skipped(
-                test,
-                &format!("this kernel's verifier refuses {}", refused.join(", ")),
-            );
-        }
-        refused.is_empty()
+        Ok(Self { ebpf, maps, bpffs })
     }
 
     /// Programs `state` into the maps (a full sync, as the agent's first one).

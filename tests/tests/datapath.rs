@@ -25,7 +25,7 @@ use proxy_userspace::{
     dataplane::{NotProgrammable, Scope},
     model::{DesiredState, Protocol},
     modes::ebpf::inspect,
-    modes::ebpf::{self, MapSizes, writer::DEFAULT_DRAIN_PERIOD},
+    modes::ebpf::{MapSizes, writer::DEFAULT_DRAIN_PERIOD},
 };
 
 #[test]
@@ -1245,9 +1245,6 @@ const BE6_2: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 0x11);
 /// one on [`VIP`] beside them.
 fn setup6(test: &str, endpoints: &[(Ipv6Addr, u16)]) -> Option<Programs> {
     let (mut p, mut state) = setup(test, &[(BE1, 8080)])?;
-    if !p.loaded_all(test, &[ebpf::PROG_INGRESS6, ebpf::PROG_EGRESS6]) {
-        return None;
-    }
     for (name, protocol) in [("web6", Protocol::Tcp), ("dns6", Protocol::Udp)] {
         let spn = add_service(
             &mut state,

@@ -34,8 +34,8 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     model::{DesiredState, Protocol},
+    modes::ebpf::MapSizes,
     modes::ebpf::inspect::monotonic_ns,
-    modes::ebpf::{self, MapSizes},
 };
 
 /// The translated flows' source ports here (`--bpf-snat-port-range`): narrower than the
@@ -2029,15 +2029,6 @@ fn lab6(test: &str) -> Option<Lab> {
         state.set_endpoints(key, vec![ready_endpoint(REMOTE_BE6.into(), TARGET)]);
     }
     let lab = lab_with(state);
-    let programs = [
-        ebpf::PROG_EXT_INGRESS6,
-        ebpf::PROG_EXT_EGRESS6,
-        ebpf::PROG_XDP6,
-        ebpf::PROG_XDP_NEW_FLOW6,
-    ];
-    if !lab.p.loaded_all(test, &programs) {
-        return None;
-    }
     if !lab.p.xdp_runs_take_a_context() {
         say_skipped(
             test,

@@ -235,25 +235,6 @@ fn tcx_supported() -> anyhow::Result<bool> {
     }
 }
 
-/// Whether this kernel's release is `major`.`minor` or later. Only for what no probe can tell
-/// cheaply (a verifier's limits: trying is a whole verification); unknown: false.
-pub fn kernel_at_least(major: u32, minor: u32) -> bool {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    release_at_least(&release, major, minor)
-}
-
-/// [`kernel_at_least`] of `release` (`6.1.0-57-amd64`, `6.18.44-fc`).
-fn release_at_least(release: &str, major: u32, minor: u32) -> bool {
-    let mut parts = release
-        .trim()
-        .split(|c: char| !c.is_ascii_digit())
-        .map(|n| n.parse::<u32>().ok());
-    match (parts.next().flatten(), parts.next().flatten()) {
-        (Some(a), Some(b)) => (a, b) >= (major, minor),
-        _ => false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,14 +251,5 @@ mod tests {
             assert!(found.has(feature), "{} missing", feature.name);
         }
         found.check().unwrap();
-    }
-
-    #[test]
-    fn kernel_releases_compare_by_major_and_minor() {
-        assert!(release_at_least("6.18.44-fc-v1300\n", 6, 12));
-        assert!(release_at_least("6.12.0-1-amd64", 6, 12));
-        assert!(!release_at_least("6.1.0-57-amd64", 6, 12));
-        assert!(!release_at_least("5.10.0-35-amd64", 6, 12));
-        assert!(!release_at_least("", 6, 12));
     }
 }

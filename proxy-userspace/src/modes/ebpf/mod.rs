@@ -21,7 +21,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapInfo, MapType, PerCpuArray, ProgramArray},
@@ -197,21 +197,16 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
     // One the kernel's verifier refuses is left out (see `refused_ipv6`): its slot stays empty,
     // and the IPv4 program passes what it would have handled on untouched.
     let mut refused = Vec::new();
-    let old_verifier = !features::kernel_at_least(6, 12);
     for (index, name) in [
         (FAMILY_PROG_INGRESS6, PROG_INGRESS6),
         (FAMILY_PROG_EGRESS6, PROG_EGRESS6),
         (FAMILY_PROG_EXT_INGRESS6, PROG_EXT_INGRESS6),
         (FAMILY_PROG_EXT_EGRESS6, PROG_EXT_EGRESS6),
     ] {
-        let skipped = old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name);
-        let loaded = match skipped {
-            true => Err(anyhow!("{OLD_VERIFIERS}")),
-            false => load_classifier(&mut ebpf, name).and_then(|p| Ok(p.fd()?.try_clone()?)),
-        };
+        let loaded = load_classifier(&mut ebpf, name).and_then(|p| Ok(p.fd()?.try_clone()?));
         match loaded {
             Ok(fd) => put_program(&mut ebpf, MAP_FAMILY_PROGS, index, name, &fd)?,
-            Err(e) if skipped || refused_by_verifier(&e) => {
+            Err(e) if refused_by_verifier(&e) => {
                 clear_program(&mut ebpf, MAP_FAMILY_PROGS, index)?;
                 refused.push((name, e));
             }
@@ -229,14 +224,9 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         (XDP_PROG_IPV6, PROG_XDP6),
         (XDP_PROG_NEW_FLOW6, PROG_XDP_NEW_FLOW6),
     ] {
-        let skipped = old_verifier && REFUSED_BY_OLD_VERIFIERS.contains(&name);
-        let loaded = match skipped {
-            true => Err(anyhow!("{OLD_VERIFIERS}")),
-            false => load_xdp(&mut ebpf, name),
-        };
-        match loaded {
+        match load_xdp(&mut ebpf, name) {
             Ok(fd) => put_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index, name, &fd)?,
-            Err(e) if skipped || refused_by_verifier(&e) => {
+            Err(e) if refused_by_verifier(&e) => {
                 clear_program(&mut ebpf, MAP_XDP_FAMILY_PROGS, index)?;
                 refused.push((name, e));
             }
@@ -259,16 +249,6 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
         refused_ipv6: refused.into_iter().map(|(name, _)| name).collect(),
     })
 }
-
-/// The IPv6 programs the verifiers of Linux 5.10 and 6.1 refuse (their call chains' stack,
-/// counted in 32-byte units per function, passes 512 bytes), not tried on kernels before 6.12
-/// (the oldest tested that takes them): a refusal costs the whole verification first, seconds
-/// at every load. `xdp_new_flow6` with them: only `xdp_external6` reaches it, and its frame is
-/// within a few bytes of those kernels' limit. Any kernel's refusal is handled the same way
-/// (`warn_refused_ipv6`).
-const REFUSED_BY_OLD_VERIFIERS: [&str; 3] = [PROG_EXT_INGRESS6, PROG_XDP6, PROG_XDP_NEW_FLOW6];
-const OLD_VERIFIERS: &str = "not tried before Linux 6.12: the verifiers of 5.10 and 6.1 refuse \
-                             its stack";
 
 /// Whether `e` (from [`load_retrying`]) is the verifier's refusal of a program, rather than a
 /// missing program or permission.
@@ -702,7 +682,7 @@ fn warn_on_size_changes(pin_dir: &Path, sizes: MapSizes) {
 pub fn cleanup(pin_dir: &Path) -> anyhow::Result<()> {
     let detached = detach_all(pin_dir)? + cgroup::detach_all(pin_dir)?;
     netfilter_flows::release();
-    sctp::remove_table()?;
+    sctp::remove_tables()?;
     let mut removed = 0;
     // Only what the agent pinned: a bpffs root also holds the kernel's own `*.debug` files.
     for name in LAYOUTS.map(|l| l.name) {
@@ -1083,13 +1063,13 @@ impl Dataplane for EbpfDataplane {
         synced.and(sctp)
     }
 
-    /// Also ends the drains whose period is over (full syncs do too, but they come once an
-    /// hour).
     /// Both.
     fn families(&self) -> Vec<Family> {
         Family::ALL.to_vec()
     }
 
+    /// Also ends the drains whose period is over (full syncs do too, but they come once an
+    /// hour).
     fn housekeeping(&mut self) -> anyhow::Result<()> {
         if let Programs::Attached(thread) = &self.programs {
             thread.check()?;
