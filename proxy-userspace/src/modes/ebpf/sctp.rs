@@ -1,11 +1,11 @@
 //! SCTP Service ports in the ebpf mode. The programs do not translate SCTP: its checksum is a
 //! CRC32c over the whole packet, ports included, which no BPF helper recomputes (the IP
 //! addresses are outside it, but a Service's port and target port differ). So these ports are
-//! written as nftables rules in kube-proxy's layout ([`crate::modes::nftables::rules`]), in a
-//! table of their own, and netfilter's SCTP NAT translates them, checksum included, as in
-//! kube-proxy's nftables mode; the programs pass SCTP packets untouched. The table exists only
-//! while some SCTP Service port does: its NAT chains turn on netfilter's conntrack for every
-//! packet of the node's namespace.
+//! written as nftables rules in kube-proxy's layout ([`crate::modes::nftables::rules`]), in
+//! tables of their own (`ip` and `ip6`), and netfilter's SCTP NAT translates them, checksum
+//! included, as in kube-proxy's nftables mode; the programs pass SCTP packets untouched. A
+//! family's table exists only while some SCTP Service port of that family does: its NAT chains
+//! turn on netfilter's conntrack for every packet of that family in the node's namespace.
 //!
 //! Where `nft` cannot be run, each SCTP Service port is reported as not served (logged once,
 //! an Event on its Service, `kubeproxy_unserved_service_ports`), never silently dropped.
@@ -32,14 +32,24 @@ pub const TABLE: Table = Table {
     checks_cluster_ips: false,
 };
 
+pub const TABLE6: Table = Table {
+    family: Family::V6,
+    name: "ip6 kube-proxy-ebpf-sctp",
+    ..TABLE
+};
+
+/// One table a family, each only while that family has an SCTP port.
+pub const TABLES: [Table; 2] = [TABLE, TABLE6];
+
 fn is_sctp(spn: &ServicePortName) -> bool {
     spn.protocol == Protocol::Sctp
 }
 
 pub struct SctpPorts {
     config: NetfilterConfig,
-    /// What the table holds; None: unknown or absent (written anew when needed).
-    programmed: Option<Programmed>,
+    /// What each table of [`TABLES`] holds; None: unknown or absent (written anew when
+    /// needed).
+    programmed: [Option<Programmed>; 2],
     /// Why nft cannot serve them, once found.
     unavailable: Option<String>,
     /// The ports reported as not served.
@@ -50,13 +60,13 @@ impl SctpPorts {
     pub fn new(config: NetfilterConfig) -> Self {
         Self {
             config,
-            programmed: None,
+            programmed: [None, None],
             unavailable: None,
             reported: BTreeSet::new(),
         }
     }
 
-    /// Writes the SCTP ports of `state` that `scope` names (all of them when the table's
+    /// Writes the SCTP ports of `state` that `scope` names (all of them to a table whose
     /// content is not known). The renderer sees the SCTP ports alone, whichever way it goes
     /// (a settings change, say, makes it write the table anew).
     pub fn sync(&mut self, state: &DesiredState, scope: Scope<'_>) -> anyhow::Result<()> {
@@ -67,29 +77,41 @@ impl SctpPorts {
                 if changed.is_empty() {
                     return Ok(());
                 }
-                match self.programmed {
-                    Some(_) => Scope::Changed(&changed),
-                    None => Scope::All,
-                }
+                Scope::Changed(&changed)
             }
             Scope::All => Scope::All,
         };
         let state = &state.only(is_sctp);
-        if self.programmed.is_none() && state.port_count() == 0 {
-            // Nothing to serve (nor to report as not served), and maybe a table of an earlier
+        if self.programmed.iter().all(Option::is_none) && state.port_count() == 0 {
+            // Nothing to serve (nor to report as not served), and maybe tables of an earlier
             // run to remove.
             self.report(state, "");
-            return remove_table();
+            return remove_tables();
         }
         if let Some(why) = self.unavailable.clone() {
             self.report(state, &why);
             return Ok(());
         }
-        let settings = self.config.settings(Family::V4)?;
-        let programmed = self.programmed.take();
-        let rendered = nftables::rules::render(state, &settings, TABLE, programmed, scope);
-        if !rendered.text.is_empty()
-            && let Err(e) = nftables::nft(&rendered.text)
+        // One transaction for both families, as the nftables mode writes them; a family
+        // without SCTP ports has no table (netfilter's NAT is then not needed for it).
+        let mut text = String::new();
+        let mut programmed = [None, None];
+        let mut unwanted = Vec::new();
+        for ((table, was), now) in TABLES.iter().zip(&mut self.programmed).zip(&mut programmed) {
+            // Taken: if the transaction fails, the next sync starts from unknown tables.
+            let was = was.take();
+            if !state.ports().any(|(_, sp)| sp.in_family(table.family)) {
+                unwanted.push(table);
+                continue;
+            }
+            let scope = if was.is_some() { scope } else { Scope::All };
+            let settings = self.config.settings(table.family)?;
+            let rendered = nftables::rules::render(state, &settings, *table, was, scope);
+            text.push_str(&rendered.text);
+            *now = Some(rendered.programmed);
+        }
+        if !text.is_empty()
+            && let Err(e) = nftables::nft(&text)
         {
             if let Err(why) = nftables::available() {
                 let why = format!("{why:#}");
@@ -99,11 +121,8 @@ impl SctpPorts {
             }
             return Err(e.context("writing the SCTP Service ports' nftables rules"));
         }
-        if rendered.programmed.is_empty() {
-            // The last SCTP port went: netfilter's NAT is needed no more.
-            return remove_table();
-        }
-        self.programmed = Some(rendered.programmed);
+        unwanted.into_iter().try_for_each(remove)?;
+        self.programmed = programmed;
         Ok(())
     }
 
@@ -132,36 +151,48 @@ impl SctpPorts {
     }
 }
 
-/// Whether the table is here.
+/// Whether a table of [`TABLES`] is here.
 pub fn installed() -> bool {
-    nftables::exists(TABLE.name)
+    TABLES.iter().any(|t| nftables::exists(t.name))
 }
 
-/// `what` of the table, as the nftables mode's reader reads it; None without the table (also
-/// when the running agent removes it meanwhile: its last SCTP port went).
+/// `what` of the tables, as the nftables mode's reader reads them; None without them (also
+/// when the running agent removes them meanwhile: their last SCTP port went).
 pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
-    if !installed() {
+    let here: Vec<Table> = TABLES
+        .into_iter()
+        .filter(|t| nftables::exists(t.name))
+        .collect();
+    if here.is_empty() {
         return Ok(None);
     }
-    match nftables::inspect::read(what, &[TABLE]) {
+    match nftables::inspect::read(what, &here) {
         Ok(rows) => Ok(Some(rows)),
         Err(_) if !installed() => Ok(None),
         Err(e) => Err(e),
     }
 }
 
-/// Removes the table (`--cleanup`, and a start with no SCTP port); none: nothing done.
-pub fn remove_table() -> anyhow::Result<()> {
-    if installed() {
-        nftables::nft(&format!("delete table {}\n", TABLE.name))?;
-        tracing::info!(table = TABLE.name, "removed the SCTP Service ports' table");
+/// Removes the tables (`--cleanup`, and a start with no SCTP port); none: nothing done.
+pub fn remove_tables() -> anyhow::Result<()> {
+    TABLES.iter().try_for_each(remove)
+}
+
+/// Removes `table` if it is here.
+fn remove(table: &Table) -> anyhow::Result<()> {
+    if nftables::exists(table.name) {
+        nftables::nft(&format!("delete table {}\n", table.name))?;
+        tracing::info!(table = table.name, "removed an SCTP Service ports' table");
     }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use std::{net::Ipv4Addr, process::Command};
+    use std::{
+        net::{Ipv4Addr, Ipv6Addr},
+        process::Command,
+    };
 
     use super::*;
     use crate::{
@@ -188,13 +219,26 @@ metadata: {name: signal-1, namespace: shop, labels: {kubernetes.io/service-name:
 addressType: IPv4
 ports: [{name: assoc, port: 8080, protocol: SCTP}]
 endpoints: [{addresses: [10.244.1.11], nodeName: node1}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: signal6, namespace: shop}
+spec: {clusterIP: fd00:10:96::20, clusterIPs: [fd00:10:96::20], ipFamilies: [IPv6],
+  ports: [{name: assoc, port: 9000, protocol: SCTP, targetPort: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: signal6-1, namespace: shop, labels: {kubernetes.io/service-name: signal6}}
+addressType: IPv6
+ports: [{name: assoc, port: 8080, protocol: SCTP}]
+endpoints: [{addresses: [fd00:10:244:1::11], nodeName: node1}]
 ";
 
-    /// The table holds the SCTP ports alone, follows them, and goes with the last one.
+    /// Each family's table holds its SCTP ports alone, follows them, and goes with the last.
     #[test]
-    fn the_table_holds_the_sctp_ports_while_there_are_some() {
+    fn the_tables_hold_the_sctp_ports_while_there_are_some() {
         if !privileged(
-            "modes::ebpf::sctp::tests::the_table_holds_the_sctp_ports",
+            "modes::ebpf::sctp::tests::the_tables_hold_the_sctp_ports_while_there_are_some",
             "nft",
         ) {
             return;
@@ -203,10 +247,13 @@ endpoints: [{addresses: [10.244.1.11], nodeName: node1}]
             let mut ports = SctpPorts::new(NetfilterConfig {
                 cluster_cidrs: vec![Cidr::v4(Ipv4Addr::new(10, 244, 0, 0), 16)],
                 masquerade_all: false,
-                node_port_addresses: NodePortAddresses::Cidrs(vec![Cidr::v4(
-                    Ipv4Addr::UNSPECIFIED,
-                    0,
-                )]),
+                node_port_addresses: NodePortAddresses::Cidrs(vec![
+                    Cidr::v4(Ipv4Addr::UNSPECIFIED, 0),
+                    Cidr {
+                        addr: Ipv6Addr::UNSPECIFIED.into(),
+                        len: 0,
+                    },
+                ]),
                 primary: Vec::new(),
             });
             let list = || {
@@ -214,29 +261,43 @@ endpoints: [{addresses: [10.244.1.11], nodeName: node1}]
                 anyhow::Ok(String::from_utf8_lossy(&out.stdout).into_owned())
             };
             let mut state = fixture(MANIFEST);
+            let mut listed = Vec::new();
             ports.sync(&state, Scope::All)?;
-            let with = list()?;
-            let signal = ServicePortName::new(
-                NamespacedName::new("shop", "signal"),
-                "assoc",
-                Protocol::Sctp,
-            );
-            state.remove_port(&signal);
-            ports.sync(&state, Scope::Changed(&BTreeSet::from([signal])))?;
-            let without = list()?;
-            Ok(format!("{with}\n=====\n{without}"))
+            listed.push(list()?);
+            for name in ["signal6", "signal"] {
+                let spn = ServicePortName::new(
+                    NamespacedName::new("shop", name),
+                    "assoc",
+                    Protocol::Sctp,
+                );
+                state.remove_port(&spn);
+                ports.sync(&state, Scope::Changed(&BTreeSet::from([spn])))?;
+                listed.push(list()?);
+            }
+            Ok(listed.join("====="))
         });
-        let (with, without) = listed.split_once("=====").unwrap();
+        let listed: Vec<&str> = listed.split("=====").collect();
+        let [both, ipv4, none] = listed[..] else {
+            panic!("{listed:?}")
+        };
         assert!(
-            with.contains("table ip kube-proxy-ebpf-sctp")
-                && with.contains("10.96.0.20 . sctp . 9000")
-                && with.contains("dnat to 10.244.1.11:8080"),
-            "{with}"
+            both.contains("table ip kube-proxy-ebpf-sctp")
+                && both.contains("10.96.0.20 . sctp . 9000")
+                && both.contains("dnat to 10.244.1.11:8080")
+                && both.contains("table ip6 kube-proxy-ebpf-sctp")
+                && both.contains("fd00:10:96::20 . sctp . 9000")
+                && both.contains("dnat to [fd00:10:244:1::11]:8080"),
+            "{both}"
         );
         assert!(
-            !with.contains("10.96.0.10"),
-            "a TCP port in the table: {with}"
+            !both.contains("10.96.0.10"),
+            "a TCP port in the table: {both}"
         );
-        assert!(!without.contains("kube-proxy-ebpf-sctp"), "{without}");
+        assert!(
+            ipv4.contains("table ip kube-proxy-ebpf-sctp")
+                && !ipv4.contains("table ip6 kube-proxy-ebpf-sctp"),
+            "{ipv4}"
+        );
+        assert!(!none.contains("kube-proxy-ebpf-sctp"), "{none}");
     }
 }
