@@ -285,8 +285,9 @@ fn lint() -> anyhow::Result<()> {
 
 const BPF_TARGET: &str = "bpfel-unknown-none";
 
-/// `cargo +nightly` in proxy-ebpf, without the variables the outer (stable) cargo sets, which
-/// would make the nightly build use the stable compiler.
+/// `cargo +nightly` in proxy-ebpf (whose .cargo/config.toml holds the BPF link flags), without
+/// the variables the outer (stable) cargo sets, which would make the nightly build use the
+/// stable compiler, nor RUSTFLAGS, which would replace those link flags.
 fn nightly_cargo() -> Command {
     let mut cmd = Command::new("cargo");
     cmd.arg(format!("+{NIGHTLY}"))
@@ -294,7 +295,9 @@ fn nightly_cargo() -> Command {
         .env_remove("RUSTUP_TOOLCHAIN")
         .env_remove("RUSTC")
         .env_remove("RUSTDOC")
-        .env_remove("CARGO");
+        .env_remove("CARGO")
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS");
     cmd
 }
 

@@ -336,7 +336,7 @@ pub fn monotonic_ns() -> u64 {
 }
 
 /// `what` of the maps pinned in `pin_dir`.
-/// The SCTP Service ports, which netfilter translates, are listed from their nftables table
+/// The SCTP Service ports, which netfilter translates, are listed from their nftables tables
 /// beside the maps' frontends and backends (without ids).
 pub fn read(what: What, pin_dir: &Path) -> anyhow::Result<Rows> {
     let sctp = super::sctp::read;

@@ -839,7 +839,8 @@ pub fn lock_pin_dir(pin_dir: &Path) -> anyhow::Result<bpffs::PinDirLock> {
     bpffs::PinDirLock::acquire(pin_dir)
 }
 
-/// Whether an ebpf-mode run's maps are pinned in `pin_dir`, or its SCTP ports' table is here.
+/// Whether an ebpf-mode run's maps are pinned in `pin_dir`, or one of its SCTP ports' tables
+/// is here.
 pub fn installed(pin_dir: &Path) -> bool {
     pin_dir.join(proxy_common::MAP_SERVICES).exists() || sctp::installed()
 }

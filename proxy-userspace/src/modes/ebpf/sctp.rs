@@ -9,7 +9,9 @@
 //!
 //! Where `nft` cannot be run, each SCTP Service port is reported as not served (logged once,
 //! an Event on its Service, `kubeproxy_unserved_service_ports`), never silently dropped.
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, fmt::Write};
+
+use anyhow::Context;
 
 use crate::{
     dataplane::Scope,
@@ -52,6 +54,9 @@ pub struct SctpPorts {
     programmed: [Option<Programmed>; 2],
     /// Why nft cannot serve them, once found.
     unavailable: Option<String>,
+    /// The tables nft can write here, found at the first write as the nftables mode finds
+    /// them at its start (a node booted without IPv6 has no `ip6` tables); None: not yet.
+    writable: Option<Vec<Table>>,
     /// The ports reported as not served.
     reported: BTreeSet<ServicePortName>,
 }
@@ -62,6 +67,7 @@ impl SctpPorts {
             config,
             programmed: [None, None],
             unavailable: None,
+            writable: None,
             reported: BTreeSet::new(),
         }
     }
@@ -92,16 +98,35 @@ impl SctpPorts {
             self.report(state, &why);
             return Ok(());
         }
+        let first = self.writable.is_none();
+        let writable = match &self.writable {
+            Some(writable) => writable.clone(),
+            None => {
+                if let Err(why) = nftables::available() {
+                    let why = format!("{why:#}");
+                    self.report(state, &why);
+                    self.unavailable = Some(why);
+                    return Ok(());
+                }
+                self.writable.insert(writable_tables()).clone()
+            }
+        };
         // One transaction for both families, as the nftables mode writes them; a family
         // without SCTP ports has no table (netfilter's NAT is then not needed for it).
         let mut text = String::new();
         let mut programmed = [None, None];
-        let mut unwanted = Vec::new();
         for ((table, was), now) in TABLES.iter().zip(&mut self.programmed).zip(&mut programmed) {
             // Taken: if the transaction fails, the next sync starts from unknown tables.
             let was = was.take();
+            if !writable.contains(table) {
+                continue; // said at the first write
+            }
             if !state.ports().any(|(_, sp)| sp.in_family(table.family)) {
-                unwanted.push(table);
+                if was.is_some() || first {
+                    // Its last port went, or an earlier run may have left it: gone in the
+                    // same transaction (adding it first makes the delete valid without it).
+                    let _ = write!(text, "add table {0}\ndelete table {0}\n", table.name);
+                }
                 continue;
             }
             let scope = if was.is_some() { scope } else { Scope::All };
@@ -110,18 +135,9 @@ impl SctpPorts {
             text.push_str(&rendered.text);
             *now = Some(rendered.programmed);
         }
-        if !text.is_empty()
-            && let Err(e) = nftables::nft(&text)
-        {
-            if let Err(why) = nftables::available() {
-                let why = format!("{why:#}");
-                self.report(state, &why);
-                self.unavailable = Some(why);
-                return Ok(());
-            }
-            return Err(e.context("writing the SCTP Service ports' nftables rules"));
+        if !text.is_empty() {
+            nftables::nft(&text).context("writing the SCTP Service ports' nftables rules")?;
         }
-        unwanted.into_iter().try_for_each(remove)?;
         self.programmed = programmed;
         Ok(())
     }
@@ -175,16 +191,30 @@ pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
 
 /// Removes the tables (`--cleanup`, and a start with no SCTP port); none: nothing done.
 pub fn remove_tables() -> anyhow::Result<()> {
-    TABLES.iter().try_for_each(remove)
-}
-
-/// Removes `table` if it is here.
-fn remove(table: &Table) -> anyhow::Result<()> {
-    if nftables::exists(table.name) {
+    for table in TABLES.iter().filter(|t| nftables::exists(t.name)) {
         nftables::nft(&format!("delete table {}\n", table.name))?;
         tracing::info!(table = table.name, "removed an SCTP Service ports' table");
     }
     Ok(())
+}
+
+/// The tables of [`TABLES`] nft can write here; says which it cannot, and what goes unserved.
+fn writable_tables() -> Vec<Table> {
+    TABLES
+        .into_iter()
+        .filter(|table| match nftables::can_write(table) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    "{} SCTP Service ports are not served by the ebpf mode: nft cannot write {} \
+                     here ({e:#})",
+                    table.family,
+                    table.name
+                );
+                false
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -299,5 +329,37 @@ endpoints: [{addresses: [fd00:10:244:1::11], nodeName: node1}]
             "{ipv4}"
         );
         assert!(!none.contains("kube-proxy-ebpf-sctp"), "{none}");
+    }
+
+    /// A table an earlier run left for a family without SCTP ports now goes at the first
+    /// write.
+    #[test]
+    fn an_earlier_runs_table_of_a_family_without_sctp_ports_goes() {
+        if !privileged(
+            "modes::ebpf::sctp::tests::an_earlier_runs_table_of_a_family_without_sctp_ports_goes",
+            "nft",
+        ) {
+            return;
+        }
+        let listed = in_new_netns(|| {
+            nftables::nft("add table ip6 kube-proxy-ebpf-sctp\n")?;
+            let mut ports = SctpPorts::new(NetfilterConfig {
+                cluster_cidrs: Vec::new(),
+                masquerade_all: false,
+                node_port_addresses: NodePortAddresses::Primary,
+                primary: Vec::new(),
+            });
+            let mut state = fixture(MANIFEST);
+            let signal6 = ServicePortName::new(
+                NamespacedName::new("shop", "signal6"),
+                "assoc",
+                Protocol::Sctp,
+            );
+            state.remove_port(&signal6);
+            ports.sync(&state, Scope::All)?;
+            let out = Command::new("nft").args(["list", "tables"]).output()?;
+            anyhow::Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        });
+        assert_eq!(listed.trim(), "table ip kube-proxy-ebpf-sctp");
     }
 }

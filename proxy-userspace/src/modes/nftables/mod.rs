@@ -35,9 +35,7 @@ impl NftablesDataplane {
         available()?;
         let mut tables = Vec::new();
         for table in rules::TABLES {
-            // A transaction checked, not committed.
-            let check = format!("add table {}\n", table.name);
-            match crate::command::pipe("nft", &["--check", "-f", "-"], &check) {
+            match can_write(&table) {
                 Ok(()) => tables.push((table, None)),
                 Err(e) => tracing::warn!(
                     "{} Services are not served: nft cannot write {} here ({e:#})",
@@ -100,6 +98,13 @@ pub(crate) fn available() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Whether nft can write `table` here (not an `ip6` one on a node booted without IPv6): a
+/// transaction checked, not committed.
+pub(crate) fn can_write(table: &rules::Table) -> anyhow::Result<()> {
+    let check = format!("add table {}\n", table.name);
+    crate::command::pipe("nft", &["--check", "-f", "-"], &check)
 }
 
 /// Runs `nft -f -` on `input`: one transaction, all or nothing.
