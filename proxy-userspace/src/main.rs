@@ -143,8 +143,9 @@ struct AgentArgs {
     pod_interfaces: PodInterfaces,
     /// The node addresses NodePorts answer on (kube-proxy's flag): comma-separated CIDRs (every
     /// address of the node within them), or `primary`: the Node object's InternalIP and
-    /// ExternalIP with the API source, the addresses of the default route's interface with
-    /// --manifest. Never loopback. The interfaces carrying them get the external programs.
+    /// ExternalIP (from the API, or a Node in the --manifest file), else the addresses of each
+    /// family's default route's interface. Never loopback. The interfaces carrying them get the
+    /// external programs.
     #[arg(long, default_value = "primary")]
     nodeport_addresses: NodePortAddresses,
     /// How external traffic (NodePort, LoadBalancer, external IPs) is processed on those

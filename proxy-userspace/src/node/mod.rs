@@ -122,12 +122,41 @@ pub fn interface_addresses() -> anyhow::Result<Vec<InterfaceAddr>> {
     Ok(out)
 }
 
-/// The interface of the default route: IPv4's (`/proc/net/route`), else IPv6's
-/// (`/proc/net/ipv6_route`, on IPv6-only nodes); None without one.
-pub fn default_route_interface() -> Option<String> {
-    let v4 = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
-    let v6 = std::fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default();
-    default_route_in(&v4).or_else(|| default_route6_in(&v6))
+/// The interfaces of the node's default routes, one a family.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DefaultRoutes {
+    pub v4: Option<String>,
+    pub v6: Option<String>,
+}
+
+impl DefaultRoutes {
+    /// This node's (`/proc/net/route`, `/proc/net/ipv6_route`).
+    pub fn of_this_node() -> Self {
+        let v4 = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
+        let v6 = std::fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default();
+        Self {
+            v4: default_route_in(&v4),
+            v6: default_route6_in(&v6),
+        }
+    }
+
+    /// The interface of `family`'s default route; a family without one takes the other's (a
+    /// node's IPv6 network without a default route is most often on its IPv4 uplink, and an
+    /// IPv6-only node has no IPv4 default route).
+    pub fn of(&self, family: Family) -> Option<&str> {
+        let (own, other) = match family {
+            Family::V4 => (&self.v4, &self.v6),
+            Family::V6 => (&self.v6, &self.v4),
+        };
+        own.as_deref().or(other.as_deref())
+    }
+
+    /// Whether the interface `name` holds a default route (of either family).
+    pub fn hold(&self, name: &str) -> bool {
+        [&self.v4, &self.v6]
+            .into_iter()
+            .any(|r| r.as_deref() == Some(name))
+    }
 }
 
 fn default_route_in(table: &str) -> Option<String> {
@@ -154,8 +183,8 @@ fn default_route6_in(table: &str) -> Option<String> {
 }
 
 /// The node addresses NodePorts answer on: `spec` applied to the namespace's `addresses`, with
-/// `primary` the Node object's addresses (empty with the manifest source) and `default_route`
-/// the interface of the default route. Per family, as kube-proxy's proxiers: a family no
+/// `primary` the Node object's addresses (empty without one), else those of each family's
+/// default route's interface (`routes`). Per family, as kube-proxy's proxiers: a family no
 /// `--nodeport-addresses` CIDR is of answers on its primary address. Loopback addresses are
 /// never included: a NodePort on 127.0.0.1 would let any local process (or, with
 /// route_localnet, a neighbour) reach services it should not (CVE-2020-8558); nor, for
@@ -163,7 +192,7 @@ fn default_route6_in(table: &str) -> Option<String> {
 pub fn node_addresses(
     spec: &NodePortAddresses,
     primary: &[IpAddr],
-    default_route: Option<&str>,
+    routes: &DefaultRoutes,
     addresses: &[InterfaceAddr],
 ) -> Vec<InterfaceAddr> {
     addresses
@@ -173,7 +202,8 @@ pub fn node_addresses(
             NodePortAddresses::Cidrs(cidrs) => cidrs.iter().any(|cidr| cidr.contains(a.addr)),
             NodePortAddresses::Primary if !primary.is_empty() => primary.contains(&a.addr),
             NodePortAddresses::Primary => {
-                default_route == Some(a.interface.as_str()) && !is_link_local(a.addr)
+                routes.of(Family::of(a.addr)) == Some(a.interface.as_str())
+                    && !is_link_local(a.addr)
             }
         })
         .cloned()
@@ -192,8 +222,7 @@ pub fn selected_node_ips(
     primary: &[IpAddr],
     addresses: &[InterfaceAddr],
 ) -> Vec<IpAddr> {
-    let default_route = default_route_interface();
-    node_addresses(spec, primary, default_route.as_deref(), addresses)
+    node_addresses(spec, primary, &DefaultRoutes::of_this_node(), addresses)
         .iter()
         .map(|a| a.addr)
         .collect()
@@ -364,7 +393,11 @@ mod tests {
         ];
         let pick = |spec: &str, primary: &[&str], default: Option<&str>| {
             let primary: Vec<IpAddr> = primary.iter().map(|p| p.parse().unwrap()).collect();
-            node_addresses(&spec.parse().unwrap(), &primary, default, &all)
+            let routes = DefaultRoutes {
+                v4: default.map(str::to_owned),
+                v6: None,
+            };
+            node_addresses(&spec.parse().unwrap(), &primary, &routes, &all)
                 .into_iter()
                 .map(|a| a.addr.to_string())
                 .collect::<Vec<_>>()
@@ -399,7 +432,11 @@ mod tests {
         ];
         let pick = |spec: &str, primary: &[&str]| {
             let primary: Vec<IpAddr> = primary.iter().map(|p| p.parse().unwrap()).collect();
-            node_addresses(&spec.parse().unwrap(), &primary, Some("eth0"), &all)
+            let routes = DefaultRoutes {
+                v4: Some("eth0".into()),
+                v6: None,
+            };
+            node_addresses(&spec.parse().unwrap(), &primary, &routes, &all)
                 .into_iter()
                 .map(|a| a.addr.to_string())
                 .collect::<Vec<_>>()
@@ -423,6 +460,16 @@ mod tests {
             ]
         );
         assert_eq!(pick("10.0.0.0/8", &[]), ["2001:db8:192:2::11"]);
+        // Without a Node object, each family's default route's interface (IPv6's on eth1).
+        let routes = DefaultRoutes {
+            v4: Some("eth0".into()),
+            v6: Some("eth1".into()),
+        };
+        let picked: Vec<String> = node_addresses(&NodePortAddresses::Primary, &[], &routes, &all)
+            .into_iter()
+            .map(|a| a.addr.to_string())
+            .collect();
+        assert_eq!(picked, ["192.0.2.11", "2001:db8:51::7"]);
         let every = "0.0.0.0/0".parse().unwrap();
         assert_eq!(node_port_ips(&every, Family::V4, &[], &all), None);
         assert_eq!(
@@ -502,6 +549,18 @@ mod tests {
         let table = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
                      eth1\t0002000A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n\
                      eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n";
+        // A family without a default route takes the other's.
+        let routes = DefaultRoutes {
+            v4: Some("eth0".into()),
+            v6: None,
+        };
+        assert_eq!(routes.of(Family::V6), Some("eth0"));
+        assert!(routes.hold("eth0") && !routes.hold("eth1"));
+        let routes = DefaultRoutes {
+            v4: None,
+            v6: Some("eth1".into()),
+        };
+        assert_eq!(routes.of(Family::V4), Some("eth1"));
         assert_eq!(default_route_in(table).as_deref(), Some("eth0"));
         assert_eq!(default_route_in("Iface\tDestination\n"), None);
         let table6 = "fd00000000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001 eth1\n\

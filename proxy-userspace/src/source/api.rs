@@ -227,7 +227,7 @@ impl Gate {
 
 /// This node's primary addresses, as kube-proxy's `--nodeport-addresses primary` takes them
 /// ([`NodeInfo::addresses`]). Empty (with a warning) when the Node cannot be read: the caller
-/// then falls back to the default route's interface.
+/// then falls back to each family's default route's interface.
 pub async fn node_ips(client: &Client, node_name: &str) -> Vec<std::net::IpAddr> {
     let api: Api<Node> = Api::all(client.clone());
     let params = kube::api::ListParams::default().fields(&format!("metadata.name={node_name}"));

@@ -51,7 +51,7 @@ use super::{
 };
 use crate::{
     model::Family,
-    node::{self, InterfaceAddr, NodePortAddresses},
+    node::{self, DefaultRoutes, InterfaceAddr, NodePortAddresses},
 };
 
 /// How often the interfaces are listed anyway: a safety net for attachments that failed and
@@ -308,10 +308,10 @@ impl Attacher {
     /// them from attached ones that are pod interfaces no more (one that now carries a node
     /// address: a node's uplink may be a veth, configured after it appeared).
     fn scan_pods(&mut self, ebpf: &mut Ebpf, all: &[(String, u32)]) {
-        let default_route = node::default_route_interface();
+        let routes = DefaultRoutes::of_this_node();
         let present: HashMap<String, u32> = all
             .iter()
-            .filter(|(name, _)| self.is_pod_interface(name, default_route.as_deref()))
+            .filter(|(name, _)| self.is_pod_interface(name, &routes))
             .cloned()
             .collect();
         let stale: Vec<(String, u32)> = self
@@ -335,7 +335,7 @@ impl Attacher {
     }
 
     /// Whether `--pod-interfaces` selects the interface `name`.
-    fn is_pod_interface(&self, name: &str, default_route: Option<&str>) -> bool {
+    fn is_pod_interface(&self, name: &str, routes: &DefaultRoutes) -> bool {
         let driver = if self.pods.by_kind() {
             node::driver(name)
         } else {
@@ -349,7 +349,7 @@ impl Attacher {
         self.pods.selects(&Link {
             name,
             driver: driver.as_deref(),
-            node_facing: carries_node_address || default_route == Some(name),
+            node_facing: carries_node_address || routes.hold(name),
         })
     }
 
@@ -405,23 +405,13 @@ impl Attacher {
         let Some(config) = self.external.clone() else {
             return Ok(());
         };
-        let default_route = node::default_route_interface();
+        let routes = DefaultRoutes::of_this_node();
         let addresses = node::interface_addresses()?;
-        let selected = node::node_addresses(
-            &config.addresses,
-            &config.primary,
-            default_route.as_deref(),
-            &addresses,
-        );
-        let uplinks = self.uplinks(
-            all,
-            &addresses,
-            &selected,
-            &config.primary,
-            default_route.as_deref(),
-        );
+        let selected =
+            node::node_addresses(&config.addresses, &config.primary, &routes, &addresses);
+        let uplinks = self.uplinks(all, &addresses, &selected, &config.primary, &routes);
         if self.node_addrs.as_ref() != Some(&selected) || self.uplinks_written != uplinks {
-            self.write_node_addrs(ebpf, &selected, &uplinks, default_route.as_deref())?;
+            self.write_node_addrs(ebpf, &selected, &uplinks, &routes)?;
         }
         let gone: Vec<(String, u32)> = self
             .external_attached
@@ -485,7 +475,7 @@ impl Attacher {
         addresses: &[InterfaceAddr],
         selected: &[InterfaceAddr],
         node_ips: &[std::net::IpAddr],
-        default_route: Option<&str>,
+        routes: &DefaultRoutes,
     ) -> Vec<Uplink> {
         let mut out = Vec::new();
         for (name, index) in all {
@@ -503,9 +493,8 @@ impl Attacher {
             if !node_ports
                 && (own.is_empty()
                     || name == "lo"
-                    || self.is_pod_interface(name, default_route)
-                    || (node::driver(name).as_deref() == Some(BRIDGE_DRIVER)
-                        && default_route != Some(name.as_str())))
+                    || self.is_pod_interface(name, routes)
+                    || (node::driver(name).as_deref() == Some(BRIDGE_DRIVER) && !routes.hold(name)))
             {
                 continue;
             }
@@ -526,7 +515,7 @@ impl Attacher {
             let snat_addrs: Vec<IpAddr> = [Family::V4, Family::V6]
                 .into_iter()
                 .filter_map(|family| {
-                    node::primary_ip(family, node_ips, default_route, candidates).or(candidates
+                    node::primary_ip(family, node_ips, routes.of(family), candidates).or(candidates
                         .iter()
                         .map(|a| a.addr)
                         .find(|ip| family.has(*ip) && !node::is_link_local(*ip)))
@@ -550,7 +539,7 @@ impl Attacher {
         ebpf: &mut Ebpf,
         selected: &[InterfaceAddr],
         uplinks: &[Uplink],
-        default_route: Option<&str>,
+        routes: &DefaultRoutes,
     ) -> anyhow::Result<()> {
         write_family_node_addrs::<Be32>(ebpf, MAP_NODE_ADDRS, selected, uplinks)?;
         write_family_node_addrs::<Be128>(ebpf, MAP_NODE_ADDRS6, selected, uplinks)?;
@@ -563,7 +552,7 @@ impl Attacher {
             .as_ref()
             .map_or(&[][..], |e| e.primary.as_slice());
         let primary = |family| {
-            node::primary_ip(family, node_ips, default_route, selected).or(selected
+            node::primary_ip(family, node_ips, routes.of(family), selected).or(selected
                 .iter()
                 .map(|a| a.addr)
                 .find(|ip| family.has(*ip) && !node::is_link_local(*ip)))
@@ -744,8 +733,7 @@ impl Attacher {
                 }
                 // Renamed: its old name no longer designates it (its programs stay).
                 self.attached.retain(|_, i| *i != index);
-                let default_route = node::default_route_interface();
-                if self.is_pod_interface(&name, default_route.as_deref()) {
+                if self.is_pod_interface(&name, &DefaultRoutes::of_this_node()) {
                     self.attach_and_record(ebpf, name, index);
                 }
             }

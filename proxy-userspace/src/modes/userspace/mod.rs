@@ -237,9 +237,8 @@ impl Proxier {
     fn settings(&mut self, config: &UserspaceConfig) -> anyhow::Result<rules::Settings> {
         let family = self.tables.family;
         let addresses = node::interface_addresses()?;
-        let default_route = node::default_route_interface();
-        let primary = &config.primary;
-        let node_ip = node::primary_ip(family, primary, default_route.as_deref(), &addresses);
+        let routes = node::DefaultRoutes::of_this_node();
+        let node_ip = node::primary_ip(family, &config.primary, routes.of(family), &addresses);
         let node_ip = node_ip.unwrap_or_else(|| {
             let loopback = family.loopback().addr;
             // Said once there are Services of the family (an IPv4-only node has no IPv6 ones).
@@ -258,7 +257,7 @@ impl Proxier {
             node_port_addresses: node::node_port_ips(
                 &config.node_port_addresses,
                 family,
-                primary,
+                &config.primary,
                 &addresses,
             ),
         })
