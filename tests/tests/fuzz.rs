@@ -2,8 +2,9 @@
 //! mutated frames go through `tc_ingress` or `tc_egress` under BPF_PROG_TEST_RUN and through the
 //! model, and verdicts and bytes must be the same. About half the frames are IPv6 (which the
 //! programs hand to `tc_ingress6` and `tc_egress6`): the services are dual-stack, each with an
-//! IPv6 twin of its address and of its endpoints (the sandbox's twins), and IPv6 frames come with
-//! extension headers where IPv4 ones come with options. At every step of time, and at least
+//! IPv6 twin of its address and IPv6 endpoints (the sandbox's twins of its IPv4 endpoints, or
+//! after some changes of other pods), and IPv6 frames come with extension headers where IPv4
+//! ones come with options. At every step of time, and at least
 //! every quarter second, the whole conntrack and session affinity maps of both families are
 //! compared with the model's, last uses included. Meanwhile the agent's map writer reprograms
 //! the services (endpoints added, removed, turned not ready or terminating; services deleted,
@@ -313,6 +314,20 @@ impl World {
     /// Service `i` under its name `n`, with the IPv4 `endpoints` (sorted, unique, as the model
     /// keeps them); dual-stack: its address's IPv6 twin too, with the endpoints' twins.
     fn put(&mut self, i: usize, n: usize, endpoints: Vec<Endpoint>) -> ServicePortName {
+        let twins = endpoints.iter().map(twin_endpoint).collect();
+        self.put_families(i, n, endpoints, twins)
+    }
+
+    /// [`World::put`] with IPv6 endpoints of their own (twins of other pods than the IPv4
+    /// ones', or other readiness: a dual-stack Service's EndpointSlices of each family are
+    /// written apart).
+    fn put_families(
+        &mut self,
+        i: usize,
+        n: usize,
+        endpoints: Vec<Endpoint>,
+        endpoints6: Vec<Endpoint>,
+    ) -> ServicePortName {
         let def = &SERVICES[i];
         let key = add_service(
             &mut self.state,
@@ -328,14 +343,8 @@ impl World {
         port.cluster_ips.push(in_family(def.vip, true));
         port.session_affinity_timeout = def.affinity;
         port.internal_traffic_local = def.local;
-        let twins: Vec<Endpoint> = (endpoints.iter())
-            .map(|ep| Endpoint {
-                ip: twin(ep.ipv4().expect("IPv4 endpoints")).into(),
-                ..ep.clone()
-            })
-            .collect();
         self.state
-            .set_endpoints(key.clone(), [endpoints, twins].concat());
+            .set_endpoints(key.clone(), [endpoints, endpoints6].concat());
         self.name[i] = Some(n);
         key
     }
@@ -374,6 +383,21 @@ impl World {
                 }
                 let what = format!("{}: endpoints {}", def.names[n], show_endpoints(&eps));
                 changed.insert(self.put(i, n, eps));
+                what
+            }
+            (8, Some(n)) => {
+                // The IPv6 endpoints alone change: each family's differ from now on.
+                let key = self.spn(i).unwrap();
+                let v4: Vec<Endpoint> = (self.state.endpoints_of(&key).iter())
+                    .filter(|ep| ep.ip.is_ipv4())
+                    .cloned()
+                    .collect();
+                let v6: Vec<Endpoint> = random_endpoints(rng, def)
+                    .iter()
+                    .map(twin_endpoint)
+                    .collect();
+                let what = format!("{}: IPv6 endpoints {}", def.names[n], show_endpoints(&v6));
+                changed.insert(self.put_families(i, n, v4, v6));
                 what
             }
             (6, Some(n)) => {
@@ -438,6 +462,14 @@ fn random_endpoints(rng: &mut Rng, def: &ServiceDef) -> Vec<Endpoint> {
         }
     }
     eps
+}
+
+/// `ep` at its pod's IPv6 twin.
+fn twin_endpoint(ep: &Endpoint) -> Endpoint {
+    Endpoint {
+        ip: twin(ep.ipv4().expect("IPv4 endpoints")).into(),
+        ..ep.clone()
+    }
 }
 
 fn endpoint(pod: Ipv4Addr, port: u16) -> Endpoint {
