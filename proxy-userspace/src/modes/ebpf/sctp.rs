@@ -172,19 +172,22 @@ pub fn installed() -> bool {
     TABLES.iter().any(|t| nftables::exists(t.name))
 }
 
-/// `what` of the tables, as the nftables mode's reader reads them; None without them (also
-/// when the running agent removes them meanwhile: their last SCTP port went).
+/// `what` of the tables, as the nftables mode's reader reads them; None without them.
 pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
-    let here: Vec<Table> = TABLES
-        .into_iter()
-        .filter(|t| nftables::exists(t.name))
-        .collect();
-    if here.is_empty() {
+    let here = || -> Vec<Table> {
+        (TABLES.into_iter())
+            .filter(|t| nftables::exists(t.name))
+            .collect()
+    };
+    let tables = here();
+    if tables.is_empty() {
         return Ok(None);
     }
-    match nftables::inspect::read(what, &here) {
+    match nftables::inspect::read(what, &tables) {
         Ok(rows) => Ok(Some(rows)),
-        Err(_) if !installed() => Ok(None),
+        // The running agent removed or added one meanwhile (a family's last or first SCTP
+        // port): read what is there now.
+        Err(_) if here() != tables => read(what),
         Err(e) => Err(e),
     }
 }
@@ -294,6 +297,16 @@ endpoints: [{addresses: [fd00:10:244:1::11], nodeName: node1}]
             let mut listed = Vec::new();
             ports.sync(&state, Scope::All)?;
             listed.push(list()?);
+            // inspect reads both families' tables.
+            let Some(Rows::Services { rows, .. }) = read(What::Services)? else {
+                anyhow::bail!("no services read");
+            };
+            let addresses: Vec<&str> = rows.iter().map(|r| r.address.as_str()).collect();
+            anyhow::ensure!(
+                addresses.contains(&"10.96.0.20:9000")
+                    && addresses.contains(&"[fd00:10:96::20]:9000"),
+                "{addresses:?}"
+            );
             for name in ["signal6", "signal"] {
                 let spn = ServicePortName::new(
                     NamespacedName::new("shop", name),
