@@ -9,7 +9,11 @@
 //!
 //! Where `nft` cannot be run, each SCTP Service port is reported as not served (logged once,
 //! an Event on its Service, `kubeproxy_unserved_service_ports`), never silently dropped.
-use std::{collections::BTreeSet, fmt::Write};
+use std::{
+    collections::BTreeSet,
+    fmt::Write,
+    process::{Command, Stdio},
+};
 
 use anyhow::Context;
 
@@ -169,17 +173,30 @@ impl SctpPorts {
 
 /// Whether a table of [`TABLES`] is here.
 pub fn installed() -> bool {
-    TABLES.iter().any(|t| nftables::exists(t.name))
+    !present().is_empty()
+}
+
+/// The tables of [`TABLES`] that are here (one `nft` run: each full sync without SCTP ports
+/// asks).
+fn present() -> Vec<Table> {
+    let listed = Command::new("nft")
+        .args(["list", "tables"])
+        .stderr(Stdio::null())
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+        .unwrap_or_default();
+    (TABLES.into_iter())
+        .filter(|t| {
+            listed
+                .lines()
+                .any(|l| l.trim() == format!("table {}", t.name))
+        })
+        .collect()
 }
 
 /// `what` of the tables, as the nftables mode's reader reads them; None without them.
 pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
-    let here = || -> Vec<Table> {
-        (TABLES.into_iter())
-            .filter(|t| nftables::exists(t.name))
-            .collect()
-    };
-    let tables = here();
+    let tables = present();
     if tables.is_empty() {
         return Ok(None);
     }
@@ -187,14 +204,14 @@ pub fn read(what: What) -> anyhow::Result<Option<Rows>> {
         Ok(rows) => Ok(Some(rows)),
         // The running agent removed or added one meanwhile (a family's last or first SCTP
         // port): read what is there now.
-        Err(_) if here() != tables => read(what),
+        Err(_) if present() != tables => read(what),
         Err(e) => Err(e),
     }
 }
 
 /// Removes the tables (`--cleanup`, and a start with no SCTP port); none: nothing done.
 pub fn remove_tables() -> anyhow::Result<()> {
-    for table in TABLES.iter().filter(|t| nftables::exists(t.name)) {
+    for table in present() {
         nftables::nft(&format!("delete table {}\n", table.name))?;
         tracing::info!(table = table.name, "removed an SCTP Service ports' table");
     }
