@@ -9,11 +9,7 @@
 //!
 //! Where `nft` cannot be run, each SCTP Service port is reported as not served (logged once,
 //! an Event on its Service, `kubeproxy_unserved_service_ports`), never silently dropped.
-use std::{
-    collections::BTreeSet,
-    fmt::Write,
-    process::{Command, Stdio},
-};
+use std::{collections::BTreeSet, fmt::Write};
 
 use anyhow::Context;
 
@@ -179,18 +175,9 @@ pub fn installed() -> bool {
 /// The tables of [`TABLES`] that are here (one `nft` run: each full sync without SCTP ports
 /// asks).
 fn present() -> Vec<Table> {
-    let listed = Command::new("nft")
-        .args(["list", "tables"])
-        .stderr(Stdio::null())
-        .output()
-        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
-        .unwrap_or_default();
+    let here = nftables::present(TABLES.iter().map(|t| t.name));
     (TABLES.into_iter())
-        .filter(|t| {
-            listed
-                .lines()
-                .any(|l| l.trim() == format!("table {}", t.name))
-        })
+        .filter(|t| here.contains(&t.name))
         .collect()
 }
 

@@ -117,19 +117,28 @@ const TABLES: &[&str] = &[rules::TABLE.name, rules::TABLE6.name];
 
 /// Whether `table` exists here (false also when nft cannot be run).
 pub(crate) fn exists(table: &str) -> bool {
-    Command::new("nft")
-        .args(["list", "table"])
-        .args(table.split(' '))
-        .stdout(Stdio::null())
+    !present([table]).is_empty()
+}
+
+/// Those of the tables `names` (such as "ip kube-proxy") that exist here, from one `nft list
+/// tables` (none when nft cannot be run).
+pub(crate) fn present<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<&'a str> {
+    let listed = Command::new("nft")
+        .args(["list", "tables"])
         .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+        .unwrap_or_default();
+    let listed: Vec<&str> = (listed.lines())
+        .filter_map(|l| l.trim().strip_prefix("table "))
+        .collect();
+    names.into_iter().filter(|n| listed.contains(n)).collect()
 }
 
 /// Removes the tables (kube-proxy's `--cleanup`): everything the mode installed, and kube-proxy's
 /// own. Nothing installed: nothing done.
 pub fn cleanup() -> anyhow::Result<()> {
-    for table in TABLES.iter().filter(|t| exists(t)) {
+    for table in present(TABLES.iter().copied()) {
         nft(&format!("delete table {table}\n"))?;
         tracing::info!(table, "cleaned up the nftables rules");
     }
@@ -138,7 +147,7 @@ pub fn cleanup() -> anyhow::Result<()> {
 
 /// Whether the mode's table is installed here (an earlier run in this mode, or kube-proxy's).
 pub fn installed() -> bool {
-    TABLES.iter().any(|t| exists(t))
+    !present(TABLES.iter().copied()).is_empty()
 }
 
 #[cfg(test)]
