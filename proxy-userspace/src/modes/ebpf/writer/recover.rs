@@ -113,8 +113,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         let now = Instant::now();
         let mut by_id = HashMap::default();
         let mut backend_expiry = None;
-        for entry in self.backends.iter() {
-            let (id, backend) = entry?;
+        let backends = batch::entries(&self.backends).context("reading the pinned backends")?;
+        for (id, backend) in backends {
             // Whose it was is not recorded: a draining one drains for a full period from now.
             let drain = (backend.flags & BACKEND_DRAINING != 0).then(|| {
                 earliest(&mut backend_expiry, now + self.drain_period);
@@ -129,21 +129,21 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 },
             );
         }
-        let keys: Vec<ServiceKey<A>> = self.services.keys().collect::<Result<_, _>>()?;
+        let services: HashMap<ServiceKey<A>, ServiceValue> = batch::entries(&self.services)
+            .context("reading the pinned services")?
+            .into_iter()
+            .collect();
         let mut frontends: HashMap<Frontend<A>, Programmed> = HashMap::default();
         let mut used_slots = 0;
         let mut damaged = 0;
-        for key in keys.iter().filter(|k| k.slot == 0) {
-            let Ok(head) = self.services.get(key, 0) else {
-                continue; // deleted since it was listed
-            };
+        for (key, &head) in services.iter().filter(|(k, _)| k.slot == 0) {
             let draining_until =
                 (head.flags & SERVICE_DRAINING != 0).then(|| now + self.drain_period);
             // A lost slot does not stop the recovery: the first sync rewrites it.
             let slots: Vec<u32> = (1..=head.count)
                 .map(|slot| {
-                    self.services
-                        .get(&ServiceKey { slot, ..*key }, 0)
+                    services
+                        .get(&ServiceKey { slot, ..*key })
                         .map_or(LOST, |v| v.backend_id)
                 })
                 .collect();
@@ -168,7 +168,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             );
         }
         // Slots no head counts: left by an agent stopped halfway through a removal.
-        for key in keys.iter().filter(|k| k.slot != 0) {
+        for key in services.keys().filter(|k| k.slot != 0) {
             let head = ServiceKey { slot: 0, ..*key };
             if frontends
                 .get(&head)
