@@ -191,10 +191,9 @@ struct Load {
 /// as it is parsed, so the objects themselves are never all held at once. Errs when the text as
 /// a whole is unreadable.
 fn read(text: &str) -> Result<Load, ManifestError> {
-    let mut entries = Vec::new();
-    let parsed = manifest::parse_each(text, |object| {
+    let (mut entries, parsed) = manifest::parse_each(text, |object| {
         let entry = Entry::new(&object);
-        entries.push(((object.kind(), entry.key().clone()), entry));
+        ((object.kind(), entry.key().clone()), entry)
     })?;
     // Sorted first, so that the map is built with full nodes (inserting one by one would leave
     // them about half full: a few MiB with tens of thousands of objects). The sort is stable and

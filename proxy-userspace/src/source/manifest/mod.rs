@@ -139,8 +139,7 @@ fn describe_object_error(
 
 /// Parses a manifest. Errs only when the text as a whole cannot be read.
 pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
-    let mut objects = Vec::new();
-    let Parsed { errors, ignored } = parse_each(text, |object| objects.push(object))?;
+    let (objects, Parsed { errors, ignored }) = parse_each(text, |object| object)?;
     Ok(Manifest {
         objects,
         errors,
@@ -157,16 +156,20 @@ pub struct Parsed {
     pub ignored: usize,
 }
 
-/// [`parse`], handing each object to `each` as soon as it is read (in file order) instead of
-/// collecting them: one YAML document, or one item of a List, is held at a time (a JSON text is
-/// read whole), so a caller that keeps less than the whole object needs far less memory. On
-/// error, `each` may already have seen objects from before the broken part; they must not be
-/// used, as with [`parse`].
-pub fn parse_each(text: &str, each: impl FnMut(Object)) -> Result<Parsed, ManifestError> {
+/// [`parse`], handing each object to `each` as soon as it is read and keeping what it returns
+/// (in file order) instead of the objects: one YAML document, or one item of a List, is held at
+/// a time (a JSON text is read whole), so a caller that keeps less than the whole object needs
+/// far less memory. `each` may see an object more than once (when the fast reader gives up on a
+/// text, it is read again): only what it returns counts.
+pub fn parse_each<T>(
+    text: &str,
+    each: impl FnMut(Object) -> T,
+) -> Result<(Vec<T>, Parsed), ManifestError> {
     let mut parser = Parser {
         text,
         from_yaml: true,
         each,
+        kept: Vec::new(),
         parsed: Parsed::default(),
     };
     // JSON is read as JSON first: it may be indented with tabs, which YAML forbids. A text that
@@ -182,14 +185,23 @@ pub fn parse_each(text: &str, each: impl FnMut(Object)) -> Result<Parsed, Manife
                     .map_err(|e| ManifestError::Syntax(e.to_string()))?;
                 parser.add(index, "", value, None);
             }
-            return Ok(parser.parsed);
+            return Ok((parser.kept, parser.parsed));
         }
     }
     // The plain block YAML kubectl prints is read by `fast`, many times faster than libyaml.
-    if let Some(pieces) = fast::split(text) {
-        parser.add_pieces(&pieces, true)?;
-        return Ok(parser.parsed);
+    // Where it gives up, what it read is dropped and the text read again by libyaml.
+    let read = fast::read(text, &mut |document, item, value| match item {
+        None => parser.add(document, "", value, None),
+        Some((i, list_kind)) => {
+            let item_kind = list_kind.strip_suffix("List").filter(|k| !k.is_empty());
+            parser.add(document, &format!("items[{i}]"), value, item_kind);
+        }
+    });
+    if read.is_ok() {
+        return Ok((parser.kept, parser.parsed));
     }
+    parser.kept.clear();
+    parser.parsed = Parsed::default();
     // Else piece by piece where the text allows it (see `split`), else document by document.
     // Only Lists gain from it (other documents are read one at a time anyway), and finding the
     // pieces reads the text once more: a text without "List" is not looked at twice.
@@ -199,25 +211,27 @@ pub fn parse_each(text: &str, each: impl FnMut(Object)) -> Result<Parsed, Manife
         None
     };
     match pieces {
-        Some(pieces) => parser.add_pieces(&pieces, false)?,
+        Some(pieces) => parser.add_pieces(&pieces)?,
         None => parser.add_documents()?,
     }
-    Ok(parser.parsed)
+    Ok((parser.kept, parser.parsed))
 }
 
 fn looks_like_json(text: &str) -> bool {
     text.trim_start().starts_with(['{', '['])
 }
 
-struct Parser<'a, F> {
+struct Parser<'a, F, K> {
     text: &'a str,
     /// False when the text was read as a JSON stream.
     from_yaml: bool,
     each: F,
+    /// What `each` returned, in file order.
+    kept: Vec<K>,
     parsed: Parsed,
 }
 
-impl<F: FnMut(Object)> Parser<'_, F> {
+impl<F: FnMut(Object) -> K, K> Parser<'_, F, K> {
     /// Reads the text document by document (serde_yaml holds one whole document at a time).
     fn add_documents(&mut self) -> Result<(), ManifestError> {
         for (index, document) in serde_yaml::Deserializer::from_str(self.text).enumerate() {
@@ -229,17 +243,12 @@ impl<F: FnMut(Object)> Parser<'_, F> {
     }
 
     /// Reads the text piece by piece: what [`Parser::add_documents`] does, holding one item of
-    /// a List at a time. `fast`: the pieces are [`fast::split`]'s, read by [`fast`] (which
-    /// checked them all already; serde_yaml would read a piece it refused all the same).
-    fn add_pieces(&mut self, pieces: &[Piece], fast: bool) -> Result<(), ManifestError> {
+    /// a List at a time.
+    fn add_pieces(&mut self, pieces: &[Piece]) -> Result<(), ManifestError> {
         for (index, piece) in pieces.iter().enumerate() {
             match piece {
                 Piece::Document(range) => {
-                    let text = &self.text[range.clone()];
-                    let value = match fast.then(|| fast::document(text)) {
-                        Some(Ok(value)) => value,
-                        _ => self.read_piece(text)?,
-                    };
+                    let value = self.read_piece(&self.text[range.clone()])?;
                     self.add(index, "", value, None);
                 }
                 Piece::List {
@@ -252,10 +261,7 @@ impl<F: FnMut(Object)> Parser<'_, F> {
                     }
                     let item_kind = kind.strip_suffix("List").filter(|k| !k.is_empty());
                     for (i, item) in items.iter().enumerate() {
-                        let value = match fast.then(|| fast::item(self.text, item)) {
-                            Some(Ok(value)) => value,
-                            _ => self.read_piece(&item.text(self.text))?,
-                        };
+                        let value = self.read_piece(&item.text(self.text))?;
                         self.add(index, &format!("items[{i}]"), value, item_kind);
                     }
                 }
@@ -342,7 +348,8 @@ impl<F: FnMut(Object)> Parser<'_, F> {
                 if meta.namespace.as_deref().is_none_or(str::is_empty) {
                     meta.namespace = Some(DEFAULT_NAMESPACE.to_owned());
                 }
-                (self.each)(object);
+                let kept = (self.each)(object);
+                self.kept.push(kept);
             }
             Err((object, message)) => self.parsed.errors.push(error(Some(object), message)),
         }
@@ -418,22 +425,19 @@ mod tests {
 
     /// The manifest read document by document, as serde_yaml reads it: what reading it piece by
     /// piece must give.
-    fn parse_whole(text: &str) -> Result<Manifest, ManifestError> {
-        let mut objects = Vec::new();
-        let parsed = {
-            let mut parser = Parser {
-                text,
-                from_yaml: true,
-                each: |object| objects.push(object),
-                parsed: Parsed::default(),
-            };
-            parser.add_documents()?;
-            parser.parsed
+    pub(super) fn parse_whole(text: &str) -> Result<Manifest, ManifestError> {
+        let mut parser = Parser {
+            text,
+            from_yaml: true,
+            each: |object| object,
+            kept: Vec::new(),
+            parsed: Parsed::default(),
         };
+        parser.add_documents()?;
         Ok(Manifest {
-            objects,
-            errors: parsed.errors,
-            ignored: parsed.ignored,
+            objects: parser.kept,
+            errors: parser.parsed.errors,
+            ignored: parser.parsed.ignored,
         })
     }
 
@@ -851,8 +855,7 @@ kind: ConfigMap
 kind: ServiceList
 items: [{metadata: {name: d}}]
 ";
-        let mut seen = Vec::new();
-        let parsed = parse_each(text, |object| seen.push(object.to_string())).unwrap();
+        let (seen, parsed) = parse_each(text, |object| object.to_string()).unwrap();
         assert_eq!(
             seen,
             [
@@ -874,6 +877,17 @@ items: [{metadata: {name: d}}]
         let err = parse_each(&broken, |_| count += 1).unwrap_err();
         assert!(matches!(err, ManifestError::Syntax(_)), "{err}");
         assert_eq!(count, 4);
+        // Objects the fast reader handed out before it gave up are seen again, and kept once.
+        let late_flow = text.replace("kind: ConfigMap", "kind: ConfigMap\ndata: {a: b}");
+        let late_flow = format!("kind: Service\nmetadata:\n  name: z\n---\n{late_flow}");
+        let mut count = 0;
+        let (kept, _) = parse_each(&late_flow, |object| {
+            count += 1;
+            object.to_string()
+        })
+        .unwrap();
+        assert_eq!(kept.len(), 5);
+        assert!(count > 5, "{count}");
     }
 
     #[test]
