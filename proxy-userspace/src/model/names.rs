@@ -1,10 +1,11 @@
 //! The names of things: namespaced objects, Service ports, protocols.
 use std::{
-    collections::HashSet,
     fmt,
     str::FromStr,
     sync::{Arc, LazyLock, Mutex, PoisonError},
 };
+
+use foldhash::HashSet;
 
 /// A namespaced object's name. The strings are shared: the tracker, the desired state and a
 /// dataplane's bookkeeping each keep copies of the names of every service port, so a copy is a

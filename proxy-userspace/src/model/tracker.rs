@@ -1,12 +1,15 @@
 //! The change tracker: Services and EndpointSlices in, the desired state and the changed
 //! Service ports out.
 use std::{
-    collections::BTreeMap,
-    collections::{BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
     sync::Arc,
     time::SystemTime,
 };
+
+// Keyed by object names, looked up several times an object: SipHash was a tenth of a large
+// manifest's load. (Seeded at random a process, as std's.)
+use foldhash::{HashMap, HashSet};
 
 use crate::kubernetes::NodeInfo;
 
@@ -385,8 +388,8 @@ impl ChangeTracker {
     /// dropped. The work is proportional to the changed services, not to all of them.
     pub fn apply(&mut self, state: &mut DesiredState) -> BTreeSet<ServicePortName> {
         let pending = std::mem::take(&mut self.pending);
-        self.service_changes.pending = HashSet::new();
-        self.slice_changes.pending = HashSet::new();
+        self.service_changes.pending = HashSet::default();
+        self.slice_changes.pending = HashSet::default();
         let mut changed = if state.services.is_empty() && state.endpoints.is_empty() {
             self.apply_fresh(pending.into_keys(), state)
         } else {
