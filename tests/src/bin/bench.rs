@@ -64,6 +64,10 @@ struct Args {
     /// agent: how the manifest is written.
     #[arg(long, value_enum, default_value = "list")]
     manifest_format: agent::ManifestFormat,
+    /// agent: measure the agent's second start, on the maps the first pinned (an upgrade or a
+    /// crash), instead of its first on the node.
+    #[arg(long)]
+    restart: bool,
     /// agent: measurements per service count (the median is reported) [1]; external: rounds
     /// each way [5].
     #[arg(long)]
@@ -144,6 +148,7 @@ fn main() -> anyhow::Result<()> {
             endpoints: args.backends.unwrap_or(3),
             source: args.source,
             format: args.manifest_format,
+            restart: args.restart,
             runs: args.runs.unwrap_or(1).max(1),
             agent: args.agent,
         }),

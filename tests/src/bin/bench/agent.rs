@@ -48,6 +48,8 @@ pub struct Options {
     pub endpoints: u32,
     pub source: SourceKind,
     pub format: ManifestFormat,
+    /// Measure a second start, on the maps the first one pinned.
+    pub restart: bool,
     pub runs: u32,
     /// The agent binary; None: the one built next to this benchmark.
     pub agent: Option<PathBuf>,
@@ -89,7 +91,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     };
     let dir = TempDir::new()?;
     println!(
-        "agent {} from {}, {} endpoints a service, {}",
+        "agent {} from {}, {} endpoints a service, {}{}",
         agent.display(),
         match opts.source {
             SourceKind::Manifest => format!("a manifest ({:?})", opts.format).to_lowercase(),
@@ -100,6 +102,11 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             format!("median of {} runs", opts.runs)
         } else {
             "one run each".to_owned()
+        },
+        if opts.restart {
+            ", each a second start on the maps the first pinned"
+        } else {
+            ""
         }
     );
     // The agent's own size with one service: the baseline the bytes per service are counted from.
@@ -303,6 +310,12 @@ fn measure(opts: &Options, agent: &Path, dir: &Path, count: u32) -> anyhow::Resu
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     ns.enter(&mut cmd)?;
+    if opts.restart {
+        eprintln!("  {count} services: starting the agent a first time");
+        let mut first = Running::new(cmd.spawn()?);
+        first.watch(Instant::now(), loaded_message, PATIENCE)?;
+        first.stop();
+    }
     eprintln!("  {count} services: starting the agent");
     let started = Instant::now();
     let child = cmd
