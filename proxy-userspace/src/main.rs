@@ -461,10 +461,8 @@ fn run_agent(args: AgentArgs, config_file: Option<kube_proxy::ConfigFile>) -> an
         args.proxy_mode,
         ModeFlag::Only(ProxyMode::Ebpf) | ModeFlag::Auto
     ) {
-        start
-            .ebpf
-            .preload
-            .start(&start.ebpf.pin_dir, start.ebpf.sizes);
+        let prepare = start.ebpf.prepare_config();
+        start.ebpf.preload.start(prepare);
     }
     let proxy_mode = args.proxy_mode;
     let make_dataplane = move |node_ips: &[IpAddr]| -> anyhow::Result<Box<dyn Dataplane>> {

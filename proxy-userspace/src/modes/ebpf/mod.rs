@@ -727,6 +727,61 @@ pub struct StartConfig {
 /// See [`StartConfig::remove_replaced`].
 pub type RemoveReplaced = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
 
+impl StartConfig {
+    /// What [`prepare`] needs of it, to be sent to the preload's thread.
+    pub fn prepare_config(&self) -> PrepareConfig {
+        PrepareConfig {
+            pin_dir: self.pin_dir.clone(),
+            sizes: self.sizes,
+            writer: self.writer,
+            cgroup_path: self.cgroup_path.clone(),
+            socket_lb: self.socket_lb,
+        }
+    }
+}
+
+/// See [`StartConfig::prepare_config`].
+pub struct PrepareConfig {
+    pin_dir: PathBuf,
+    sizes: MapSizes,
+    writer: WriterConfig,
+    cgroup_path: PathBuf,
+    socket_lb: cgroup::SocketLb,
+}
+
+/// The cgroup the socket programs go on, the agent's network namespace (its cookie) and
+/// `--bpf-socket-lb`.
+type HostClients = (PathBuf, u64, cgroup::SocketLb);
+
+/// What can be made before the source's first view, touching none of the node's traffic: the
+/// programs loaded (the socket programs too, where host-network clients are served), and the
+/// map writer's record of what the pinned maps hold.
+pub struct Prepared {
+    loaded: Loaded,
+    maps: MapWriter,
+    host_clients: Option<HostClients>,
+}
+
+fn prepare(config: &PrepareConfig) -> anyhow::Result<Prepared> {
+    let mut loaded = load(&config.pin_dir, config.sizes)?;
+    let kernel = Features::of_this_kernel()?;
+    let mut host_clients = None;
+    if config.cgroup_path.as_os_str().is_empty() {
+        tracing::warn!("--bpf-cgroup-path is empty: host-network clients do not reach services");
+    } else if kernel.has(&NETNS_COOKIE) {
+        let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
+        // Loaded while the object still holds every map (the writer takes some).
+        cgroup::load_programs(&mut loaded.ebpf)?;
+        host_clients = Some((config.cgroup_path.clone(), netns, config.socket_lb));
+    }
+    let maps = MapWriter::take_from(&mut loaded.ebpf, config.writer)?;
+    Ok(Prepared {
+        loaded,
+        maps,
+        host_clients,
+    })
+}
+
 /// Starts the mode: the pin directory locked (held as long as the dataplane lives), the
 /// programs loaded (ahead or now), the maps taken over, the programs attached (where the load
 /// found the maps empty or recreated them, once the first sync has filled them). `node_ips`:
@@ -743,16 +798,16 @@ pub fn start(
     let lock = config.preload.lock(&config.pin_dir)?;
     let started = config
         .preload
-        .load(&config.pin_dir, config.sizes)
-        .and_then(|mut loaded| {
-            ct_lifetimes.write(&mut loaded.ebpf)?;
+        .prepare(&config.prepare_config())
+        .and_then(|mut prepared| {
+            ct_lifetimes.write(&mut prepared.loaded.ebpf)?;
             let external = ExternalConfig {
                 addresses: node_port_addresses,
                 primary: node_ips,
                 mode: config.xdp_mode,
                 snat_ports: config.snat_ports,
             };
-            EbpfDataplane::new(loaded, config, external, netfilter)
+            EbpfDataplane::new(prepared, config, external, netfilter)
         });
     match started {
         Ok(mut dp) => {
@@ -799,22 +854,21 @@ impl CtLifetimes {
 #[derive(Default)]
 pub struct Preload {
     lock: Option<bpffs::PinDirLock>,
-    loaded: Option<std::thread::JoinHandle<anyhow::Result<Loaded>>>,
+    prepared: Option<std::thread::JoinHandle<anyhow::Result<Prepared>>>,
 }
 
 impl Preload {
-    /// Locks the pin directory and loads the programs on a thread of their own, while the
-    /// source lists (the verifier and the maps take about 0.4 s, which the list of 30k
-    /// Services hides). Loading attaches nothing and removes nothing: the node's traffic is
-    /// touched only once the source's first view is in. A failure here is met again, and
-    /// reported, when the mode starts.
-    pub fn start(&mut self, pin_dir: &Path, sizes: MapSizes) {
-        let Ok(lock) = lock_pin_dir(pin_dir) else {
+    /// Locks the pin directory and [`prepare`]s on a thread of its own, while the source
+    /// lists or reads (the verifier, the maps and their read-back take 0.2-0.6 s, which the
+    /// list of 30k Services hides). This attaches nothing and removes nothing: the node's
+    /// traffic is touched only once the source's first view is in. A failure here is met
+    /// again, and reported, when the mode starts.
+    pub fn start(&mut self, config: PrepareConfig) {
+        let Ok(lock) = lock_pin_dir(&config.pin_dir) else {
             return;
         };
         self.lock = Some(lock);
-        let pin_dir = pin_dir.to_owned();
-        self.loaded = Some(std::thread::spawn(move || load(&pin_dir, sizes)));
+        self.prepared = Some(std::thread::spawn(move || prepare(&config)));
     }
 
     /// The pin directory's lock: the one taken ahead, else taken now.
@@ -822,10 +876,10 @@ impl Preload {
         self.lock.take().map_or_else(|| lock_pin_dir(pin_dir), Ok)
     }
 
-    /// The loaded programs: those loaded ahead, else loaded now.
-    fn load(&mut self, pin_dir: &Path, sizes: MapSizes) -> anyhow::Result<Loaded> {
-        let Some(thread) = self.loaded.take() else {
-            return load(pin_dir, sizes);
+    /// What was prepared ahead, else prepared now.
+    fn prepare(&mut self, config: &PrepareConfig) -> anyhow::Result<Prepared> {
+        let Some(thread) = self.prepared.take() else {
+            return prepare(config);
         };
         thread
             .join()
@@ -928,32 +982,24 @@ impl EbpfDataplane {
     /// programs to every pod interface, then and as such interfaces appear, and the external
     /// programs to the interfaces carrying the node addresses `external` selects.
     fn new(
-        loaded: Loaded,
+        prepared: Prepared,
         config: &mut StartConfig,
         external: ExternalConfig,
         netfilter: NetfilterConfig,
     ) -> anyhow::Result<Self> {
         let pin_dir = config.pin_dir.as_path();
-        let cgroup = config.cgroup_path.as_path();
-        let Loaded {
-            mut ebpf,
-            recreated,
-            empty,
-            ..
-        } = loaded;
+        let Prepared {
+            loaded:
+                Loaded {
+                    mut ebpf,
+                    recreated,
+                    empty,
+                    ..
+                },
+            maps,
+            host_clients,
+        } = prepared;
         let kernel = Features::of_this_kernel()?;
-        let mut host_clients = None;
-        if cgroup.as_os_str().is_empty() {
-            tracing::warn!(
-                "--bpf-cgroup-path is empty: host-network clients do not reach services"
-            );
-        } else if kernel.has(&NETNS_COOKIE) {
-            let netns = cgroup::own_netns_cookie().context("the agent's network namespace")?;
-            // Loaded while the object still holds every map (the writer takes some).
-            cgroup::load_programs(&mut ebpf)?;
-            host_clients = Some((cgroup.to_owned(), netns, config.socket_lb));
-        }
-        let maps = MapWriter::take_from(&mut ebpf, config.writer)?;
         spawn_bpf_logger(&mut ebpf);
         export_drop_counters(&mut ebpf)?;
         features::export(kernel);
