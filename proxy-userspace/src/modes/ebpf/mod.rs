@@ -860,9 +860,10 @@ pub struct Preload {
 impl Preload {
     /// Locks the pin directory and [`prepare`]s on a thread of its own, while the source
     /// lists or reads (the verifier, the maps and their read-back take 0.2-0.6 s, which the
-    /// list of 30k Services hides). This attaches nothing and removes nothing: the node's
-    /// traffic is touched only once the source's first view is in. A failure here is met
-    /// again, and reported, when the mode starts.
+    /// list of 30k Services hides). This attaches nothing and removes no rule (of the maps,
+    /// only slots no service counts are dropped): the node's traffic is touched only once the
+    /// source's first view is in. A failure here is met again, and reported, when the mode
+    /// starts.
     pub fn start(&mut self, config: PrepareConfig) {
         let Ok(lock) = lock_pin_dir(&config.pin_dir) else {
             return;
@@ -942,7 +943,7 @@ struct TakeOver {
     prepared: attach::PreparedAttach,
     /// The socket programs' cgroup, this network namespace's cookie and whose connections they
     /// translate; None: not attached.
-    cgroup: Option<(PathBuf, u64, cgroup::SocketLb)>,
+    cgroup: Option<HostClients>,
     pin_dir: PathBuf,
     remove_replaced: Option<RemoveReplaced>,
 }

@@ -247,12 +247,9 @@ impl<'a> Reader<'a> {
     /// The value of a List's `items:` with nothing after its colon: each entry handed to the
     /// List when it is a block sequence (null is returned), else the value.
     fn list_items(&mut self, list: &mut List<'_, '_>) -> Read<Value> {
-        match self.line()? {
-            Some(line) if line.is_entry() => {}
+        let indent = match self.line()? {
+            Some(line) if line.is_entry() => line.indent,
             _ => return self.block_value(0),
-        }
-        let Some(Line { indent, .. }) = self.line()? else {
-            return Err(Refused);
         };
         let mut i = 0;
         while let Some(line) = self.line()? {
