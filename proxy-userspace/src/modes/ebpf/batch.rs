@@ -70,13 +70,12 @@ pub fn entries<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> io::Result<Vec<(
     let mut keys: Vec<K> = Vec::with_capacity(chunk);
     let mut values: Vec<V> = Vec::with_capacity(chunk);
     // The kernel's position in the map (a hash bucket's index, 4 bytes): none at first.
-    let mut position = [0u64; 1];
-    let mut next = [0u64; 1];
-    let mut first = true;
+    let mut position: Option<u64> = None;
+    let mut next = 0u64;
     loop {
         let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { position.as_ptr() as u64 },
-            out_batch: next.as_mut_ptr() as u64,
+            in_batch: position.as_ref().map_or(0, |p| p as *const u64 as u64),
+            out_batch: &mut next as *mut u64 as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
             count: u32::try_from(chunk).expect("a small chunk"),
@@ -109,8 +108,7 @@ pub fn entries<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> io::Result<Vec<(
         if error.is_some() {
             return Ok(entries);
         }
-        position = next;
-        first = false;
+        position = Some(next);
     }
 }
 

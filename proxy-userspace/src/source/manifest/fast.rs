@@ -237,7 +237,7 @@ impl<'a> Reader<'a> {
             return Err(Refused);
         }
         self.next_line();
-        let value = self.mapping(0, line.content, list)?;
+        let value = self.mapping(0, split_key(line.content).ok_or(Refused)?, list)?;
         if self.line()?.is_some() {
             return Err(Refused);
         }
@@ -267,18 +267,18 @@ impl<'a> Reader<'a> {
         Ok(Value::Null)
     }
 
-    /// A block mapping at `indent` whose first entry's line (its content) is `first`, already
-    /// consumed. `list`: see [`Reader::document`].
+    /// A block mapping at `indent` whose first entry's line, already consumed, gave `first`.
+    /// `list`: see [`Reader::document`].
     fn mapping(
         &mut self,
         indent: usize,
-        first: &'a str,
+        first: KeyLine<'a>,
         mut list: Option<&mut List<'_, '_>>,
     ) -> Read<Value> {
         let mut map = Mapping::new();
-        let mut content = first;
+        let mut entry = first;
         loop {
-            let (key, rest) = split_key(content).ok_or(Refused)?;
+            let (key, rest) = entry;
             let value = match (list.as_deref_mut(), rest) {
                 (Some(list), None) if key == "items" => self.list_items(list)?,
                 (list, Some(rest)) => {
@@ -296,7 +296,7 @@ impl<'a> Reader<'a> {
             match self.line()? {
                 Some(line) if line.indent == indent && !line.is_entry() => {
                     self.next_line();
-                    content = line.content;
+                    entry = split_key(line.content).ok_or(Refused)?;
                 }
                 Some(line) if line.indent >= indent => return Err(Refused),
                 _ => return Ok(Value::Mapping(map)),
@@ -314,7 +314,8 @@ impl<'a> Reader<'a> {
                     self.sequence(line.indent)
                 } else {
                     self.next_line();
-                    self.mapping(line.indent, line.content, None)
+                    let first = split_key(line.content).ok_or(Refused)?;
+                    self.mapping(line.indent, first, None)
                 }
             }
             _ => Ok(Value::Null),
@@ -349,8 +350,8 @@ impl<'a> Reader<'a> {
 
     /// What follows an entry's `-` (at `indent`): `content`, at `column`, the rest of its line.
     fn entry_node(&mut self, indent: usize, column: usize, content: &'a str) -> Read<Value> {
-        if split_key(content).is_some() {
-            return self.mapping(column, content, None);
+        if let Some(first) = split_key(content) {
+            return self.mapping(column, first, None);
         }
         if content.starts_with('|') {
             // A block scalar as an entry: rare, and its indentation rules differ.
@@ -385,9 +386,9 @@ impl<'a> Reader<'a> {
     }
 
     /// A literal block scalar's lines, those after its key's line (at `indent`): kept as they
-    /// are (line breaks included) but for the indentation of the first, then clipped to one final line break (or none
-    /// with `strip`). An empty one, or one whose leading blank lines are longer than its
-    /// indentation, is refused (libyaml's rules there are subtle).
+    /// are (line breaks included) but for the indentation of the first, then clipped to one
+    /// final line break (or none with `strip`). An empty one, or one whose leading blank lines
+    /// are longer than its indentation, is refused (libyaml's rules there are subtle).
     fn literal(&mut self, indent: usize, strip: bool) -> Read<String> {
         let mut text = String::new();
         let mut column = None;
@@ -433,10 +434,12 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// A mapping entry's key and what follows its colon (None when nothing does), or None when the
-/// content is not a `key:` line this reader takes. Keys are strings: plain ones that would read
-/// as another type (`true:`, `80:`) are refused.
-fn split_key(content: &str) -> Option<(Cow<'_, str>, Option<&str>)> {
+/// A mapping entry's key and what follows its colon on its line (None when nothing does).
+type KeyLine<'a> = (Cow<'a, str>, Option<&'a str>);
+
+/// A `key:` line's [`KeyLine`], or None when the content is not one this reader takes. Keys are
+/// strings: plain ones that would read as another type (`true:`, `80:`) are refused.
+fn split_key(content: &str) -> Option<KeyLine<'_>> {
     let (key, after) = if content.starts_with(['\'', '"']) {
         let (key, len) = quoted(content)?;
         (key, content[len..].strip_prefix(':')?)
