@@ -8,8 +8,7 @@ use super::{
     parse_ip, port_number, protocol_or_tcp,
 };
 use crate::model::{
-    Hints, NamespacedName, ReducedSlice, SkippedEndpoint, SliceEndpoint, SliceInfo, SlicePort,
-    shared,
+    Endpoint, Hints, NamespacedName, ReducedSlice, SkippedEndpoint, SliceInfo, SlicePort, shared,
 };
 
 /// The annotation the EndpointSlice controller sets to the time of the change (a Pod or the
@@ -80,12 +79,11 @@ fn parse_slice(
         let at = format!("ports[{i}]");
         // No number means "all ports" in the API; kube-proxy skips such ports, and so do we.
         let Some(number) = port.port else { continue };
-        ports.push(SlicePort {
-            name: shared(port.name.as_deref().unwrap_or_default()),
-            protocol: protocol_or_tcp(port.protocol.as_deref())
-                .map_err(|e| format!("{at}: {e}"))?,
-            port: port_number(&format!("{at}: port"), number)?,
-        });
+        ports.push((
+            shared(port.name.as_deref().unwrap_or_default()),
+            protocol_or_tcp(port.protocol.as_deref()).map_err(|e| format!("{at}: {e}"))?,
+            port_number(&format!("{at}: port"), number)?,
+        ));
     }
 
     let mut endpoints = Vec::new();
@@ -104,8 +102,10 @@ fn parse_slice(
         let condition =
             |get: fn(&EndpointConditions) -> Option<bool>| ep.conditions.as_ref().and_then(get);
         // kube-proxy's reading of unset conditions: ready and serving true, terminating false.
-        endpoints.push(SliceEndpoint {
+        endpoints.push(Endpoint {
             ip,
+            // Each port's own, below.
+            port: 0,
             ready: condition(|c| c.ready).unwrap_or(true),
             serving: condition(|c| c.serving).unwrap_or(true),
             terminating: condition(|c| c.terminating).unwrap_or(false),
@@ -115,8 +115,9 @@ fn parse_slice(
     }
     let info = SliceInfo {
         service,
-        ports: ports.into_boxed_slice(),
-        endpoints: endpoints.into_boxed_slice(),
+        ports: (ports.into_iter())
+            .map(|(name, protocol, port)| SlicePort::new(name, protocol, port, &endpoints))
+            .collect(),
     };
     Ok(Some((info, skipped)))
 }

@@ -19,7 +19,7 @@ pub use names::{NamespacedName, PortName, Protocol, ServicePortName};
 pub use service::{Endpoint, Hints, LbAlgorithm, ServicePort, TargetPort};
 pub use state::DesiredState;
 pub use tracker::{ChangeTracker, ReducedService, ReducedSlice, SkippedEndpoint};
-pub(crate) use tracker::{ServicePorts, SliceEndpoint, SliceInfo, SlicePort};
+pub(crate) use tracker::{ServicePorts, SliceInfo, SlicePort};
 
 #[cfg(test)]
 mod tests;

@@ -11,8 +11,9 @@ pub struct DesiredState {
     /// Shared with the tracker's copy of the Service.
     pub(super) services: BTreeMap<ServicePortName, Arc<ServicePort>>,
     /// Endpoints of the ports in `services`, sorted and de-duplicated by (ip, port). A port
-    /// without endpoints has no entry.
-    pub(super) endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+    /// without endpoints has no entry. Shared with the tracker's copy of the EndpointSlice
+    /// when they all come from one.
+    pub(super) endpoints: BTreeMap<ServicePortName, Arc<[Endpoint]>>,
     /// This node's name: endpoints whose `nodeName` it is are local.
     node_name: String,
     /// This node's zone (its Node's `topology.kubernetes.io/zone` label), for topology hints.
@@ -48,9 +49,7 @@ impl DesiredState {
 
     /// The Service ports that have endpoints, with them, in name order.
     pub fn endpoints(&self) -> impl Iterator<Item = (&ServicePortName, &[Endpoint])> + '_ {
-        self.endpoints
-            .iter()
-            .map(|(spn, eps)| (spn, eps.as_slice()))
+        self.endpoints.iter().map(|(spn, eps)| (spn, &**eps))
     }
 
     /// The names of every Service port, in order.
@@ -99,7 +98,7 @@ impl DesiredState {
                 .collect(),
             endpoints: (self.endpoints.iter())
                 .filter(|(spn, _)| keep(spn))
-                .map(|(spn, eps)| (spn.clone(), eps.clone()))
+                .map(|(spn, eps)| (spn.clone(), Arc::clone(eps)))
                 .collect(),
             node_name: self.node_name.clone(),
             node_zone: self.node_zone.clone(),
@@ -117,18 +116,20 @@ impl DesiredState {
         if endpoints.is_empty() {
             self.endpoints.remove(&spn);
         } else {
-            self.endpoints.insert(spn, endpoints);
+            self.endpoints.insert(spn, endpoints.into());
         }
     }
 
-    /// The endpoints of `spn` to change in place, if it has some.
-    pub fn endpoints_mut(&mut self, spn: &ServicePortName) -> Option<&mut Vec<Endpoint>> {
-        self.endpoints.get_mut(spn)
+    /// Changes the endpoints of `spn` with `edit` (none left: it has no entry).
+    pub fn edit_endpoints(&mut self, spn: &ServicePortName, edit: impl FnOnce(&mut Vec<Endpoint>)) {
+        let mut endpoints = self.endpoints_of(spn).to_vec();
+        edit(&mut endpoints);
+        self.set_endpoints(spn.clone(), endpoints);
     }
 
     /// All endpoints of `spn`, ready or not (empty when it has none).
     pub fn endpoints_of(&self, spn: &ServicePortName) -> &[Endpoint] {
-        self.endpoints.get(spn).map_or(&[], Vec::as_slice)
+        self.endpoints.get(spn).map_or(&[], |eps| eps)
     }
 
     /// The endpoints of `spn` that should receive new connections.

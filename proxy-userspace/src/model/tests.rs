@@ -962,6 +962,55 @@ fn names_are_shared_not_copied() {
 }
 
 #[test]
+fn a_ports_endpoints_are_shared_with_its_slice_not_copied() {
+    let mut tracker = ChangeTracker::new();
+    let mut state = DesiredState::default();
+    tracker.update_service(&service(WEB)).unwrap();
+    let web_1 = |addresses: &str| {
+        slice_of(
+            "web",
+            "web-1",
+            "IPv4",
+            &format!("[{{addresses: [{addresses}]}}]"),
+        )
+    };
+    tracker.update_slice(&web_1("10.244.1.11")).unwrap();
+    tracker.apply(&mut state);
+    let web = spn("web", "http", Protocol::Tcp);
+    let held = |state: &DesiredState| Arc::strong_count(&state.endpoints[&web]);
+    assert_eq!(
+        held(&state),
+        2,
+        "the tracker's slice and the state hold one copy"
+    );
+
+    // The same version again, or a change and back: still one copy.
+    tracker.update_slice(&web_1("10.244.1.11")).unwrap();
+    assert_eq!(held(&state), 2);
+    tracker.update_slice(&web_1("10.244.1.12")).unwrap();
+    tracker.update_slice(&web_1("10.244.1.11")).unwrap();
+    assert_eq!(held(&state), 2);
+    // A change applied, then back.
+    tracker.update_slice(&web_1("10.244.1.12")).unwrap();
+    tracker.apply(&mut state);
+    tracker.update_slice(&web_1("10.244.1.11")).unwrap();
+    tracker.apply(&mut state);
+    assert_eq!(held(&state), 2);
+
+    // Two slices: the port's endpoints are both slices', merged in order.
+    let web_2 = slice_of("web", "web-2", "IPv4", "[{addresses: [10.244.1.10]}]");
+    tracker.update_slice(&web_2).unwrap();
+    tracker.apply(&mut state);
+    let ips: Vec<String> = state
+        .endpoints_of(&web)
+        .iter()
+        .map(|ep| ep.ip.to_string())
+        .collect();
+    assert_eq!(ips, ["10.244.1.10", "10.244.1.11"]);
+    assert_eq!(held(&state), 1);
+}
+
+#[test]
 fn shared_names_are_kept_once_and_dropped_unused() {
     let used = shared("test-node-used");
     assert!(Arc::ptr_eq(&used, &shared("test-node-used")));
@@ -990,7 +1039,7 @@ fn a_fresh_state_is_built_as_incrementally() {
         // Another service's entry: the state is not fresh, so it is updated port by port.
         let seed = spn("seed", "", Protocol::Tcp);
         if seeded {
-            state.endpoints.insert(seed.clone(), Vec::new());
+            state.endpoints.insert(seed.clone(), Arc::from([]));
         }
         let changed = tracker.apply(&mut state);
         state.endpoints.remove(&seed);

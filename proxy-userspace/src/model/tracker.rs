@@ -13,9 +13,7 @@ use foldhash::{HashMap, HashSet};
 
 use crate::kubernetes::NodeInfo;
 
-use super::{
-    Cidr, DesiredState, Endpoint, Hints, NamespacedName, Protocol, ServicePort, ServicePortName,
-};
+use super::{Cidr, DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName};
 
 /// An endpoint left out of an EndpointSlice whose other endpoints are used, as kube-proxy skips
 /// single endpoints it cannot program.
@@ -37,24 +35,38 @@ pub(crate) type ServicePorts = Box<[(ServicePortName, Arc<ServicePort>)]>;
 pub(crate) struct SliceInfo {
     pub(crate) service: NamespacedName,
     pub(crate) ports: Box<[SlicePort]>,
-    pub(crate) endpoints: Box<[SliceEndpoint]>,
 }
 
+/// A port of an EndpointSlice, with the slice's endpoints as that port's: each with the port's
+/// number, sorted and de-duplicated as the desired state holds a Service port's endpoints, so
+/// that the state can share them (a Service port's endpoints almost always come from one slice).
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct SlicePort {
     pub(crate) name: Arc<str>,
     pub(crate) protocol: Protocol,
-    pub(crate) port: u16,
+    pub(crate) endpoints: Arc<[Endpoint]>,
 }
 
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct SliceEndpoint {
-    pub(crate) ip: IpAddr,
-    pub(crate) ready: bool,
-    pub(crate) serving: bool,
-    pub(crate) terminating: bool,
-    pub(crate) node_name: Option<Arc<str>>,
-    pub(crate) hints: Option<Arc<Hints>>,
+impl SlicePort {
+    /// The port `name`/`protocol` numbered `port` of a slice of `endpoints` (whose own port is
+    /// not read).
+    pub(crate) fn new(
+        name: Arc<str>,
+        protocol: Protocol,
+        port: u16,
+        endpoints: &[Endpoint],
+    ) -> Self {
+        let mut endpoints: Vec<Endpoint> = endpoints
+            .iter()
+            .map(|ep| Endpoint { port, ..ep.clone() })
+            .collect();
+        dedup_endpoints(&mut endpoints);
+        Self {
+            name,
+            protocol,
+            endpoints: endpoints.into(),
+        }
+    }
 }
 
 /// A Service reduced to what the tracker records of it: what a source computes from the object
@@ -444,7 +456,12 @@ impl ChangeTracker {
         }
         mutate(self);
         if self.pending.get(service) == Some(&self.inputs(service)) {
-            self.pending.remove(service);
+            let applied = self.pending.remove(service).expect("just read");
+            // Equal, but the applied versions are what the desired state shares: kept.
+            if let Some(ports) = applied.service {
+                self.services.insert(service.clone(), ports);
+            }
+            self.slices.extend(applied.slices);
             self.trigger_times.remove(service);
         }
     }
@@ -478,8 +495,8 @@ impl ChangeTracker {
         let Some(ports) = self.services.get(service) else {
             return Default::default();
         };
-        // Index i holds the endpoints of ports[i].
-        let mut endpoints: Vec<Vec<Endpoint>> = vec![Vec::new(); ports.len()];
+        // Index i holds the endpoints of ports[i], by slice port.
+        let mut parts: Vec<Vec<&Arc<[Endpoint]>>> = vec![Vec::new(); ports.len()];
         for slice_name in self.slices_by_service.get(service).into_iter().flatten() {
             let slice = &self.slices[slice_name];
             for slice_port in &slice.ports {
@@ -488,25 +505,24 @@ impl ChangeTracker {
                 }) else {
                     continue;
                 };
-                endpoints[i].extend(slice.endpoints.iter().map(|ep| Endpoint {
-                    ip: ep.ip,
-                    port: slice_port.port,
-                    ready: ep.ready,
-                    serving: ep.serving,
-                    terminating: ep.terminating,
-                    node_name: ep.node_name.clone(),
-                    hints: ep.hints.clone(),
-                }));
+                parts[i].push(&slice_port.endpoints);
             }
         }
         let endpoints = ports
             .iter()
-            .zip(endpoints)
-            .filter_map(|((spn, _), mut eps)| {
-                dedup_endpoints(&mut eps);
-                // Kept until the next change: no spare room (a Vec grows to four at least).
-                eps.shrink_to_fit();
-                (!eps.is_empty()).then(|| (spn.clone(), eps))
+            .zip(parts)
+            .filter_map(|((spn, _), parts)| {
+                let endpoints = match parts[..] {
+                    // Shared with the slice: no copy.
+                    [one] => Arc::clone(one),
+                    _ => {
+                        let mut eps: Vec<Endpoint> =
+                            parts.iter().flat_map(|p| p.iter()).cloned().collect();
+                        dedup_endpoints(&mut eps);
+                        eps.into()
+                    }
+                };
+                (!endpoints.is_empty()).then(|| (spn.clone(), endpoints))
             })
             .collect();
         (ports.to_vec(), endpoints)
@@ -516,7 +532,7 @@ impl ChangeTracker {
 /// One service's ports and the endpoints of each port that has some, both sorted by name.
 type Rendered = (
     Vec<(ServicePortName, Arc<ServicePort>)>,
-    Vec<(ServicePortName, Vec<Endpoint>)>,
+    Vec<(ServicePortName, Arc<[Endpoint]>)>,
 );
 
 /// Sorts by (ip, port) and keeps one of each. An endpoint can be listed twice (briefly, while the
@@ -554,8 +570,9 @@ fn sync_range<V: PartialEq>(
     }
     for (spn, value) in wanted {
         if map.get(&spn) != Some(&value) {
-            map.insert(spn.clone(), value);
-            changed.insert(spn);
+            changed.insert(spn.clone());
         }
+        // Even when equal: the state then shares what the tracker holds now, not a copy it let go.
+        map.insert(spn, value);
     }
 }

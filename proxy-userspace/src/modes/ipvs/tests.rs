@@ -434,8 +434,8 @@ fn ipvs_real_servers_terminate_gracefully() {
             let keep = |eps: &mut Vec<crate::model::Endpoint>, ip: &str| {
                 eps.retain(|ep| ep.ip.to_string() != ip);
             };
-            keep(state.endpoints_mut(&web_spn).unwrap(), "10.244.1.11");
-            keep(state.endpoints_mut(&dns_spn).unwrap(), "10.244.1.53");
+            state.edit_endpoints(&web_spn, |eps| keep(eps, "10.244.1.11"));
+            state.edit_endpoints(&dns_spn, |eps| keep(eps, "10.244.1.53"));
             let changed = BTreeSet::from([web_spn.clone(), dns_spn.clone()]);
             dp.sync(&state, Scope::Changed(&changed)).unwrap();
             let now = dests(&mut ipvs, &web);
@@ -459,7 +459,7 @@ fn ipvs_real_servers_terminate_gracefully() {
             assert!(dp.terminating.is_empty());
 
             // Gone again: housekeeping deletes it once its connection entries expired.
-            keep(state.endpoints_mut(&web_spn).unwrap(), "10.244.1.11");
+            state.edit_endpoints(&web_spn, |eps| keep(eps, "10.244.1.11"));
             dp.sync(&state, Scope::Changed(&BTreeSet::from([web_spn.clone()])))
                 .unwrap();
             assert_eq!(dests(&mut ipvs, &web)["10.244.1.11:8080"].0, 0);
@@ -540,10 +540,9 @@ fn ipvs_serves_traffic() {
         });
         let mut state = fixture(FIXTURE);
         let web = spn("shop", "web", "http", Protocol::Tcp);
-        state
-            .endpoints_mut(&web)
-            .unwrap()
-            .retain(|ep| ep.ip.to_string() == "10.244.1.11");
+        state.edit_endpoints(&web, |eps| {
+            eps.retain(|ep| ep.ip.to_string() == "10.244.1.11")
+        });
         state.port_mut(&web).unwrap().node_port = Some(30090);
         sh(
             "ip link add eth0 type dummy && ip addr add 192.0.2.11/24 dev eth0 && ip link set eth0 up",

@@ -824,10 +824,7 @@ pub(super) mod tests {
     /// The fixture a sync later: shop/web lost an endpoint, kube-system/dns is gone.
     fn changed(mut state: DesiredState) -> (DesiredState, BTreeSet<ServicePortName>) {
         let gone: IpAddr = Ipv4Addr::new(10, 244, 2, 11).into();
-        state
-            .endpoints_mut(&web())
-            .unwrap()
-            .retain(|ep| ep.ip != gone);
+        state.edit_endpoints(&web(), |eps| eps.retain(|ep| ep.ip != gone));
         state.remove_port(&dns());
         (state, BTreeSet::from([web(), dns()]))
     }
@@ -1118,7 +1115,7 @@ pub(super) mod tests {
         let mut endpoint = s0.endpoints_of(&elsewhere)[0].clone();
         endpoint.ip = Ipv4Addr::new(10, 244, 1, 14).into();
         endpoint.node_name = Some("node1".into());
-        state.endpoints_mut(&elsewhere).unwrap().insert(0, endpoint);
+        state.edit_endpoints(&elsewhere, |eps| eps.insert(0, endpoint));
         state.remove_port(&empty);
         let mut port = ServicePort::clone(s0.port(&dns()).unwrap());
         port.session_affinity_timeout = Some(60);
