@@ -468,10 +468,10 @@ pub fn add_external_service(state: &mut DesiredState, svc: &ExternalSvc<'_>) -> 
         .iter()
         .map(|(ip, len)| Cidr::v4(*ip, *len))
         .collect();
-    if let Some(eps) = state.endpoints_mut(&key) {
+    state.edit_endpoints(&key, |eps| {
         for (ep, (_, _, node)) in eps.iter_mut().zip(svc.endpoints) {
             ep.node_name = Some(Arc::from(*node));
         }
-    }
+    });
     key
 }

@@ -92,10 +92,7 @@ fn terminating_endpoints_serve_when_none_is_ready() {
     assert_eq!(reached(&p, CLIENT, 40000..40030), BTreeSet::from([BE1]));
     // A ready endpoint appears: it takes every new connection.
     let key = web_key(&state);
-    state
-        .endpoints_mut(&key)
-        .unwrap()
-        .push(ep(BE3, "node2", true, true, false));
+    state.edit_endpoints(&key, |eps| eps.push(ep(BE3, "node2", true, true, false)));
     p.program(&state).unwrap();
     assert_eq!(reached(&p, CLIENT, 41000..41030), BTreeSet::from([BE3]));
 }
@@ -120,7 +117,9 @@ fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
     assert!(shown.contains("[internal traffic local]"), "{shown}");
     // No local endpoint left: dropped (and counted), as kube-proxy does; never sent elsewhere.
     let key = web_key(&state);
-    state.endpoints_mut(&key).unwrap().remove(0);
+    state.edit_endpoints(&key, |eps| {
+        eps.remove(0);
+    });
     p.program(&state).unwrap();
     let (verdict, _) = p.run("tc_ingress", &Spec::tcp(CLIENT, 42100, VIP, 80).build());
     assert_eq!(verdict, TC_ACT_SHOT);
@@ -182,10 +181,7 @@ fn session_affinity_sends_a_clients_new_connections_to_one_backend() {
     // The backend a client is bound to leaves the service: the client moves, and sticks again.
     let bound = *reached(&p, CLIENT, 46000..46001).first().unwrap();
     let key = web_key(&state);
-    state
-        .endpoints_mut(&key)
-        .unwrap()
-        .retain(|e| e.ip != IpAddr::V4(bound));
+    state.edit_endpoints(&key, |eps| eps.retain(|e| e.ip != IpAddr::V4(bound)));
     p.program(&state).unwrap();
     let moved = reached(&p, CLIENT, 46100..46110);
     assert!(moved.len() == 1 && !moved.contains(&bound), "{moved:?}");

@@ -400,9 +400,11 @@ fn measure6(args: &Datapath, count: u32) -> anyhow::Result<Row6> {
             "bench6-np" => sp.node_port = Some(NODE_PORT),
             _ => sp.load_balancer_ips = vec![lb.into()],
         }
-        for e in state.endpoints_mut(&spn).into_iter().flatten() {
-            e.node_name = Some("node1".into());
-        }
+        state.edit_endpoints(&spn, |eps| {
+            for e in eps {
+                e.node_name = Some("node1".into());
+            }
+        });
     }
     p.program(&state)?;
     p.set_node_addrs6(&[node]);

@@ -41,12 +41,12 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         // Packets no longer see the slots; what follows is cleanup (slots left by a failure
         // here are invisible, and the next agent start deletes them).
         let programmed = self.frontends.get_mut(fe).expect("read above");
-        programmed.slots.clear();
+        programmed.slots = Box::default();
         programmed.head = head;
         programmed.claim = None;
-        let until = *programmed
-            .draining_until
-            .get_or_insert(now + self.drain_period);
+        let until = *(self.draining_frontends)
+            .entry(*fe)
+            .or_insert(now + self.drain_period);
         earliest(&mut self.frontend_expiry, until);
         self.used_slots -= slots;
         for slot in 1..=slots {
@@ -84,7 +84,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .filter(|(_, id)| !in_slots.contains(id))
             .collect();
         for (b, id) in leaving {
-            let previous = self.by_id[&id].drain;
+            let previous = self.draining.get(&id).copied();
             let drain = match previous {
                 _ if listed.contains(&b) => Drain::WhileListed,
                 Some(Drain::Until(until)) => Drain::Until(until),
@@ -96,7 +96,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             if let Drain::Until(until) = drain {
                 earliest(&mut self.backend_expiry, until);
             }
-            self.by_id.get_mut(&id).expect("ids and by_id agree").drain = Some(drain);
+            self.draining.insert(id, drain);
         }
         Ok(())
     }
@@ -107,9 +107,9 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         let claimed: HashSet<Frontend<A>> = self.owners.values().flatten().copied().collect();
         let stale: Vec<Frontend<A>> = self
             .frontends
-            .iter()
-            .filter(|(fe, p)| !claimed.contains(fe) && p.draining_until.is_none())
-            .map(|(fe, _)| *fe)
+            .keys()
+            .filter(|fe| !claimed.contains(fe) && !self.draining_frontends.contains_key(fe))
+            .copied()
             .collect();
         for fe in stale {
             self.drain_frontend(&fe, now)?;
@@ -117,14 +117,14 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         let unclaimed: Vec<(u32, Backend<A>)> = self
             .by_id
             .iter()
-            .filter(|(_, s)| s.owner.is_none() && s.drain.is_none())
+            .filter(|(id, s)| s.owner.is_none() && !self.draining.contains_key(id))
             .map(|(id, s)| (*id, s.backend))
             .collect();
         for (id, b) in unclaimed {
             self.flag_draining(id, b)?;
             let until = now + self.drain_period;
             earliest(&mut self.backend_expiry, until);
-            self.by_id.get_mut(&id).expect("listed above").drain = Some(Drain::Until(until));
+            self.draining.insert(id, Drain::Until(until));
         }
         Ok(())
     }
@@ -151,11 +151,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         if self.frontend_expiry.is_some_and(|first| first <= now) {
             let mut done = Vec::new();
             self.frontend_expiry = None;
-            for (fe, p) in &self.frontends {
-                match p.draining_until {
-                    Some(until) if until <= now => done.push(*fe),
-                    Some(until) => earliest(&mut self.frontend_expiry, until),
-                    None => {}
+            for (fe, &until) in &self.draining_frontends {
+                match until <= now {
+                    true => done.push(*fe),
+                    false => earliest(&mut self.frontend_expiry, until),
                 }
             }
             for fe in done {
@@ -164,6 +163,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                     return Err(e);
                 }
                 self.frontends.remove(&fe);
+                self.draining_frontends.remove(&fe);
                 self.used_slots -= 1;
             }
         }
@@ -172,11 +172,11 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         }
         let mut done = Vec::new();
         self.backend_expiry = None;
-        for (id, s) in &self.by_id {
-            match s.drain {
-                Some(Drain::Until(until)) if until <= now => done.push(*id),
-                Some(Drain::Until(until)) => earliest(&mut self.backend_expiry, until),
-                _ => {}
+        for (id, drain) in &self.draining {
+            match *drain {
+                Drain::Until(until) if until <= now => done.push(*id),
+                Drain::Until(until) => earliest(&mut self.backend_expiry, until),
+                Drain::WhileListed => {}
             }
         }
         for id in done {
@@ -187,10 +187,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                     return Err(e).with_context(|| format!("deleting backend {id}"));
                 }
             }
+            self.draining.remove(&id);
             if let Some(IdState {
                 backend,
                 owner: Some(owner),
-                ..
             }) = self.by_id.remove(&id)
                 && let Some(ids) = self.ids.get_mut(&owner)
             {

@@ -42,8 +42,6 @@ pub(super) struct IdState<A> {
     pub(super) backend: Backend<A>,
     /// None: recovered from the pinned maps and not yet claimed by a port.
     pub(super) owner: Option<ServicePortName>,
-    /// Flagged draining in the map: no new flows, established TCP connections stay.
-    pub(super) drain: Option<Drain>,
 }
 
 /// Ids reserved in `agent_state` at a time: one map write per this many new backends.
@@ -72,11 +70,11 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         b: &Backend<A>,
     ) -> anyhow::Result<u32> {
         if let Some(id) = self.id_of(spn, old, b) {
-            if self.by_id[&id].drain.is_some() {
+            if self.draining.contains_key(&id) {
                 self.write_backend(id, b)?;
+                self.draining.remove(&id);
             }
             let state = self.by_id.get_mut(&id).expect("ids and by_id agree");
-            state.drain = None;
             if state.owner.is_none() {
                 state.owner = Some(spn.clone());
                 self.ids.entry(spn.clone()).or_default().insert(*b, id);
@@ -102,7 +100,6 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             IdState {
                 backend: *b,
                 owner: Some(spn.clone()),
-                drain: None,
             },
         );
         Ok(id)

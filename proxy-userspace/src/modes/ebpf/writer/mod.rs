@@ -47,7 +47,7 @@ use proxy_common::{
 use foldhash::{HashMap, HashSet};
 
 use self::{
-    drain::{Drain, earliest},
+    drain::Drain,
     ids::{IdState, PortIds},
 };
 use super::{
@@ -202,6 +202,9 @@ pub struct FamilyWriter<A: FamilyMaps> {
     udp_departed: bool,
     /// What the services map holds, by frontend.
     frontends: HashMap<Frontend<A>, Programmed>,
+    /// The removed frontends (draining heads without slots) and when each goes. Apart from
+    /// `frontends`: few drain at a time, and a time in each entry would make them all larger.
+    draining_frontends: HashMap<Frontend<A>, Instant>,
     /// When the first draining frontend's period ends (None: none drains).
     frontend_expiry: Option<Instant>,
     /// Which frontends each service port put there.
@@ -213,6 +216,9 @@ pub struct FamilyWriter<A: FamilyMaps> {
     /// is still in that port, and a conntrack entry never finds a different backend.
     ids: HashMap<ServicePortName, PortIds<A>>,
     by_id: HashMap<u32, IdState<A>>,
+    /// The ids flagged draining in the map (no new flows, established TCP connections stay),
+    /// and until when; apart from `by_id` for the same reason as `draining_frontends`.
+    draining: HashMap<u32, Drain>,
     /// When the first draining backend's period ends (None: none drains for a period).
     backend_expiry: Option<Instant>,
     next_id: u32,
@@ -236,11 +242,9 @@ pub struct FamilyWriter<A: FamilyMaps> {
 struct Programmed {
     /// Its backend ids, in slot order (none for a draining frontend; [`LOST`] for a slot a
     /// damaged map lost).
-    slots: Vec<u32>,
+    slots: Box<[u32]>,
     /// What slot 0 holds.
     head: ServiceValue,
-    /// Removed: a draining head without slots until then.
-    draining_until: Option<Instant>,
     /// The port that last programmed it: when a Service's address passes to another (a rename
     /// keeping the cluster IP), the old one's removal must not take it away. None: recovered
     /// from the pins and not claimed yet, or draining.
@@ -289,7 +293,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 let Some(state) = self.by_id.get(id) else {
                     continue;
                 };
-                if state.drain.is_none() {
+                if !self.draining.contains_key(id) {
                     let b = state.backend;
                     routes.insert((fe.addr.ip(), fe.port.get(), b.addr.ip(), b.port.get()));
                 }
@@ -507,7 +511,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .into());
         }
         let programmed = self.frontends.get(fe);
-        let old: Vec<u32> = programmed.map(|p| p.slots.clone()).unwrap_or_default();
+        let old: Vec<u32> = programmed.map(|p| p.slots.to_vec()).unwrap_or_default();
         let had_head = programmed.map(|p| p.head);
         let existed = programmed.is_some();
         // Refuse before writing anything if the maps cannot hold the result.
@@ -559,14 +563,13 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         // The new slots are live from here on.
         self.used_slots = self.used_slots + ids.len() + 1 - if existed { old.len() + 1 } else { 0 };
         let programmed = self.frontends.entry(*fe).or_insert_with(|| Programmed {
-            slots: Vec::new(),
+            slots: Box::default(),
             head,
-            draining_until: None,
             claim: None,
         });
-        programmed.slots.clone_from(&ids);
+        programmed.slots = ids.as_slice().into();
         programmed.head = head;
-        programmed.draining_until = None;
+        self.draining_frontends.remove(fe);
         self.remove_ranges(fe, &stale_ranges)?;
         self.ranges_written(fe, &wanted.source_ranges);
         if had_maglev && !maglev {

@@ -89,11 +89,13 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             settings,
             udp_departed: false,
             frontends: HashMap::default(),
+            draining_frontends: HashMap::default(),
             frontend_expiry: None,
             owners: HashMap::default(),
             used_slots: 0,
             ids: HashMap::default(),
             by_id: HashMap::default(),
+            draining: HashMap::default(),
             backend_expiry: None,
             next_id: 1,
             reserved_until: 1,
@@ -112,20 +114,18 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     pub(super) fn read_back(&mut self) -> anyhow::Result<()> {
         let now = Instant::now();
         let mut by_id = HashMap::default();
-        let mut backend_expiry = None;
+        let mut draining = HashMap::default();
         let backends = batch::entries(&self.backends).context("reading the pinned backends")?;
         for (id, backend) in backends {
             // Whose it was is not recorded: a draining one drains for a full period from now.
-            let drain = (backend.flags & BACKEND_DRAINING != 0).then(|| {
-                earliest(&mut backend_expiry, now + self.drain_period);
-                Drain::Until(now + self.drain_period)
-            });
+            if backend.flags & BACKEND_DRAINING != 0 {
+                draining.insert(id, Drain::Until(now + self.drain_period));
+            }
             by_id.insert(
                 id,
                 IdState {
                     backend,
                     owner: None,
-                    drain,
                 },
             );
         }
@@ -134,13 +134,15 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .into_iter()
             .collect();
         let mut frontends: HashMap<Frontend<A>, Programmed> = HashMap::default();
+        let mut draining_frontends = HashMap::default();
         let mut used_slots = 0;
         let mut damaged = 0;
         for (key, &head) in services.iter().filter(|(k, _)| k.slot == 0) {
-            let draining_until =
-                (head.flags & SERVICE_DRAINING != 0).then(|| now + self.drain_period);
+            if head.flags & SERVICE_DRAINING != 0 {
+                draining_frontends.insert(*key, now + self.drain_period);
+            }
             // A lost slot does not stop the recovery: the first sync rewrites it.
-            let slots: Vec<u32> = (1..=head.count)
+            let slots: Box<[u32]> = (1..=head.count)
                 .map(|slot| {
                     services
                         .get(&ServiceKey { slot, ..*key })
@@ -156,7 +158,6 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 Programmed {
                     slots,
                     head,
-                    draining_until,
                     claim: None,
                 },
             );
@@ -194,13 +195,15 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             );
         }
         self.ranges = recover_ranges(&self.source_ranges)?;
-        self.frontend_expiry = frontends.values().filter_map(|p| p.draining_until).min();
+        self.frontend_expiry = draining_frontends.values().min().copied();
         self.frontends = frontends;
+        self.draining_frontends = draining_frontends;
         self.owners.clear();
         self.used_slots = used_slots;
         self.ids.clear();
         self.by_id = by_id;
-        self.backend_expiry = backend_expiry;
+        self.backend_expiry = (!draining.is_empty()).then_some(now + self.drain_period);
+        self.draining = draining;
         self.next_id = next_id;
         self.reserved_until = next_id;
         self.batch = None;
