@@ -1011,6 +1011,32 @@ fn a_ports_endpoints_are_shared_with_its_slice_not_copied() {
 }
 
 #[test]
+fn nothing_is_kept_of_deleted_services_and_slices() {
+    let mut tracker = ChangeTracker::new();
+    let mut state = DesiredState::default();
+    let web_1 = |service: &str| slice_of(service, "web-1", "IPv4", "[{addresses: [10.244.1.11]}]");
+    // Service first, then its slice; deleted in the same order, and the other way round.
+    for slice_first in [false, true] {
+        tracker.update_service(&service(WEB)).unwrap();
+        tracker.update_slice(&web_1("web")).unwrap();
+        tracker.apply(&mut state);
+        if slice_first {
+            tracker.delete_slice(&nn("default", "web-1"));
+        }
+        tracker.delete_service(&nn("default", "web"));
+        tracker.delete_slice(&nn("default", "web-1"));
+        tracker.apply(&mut state);
+        assert_eq!(tracker.entries(), 0);
+    }
+    // A slice relabelled to another service leaves nothing under its first one.
+    tracker.update_slice(&web_1("web")).unwrap();
+    tracker.update_slice(&web_1("other")).unwrap();
+    tracker.delete_slice(&nn("default", "web-1"));
+    assert_eq!(tracker.entries(), 0);
+    assert_eq!(state.port_count(), 0);
+}
+
+#[test]
 fn shared_names_are_kept_once_and_dropped_unused() {
     let used = shared("test-node-used");
     assert!(Arc::ptr_eq(&used, &shared("test-node-used")));

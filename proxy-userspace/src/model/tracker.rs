@@ -99,18 +99,27 @@ struct Inputs {
     slices: Vec<(NamespacedName, Arc<SliceInfo>)>,
 }
 
+/// What the tracker holds under a service's name.
+#[derive(Debug, Default)]
+struct ServiceEntry {
+    /// None: not proxied (headless, ExternalName...), or not known (yet).
+    ports: Option<Arc<ServicePorts>>,
+    /// Its slices (by their own namespace/name), sorted: slices may arrive before their
+    /// service, so an entry can have slices and no ports.
+    slices: Box<[NamespacedName]>,
+}
+
 /// Tracks Services and EndpointSlices and the services changed since the last [`apply`].
 ///
 /// [`apply`]: ChangeTracker::apply
 #[derive(Debug, Default)]
 pub struct ChangeTracker {
-    /// Proxied services; skipped ones (headless, ExternalName...) are absent.
-    services: HashMap<NamespacedName, Arc<ServicePorts>>,
+    /// Services by name: the ports of the proxied ones, and the slices of each. One table for
+    /// both, as kube-proxy nests its slice cache under the Service: a service and its slices
+    /// are looked up together, and a table's spare room costs per entry.
+    services: HashMap<NamespacedName, ServiceEntry>,
     /// Keyed by the slice's own namespace/name.
     slices: HashMap<NamespacedName, Arc<SliceInfo>>,
-    /// Owner service -> its slices, sorted (a service has few). Slices may arrive before their
-    /// service, so an entry can exist without a service.
-    slices_by_service: HashMap<NamespacedName, Vec<NamespacedName>>,
     /// The endpoints skipped in each slice's current version (slices with none are absent), so
     /// that each is reported once rather than on every update of its slice.
     skipped: HashMap<NamespacedName, Vec<SkippedEndpoint>>,
@@ -174,7 +183,7 @@ impl ChangeTracker {
     /// Whether the tracker holds this version of the Service already (one not proxied: when it
     /// holds none), so that a source reading it again need not keep its own copy to know.
     pub fn holds_service(&self, update: &ReducedService) -> bool {
-        self.services.get(&update.key) == update.ports.as_ref()
+        self.ports_of(&update.key) == update.ports.as_ref()
     }
 
     /// Whether the tracker holds this version of the EndpointSlice already (see
@@ -202,16 +211,36 @@ impl ChangeTracker {
     pub fn upsert_service(&mut self, update: &ReducedService) {
         let key = &update.key;
         self.service_changes.record(key);
-        self.change(key, |t| match &update.ports {
-            Some(ports) => t.services.insert(key.clone(), Arc::clone(ports)),
-            None => t.services.remove(key),
-        });
+        self.change(key, |t| t.set_ports(key, update.ports.clone()));
     }
 
     pub fn delete_service(&mut self, key: &NamespacedName) {
         self.service_changes.record(key);
-        if self.services.contains_key(key) {
-            self.change(key, |t| t.services.remove(key));
+        if self.ports_of(key).is_some() {
+            self.change(key, |t| t.set_ports(key, None));
+        }
+    }
+
+    /// The ports of the proxied service `key`.
+    fn ports_of(&self, key: &NamespacedName) -> Option<&Arc<ServicePorts>> {
+        self.services.get(key)?.ports.as_ref()
+    }
+
+    fn set_ports(&mut self, key: &NamespacedName, ports: Option<Arc<ServicePorts>>) {
+        match ports {
+            Some(ports) => self.services.entry(key.clone()).or_default().ports = Some(ports),
+            None => self.edit_entry(key, |entry| entry.ports = None),
+        }
+    }
+
+    /// Runs `edit` on the entry of `service`, if it has one, and drops the entry if that
+    /// leaves it empty.
+    fn edit_entry(&mut self, service: &NamespacedName, edit: impl FnOnce(&mut ServiceEntry)) {
+        if let Some(entry) = self.services.get_mut(service) {
+            edit(entry);
+            if entry.ports.is_none() && entry.slices.is_empty() {
+                self.services.remove(service);
+            }
         }
     }
 
@@ -248,11 +277,11 @@ impl ChangeTracker {
             self.change(old_owner, |t| t.unlink_slice(old_owner, key));
         }
         self.change(owner, |t| {
-            let slices = t.slices_by_service.entry(owner.clone()).or_default();
-            if let Err(at) = slices.binary_search(key) {
-                // Most services have one slice: no room for four.
-                slices.reserve_exact(1);
+            let entry = t.services.entry(owner.clone()).or_default();
+            if let Err(at) = entry.slices.binary_search(key) {
+                let mut slices = std::mem::take(&mut entry.slices).into_vec();
                 slices.insert(at, key.clone());
+                entry.slices = slices.into();
             }
             t.slices.insert(key.clone(), Arc::clone(info));
         });
@@ -289,7 +318,10 @@ impl ChangeTracker {
 
     /// The Services the tracker holds (proxied ones, at their last valid version).
     pub fn service_keys(&self) -> Vec<NamespacedName> {
-        self.services.keys().cloned().collect()
+        (self.services.iter())
+            .filter(|(_, entry)| entry.ports.is_some())
+            .map(|(key, _)| key.clone())
+            .collect()
     }
 
     /// The EndpointSlices the tracker holds (see [`ChangeTracker::service_keys`]).
@@ -459,7 +491,7 @@ impl ChangeTracker {
             let applied = self.pending.remove(service).expect("just read");
             // Equal, but the applied versions are what the desired state shares: kept.
             if let Some(ports) = applied.service {
-                self.services.insert(service.clone(), ports);
+                self.set_ports(service, Some(ports));
             }
             self.slices.extend(applied.slices);
             self.trigger_times.remove(service);
@@ -467,22 +499,30 @@ impl ChangeTracker {
     }
 
     fn unlink_slice(&mut self, owner: &NamespacedName, slice: &NamespacedName) {
-        if let Some(slices) = self.slices_by_service.get_mut(owner) {
+        self.edit_entry(owner, |entry| {
+            let mut slices = std::mem::take(&mut entry.slices).into_vec();
             slices.retain(|s| s != slice);
-            if slices.is_empty() {
-                self.slices_by_service.remove(owner);
-            }
-        }
+            entry.slices = slices.into();
+        });
+    }
+
+    /// How many services and slices the tracker holds anything of.
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> usize {
+        self.services.len() + self.slices.len()
+    }
+
+    /// The names of `service`'s slices.
+    fn slices_of(&self, service: &NamespacedName) -> &[NamespacedName] {
+        self.services
+            .get(service)
+            .map_or(&[], |entry| &entry.slices)
     }
 
     fn inputs(&self, service: &NamespacedName) -> Inputs {
         Inputs {
-            service: self.services.get(service).cloned(),
-            slices: self
-                .slices_by_service
-                .get(service)
-                .into_iter()
-                .flatten()
+            service: self.ports_of(service).cloned(),
+            slices: (self.slices_of(service).iter())
                 .map(|name| (name.clone(), Arc::clone(&self.slices[name])))
                 .collect(),
         }
@@ -492,12 +532,12 @@ impl ChangeTracker {
     /// slice port with the same name and protocol (this is how named target ports resolve: the
     /// slice carries the number each endpoint uses). Both sorted by port name.
     fn render(&self, service: &NamespacedName) -> Rendered {
-        let Some(ports) = self.services.get(service) else {
+        let Some(ports) = self.ports_of(service) else {
             return Default::default();
         };
         // Index i holds the endpoints of ports[i], by slice port.
         let mut parts: Vec<Vec<&Arc<[Endpoint]>>> = vec![Vec::new(); ports.len()];
-        for slice_name in self.slices_by_service.get(service).into_iter().flatten() {
+        for slice_name in self.slices_of(service) {
             let slice = &self.slices[slice_name];
             for slice_port in &slice.ports {
                 let Some(i) = ports.iter().position(|(spn, _)| {
