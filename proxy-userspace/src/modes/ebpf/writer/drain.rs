@@ -66,21 +66,16 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         spn: &ServicePortName,
         now: Instant,
     ) -> anyhow::Result<()> {
-        let Some(ids) = self.ids.get(spn) else {
+        let Some(port) = self.ports.get(spn) else {
             return Ok(());
         };
-        let in_slots: HashSet<u32> = self
-            .owners
-            .get(spn)
-            .into_iter()
-            .flatten()
+        let in_slots: HashSet<u32> = (port.frontends.iter())
             .filter_map(|fe| self.frontends.get(fe))
             .flat_map(|p| &p.slots)
             .copied()
             .collect();
         let listed: HashSet<Backend<A>> = listed_backends(state, spn).into_iter().collect();
-        let leaving: Vec<(Backend<A>, u32)> = ids
-            .iter()
+        let leaving: Vec<(Backend<A>, u32)> = (port.ids.iter())
             .filter(|(_, id)| !in_slots.contains(id))
             .collect();
         for (b, id) in leaving {
@@ -104,7 +99,9 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     /// After the first full sync since a restart: what the pinned maps held that no port
     /// claimed drains for a period from now (a Service deleted while no agent ran).
     pub(super) fn drain_unclaimed(&mut self, now: Instant) -> anyhow::Result<()> {
-        let claimed: HashSet<Frontend<A>> = self.owners.values().flatten().copied().collect();
+        let claimed: HashSet<Frontend<A>> = (self.ports.values())
+            .flat_map(|port| port.frontends.iter().copied())
+            .collect();
         let stale: Vec<Frontend<A>> = self
             .frontends
             .keys()
@@ -192,12 +189,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 backend,
                 owner: Some(owner),
             }) = self.by_id.remove(&id)
-                && let Some(ids) = self.ids.get_mut(&owner)
+                && let Some(port) = self.ports.get_mut(&owner)
             {
-                ids.remove(&backend);
-                if ids.is_empty() {
-                    self.ids.remove(&owner);
-                }
+                port.ids.remove(&backend);
+                self.tidy(&owner);
             }
         }
         Ok(())

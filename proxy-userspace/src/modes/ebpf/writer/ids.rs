@@ -33,6 +33,10 @@ impl<A: Addr> PortIds<A> {
         self.0.is_empty()
     }
 
+    pub(super) fn shrink_to_fit(&mut self) {
+        self.0.shrink_to_fit();
+    }
+
     pub(super) fn iter(&self) -> impl Iterator<Item = (Backend<A>, u32)> + '_ {
         self.0.iter().copied()
     }
@@ -51,7 +55,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     /// The id `b` already has in `spn`: its own, or, right after a restart, the id that the
     /// slots `old` of a recovered frontend give that endpoint.
     pub(super) fn id_of(&self, spn: &ServicePortName, old: &[u32], b: &Backend<A>) -> Option<u32> {
-        if let Some(id) = self.ids.get(spn).and_then(|ids| ids.get(b)) {
+        if let Some(id) = self.ports.get(spn).and_then(|port| port.ids.get(b)) {
             return Some(id);
         }
         old.iter().copied().find(|id| {
@@ -77,7 +81,11 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             let state = self.by_id.get_mut(&id).expect("ids and by_id agree");
             if state.owner.is_none() {
                 state.owner = Some(spn.clone());
-                self.ids.entry(spn.clone()).or_default().insert(*b, id);
+                self.ports
+                    .entry(spn.clone())
+                    .or_default()
+                    .ids
+                    .insert(*b, id);
             }
             return Ok(id);
         }
@@ -94,7 +102,11 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         }
         self.write_backend(id, b)?;
         self.next_id = id.wrapping_add(1);
-        self.ids.entry(spn.clone()).or_default().insert(*b, id);
+        self.ports
+            .entry(spn.clone())
+            .or_default()
+            .ids
+            .insert(*b, id);
         self.by_id.insert(
             id,
             IdState {

@@ -207,14 +207,10 @@ pub struct FamilyWriter<A: FamilyMaps> {
     draining_frontends: HashMap<Frontend<A>, Instant>,
     /// When the first draining frontend's period ends (None: none drains).
     frontend_expiry: Option<Instant>,
-    /// Which frontends each service port put there.
-    owners: HashMap<ServicePortName, Vec<Frontend<A>>>,
     /// Entries of the services map, counted (heads, draining ones included, and slots).
     used_slots: usize,
-    /// Backend ids of each service port, by endpoint. Ids come from a counter, are not reused
-    /// soon, and belong to one port, so the draining flag of an id says whether that endpoint
-    /// is still in that port, and a conntrack entry never finds a different backend.
-    ids: HashMap<ServicePortName, PortIds<A>>,
+    /// What each service port put in the maps.
+    ports: HashMap<ServicePortName, PortState<A>>,
     by_id: HashMap<u32, IdState<A>>,
     /// The ids flagged draining in the map (no new flows, established TCP connections stay),
     /// and until when; apart from `by_id` for the same reason as `draining_frontends`.
@@ -236,6 +232,17 @@ pub struct FamilyWriter<A: FamilyMaps> {
     /// A batch failed and reading the maps back failed too: what is recorded above may not be
     /// what the maps hold, so nothing is written or expired until they are read back.
     unknown: bool,
+}
+
+/// What one service port put in the maps (an entry goes when it holds nothing).
+#[derive(Default)]
+struct PortState<A> {
+    /// The frontends.
+    frontends: Box<[Frontend<A>]>,
+    /// The backend ids of its endpoints. Ids come from a counter, are not reused soon, and
+    /// belong to one port, so the draining flag of an id says whether that endpoint is still
+    /// in that port, and a conntrack entry never finds a different backend.
+    ids: PortIds<A>,
 }
 
 /// What the services map holds for one frontend.
@@ -307,8 +314,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             Scope::All => {
                 // Sorted, so that a given state always gets the same ids.
                 let mut all: BTreeSet<&ServicePortName> = state.port_names().collect();
-                all.extend(self.owners.keys());
-                all.extend(self.ids.keys());
+                all.extend(self.ports.keys());
                 all.into_iter().cloned().collect()
             }
             Scope::Changed(changed) => changed.iter().cloned().collect(),
@@ -323,7 +329,9 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         self.batch = Some(Batch::default());
         let mut previous = Vec::with_capacity(ports.len());
         for spn in &ports {
-            let old = self.owners.remove(spn).unwrap_or_default();
+            let old = (self.ports.get_mut(spn))
+                .map(|port| std::mem::take(&mut port.frontends))
+                .unwrap_or_default();
             let mut owned = Vec::new();
             for wanted in plan::frontends::<A>(state, spn, self.lb_algorithm) {
                 let fe = wanted.fe;
@@ -360,10 +368,9 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             }
             previous.push(old);
             if !owned.is_empty() {
-                // Kept until the port changes: no spare room.
-                owned.shrink_to_fit();
-                self.owners.insert(spn.clone(), owned);
+                self.ports.entry(spn.clone()).or_default().frontends = owned.into();
             }
+            self.tidy(spn);
         }
         self.flush()?;
         self.batch = None;
@@ -379,7 +386,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 }
                 if let Err(e) = self.drain_frontend(&fe, now) {
                     // It keeps serving what it had: still ours.
-                    self.owners.entry(spn.clone()).or_default().push(fe);
+                    let port = self.ports.entry(spn.clone()).or_default();
+                    let mut frontends = std::mem::take(&mut port.frontends).into_vec();
+                    frontends.push(fe);
+                    port.frontends = frontends.into();
                     errors.add(spn, e);
                 }
             }
@@ -494,7 +504,20 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     }
 
     fn owned_by(&self, spn: &ServicePortName, fe: &Frontend<A>) -> bool {
-        self.owners.get(spn).is_some_and(|o| o.contains(fe))
+        self.ports
+            .get(spn)
+            .is_some_and(|p| p.frontends.contains(fe))
+    }
+
+    /// Drops the entry of `spn` if it holds nothing, else its spare room (kept until the port
+    /// changes).
+    fn tidy(&mut self, spn: &ServicePortName) {
+        if let Some(port) = self.ports.get_mut(spn) {
+            match port.frontends.is_empty() && port.ids.is_empty() {
+                true => drop(self.ports.remove(spn)),
+                false => port.ids.shrink_to_fit(),
+            }
+        }
     }
 
     /// Makes `wanted.fe` send to `wanted.backends` (the endpoints of `spn`), in that slot order,

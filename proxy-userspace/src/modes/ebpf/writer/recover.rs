@@ -91,9 +91,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             frontends: HashMap::default(),
             draining_frontends: HashMap::default(),
             frontend_expiry: None,
-            owners: HashMap::default(),
             used_slots: 0,
-            ids: HashMap::default(),
+            ports: HashMap::default(),
             by_id: HashMap::default(),
             draining: HashMap::default(),
             backend_expiry: None,
@@ -198,9 +197,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         self.frontend_expiry = draining_frontends.values().min().copied();
         self.frontends = frontends;
         self.draining_frontends = draining_frontends;
-        self.owners.clear();
         self.used_slots = used_slots;
-        self.ids.clear();
+        self.ports.clear();
         self.by_id = by_id;
         self.backend_expiry = (!draining.is_empty()).then_some(now + self.drain_period);
         self.draining = draining;
