@@ -388,18 +388,18 @@ pub fn add_service(state: &mut DesiredState, svc: &Svc<'_>) -> ServicePortName {
     state.insert_port(
         key.clone(),
         ServicePort {
-            cluster_ips: vec![IpAddr::V4(svc.vip)],
+            cluster_ips: [IpAddr::V4(svc.vip)].into(),
             port: svc.port,
             protocol: svc.protocol,
             target_port: TargetPort::Name("p".into()),
             node_port: None,
-            external_ips: vec![],
-            load_balancer_ips: vec![],
+            external_ips: Box::default(),
+            load_balancer_ips: Box::default(),
             session_affinity_timeout: None,
             external_traffic_local: false,
             internal_traffic_local: false,
             lb_algorithm: None,
-            source_ranges: vec![],
+            source_ranges: Box::default(),
             health_check_node_port: None,
         },
     );

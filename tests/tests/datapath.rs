@@ -1303,7 +1303,7 @@ fn setup6(test: &str, endpoints: &[(Ipv6Addr, u16)]) -> Option<Programs> {
             },
         );
         let mut port = state.port(&spn).unwrap().clone();
-        port.cluster_ips = vec![VIP6.into()];
+        port.cluster_ips = [VIP6.into()].into();
         state.insert_port(spn.clone(), port);
         let endpoints = endpoints
             .iter()

@@ -340,7 +340,9 @@ impl World {
             },
         );
         let port = self.state.port_mut(&key).unwrap();
-        port.cluster_ips.push(in_family(def.vip, true));
+        port.cluster_ips = [&port.cluster_ips[..], &[in_family(def.vip, true)]]
+            .concat()
+            .into();
         port.session_affinity_timeout = def.affinity;
         port.internal_traffic_local = def.local;
         self.state

@@ -222,7 +222,7 @@ fn services_and_slices_are_added_updated_merged_and_deleted() {
     });
     assert_eq!(
         w.state.port(&web_http).unwrap().cluster_ips,
-        vec!["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
+        ["10.96.0.10".parse::<std::net::IpAddr>().unwrap()].into()
     );
 
     // A second slice (and a duplicate endpoint across slices), an update, a not-ready endpoint.

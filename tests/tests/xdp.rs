@@ -2025,7 +2025,7 @@ fn lab6(test: &str) -> Option<Lab> {
         };
         let key = add_external_service(&mut state, &svc);
         let sp = state.port_mut(&key).expect("just added");
-        sp.cluster_ips = vec![Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x10).into()];
+        sp.cluster_ips = [Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x10).into()].into();
         state.set_endpoints(key, vec![ready_endpoint(REMOTE_BE6.into(), TARGET)]);
     }
     let lab = lab_with(state);

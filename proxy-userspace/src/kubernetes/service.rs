@@ -181,7 +181,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePo
                     "{at}: targetPort {s:?} is a string; write the number without quotes, or use a port name"
                 ));
             }
-            Some(IntOrString::String(s)) => TargetPort::Name(s.clone()),
+            Some(IntOrString::String(s)) => TargetPort::Name(shared(s)),
         };
         let node_port = match port.node_port {
             None | Some(0) => None,
@@ -201,18 +201,18 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePo
         ports.push((
             spn,
             Arc::new(ServicePort {
-                cluster_ips: cluster_ips.clone(),
+                cluster_ips: cluster_ips.as_slice().into(),
                 port: number,
                 protocol,
                 target_port,
                 node_port,
-                external_ips: external_ips.clone(),
-                load_balancer_ips: load_balancer_ips.clone(),
+                external_ips: external_ips.as_slice().into(),
+                load_balancer_ips: load_balancer_ips.as_slice().into(),
                 session_affinity_timeout,
                 external_traffic_local,
                 internal_traffic_local,
                 lb_algorithm,
-                source_ranges: source_ranges.clone(),
+                source_ranges: source_ranges.as_slice().into(),
                 health_check_node_port,
             }),
         ));

@@ -12,7 +12,7 @@ use super::{Cidr, Family, Protocol};
 pub enum TargetPort {
     Number(u16),
     /// A container port name; resolved per endpoint through the EndpointSlice port of the same name.
-    Name(String),
+    Name(Arc<str>),
 }
 
 impl fmt::Display for TargetPort {
@@ -27,14 +27,14 @@ impl fmt::Display for TargetPort {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
     /// spec.clusterIPs (or spec.clusterIP), primary family first.
-    pub cluster_ips: Vec<IpAddr>,
+    pub cluster_ips: Box<[IpAddr]>,
     pub port: u16,
     pub protocol: Protocol,
     pub target_port: TargetPort,
     pub node_port: Option<u16>,
-    pub external_ips: Vec<IpAddr>,
+    pub external_ips: Box<[IpAddr]>,
     /// status.loadBalancer.ingress[].ip (hostname-only entries carry no address to program).
-    pub load_balancer_ips: Vec<IpAddr>,
+    pub load_balancer_ips: Box<[IpAddr]>,
     /// Some(seconds) when sessionAffinity is ClientIP.
     pub session_affinity_timeout: Option<u32>,
     /// externalTrafficPolicy is Local and the service is reachable from outside the cluster.
@@ -46,7 +46,7 @@ pub struct ServicePort {
     /// spec.loadBalancerSourceRanges (or kube-proxy's fallback, the
     /// `service.beta.kubernetes.io/load-balancer-source-ranges` annotation) of a LoadBalancer
     /// Service: the only sources its load balancer addresses accept. Empty: any source.
-    pub source_ranges: Vec<Cidr>,
+    pub source_ranges: Box<[Cidr]>,
     /// spec.healthCheckNodePort, kept only where kube-proxy serves it: LoadBalancer Services
     /// with externalTrafficPolicy Local (see `serve/health_check_ports.rs`). A Service-wide field, on
     /// each of its ports.

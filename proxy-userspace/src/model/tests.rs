@@ -178,7 +178,7 @@ fn add_update_delete_service() {
     );
     assert!(!tracker.has_pending());
     let http = &state.services[&spn("web", "http", Protocol::Tcp)];
-    assert_eq!(http.cluster_ips, [ip("10.96.0.10")]);
+    assert_eq!(*http.cluster_ips, [ip("10.96.0.10")]);
     assert_eq!(http.port, 80);
     assert_eq!(http.target_port, TargetPort::Name("http".into()));
     assert_eq!(http.session_affinity_timeout, None);
@@ -261,14 +261,14 @@ status:
     tracker.update_service(&svc).unwrap();
     tracker.apply(&mut state);
     let port = &state.services[&spn("lb", "", Protocol::Udp)];
-    assert_eq!(port.cluster_ips, [ip("10.96.0.5"), ip("fd00::5")]);
+    assert_eq!(*port.cluster_ips, [ip("10.96.0.5"), ip("fd00::5")]);
     assert_eq!(port.target_port, TargetPort::Number(53));
     assert_eq!(port.node_port, Some(30053));
-    assert_eq!(port.external_ips, [ip("192.0.2.50")]);
+    assert_eq!(*port.external_ips, [ip("192.0.2.50")]);
     // An ingress the load balancer proxies (ipMode Proxy, KEP-1860) is not the node's to
     // serve: its traffic arrives addressed to the node, as kube-proxy and Cilium leave it.
     assert_eq!(
-        port.load_balancer_ips,
+        *port.load_balancer_ips,
         [ip("203.0.113.7"), ip("203.0.113.8")]
     );
     assert_eq!(
@@ -1091,7 +1091,7 @@ fn addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() {
         .unwrap();
     tracker.apply(&mut state);
     let http = spn("web", "http", Protocol::Tcp);
-    assert_eq!(state.services[&http].cluster_ips, [ip("10.96.0.10")]);
+    assert_eq!(*state.services[&http].cluster_ips, [ip("10.96.0.10")]);
     assert_eq!(endpoint_ips(&state, &http), ["10.244.1.11:8080"]);
 }
 

@@ -43,7 +43,7 @@ impl StaleUdp {
                 continue;
             }
             // Both families: a mode that serves one has no entries of the other to delete.
-            let mut frontends = port.cluster_ips.clone();
+            let mut frontends = port.cluster_ips.to_vec();
             frontends.extend(&port.external_ips);
             frontends.extend(&port.load_balancer_ips);
             let endpoints = (state.usable_endpoints(spn, false).iter())

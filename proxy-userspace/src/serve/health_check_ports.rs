@@ -280,18 +280,18 @@ mod tests {
 
     fn port(health_check_node_port: Option<u16>) -> ServicePort {
         ServicePort {
-            cluster_ips: vec!["10.96.0.1".parse().unwrap()],
+            cluster_ips: ["10.96.0.1".parse().unwrap()].into(),
             port: 80,
             protocol: Protocol::Tcp,
             target_port: TargetPort::Number(8080),
             node_port: Some(30080),
-            external_ips: vec![],
-            load_balancer_ips: vec![],
+            external_ips: Box::default(),
+            load_balancer_ips: Box::default(),
             session_affinity_timeout: None,
             external_traffic_local: health_check_node_port.is_some(),
             internal_traffic_local: false,
             lb_algorithm: None,
-            source_ranges: vec![],
+            source_ranges: Box::default(),
             health_check_node_port,
         }
     }

@@ -349,7 +349,7 @@ fn add_service6(
         },
     );
     let mut sp = state.port(&spn).expect("just added").clone();
-    sp.cluster_ips = vec![vip.into()];
+    sp.cluster_ips = [vip.into()].into();
     state.insert_port(spn.clone(), sp);
     let endpoints = endpoints
         .iter()
@@ -398,7 +398,7 @@ fn measure6(args: &Datapath, count: u32) -> anyhow::Result<Row6> {
         let sp = state.port_mut(&spn).expect("just added");
         match name {
             "bench6-np" => sp.node_port = Some(NODE_PORT),
-            _ => sp.load_balancer_ips = vec![lb.into()],
+            _ => sp.load_balancer_ips = [lb.into()].into(),
         }
         state.edit_endpoints(&spn, |eps| {
             for e in eps {

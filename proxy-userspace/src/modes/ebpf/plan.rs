@@ -296,7 +296,7 @@ mod tests {
         state.insert_port(
             spn.clone(),
             ServicePort {
-                cluster_ips: vec!["10.96.0.1".parse().unwrap()],
+                cluster_ips: ["10.96.0.1".parse().unwrap()].into(),
                 port: 80,
                 protocol: Protocol::Tcp,
                 target_port: TargetPort::Number(8080),
@@ -304,8 +304,9 @@ mod tests {
                 external_ips: vec![
                     "198.51.100.1".parse().unwrap(),
                     "2001:db8::1".parse().unwrap(),
-                ],
-                load_balancer_ips: vec!["203.0.113.1".parse().unwrap()],
+                ]
+                .into(),
+                load_balancer_ips: ["203.0.113.1".parse().unwrap()].into(),
                 session_affinity_timeout: None,
                 external_traffic_local: external_local,
                 internal_traffic_local: false,

@@ -1121,7 +1121,7 @@ pub(super) mod tests {
         port.session_affinity_timeout = Some(60);
         state.insert_port(dns(), port);
         state.set_endpoints(dns(), s0.endpoints_of(&dns()).to_vec());
-        state.port_mut(&local).unwrap().source_ranges.clear();
+        state.port_mut(&local).unwrap().source_ranges = Box::default();
         let changed = BTreeSet::from([elsewhere, empty, dns(), local]);
         let listed = sync(&state, &settings(), Scope::Changed(&changed));
         assert!(listed.contains("timeout 1m"), "{listed}");

@@ -226,18 +226,18 @@ fn spn(name: &str, protocol: Protocol) -> ServicePortName {
 
 fn service(cluster_ip: [u8; 4], port: u16, protocol: Protocol) -> ServicePort {
     ServicePort {
-        cluster_ips: vec![IpAddr::from(cluster_ip)],
+        cluster_ips: [IpAddr::from(cluster_ip)].into(),
         port,
         protocol,
         target_port: TargetPort::Number(8080),
         node_port: None,
-        external_ips: Vec::new(),
-        load_balancer_ips: Vec::new(),
+        external_ips: Box::default(),
+        load_balancer_ips: Box::default(),
         session_affinity_timeout: None,
         external_traffic_local: false,
         internal_traffic_local: false,
         lb_algorithm: None,
-        source_ranges: Vec::new(),
+        source_ranges: Box::default(),
         health_check_node_port: None,
     }
 }
@@ -331,8 +331,8 @@ async fn scenario() {
     ] {
         let lb = spn(name, Protocol::Tcp);
         let mut port = service([10, 96, 0, 20 + last], 80, Protocol::Tcp);
-        port.load_balancer_ips = vec![IpAddr::from([203, 0, 113, last])];
-        port.source_ranges = vec![Cidr::v4(range.into(), 24)];
+        port.load_balancer_ips = [IpAddr::from([203, 0, 113, last])].into();
+        port.source_ranges = [Cidr::v4(range.into(), 24)].into();
         state.insert_port(lb.clone(), port);
         state.set_endpoints(lb, both.clone());
     }
@@ -534,7 +534,7 @@ async fn ipv6_scenario() {
     let mut state = DesiredState::new("node1");
     let dual = spn("dual", Protocol::Tcp);
     let mut port = service([10, 96, 0, 10], 80, Protocol::Tcp);
-    port.cluster_ips.push(vip6(10, 80).ip());
+    port.cluster_ips = [port.cluster_ips[0], vip6(10, 80).ip()].into();
     port.node_port = Some(30080);
     state.insert_port(dual.clone(), port);
     let mut both = endpoints(&[(A, 8080)]);
@@ -542,7 +542,7 @@ async fn ipv6_scenario() {
     state.set_endpoints(dual.clone(), both);
     let dns = spn("dns", Protocol::Udp);
     let mut port = service([10, 96, 0, 53], 53, Protocol::Udp);
-    port.cluster_ips = vec![vip6(53, 53).ip()];
+    port.cluster_ips = [vip6(53, 53).ip()].into();
     state.insert_port(dns.clone(), port);
     state.set_endpoints(dns.clone(), endpoints(&[(Ipv6Addr::LOCALHOST, 5353)]));
     sync(&mut dp, &state, Scope::All);

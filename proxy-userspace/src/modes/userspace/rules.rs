@@ -225,7 +225,7 @@ fn service_rules(
     };
     // Only these sources may reach the load balancer IPs (all when None).
     let ranges: Option<Vec<Cidr>> = (!port.source_ranges.is_empty()).then(|| {
-        let mut ranges = port.source_ranges.clone();
+        let mut ranges = port.source_ranges.to_vec();
         ranges.retain(|r| r.family() == family);
         ranges
     });
