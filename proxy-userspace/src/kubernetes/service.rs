@@ -33,7 +33,7 @@ impl ReducedService {
         })?;
         Ok(Self {
             key,
-            ports: ports.map(Arc::new),
+            ports,
             skip_reason: service_skip_reason(svc),
         })
     }
@@ -218,7 +218,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePo
         ));
     }
     ports.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(Some(ports.into_boxed_slice()))
+    Ok(Some(ports.into()))
 }
 
 /// The annotation kube-proxy reads when spec.loadBalancerSourceRanges is empty.

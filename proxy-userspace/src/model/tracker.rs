@@ -24,10 +24,10 @@ pub struct SkippedEndpoint {
     pub reason: String,
 }
 
-/// The ports of one service, as parsed from the Service object, sorted by name. A boxed slice
+/// The ports of one service, as parsed from the Service object, sorted by name, shared. A slice
 /// rather than a map: most services have one or two ports, and a map's node would take about
 /// 2 KiB each. Each port is shared with the desired state.
-pub(crate) type ServicePorts = Box<[(ServicePortName, Arc<ServicePort>)]>;
+pub(crate) type ServicePorts = Arc<[(ServicePortName, Arc<ServicePort>)]>;
 
 /// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
 /// that comparing two versions says whether anything programmable changed.
@@ -75,7 +75,7 @@ impl SlicePort {
 pub struct ReducedService {
     pub key: NamespacedName,
     /// None: not proxied (`skip_reason` says why); the tracker treats it as deleted.
-    pub(crate) ports: Option<Arc<ServicePorts>>,
+    pub(crate) ports: Option<ServicePorts>,
     /// Why it is not proxied (see [`crate::kubernetes::service_skip_reason`]).
     pub skip_reason: Option<&'static str>,
 }
@@ -95,7 +95,7 @@ pub struct ReducedSlice {
 /// Everything one service's desired state is computed from. Cloning is cheap (reference counts).
 #[derive(Debug, PartialEq)]
 struct Inputs {
-    service: Option<Arc<ServicePorts>>,
+    service: Option<ServicePorts>,
     slices: Vec<(NamespacedName, Arc<SliceInfo>)>,
 }
 
@@ -103,7 +103,7 @@ struct Inputs {
 #[derive(Debug, Default)]
 struct ServiceEntry {
     /// None: not proxied (headless, ExternalName...), or not known (yet).
-    ports: Option<Arc<ServicePorts>>,
+    ports: Option<ServicePorts>,
     /// Its slices (by their own namespace/name), sorted: slices may arrive before their
     /// service, so an entry can have slices and no ports.
     slices: Box<[NamespacedName]>,
@@ -222,11 +222,11 @@ impl ChangeTracker {
     }
 
     /// The ports of the proxied service `key`.
-    fn ports_of(&self, key: &NamespacedName) -> Option<&Arc<ServicePorts>> {
+    fn ports_of(&self, key: &NamespacedName) -> Option<&ServicePorts> {
         self.services.get(key)?.ports.as_ref()
     }
 
-    fn set_ports(&mut self, key: &NamespacedName, ports: Option<Arc<ServicePorts>>) {
+    fn set_ports(&mut self, key: &NamespacedName, ports: Option<ServicePorts>) {
         match ports {
             Some(ports) => self.services.entry(key.clone()).or_default().ports = Some(ports),
             None => self.edit_entry(key, |entry| entry.ports = None),
