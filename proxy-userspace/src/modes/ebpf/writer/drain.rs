@@ -11,6 +11,14 @@ pub(super) enum Drain {
     Until(Instant),
 }
 
+/// A backend id flagged draining.
+pub(super) struct DrainingId {
+    pub(super) drain: Drain,
+    /// The port whose id it is, to forget it there when it goes; None: recovered from the
+    /// pinned maps, and no port claimed it.
+    pub(super) owner: Option<ServicePortName>,
+}
+
 /// Makes `first` the earlier of itself and `t`.
 pub(super) fn earliest(first: &mut Option<Instant>, t: Instant) {
     *first = Some(first.map_or(t, |f| f.min(t)));
@@ -79,7 +87,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .filter(|(_, id)| !in_slots.contains(id))
             .collect();
         for (b, id) in leaving {
-            let previous = self.draining.get(&id).copied();
+            let previous = self.draining.get(&id).map(|d| d.drain);
             let drain = match previous {
                 _ if listed.contains(&b) => Drain::WhileListed,
                 Some(Drain::Until(until)) => Drain::Until(until),
@@ -91,7 +99,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             if let Drain::Until(until) = drain {
                 earliest(&mut self.backend_expiry, until);
             }
-            self.draining.insert(id, drain);
+            let owner = Some(spn.clone());
+            self.draining.insert(id, DrainingId { drain, owner });
         }
         Ok(())
     }
@@ -112,16 +121,17 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             self.drain_frontend(&fe, now)?;
         }
         let unclaimed: Vec<(u32, Backend<A>)> = self
-            .by_id
+            .unclaimed
             .iter()
-            .filter(|(id, s)| s.owner.is_none() && !self.draining.contains_key(id))
-            .map(|(id, s)| (*id, s.backend))
+            .filter(|id| !self.draining.contains_key(id))
+            .filter_map(|id| Some((*id, *self.by_id.get(id)?)))
             .collect();
         for (id, b) in unclaimed {
             self.flag_draining(id, b)?;
             let until = now + self.drain_period;
             earliest(&mut self.backend_expiry, until);
-            self.draining.insert(id, Drain::Until(until));
+            let drain = Drain::Until(until);
+            self.draining.insert(id, DrainingId { drain, owner: None });
         }
         Ok(())
     }
@@ -169,8 +179,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         }
         let mut done = Vec::new();
         self.backend_expiry = None;
-        for (id, drain) in &self.draining {
-            match *drain {
+        for (id, draining) in &self.draining {
+            match draining.drain {
                 Drain::Until(until) if until <= now => done.push(*id),
                 Drain::Until(until) => earliest(&mut self.backend_expiry, until),
                 Drain::WhileListed => {}
@@ -184,11 +194,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                     return Err(e).with_context(|| format!("deleting backend {id}"));
                 }
             }
-            self.draining.remove(&id);
-            if let Some(IdState {
-                backend,
-                owner: Some(owner),
-            }) = self.by_id.remove(&id)
+            self.unclaimed.remove(&id);
+            let owner = self.draining.remove(&id).and_then(|d| d.owner);
+            if let Some(backend) = self.by_id.remove(&id)
+                && let Some(owner) = owner
                 && let Some(port) = self.ports.get_mut(&owner)
             {
                 port.ids.remove(&backend);

@@ -42,12 +42,6 @@ impl<A: Addr> PortIds<A> {
     }
 }
 
-pub(super) struct IdState<A> {
-    pub(super) backend: Backend<A>,
-    /// None: recovered from the pinned maps and not yet claimed by a port.
-    pub(super) owner: Option<ServicePortName>,
-}
-
 /// Ids reserved in `agent_state` at a time: one map write per this many new backends.
 pub(super) const ID_BLOCK: u32 = 1024;
 
@@ -59,9 +53,9 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             return Some(id);
         }
         old.iter().copied().find(|id| {
-            self.by_id.get(id).is_some_and(|s| {
-                s.owner.is_none() && s.backend.flags & BACKEND_DRAINING == 0 && s.backend == *b
-            })
+            self.unclaimed.contains(id)
+                && (self.by_id.get(id))
+                    .is_some_and(|was| was.flags & BACKEND_DRAINING == 0 && was == b)
         })
     }
 
@@ -78,9 +72,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 self.write_backend(id, b)?;
                 self.draining.remove(&id);
             }
-            let state = self.by_id.get_mut(&id).expect("ids and by_id agree");
-            if state.owner.is_none() {
-                state.owner = Some(spn.clone());
+            if self.unclaimed.remove(&id) {
                 self.ports
                     .entry(spn.clone())
                     .or_default()
@@ -107,13 +99,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .or_default()
             .ids
             .insert(*b, id);
-        self.by_id.insert(
-            id,
-            IdState {
-                backend: *b,
-                owner: Some(spn.clone()),
-            },
-        );
+        self.by_id.insert(id, *b);
         Ok(id)
     }
 }

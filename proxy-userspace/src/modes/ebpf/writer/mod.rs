@@ -46,10 +46,7 @@ use proxy_common::{
 
 use foldhash::{HashMap, HashSet};
 
-use self::{
-    drain::Drain,
-    ids::{IdState, PortIds},
-};
+use self::{drain::Drain, drain::DrainingId, ids::PortIds};
 use super::{
     batch, maglev,
     plan::{self, Frontend, FrontendPlan, describe, listed_backends},
@@ -211,10 +208,13 @@ pub struct FamilyWriter<A: FamilyMaps> {
     used_slots: usize,
     /// What each service port put in the maps.
     ports: HashMap<ServicePortName, PortState<A>>,
-    by_id: HashMap<u32, IdState<A>>,
-    /// The ids flagged draining in the map (no new flows, established TCP connections stay),
-    /// and until when; apart from `by_id` for the same reason as `draining_frontends`.
-    draining: HashMap<u32, Drain>,
+    /// The endpoint of each id the backends map holds.
+    by_id: HashMap<u32, Backend<A>>,
+    /// The ids recovered from the pinned maps that no port has claimed yet.
+    unclaimed: HashSet<u32>,
+    /// The ids flagged draining in the map (no new flows, established TCP connections stay):
+    /// apart from `by_id` for the same reason as `draining_frontends`.
+    draining: HashMap<u32, DrainingId>,
     /// When the first draining backend's period ends (None: none drains for a period).
     backend_expiry: Option<Instant>,
     next_id: u32,
@@ -297,11 +297,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 continue;
             }
             for id in &programmed.slots {
-                let Some(state) = self.by_id.get(id) else {
+                let Some(&b) = self.by_id.get(id) else {
                     continue;
                 };
                 if !self.draining.contains_key(id) {
-                    let b = state.backend;
                     routes.insert((fe.addr.ip(), fe.port.get(), b.addr.ip(), b.port.get()));
                 }
             }
@@ -401,6 +400,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             if let Err(e) = self.drain_unclaimed(now) {
                 errors.failures.push(format!("recovered entries: {e:#}"));
             }
+            // Claimed or draining now: the set of a restart's every id is not kept.
+            self.unclaimed.shrink_to_fit();
             if let Err(e) = self.expire(now) {
                 errors
                     .failures

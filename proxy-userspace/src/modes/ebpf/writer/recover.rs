@@ -94,6 +94,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             used_slots: 0,
             ports: HashMap::default(),
             by_id: HashMap::default(),
+            unclaimed: HashSet::default(),
             draining: HashMap::default(),
             backend_expiry: None,
             next_id: 1,
@@ -118,15 +119,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         for (id, backend) in backends {
             // Whose it was is not recorded: a draining one drains for a full period from now.
             if backend.flags & BACKEND_DRAINING != 0 {
-                draining.insert(id, Drain::Until(now + self.drain_period));
+                let drain = Drain::Until(now + self.drain_period);
+                draining.insert(id, DrainingId { drain, owner: None });
             }
-            by_id.insert(
-                id,
-                IdState {
-                    backend,
-                    owner: None,
-                },
-            );
+            by_id.insert(id, backend);
         }
         let services: HashMap<ServiceKey<A>, ServiceValue> = batch::entries(&self.services)
             .context("reading the pinned services")?
@@ -199,6 +195,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         self.draining_frontends = draining_frontends;
         self.used_slots = used_slots;
         self.ports.clear();
+        self.unclaimed = by_id.keys().copied().collect();
         self.by_id = by_id;
         self.backend_expiry = (!draining.is_empty()).then_some(now + self.drain_period);
         self.draining = draining;
