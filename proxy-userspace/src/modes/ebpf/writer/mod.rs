@@ -46,7 +46,10 @@ use proxy_common::{
 
 use foldhash::{HashMap, HashSet};
 
-use self::{drain::Drain, drain::DrainingId, ids::PortIds};
+use self::{
+    drain::{Drain, DrainingId},
+    ids::PortIds,
+};
 use super::{
     batch, maglev,
     plan::{self, Frontend, FrontendPlan, describe, listed_backends},
