@@ -312,7 +312,10 @@ fn measure(opts: &Options, agent: &Path, dir: &Path, count: u32) -> anyhow::Resu
     ns.enter(&mut cmd)?;
     if opts.restart {
         eprintln!("  {count} services: starting the agent a first time");
-        let mut first = Running::new(cmd.spawn()?);
+        let first = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", agent.display()))?;
+        let mut first = Running::new(first);
         first.watch(Instant::now(), loaded_message, PATIENCE)?;
         first.stop();
     }
