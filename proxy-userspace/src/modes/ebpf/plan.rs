@@ -301,7 +301,7 @@ mod tests {
                 protocol: Protocol::Tcp,
                 target_port: TargetPort::Number(8080),
                 node_port: Some(30080),
-                external_ips: vec![
+                external_ips: [
                     "198.51.100.1".parse().unwrap(),
                     "2001:db8::1".parse().unwrap(),
                 ]
