@@ -24,7 +24,9 @@ use proxy_userspace::{
     dataplane::Scope,
     model::{DesiredState, Protocol, ServicePortName},
     modes::ebpf::inspect,
-    modes::ebpf::{self, MapWriter, WriterConfig, bpffs::PinDirLock, writer::DEFAULT_DRAIN_PERIOD},
+    modes::ebpf::{
+        self, MapSizes, MapWriter, WriterConfig, bpffs::PinDirLock, writer::DEFAULT_DRAIN_PERIOD,
+    },
 };
 
 const VIP2: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
@@ -509,20 +511,51 @@ fn assert_every_head_complete(p: &Programs) {
 
 #[test]
 fn a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complete() {
-    if !privileged("a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complete")
-    {
+    let test = "a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complete";
+    if !privileged(test) {
         return;
     }
-    let mut p = Programs::load_draining(SMALL, Duration::ZERO).unwrap();
+    let written = failed_batch(SMALL, 40);
+    assert!(
+        written.contains("writing service slots (60 of 121 written)"),
+        "{written}"
+    );
+}
+
+/// As above, where the batch that fails is written on the writer's thread while the next one
+/// is prepared: the sync fails once it has waited for that write.
+#[test]
+fn a_batch_written_while_the_next_is_prepared_fails_the_same_way() {
+    if !privileged("a_batch_written_while_the_next_is_prepared_fails_the_same_way") {
+        return;
+    }
+    let sizes = MapSizes {
+        services: 16384,
+        backends: 16384,
+        ..SMALL
+    };
+    // Two backends and three entries of the services map a service: 15k writes, where a batch
+    // holds 8192; the first one fails.
+    let written = failed_batch(sizes, 3000);
+    let of: usize = (written.split_once("writing service slots (60 of "))
+        .and_then(|(_, rest)| rest.split_once(' ')?.0.parse().ok())
+        .unwrap_or_else(|| panic!("{written}"));
+    assert!(of < 8192, "{written}");
+}
+
+/// A sync that moves web to another endpoint and adds `count` services of two endpoints (three
+/// entries of the services map each), where entries the writer does not know of (as another
+/// agent on the same pins would leave) leave room for 60: it fails, the maps are read back,
+/// every service keeps serving, and once there is room the next syncs write everything.
+/// Returns the failed sync's error.
+fn failed_batch(sizes: MapSizes, count: usize) -> String {
+    let mut p = Programs::load_draining(sizes, Duration::ZERO).unwrap();
     let mut state = DesiredState::default();
     set_web(&mut state, &[(BE1, 8080)]);
     p.program(&state).unwrap();
-    // The next sync moves web to another endpoint and adds 40 services of two endpoints (120
-    // entries of the services map), where entries the writer does not know of (as another
-    // agent on the same pins would leave) leave room for 60.
     set_web(&mut state, &[(BE2, 8080)]);
-    let names: Vec<String> = (0..40).map(|i| format!("svc{i}")).collect();
-    let vip = |i: usize| Ipv4Addr::new(10, 96, 1, i as u8);
+    let names: Vec<String> = (0..count).map(|i| format!("svc{i}")).collect();
+    let vip = |i: usize| Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 1, 0)) + i as u32);
     for (i, name) in names.iter().enumerate() {
         add_service(
             &mut state,
@@ -536,17 +569,14 @@ fn a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complet
         );
     }
     let mut services = services_map(&p);
-    let foreign: Vec<ServiceKey> = (0..SMALL.services as usize - 60 - services.keys().count())
+    let foreign: Vec<ServiceKey> = (0..sizes.services as usize - 60 - services.keys().count())
         .map(|i| key(Ipv4Addr::from(0xc000_0000 + i as u32), 80, 0))
         .collect();
     for k in &foreign {
         services.insert(k, ServiceValue::default(), 0).unwrap();
     }
     let err = format!("{:#}", p.program(&state).unwrap_err());
-    assert!(
-        err.contains("writing service slots (60 of 121 written)") && err.contains("read back"),
-        "{err}"
-    );
+    assert!(err.contains("read back"), "{err}");
     assert_every_head_complete(&p);
     let web = dnat(&p, &Spec::tcp(CLIENT, 40000, VIP, 80)).dst;
     assert!(web == BE1 || web == BE2, "web goes to {web}");
@@ -559,10 +589,12 @@ fn a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complet
     assert!(synced, "{:#}", p.program(&state).unwrap_err());
     assert_every_head_complete(&p);
     assert_eq!(dnat(&p, &Spec::tcp(CLIENT, 40001, VIP, 80)).dst, BE2);
-    for i in 0..names.len() {
+    // The first and last services, and a few between.
+    for i in (0..count).step_by(count.div_ceil(40)).chain([count - 1]) {
         let to = dnat(&p, &Spec::tcp(CLIENT, 40002, vip(i), 80)).dst;
         assert!(to == BE1 || to == BE3, "service {i} goes to {to}");
     }
+    err
 }
 
 #[test]

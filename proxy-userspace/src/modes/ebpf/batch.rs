@@ -4,7 +4,8 @@
 //! than writing; reading them back after a restart took two calls an entry.
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd},
+    marker::PhantomData,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
 };
 
 use aya::{
@@ -32,10 +33,26 @@ struct BatchAttr {
     flags: u64,
 }
 
+/// A map's descriptor of its own, which another thread can write through while the map's owner
+/// goes on; typed by the map's key and value, whose sizes aya checked when it opened the map.
+pub struct Target<K, V> {
+    fd: OwnedFd,
+    types: PhantomData<fn(K, V)>,
+}
+
+impl<K: Pod, V: Pod> Target<K, V> {
+    pub fn of(map: &HashMap<MapData, K, V>) -> io::Result<Self> {
+        Ok(Self {
+            fd: map.map().fd().as_fd().try_clone_to_owned()?,
+            types: PhantomData,
+        })
+    }
+}
+
 /// Writes `keys[i] -> values[i]` into `map`, in order. On failure, the kernel has written the
 /// first `.0` of them and none after (None: it failed before or after writing, and did not say).
 pub fn update<K: Pod, V: Pod>(
-    map: &HashMap<MapData, K, V>,
+    map: &Target<K, V>,
     keys: &[K],
     values: &[V],
 ) -> Result<(), (Option<usize>, io::Error)> {
@@ -47,12 +64,12 @@ pub fn update<K: Pod, V: Pod>(
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,
         count: u32::try_from(keys.len()).expect("fewer than 2^32 writes"),
-        map_fd: map.map().fd().as_fd().as_raw_fd() as u32,
+        map_fd: map.fd.as_raw_fd() as u32,
         ..BatchAttr::default()
     };
     // SAFETY: `keys` and `values` hold `count` plain-data elements of the map's key and value
-    // sizes (aya checked the sizes of K and V against the map's when it made `map`), and
-    // outlive the call.
+    // sizes (aya checked the sizes of K and V against the map's when it made the map `map` was
+    // taken from), and outlive the call.
     if let Err(error) = unsafe { bpf(BPF_MAP_UPDATE_BATCH, &mut attr) } {
         // The kernel sets `count` to the number it wrote, once it has started writing; an
         // unchanged count may also mean that it never started.

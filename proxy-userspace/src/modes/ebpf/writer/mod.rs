@@ -7,7 +7,8 @@
 //! A sync runs in two phases, so that its result does not depend on the order of the service
 //! ports: first every wanted frontend is programmed, then the frontends nobody wants any more
 //! are removed (an address handed from one Service to another stays with the new one). The
-//! first phase's writes go in batches that keep the write order (see [`MapWriter::flush`]).
+//! first phase's writes go in batches that keep the write order, each written on a thread of its
+//! own while the next is prepared (see [`FamilyWriter::flush`]).
 //!
 //! Nothing is cut at once: a backend that leaves its service port is kept, flagged draining
 //! (established TCP connections stay on it, new connections and UDP go elsewhere), and a removed
@@ -23,7 +24,10 @@ mod tables;
 
 use std::{
     collections::BTreeSet,
+    fmt,
     net::IpAddr,
+    sync::Arc,
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
@@ -86,7 +90,7 @@ impl Default for WriterConfig {
 
 /// The maps of one address family the writer programs, by name, and where its next backend id
 /// is kept in AGENT_STATE (each family's ids are its own: its conntrack names them).
-pub trait FamilyMaps: Addr {
+pub trait FamilyMaps: Addr + Send + Sync + 'static {
     const SERVICES: &'static str;
     const BACKENDS: &'static str;
     const MAGLEV: &'static str;
@@ -232,6 +236,10 @@ pub struct FamilyWriter<A: FamilyMaps> {
     /// During a sync's first phase: the writes to the services and backends maps, held back to
     /// be made a batch at a time (see [`Self::flush`]).
     batch: Option<Batch<A>>,
+    /// The services and backends maps, for the thread that makes a full batch's writes.
+    batch_maps: Arc<BatchMaps<A>>,
+    /// The full batch that thread is writing while the next one is prepared.
+    in_flight: Option<JoinHandle<Result<(), BatchFailed>>>,
     /// A batch failed and reading the maps back failed too: what is recorded above may not be
     /// what the maps hold, so nothing is written or expired until they are read back.
     unknown: bool,
@@ -270,7 +278,7 @@ struct Batch<A> {
     services: Vec<ServiceValue>,
 }
 
-impl<A> Batch<A> {
+impl<A: Addr> Batch<A> {
     /// Writes a batch holds before it is made: enough that system calls cost little, few enough
     /// that the batch costs no memory to speak of.
     const SIZE: usize = 8192;
@@ -284,6 +292,49 @@ impl<A> Batch<A> {
         self.backends.clear();
         self.service_keys.clear();
         self.services.clear();
+    }
+
+    /// Makes the writes, each kind a system call: the new backends, then the slots and heads
+    /// in the order they were asked for.
+    fn write(&self, maps: &BatchMaps<A>) -> Result<(), BatchFailed> {
+        let failed = |what, of| {
+            move |(written, error)| BatchFailed {
+                what,
+                written,
+                of,
+                error,
+            }
+        };
+        batch::update(&maps.backends, &self.backend_ids, &self.backends)
+            .map_err(failed("backends", self.backends.len()))?;
+        batch::update(&maps.services, &self.service_keys, &self.services)
+            .map_err(failed("service slots", self.services.len()))
+    }
+}
+
+/// The maps a [`Batch`] writes.
+struct BatchMaps<A> {
+    backends: batch::Target<u32, Backend<A>>,
+    services: batch::Target<ServiceKey<A>, ServiceValue>,
+}
+
+/// The write of a [`Batch`] that the kernel refused.
+#[derive(Debug)]
+struct BatchFailed {
+    what: &'static str,
+    /// How many of its writes of that kind the kernel made (None: it did not say).
+    written: Option<usize>,
+    of: usize,
+    error: std::io::Error,
+}
+
+impl fmt::Display for BatchFailed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let written = self
+            .written
+            .map_or("some or none".to_owned(), |n| n.to_string());
+        let (what, of, error) = (self.what, self.of, &self.error);
+        write!(f, "writing {what} ({written} of {of} written): {error}")
     }
 }
 
@@ -339,8 +390,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 let fe = wanted.fe;
                 // Some frontends need their writes made at once: after what is held back.
                 let direct = self.writes_directly(&wanted);
-                if direct || self.batch.as_ref().is_some_and(Batch::is_full) {
+                if direct {
                     self.flush()?;
+                } else if self.batch.as_ref().is_some_and(Batch::is_full) {
+                    self.flush_behind()?;
                 }
                 let held = if direct { self.batch.take() } else { None };
                 let programmed = self.program(spn, &wanted);
@@ -443,35 +496,60 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             || self.ranges.contains_key(&wanted.fe)
     }
 
-    /// Makes the writes held back, each kind a system call: the new backends, then the slots
-    /// and heads in the order they were asked for. That is the order each frontend needs, so a
-    /// failure leaves every frontend serving, with its old backends or its new ones. The writer
-    /// then forgets what it had recorded and reads the maps back, and fails the sync: the next
-    /// one, a full one, writes what is missing.
+    /// Makes the writes held back: those of the batch being written on a thread of its own
+    /// first, then the rest, each kind a system call (the new backends, then the slots and heads
+    /// in the order they were asked for). That is the order each frontend needs, so a failure
+    /// leaves every frontend serving, with its old backends or its new ones. The writer then
+    /// forgets what it had recorded and reads the maps back, and fails the sync: the next one,
+    /// a full one, writes what is missing.
     fn flush(&mut self) -> anyhow::Result<()> {
+        self.landed()?;
         let Some(mut batch) = self.batch.take() else {
             return Ok(());
         };
-        let written = batch::update(&self.backends, &batch.backend_ids, &batch.backends)
-            .map_err(|(n, e)| (n, batch.backends.len(), "backends", e))
-            .and_then(|()| {
-                batch::update(&self.services, &batch.service_keys, &batch.services)
-                    .map_err(|(n, e)| (n, batch.services.len(), "service slots", e))
-            });
-        if let Err((n, of, what, e)) = written {
-            let written = n.map_or("some or none".to_owned(), |n| n.to_string());
-            let failed = anyhow!("writing {what} ({written} of {of} written): {e}");
-            self.unknown = true;
-            return Err(match self.read_back() {
-                Ok(()) => failed.context("the maps were read back; the next sync rewrites them"),
-                Err(again) => {
-                    failed.context(format!("reading the maps back failed too: {again:#}"))
-                }
-            });
-        }
+        let written = batch.write(&self.batch_maps);
+        self.settle(written)?;
         batch.clear();
         self.batch = Some(batch);
         Ok(())
+    }
+
+    /// [`Self::flush`], but the writes held back are made on a thread of their own while this
+    /// one prepares the next batch (the kernel's inserts are half of a first sync's time).
+    fn flush_behind(&mut self) -> anyhow::Result<()> {
+        self.landed()?;
+        let Some(batch) = self.batch.replace(Batch::default()) else {
+            return Ok(());
+        };
+        let maps = Arc::clone(&self.batch_maps);
+        self.in_flight = Some(std::thread::spawn(move || batch.write(&maps)));
+        Ok(())
+    }
+
+    /// Waits for the batch being written on its own thread.
+    fn landed(&mut self) -> anyhow::Result<()> {
+        let Some(thread) = self.in_flight.take() else {
+            return Ok(());
+        };
+        let written = thread
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        self.settle(written)
+    }
+
+    /// After a batch's writes: on failure, what was recorded is read back from the maps, and
+    /// nothing more is held back (the sync fails).
+    fn settle(&mut self, written: Result<(), BatchFailed>) -> anyhow::Result<()> {
+        let Err(failed) = written else {
+            return Ok(());
+        };
+        self.batch = None;
+        self.unknown = true;
+        let failed = anyhow!("{failed}");
+        Err(match self.read_back() {
+            Ok(()) => failed.context("the maps were read back; the next sync rewrites them"),
+            Err(again) => failed.context(format!("reading the maps back failed too: {again:#}")),
+        })
     }
 
     /// Writes backend `id`, or holds the write back for [`Self::flush`].

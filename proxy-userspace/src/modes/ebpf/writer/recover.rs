@@ -76,6 +76,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         settings: Array<MapData, u32>,
         config: WriterConfig,
     ) -> anyhow::Result<Self> {
+        let batch_maps = Arc::new(BatchMaps {
+            backends: batch::Target::of(&backends)?,
+            services: batch::Target::of(&services)?,
+        });
         let mut maps = Self {
             services_max: services.map().info()?.max_entries() as usize,
             backends_max: backends.map().info()?.max_entries() as usize,
@@ -103,6 +107,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             ranges: HashMap::default(),
             source_ranges,
             batch: None,
+            batch_maps,
+            in_flight: None,
             unknown: false,
         };
         maps.read_back()?;
