@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod command;
 pub mod dataplane;
+pub mod dense_map;
 pub mod duration;
 pub mod events;
 pub mod inspect;

@@ -11,7 +11,7 @@ use std::{
 // manifest's load. (Seeded at random a process, as std's.)
 use foldhash::{HashMap, HashSet};
 
-use crate::kubernetes::NodeInfo;
+use crate::{dense_map::DenseMap, kubernetes::NodeInfo};
 
 use super::{Cidr, DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName};
 
@@ -117,9 +117,9 @@ pub struct ChangeTracker {
     /// Services by name: the ports of the proxied ones, and the slices of each. One table for
     /// both, as kube-proxy nests its slice cache under the Service: a service and its slices
     /// are looked up together, and a table's spare room costs per entry.
-    services: HashMap<NamespacedName, ServiceEntry>,
+    services: DenseMap<NamespacedName, ServiceEntry>,
     /// Keyed by the slice's own namespace/name.
-    slices: HashMap<NamespacedName, Arc<SliceInfo>>,
+    slices: DenseMap<NamespacedName, Arc<SliceInfo>>,
     /// The endpoints skipped in each slice's current version (slices with none are absent), so
     /// that each is reported once rather than on every update of its slice.
     skipped: HashMap<NamespacedName, Vec<SkippedEndpoint>>,
@@ -228,7 +228,11 @@ impl ChangeTracker {
 
     fn set_ports(&mut self, key: &NamespacedName, ports: Option<ServicePorts>) {
         match ports {
-            Some(ports) => self.services.entry(key.clone()).or_default().ports = Some(ports),
+            Some(ports) => {
+                self.services
+                    .get_or_insert_with(key.clone(), Default::default)
+                    .ports = Some(ports)
+            }
             None => self.edit_entry(key, |entry| entry.ports = None),
         }
     }
@@ -277,7 +281,9 @@ impl ChangeTracker {
             self.change(old_owner, |t| t.unlink_slice(old_owner, key));
         }
         self.change(owner, |t| {
-            let entry = t.services.entry(owner.clone()).or_default();
+            let entry = t
+                .services
+                .get_or_insert_with(owner.clone(), Default::default);
             if let Err(at) = entry.slices.binary_search(key) {
                 let mut slices = std::mem::take(&mut entry.slices).into_vec();
                 slices.insert(at, key.clone());

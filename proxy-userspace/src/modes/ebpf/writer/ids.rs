@@ -74,8 +74,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             }
             if self.unclaimed.remove(&id) {
                 self.ports
-                    .entry(spn.clone())
-                    .or_default()
+                    .get_or_insert_with(spn.clone(), Default::default)
                     .ids
                     .insert(*b, id);
             }
@@ -95,8 +94,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         self.write_backend(id, b)?;
         self.next_id = id.wrapping_add(1);
         self.ports
-            .entry(spn.clone())
-            .or_default()
+            .get_or_insert_with(spn.clone(), Default::default)
             .ids
             .insert(*b, id);
         self.by_id.insert(id, *b);

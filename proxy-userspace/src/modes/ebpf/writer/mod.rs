@@ -60,6 +60,7 @@ use super::{
 };
 use crate::{
     dataplane::{NotProgrammable, Scope},
+    dense_map::DenseMap,
     model::{DesiredState, LbAlgorithm, ServicePortName},
 };
 
@@ -205,7 +206,7 @@ pub struct FamilyWriter<A: FamilyMaps> {
     /// A UDP endpoint has left a service port since [`Self::udp_departures_handled`].
     udp_departed: bool,
     /// What the services map holds, by frontend.
-    frontends: HashMap<Frontend<A>, Programmed>,
+    frontends: DenseMap<Frontend<A>, Programmed>,
     /// The removed frontends (draining heads without slots) and when each goes. Apart from
     /// `frontends`: few drain at a time, and a time in each entry would make them all larger.
     draining_frontends: HashMap<Frontend<A>, Instant>,
@@ -214,7 +215,7 @@ pub struct FamilyWriter<A: FamilyMaps> {
     /// Entries of the services map, counted (heads, draining ones included, and slots).
     used_slots: usize,
     /// What each service port put in the maps.
-    ports: HashMap<ServicePortName, PortState<A>>,
+    ports: DenseMap<ServicePortName, PortState<A>>,
     /// The endpoint of each id the backends map holds.
     by_id: HashMap<u32, Backend<A>>,
     /// The ids recovered from the pinned maps that no port has claimed yet.
@@ -423,7 +424,9 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             }
             previous.push(old);
             if !owned.is_empty() {
-                self.ports.entry(spn.clone()).or_default().frontends = owned.into();
+                self.ports
+                    .get_or_insert_with(spn.clone(), Default::default)
+                    .frontends = owned.into();
             }
             self.tidy(spn);
         }
@@ -441,7 +444,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 }
                 if let Err(e) = self.drain_frontend(&fe, now) {
                     // It keeps serving what it had: still ours.
-                    let port = self.ports.entry(spn.clone()).or_default();
+                    let port = self.ports.get_or_insert_with(spn.clone(), Default::default);
                     let mut frontends = std::mem::take(&mut port.frontends).into_vec();
                     frontends.push(fe);
                     port.frontends = frontends.into();
@@ -667,7 +670,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         }
         // The new slots are live from here on.
         self.used_slots = self.used_slots + ids.len() + 1 - if existed { old.len() + 1 } else { 0 };
-        let programmed = self.frontends.entry(*fe).or_insert_with(|| Programmed {
+        let programmed = self.frontends.get_or_insert_with(*fe, || Programmed {
             slots: Box::default(),
             head,
             claim: None,

@@ -92,11 +92,11 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             maglev_pinned_size: None,
             settings,
             udp_departed: false,
-            frontends: HashMap::default(),
+            frontends: DenseMap::default(),
             draining_frontends: HashMap::default(),
             frontend_expiry: None,
             used_slots: 0,
-            ports: HashMap::default(),
+            ports: DenseMap::default(),
             by_id: HashMap::default(),
             unclaimed: HashSet::default(),
             draining: HashMap::default(),
@@ -134,7 +134,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .context("reading the pinned services")?
             .into_iter()
             .collect();
-        let mut frontends: HashMap<Frontend<A>, Programmed> = HashMap::default();
+        let mut frontends: DenseMap<Frontend<A>, Programmed> = DenseMap::default();
         let mut draining_frontends = HashMap::default();
         let mut used_slots = 0;
         let mut damaged = 0;
