@@ -3,10 +3,7 @@
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
-    sync::{
-        Arc,
-        atomic::{AtomicU32, Ordering},
-    },
+    sync::atomic::{AtomicU32, Ordering},
     time::Duration,
 };
 
@@ -24,8 +21,8 @@ use proxy_common::{
 use proxy_userspace::{
     dataplane::Scope,
     model::{
-        Cidr, DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName,
-        TargetPort,
+        Cidr, DesiredState, Endpoint, NamespacedName, Placement, Protocol, ServicePort,
+        ServicePortName, TargetPort,
     },
     modes::ebpf::{self, MapSizes, MapWriter, WriterConfig, bpffs, writer::DEFAULT_DRAIN_PERIOD},
 };
@@ -420,8 +417,7 @@ pub fn ready_endpoint(ip: IpAddr, port: u16) -> Endpoint {
         ready: true,
         serving: true,
         terminating: false,
-        node_name: None,
-        hints: None,
+        placement: None,
     }
 }
 
@@ -470,7 +466,7 @@ pub fn add_external_service(state: &mut DesiredState, svc: &ExternalSvc<'_>) -> 
         .collect();
     state.edit_endpoints(&key, |eps| {
         for (ep, (_, _, node)) in eps.iter_mut().zip(svc.endpoints) {
-            ep.node_name = Some(Arc::from(*node));
+            ep.placement = Placement::shared(Some(node), None);
         }
     });
     key

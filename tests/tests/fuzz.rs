@@ -59,7 +59,7 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     dataplane::Scope,
-    model::{DesiredState, Endpoint, Protocol, ServicePortName},
+    model::{DesiredState, Endpoint, Placement, Protocol, ServicePortName},
     modes::ebpf::MapSizes,
     modes::ebpf::inspect::monotonic_ns,
 };
@@ -482,8 +482,10 @@ fn endpoint(pod: Ipv4Addr, port: u16) -> Endpoint {
         serving: true,
         terminating: false,
         // Pods of 10.244.1.0/24 run on this node.
-        node_name: Some(if pod.octets()[2] == 1 { NODE } else { "node2" }.into()),
-        hints: None,
+        placement: Placement::shared(
+            Some(if pod.octets()[2] == 1 { NODE } else { "node2" }),
+            None,
+        ),
     }
 }
 

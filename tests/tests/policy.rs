@@ -18,7 +18,7 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     inspect::services_table,
-    model::{DesiredState, Endpoint, Protocol, ServicePortName},
+    model::{DesiredState, Endpoint, Placement, Protocol, ServicePortName},
     modes::ebpf::{WriterConfig, inspect},
 };
 
@@ -55,8 +55,7 @@ fn ep(ip: Ipv4Addr, node: &str, ready: bool, serving: bool, terminating: bool) -
         ready,
         serving,
         terminating,
-        node_name: Some(node.into()),
-        hints: None,
+        placement: Placement::shared(Some(node), None),
     }
 }
 

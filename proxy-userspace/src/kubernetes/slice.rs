@@ -8,7 +8,8 @@ use super::{
     parse_ip, port_number, protocol_or_tcp,
 };
 use crate::model::{
-    Endpoint, Hints, NamespacedName, ReducedSlice, SkippedEndpoint, SliceInfo, SlicePort, shared,
+    Endpoint, Hints, NamespacedName, Placement, ReducedSlice, SkippedEndpoint, SliceInfo,
+    SlicePort, shared,
 };
 
 /// The annotation the EndpointSlice controller sets to the time of the change (a Pod or the
@@ -109,8 +110,7 @@ fn parse_slice(
             ready: condition(|c| c.ready).unwrap_or(true),
             serving: condition(|c| c.serving).unwrap_or(true),
             terminating: condition(|c| c.terminating).unwrap_or(false),
-            node_name: ep.node_name.as_deref().map(shared),
-            hints: hints(ep.hints.as_ref()),
+            placement: Placement::shared(ep.node_name.as_deref(), hints(ep.hints.as_ref())),
         });
     }
     let info = SliceInfo {
@@ -142,11 +142,11 @@ fn endpoint_ip(
 }
 
 /// An endpoint's topology hints, sorted (so that a reordering is no change); None without any.
-fn hints(hints: Option<&k8s_openapi::api::discovery::v1::EndpointHints>) -> Option<Arc<Hints>> {
+fn hints(hints: Option<&k8s_openapi::api::discovery::v1::EndpointHints>) -> Option<Hints> {
     let hints = hints?;
     let zones = sorted_names(hints.for_zones.iter().flatten().map(|z| &z.name));
     let nodes = sorted_names(hints.for_nodes.iter().flatten().map(|n| &n.name));
-    (!zones.is_empty() || !nodes.is_empty()).then(|| Arc::new(Hints { zones, nodes }))
+    (!zones.is_empty() || !nodes.is_empty()).then_some(Hints { zones, nodes })
 }
 
 fn sorted_names<'a>(names: impl Iterator<Item = &'a String>) -> Vec<Arc<str>> {

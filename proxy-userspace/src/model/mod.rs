@@ -16,7 +16,7 @@ mod tracker;
 pub use addr::{Cidr, Family, ipv4, parse_ip_leniently};
 pub(crate) use names::shared;
 pub use names::{NamespacedName, PortName, Protocol, ServicePortName};
-pub use service::{Endpoint, Hints, LbAlgorithm, ServicePort, TargetPort};
+pub use service::{Endpoint, Hints, LbAlgorithm, Placement, ServicePort, TargetPort};
 pub use state::DesiredState;
 pub use tracker::{ChangeTracker, ReducedService, ReducedSlice, SkippedEndpoint};
 pub(crate) use tracker::{ServicePorts, SliceInfo, SlicePort};

@@ -1,6 +1,8 @@
 //! The names of things: namespaced objects, Service ports, protocols.
 use std::{
+    borrow::Borrow,
     fmt,
+    hash::Hash,
     str::FromStr,
     sync::{Arc, LazyLock, Mutex, PoisonError},
 };
@@ -160,25 +162,47 @@ impl fmt::Display for ServicePortName {
 }
 
 /// A string that many objects share (a namespace, a node, zone or port name), kept once
-/// however many objects name it. Strings no object uses any more are dropped as the set grows,
-/// so it stays within twice the names in use.
+/// however many objects name it.
 pub(crate) fn shared(name: &str) -> Arc<str> {
-    #[derive(Default)]
-    struct Shared {
-        names: HashSet<Arc<str>>,
-        /// Its size after the last clean-up.
-        kept: usize,
+    static NAMES: LazyLock<Mutex<Interner<str>>> = LazyLock::new(Default::default);
+    let mut names = NAMES.lock().unwrap_or_else(PoisonError::into_inner);
+    names.get(name, |name| Arc::from(name))
+}
+
+/// Values that many objects share, each kept once however many objects hold it. Those no
+/// object holds any more are dropped as the set grows, so it stays within twice the values in
+/// use.
+pub(crate) struct Interner<T: ?Sized> {
+    values: HashSet<Arc<T>>,
+    /// Its size after the last clean-up.
+    kept: usize,
+}
+
+impl<T: ?Sized> Default for Interner<T> {
+    fn default() -> Self {
+        Self {
+            values: HashSet::default(),
+            kept: 0,
+        }
     }
-    static SHARED: LazyLock<Mutex<Shared>> = LazyLock::new(Default::default);
-    let mut shared = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(name) = shared.names.get(name) {
-        return Arc::clone(name);
+}
+
+impl<T: ?Sized + Hash + Eq> Interner<T> {
+    /// The shared copy of `value`, made by `make` if there is none.
+    pub(crate) fn get<Q>(&mut self, value: &Q, make: impl FnOnce(&Q) -> Arc<T>) -> Arc<T>
+    where
+        Arc<T>: Borrow<Q>,
+        Q: ?Sized + Hash + Eq,
+    {
+        if let Some(shared) = self.values.get(value) {
+            return Arc::clone(shared);
+        }
+        if self.values.len() >= 2 * self.kept.max(512) {
+            self.values.retain(|shared| Arc::strong_count(shared) > 1);
+            self.kept = self.values.len();
+        }
+        let shared = make(value);
+        self.values.insert(Arc::clone(&shared));
+        shared
     }
-    if shared.names.len() >= 2 * shared.kept.max(512) {
-        shared.names.retain(|name| Arc::strong_count(name) > 1);
-        shared.kept = shared.names.len();
-    }
-    let name = Arc::<str>::from(name);
-    shared.names.insert(Arc::clone(&name));
-    name
 }

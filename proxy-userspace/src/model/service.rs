@@ -3,10 +3,13 @@ use std::{
     fmt,
     net::{IpAddr, Ipv4Addr},
     str::FromStr,
-    sync::Arc,
+    sync::{Arc, LazyLock, Mutex, PoisonError},
 };
 
-use super::{Cidr, Family, Protocol};
+use super::{
+    Cidr, Family, Protocol,
+    names::{Interner, shared},
+};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum TargetPort {
@@ -103,10 +106,34 @@ pub struct Endpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    /// Shared with the tracker's copy of the slice (and with every port the endpoint serves).
+    /// Its node and topology hints (None: neither), shared with every endpoint that has the
+    /// same ones.
+    pub placement: Option<Arc<Placement>>,
+}
+
+/// Where an endpoint runs (`nodeName`) and where its EndpointSlice would have it used (its
+/// topology hints). A cluster has few of these and tens of thousands of endpoints: each is kept
+/// once ([`Placement::shared`]), and an endpoint is 32 bytes, where with the two in it it was 48.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Placement {
     pub node_name: Option<Arc<str>>,
-    /// The EndpointSlice's topology hints (`hints.forZones`, `hints.forNodes`), if any.
-    pub hints: Option<Arc<Hints>>,
+    pub hints: Option<Hints>,
+}
+
+impl Placement {
+    /// The shared placement on `node_name` with `hints`; None with neither.
+    pub fn shared(node_name: Option<&str>, hints: Option<Hints>) -> Option<Arc<Placement>> {
+        static PLACEMENTS: LazyLock<Mutex<Interner<Placement>>> = LazyLock::new(Default::default);
+        if node_name.is_none() && hints.is_none() {
+            return None;
+        }
+        let placement = Placement {
+            node_name: node_name.map(shared),
+            hints,
+        };
+        let mut placements = PLACEMENTS.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(placements.get(&placement, |p| Arc::new(p.clone())))
+    }
 }
 
 /// Where an EndpointSlice controller would have an endpoint used (topology-aware routing:
@@ -127,6 +154,14 @@ impl ServicePort {
 }
 
 impl Endpoint {
+    pub fn node_name(&self) -> Option<&str> {
+        self.placement.as_ref()?.node_name.as_deref()
+    }
+
+    pub fn hints(&self) -> Option<&Hints> {
+        self.placement.as_ref()?.hints.as_ref()
+    }
+
     /// Its address if IPv4 (the datapaths serve IPv4 for now).
     pub fn ipv4(&self) -> Option<Ipv4Addr> {
         match self.ip {

@@ -173,7 +173,7 @@ impl DesiredState {
 
     /// Whether `ep` runs on this node.
     pub fn is_local(&self, ep: &Endpoint) -> bool {
-        ep.node_name.as_deref() == Some(self.node_name.as_str())
+        ep.node_name() == Some(self.node_name.as_str())
     }
 
     /// The ready endpoints of `spn` (only this node's if `local_only`, else those topology
@@ -208,13 +208,12 @@ impl DesiredState {
                 let want = want?;
                 let all_hinted = ready
                     .iter()
-                    .all(|ep| ep.hints.as_deref().is_some_and(|h| !of(h).is_empty()));
+                    .all(|ep| ep.hints().is_some_and(|h| !of(h).is_empty()));
                 let chosen: Vec<&'a Endpoint> = ready
                     .iter()
                     .copied()
                     .filter(|ep| {
-                        ep.hints
-                            .as_deref()
+                        ep.hints()
                             .is_some_and(|h| of(h).iter().any(|n| &**n == want))
                     })
                     .collect();

@@ -737,8 +737,7 @@ endpoints:
             ready: true,
             serving: true,
             terminating: false,
-            node_name: Some("node1".into()),
-            hints: None,
+            placement: Placement::shared(Some("node1"), None),
         }
     );
     // As kube-proxy reads them: an unset serving is true whatever ready says.
@@ -936,29 +935,37 @@ fn updates_keep_only_what_reaches_the_state() {
 #[test]
 fn names_are_shared_not_copied() {
     // The state's copies of a service's names and of an endpoint's node name point at the
-    // tracker's strings: a large cluster holds each name once.
+    // tracker's strings: a large cluster holds each name once. Endpoints on one node with the
+    // same hints share one placement, in any slice.
     let mut tracker = ChangeTracker::new();
     let mut state = DesiredState::default();
     tracker.update_service(&service(WEB)).unwrap();
-    tracker
-        .update_slice(&slice_of(
-            "web",
-            "web-1",
-            "IPv4",
-            "[{addresses: [10.244.1.11], nodeName: node1}]",
-        ))
-        .unwrap();
+    for (name, a, b) in [("web-1", 11, 12), ("web-2", 13, 14)] {
+        let endpoints = format!(
+            "[{{addresses: [10.244.1.{a}], nodeName: node1}}, \
+             {{addresses: [10.244.1.{b}], nodeName: node1, hints: {{forZones: [{{name: a}}]}}}}]"
+        );
+        let slice = slice_of("web", name, "IPv4", &endpoints);
+        tracker.update_slice(&slice).unwrap();
+    }
     tracker.apply(&mut state);
+    let (_, merged) = state.endpoints.first_key_value().unwrap();
+    let placements: Vec<_> = merged.iter().map(|ep| ep.placement.clone().unwrap()).collect();
+    assert_eq!(placements.len(), 4);
+    assert!(Arc::ptr_eq(&placements[0], &placements[2]));
+    assert!(Arc::ptr_eq(&placements[1], &placements[3]));
+    assert!(!Arc::ptr_eq(&placements[0], &placements[1]));
     let (spn, port) = state.services.first_key_value().unwrap();
     let (ep_spn, eps) = state.endpoints.first_key_value().unwrap();
     assert!(Arc::ptr_eq(&spn.service.name, &ep_spn.service.name));
     assert_eq!(std::mem::size_of::<ServicePortName>(), 8);
     assert_eq!(port.port, 80);
     let again = state.clone();
-    let node = eps[0].node_name.as_ref().unwrap();
-    let copy = again.endpoints[ep_spn][0].node_name.as_ref().unwrap();
-    assert!(Arc::ptr_eq(node, copy));
-    assert_eq!(&**node, "node1");
+    let placement = eps[0].placement.as_ref().unwrap();
+    let copy = again.endpoints[ep_spn][0].placement.as_ref().unwrap();
+    assert!(Arc::ptr_eq(placement, copy));
+    assert_eq!(eps[0].node_name(), Some("node1"));
+    assert_eq!(std::mem::size_of::<Endpoint>(), 32);
 }
 
 #[test]

@@ -86,7 +86,7 @@ pub fn health_checks(state: &DesiredState) -> HealthChecks {
             state
                 .endpoints_of(spn)
                 .iter()
-                .filter(|ep| ep.ready && ep.node_name.as_deref() == Some(state.node_name()))
+                .filter(|ep| ep.ready && ep.node_name() == Some(state.node_name()))
                 .map(|ep| ep.ip),
         );
     }
@@ -272,7 +272,7 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
-    use crate::model::{Endpoint, Protocol, ServicePort, ServicePortName, TargetPort};
+    use crate::model::{Endpoint, Placement, Protocol, ServicePort, ServicePortName, TargetPort};
 
     fn nn(name: &str) -> NamespacedName {
         NamespacedName::new("shop", name)
@@ -303,8 +303,7 @@ mod tests {
             ready,
             serving: ready || terminating,
             terminating,
-            node_name: Some(node.into()),
-            hints: None,
+            placement: Placement::shared(Some(node), None),
         }
     }
 

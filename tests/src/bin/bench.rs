@@ -25,7 +25,7 @@ use proxy_tests::{
     },
 };
 use proxy_userspace::{
-    model::{DesiredState, Protocol},
+    model::{DesiredState, Placement, Protocol},
     modes::ebpf::MapSizes,
 };
 
@@ -402,7 +402,7 @@ fn measure6(args: &Datapath, count: u32) -> anyhow::Result<Row6> {
         }
         state.edit_endpoints(&spn, |eps| {
             for e in eps {
-                e.node_name = Some("node1".into());
+                e.placement = Placement::shared(Some("node1"), None);
             }
         });
     }

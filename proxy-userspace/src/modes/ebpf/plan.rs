@@ -272,10 +272,9 @@ pub(super) fn describe<A: Addr>(key: &ServiceKey<A>) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
     use super::*;
-    use crate::model::{Cidr, Endpoint, NamespacedName, ServicePort, TargetPort};
+    use crate::model::{Cidr, Endpoint, NamespacedName, Placement, ServicePort, TargetPort};
 
     fn endpoint(ip: &str, node: &str) -> Endpoint {
         Endpoint {
@@ -284,8 +283,7 @@ mod tests {
             ready: true,
             serving: true,
             terminating: false,
-            node_name: Some(Arc::from(node)),
-            hints: None,
+            placement: Placement::shared(Some(node), None),
         }
     }
 

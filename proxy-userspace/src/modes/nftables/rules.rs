@@ -798,7 +798,7 @@ pub(super) mod tests {
 
     use super::*;
     use crate::{
-        model::{NamespacedName, Protocol},
+        model::{NamespacedName, Placement, Protocol},
         modes::nftables::tests::privileged,
         testing::{fixture, golden},
     };
@@ -1031,8 +1031,7 @@ pub(super) mod tests {
             ready: true,
             serving: true,
             terminating: false,
-            node_name: None,
-            hints: None,
+            placement: None,
         };
         assert_eq!(
             targets(&svc1, Family::V4, &[&ep])[0].chain,
@@ -1114,7 +1113,7 @@ pub(super) mod tests {
         let local = spn("shop", "local", "", Protocol::Tcp);
         let mut endpoint = s0.endpoints_of(&elsewhere)[0].clone();
         endpoint.ip = Ipv4Addr::new(10, 244, 1, 14).into();
-        endpoint.node_name = Some("node1".into());
+        endpoint.placement = Placement::shared(Some("node1"), None);
         state.edit_endpoints(&elsewhere, |eps| eps.insert(0, endpoint));
         state.remove_port(&empty);
         let mut port = ServicePort::clone(s0.port(&dns()).unwrap());

@@ -12,7 +12,6 @@ use std::{
     io::{ErrorKind, Write as _},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     process::Command,
-    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -25,7 +24,7 @@ use tokio::{
 };
 
 use super::*;
-use crate::model::{Cidr, Endpoint, NamespacedName, ServicePort, TargetPort};
+use crate::model::{Cidr, Endpoint, NamespacedName, Placement, ServicePort, TargetPort};
 use crate::rows::{Rows, What};
 
 /// Set to 1 to make these tests fail instead of skipping (as the sandbox tests').
@@ -251,8 +250,7 @@ fn endpoints(addrs: &[(impl Into<IpAddr> + Copy, u16)]) -> Vec<Endpoint> {
             ready: true,
             serving: true,
             terminating: false,
-            node_name: Some(Arc::from("node1")),
-            hints: None,
+            placement: Placement::shared(Some("node1"), None),
         })
         .collect()
 }
