@@ -320,7 +320,6 @@ struct BatchMaps<A> {
 }
 
 /// The write of a [`Batch`] that the kernel refused.
-#[derive(Debug)]
 struct BatchFailed {
     what: &'static str,
     /// How many of its writes of that kind the kernel made (None: it did not say).
