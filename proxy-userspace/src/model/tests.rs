@@ -950,7 +950,10 @@ fn names_are_shared_not_copied() {
     }
     tracker.apply(&mut state);
     let (_, merged) = state.endpoints.first_key_value().unwrap();
-    let placements: Vec<_> = merged.iter().map(|ep| ep.placement.clone().unwrap()).collect();
+    let placements: Vec<_> = merged
+        .iter()
+        .map(|ep| ep.placement.clone().unwrap())
+        .collect();
     assert_eq!(placements.len(), 4);
     assert!(Arc::ptr_eq(&placements[0], &placements[2]));
     assert!(Arc::ptr_eq(&placements[1], &placements[3]));
