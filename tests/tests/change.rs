@@ -522,8 +522,8 @@ fn a_failed_batch_of_writes_leaves_every_service_serving_and_later_syncs_complet
     );
 }
 
-/// As above, where the batch that fails is written on the writer's thread while the next one
-/// is prepared: the sync fails once it has waited for that write.
+/// As above, where the batch that fails is written on a thread of its own while the next one
+/// is prepared: the sync fails once it has waited for that write (when the next batch is full).
 #[test]
 fn a_batch_written_while_the_next_is_prepared_fails_the_same_way() {
     if !privileged("a_batch_written_while_the_next_is_prepared_fails_the_same_way") {
@@ -534,9 +534,9 @@ fn a_batch_written_while_the_next_is_prepared_fails_the_same_way() {
         backends: 16384,
         ..SMALL
     };
-    // Two backends and three entries of the services map a service: 15k writes, where a batch
+    // Two backends and three entries of the services map a service: 20k writes, where a batch
     // holds 8192; the first one fails.
-    let written = failed_batch(sizes, 3000);
+    let written = failed_batch(sizes, 4000);
     let of: usize = (written.split_once("writing service slots (60 of "))
         .and_then(|(_, rest)| rest.split_once(' ')?.0.parse().ok())
         .unwrap_or_else(|| panic!("{written}"));

@@ -166,7 +166,7 @@ impl fmt::Display for ServicePortName {
 pub(crate) fn shared(name: &str) -> Arc<str> {
     static NAMES: LazyLock<Mutex<Interner<str>>> = LazyLock::new(Default::default);
     let mut names = NAMES.lock().unwrap_or_else(PoisonError::into_inner);
-    names.get(name, |name| Arc::from(name))
+    names.intern(name, |name| Arc::from(name))
 }
 
 /// Values that many objects share, each kept once however many objects hold it. Those no
@@ -189,7 +189,7 @@ impl<T: ?Sized> Default for Interner<T> {
 
 impl<T: ?Sized + Hash + Eq> Interner<T> {
     /// The shared copy of `value`, made by `make` if there is none.
-    pub(crate) fn get<Q>(&mut self, value: &Q, make: impl FnOnce(&Q) -> Arc<T>) -> Arc<T>
+    pub(crate) fn intern<Q>(&mut self, value: &Q, make: impl FnOnce(&Q) -> Arc<T>) -> Arc<T>
     where
         Arc<T>: Borrow<Q>,
         Q: ?Sized + Hash + Eq,

@@ -132,7 +132,7 @@ impl Placement {
             hints,
         };
         let mut placements = PLACEMENTS.lock().unwrap_or_else(PoisonError::into_inner);
-        Some(placements.get(&placement, |p| Arc::new(p.clone())))
+        Some(placements.intern(&placement, |p| Arc::new(p.clone())))
     }
 }
 

@@ -195,21 +195,22 @@ pub fn parse_each<T>(
     let read = std::thread::scope(|scope| {
         // Values in flight: enough that neither thread waits on the other's pace for long.
         let (values, received) = std::sync::mpsc::sync_channel(64);
-        let reader = scope.spawn(move || {
+        let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
             fast::read(text, &mut |document, item, value| {
                 let item = item.map(|(i, list_kind)| (i, list_kind.to_owned()));
                 // Received until this thread ends, unless the receiver panicked.
                 let _ = values.send((document, item, value));
             })
         });
+        let Ok(reader) = spawned else {
+            // No thread to be had (a process limit, say): read here.
+            return fast::read(text, &mut |document, item, value| {
+                parser.add_read(document, item, value);
+            });
+        };
         for (document, item, value) in received {
-            match item {
-                None => parser.add(document, "", value, None),
-                Some((i, list_kind)) => {
-                    let item_kind = list_kind.strip_suffix("List").filter(|k| !k.is_empty());
-                    parser.add(document, &format!("items[{i}]"), value, item_kind);
-                }
-            }
+            let item = item.as_ref().map(|(i, list_kind)| (*i, list_kind.as_str()));
+            parser.add_read(document, item, value);
         }
         reader
             .join()
@@ -300,6 +301,18 @@ impl<F: FnMut(Object) -> K, K> Parser<'_, F, K> {
                 None => format!("{piece_error} (in a part of the manifest read on its own)"),
             })
         })
+    }
+
+    /// Adds what the fast reader read: document `document`, or its List's item `item` (the
+    /// item's index and the List's kind).
+    fn add_read(&mut self, document: usize, item: fast::Item<'_>, value: Value) {
+        match item {
+            None => self.add(document, "", value, None),
+            Some((i, list_kind)) => {
+                let item_kind = list_kind.strip_suffix("List").filter(|k| !k.is_empty());
+                self.add(document, &format!("items[{i}]"), value, item_kind);
+            }
+        }
     }
 
     /// Adds document `index` (or the item at `path` inside it). Items of a typed list such as

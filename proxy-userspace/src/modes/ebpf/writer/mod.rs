@@ -7,8 +7,8 @@
 //! A sync runs in two phases, so that its result does not depend on the order of the service
 //! ports: first every wanted frontend is programmed, then the frontends nobody wants any more
 //! are removed (an address handed from one Service to another stays with the new one). The
-//! first phase's writes go in batches that keep the write order, each written on a thread of its
-//! own while the next is prepared (see [`FamilyWriter::flush`]).
+//! first phase's writes go in batches that keep the write order; a full batch is written on a
+//! thread of its own while the next is prepared (see `FamilyWriter::flush`).
 //!
 //! Nothing is cut at once: a backend that leaves its service port is kept, flagged draining
 //! (established TCP connections stay on it, new connections and UDP go elsewhere), and a removed
@@ -91,7 +91,7 @@ impl Default for WriterConfig {
 
 /// The maps of one address family the writer programs, by name, and where its next backend id
 /// is kept in AGENT_STATE (each family's ids are its own: its conntrack names them).
-pub trait FamilyMaps: Addr + Send + Sync + 'static {
+pub trait FamilyMaps: Addr + Send + 'static {
     const SERVICES: &'static str;
     const BACKENDS: &'static str;
     const MAGLEV: &'static str;
@@ -520,11 +520,27 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     /// one prepares the next batch (the kernel's inserts are half of a first sync's time).
     fn flush_behind(&mut self) -> anyhow::Result<()> {
         self.landed()?;
-        let Some(batch) = self.batch.replace(Batch::default()) else {
+        if self.batch.is_none() {
             return Ok(());
-        };
+        }
         let maps = Arc::clone(&self.batch_maps);
-        self.in_flight = Some(std::thread::spawn(move || batch.write(&maps)));
+        let (hand_over, handed) = std::sync::mpsc::channel::<Batch<A>>();
+        let spawned = std::thread::Builder::new()
+            .name("map-writes".into())
+            .spawn(move || handed.recv().map_or(Ok(()), |batch| batch.write(&maps)));
+        let Ok(thread) = spawned else {
+            // No thread to be had (a process limit, say): written here.
+            return self.flush();
+        };
+        let batch = self.batch.replace(Batch::default()).expect("checked above");
+        match hand_over.send(batch) {
+            Ok(()) => self.in_flight = Some(thread),
+            // Not expected: the thread waits for the batch.
+            Err(std::sync::mpsc::SendError(batch)) => {
+                self.batch = Some(batch);
+                return self.flush();
+            }
+        }
         Ok(())
     }
 

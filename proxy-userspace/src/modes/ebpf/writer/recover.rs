@@ -77,8 +77,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         config: WriterConfig,
     ) -> anyhow::Result<Self> {
         let batch_maps = Arc::new(BatchMaps {
-            backends: batch::Target::of(&backends)?,
-            services: batch::Target::of(&services)?,
+            backends: batch::Target::of(&backends).context("the backends map's descriptor")?,
+            services: batch::Target::of(&services).context("the services map's descriptor")?,
         });
         let mut maps = Self {
             services_max: services.map().info()?.max_entries() as usize,
