@@ -157,8 +157,8 @@ pub struct Parsed {
 }
 
 /// [`parse`], handing each object to `each` as soon as it is read and keeping what it returns
-/// (in file order) instead of the objects: a few YAML documents, or items of a List, are held
-/// at a time (a JSON text is read whole), so a caller that keeps less than the whole object needs
+/// (in file order) instead of the objects: one YAML document, or one item of a List, is held at
+/// a time (a JSON text is read whole), so a caller that keeps less than the whole object needs
 /// far less memory. `each` may see an object more than once (when the fast reader gives up on a
 /// text, it is read again): only what it returns counts.
 pub fn parse_each<T>(
@@ -188,33 +188,12 @@ pub fn parse_each<T>(
             return Ok((parser.kept, parser.parsed));
         }
     }
-    // The plain block YAML kubectl prints is read by `fast`, many times faster than libyaml,
-    // on a thread of its own while this one makes objects of the values it hands over (a third
-    // of a large manifest's time). Where it gives up, what it read is dropped and the text read
-    // again by libyaml.
-    let read = std::thread::scope(|scope| {
-        // Values in flight: enough that neither thread waits on the other's pace for long.
-        let (values, received) = std::sync::mpsc::sync_channel(64);
-        let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
-            fast::read(text, &mut |document, item, value| {
-                let item = item.map(|(i, list_kind)| (i, list_kind.to_owned()));
-                // Received until this thread ends, unless the receiver panicked.
-                let _ = values.send((document, item, value));
-            })
-        });
-        let Ok(reader) = spawned else {
-            // No thread to be had (a process limit, say): read here.
-            return fast::read(text, &mut |document, item, value| {
-                parser.add_read(document, item, value);
-            });
-        };
-        for (document, item, value) in received {
-            let item = item.as_ref().map(|(i, list_kind)| (*i, list_kind.as_str()));
-            parser.add_read(document, item, value);
-        }
-        reader
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    // The plain block YAML kubectl prints is read by `fast`, many times faster than libyaml.
+    // Where it gives up, what it read is dropped and the text read again by libyaml. (Reading
+    // on a thread of its own, beside this one making the objects, took twice as long: the one
+    // malloc arena the agent keeps (main.rs) is then fought over by both.)
+    let read = fast::read(text, &mut |document, item, value| {
+        parser.add_read(document, item, value)
     });
     if read.is_ok() {
         return Ok((parser.kept, parser.parsed));
