@@ -9,13 +9,14 @@
 //! with serde_yaml as before: it is the oracle this reader is tested against, and it gives the
 //! error messages. Refusing may come after values were handed out: the caller drops them.
 //!
-//! Scalars resolve as serde_yaml 0.9 resolves them into a [`Value`] (YAML 1.2's core schema:
-//! `null`, `true`, `0x1f`, `1.5`, and `0123` as a string).
+//! Scalars resolve as serde_yaml 0.9 resolves them into a `Value` (YAML 1.2's core schema:
+//! `null`, `true`, `0x1f`, `1.5`, and `0123` as a string). What it reads is a [`Node`], which
+//! borrows its strings from the text where it can.
 
 use std::borrow::Cow;
 use std::ops::Range;
 
-use serde_yaml::{Mapping, Value};
+use super::node::Node;
 
 /// The text is outside what this reader takes: read it with serde_yaml.
 #[derive(Debug)]
@@ -30,7 +31,10 @@ pub(super) type Item<'a> = Option<(usize, &'a str)>;
 /// Reads `text`, handing each document's value to `found` with the document's index, except
 /// that a List's items (a `kind` ending in "List" and `items` a block sequence) are handed out
 /// one by one instead of the List. Refused when the text is not all in the subset.
-pub(super) fn read(text: &str, found: &mut dyn FnMut(usize, Item<'_>, Value)) -> Read<()> {
+pub(super) fn read<'a>(
+    text: &'a str,
+    found: &mut dyn FnMut(usize, Item<'_>, Node<'a>),
+) -> Read<()> {
     if !plain_characters(text) {
         return Err(Refused);
     }
@@ -153,14 +157,14 @@ fn is_blank_or_comment(line: &str) -> bool {
 }
 
 /// A List document being read: its items go to `found` one by one.
-struct List<'k, 'f> {
+struct List<'a, 'k, 'f> {
     /// The kind its line says (see [`list_kind`]).
     kind: &'k str,
     /// The kind the reading found.
     seen_kind: Option<String>,
     /// Whether its `items` were a block sequence, handed out.
     streamed: bool,
-    found: &'f mut dyn FnMut(usize, Value),
+    found: &'f mut dyn FnMut(usize, Node<'a>),
 }
 
 /// One line: its indentation and what follows it (without the line break).
@@ -245,9 +249,9 @@ impl<'a> Reader<'a> {
 
     /// A document (this reader's whole text): its top node, a mapping at column 0, or null when
     /// it has none. `list`: the document is a List, whose items go there.
-    fn document(&mut self, list: Option<&mut List<'_, '_>>) -> Read<Value> {
+    fn document(&mut self, list: Option<&mut List<'a, '_, '_>>) -> Read<Node<'a>> {
         let Some(line) = self.line()? else {
-            return Ok(Value::Null);
+            return Ok(Node::Null);
         };
         if line.indent != 0 || line.is_entry() {
             return Err(Refused);
@@ -262,7 +266,7 @@ impl<'a> Reader<'a> {
 
     /// The value of a List's `items:` with nothing after its colon: each entry handed to the
     /// List when it is a block sequence (null is returned), else the value.
-    fn list_items(&mut self, list: &mut List<'_, '_>) -> Read<Value> {
+    fn list_items(&mut self, list: &mut List<'a, '_, '_>) -> Read<Node<'a>> {
         let indent = match self.line()? {
             Some(line) if line.is_entry() => line.indent,
             _ => return self.block_value(0),
@@ -280,7 +284,7 @@ impl<'a> Reader<'a> {
             return Err(Refused);
         }
         list.streamed = true;
-        Ok(Value::Null)
+        Ok(Node::Null)
     }
 
     /// A block mapping at `indent` whose first entry's line, already consumed, gave `first`.
@@ -289,9 +293,9 @@ impl<'a> Reader<'a> {
         &mut self,
         indent: usize,
         first: KeyLine<'a>,
-        mut list: Option<&mut List<'_, '_>>,
-    ) -> Read<Value> {
-        let mut map = Mapping::new();
+        mut list: Option<&mut List<'a, '_, '_>>,
+    ) -> Read<Node<'a>> {
+        let mut entries = Vec::new();
         let mut entry = first;
         loop {
             let (key, rest) = entry;
@@ -305,24 +309,23 @@ impl<'a> Reader<'a> {
                 }
                 (_, None) => self.block_value(indent)?,
             };
-            // A duplicate key is serde_yaml's to report.
-            if map.insert(Value::String(key.into_owned()), value).is_some() {
-                return Err(Refused);
-            }
+            entries.push((Node::String(key), value));
             match self.line()? {
                 Some(line) if line.indent == indent && !line.is_entry() => {
                     self.next_line();
                     entry = split_key(line.content).ok_or(Refused)?;
                 }
                 Some(line) if line.indent >= indent => return Err(Refused),
-                _ => return Ok(Value::Mapping(map)),
+                // A duplicate key is serde_yaml's to report.
+                _ if has_duplicate_keys(&entries) => return Err(Refused),
+                _ => return Ok(Node::Mapping(entries)),
             }
         }
     }
 
     /// The value of a mapping key (at `indent`) with nothing after its colon: a block on the next
     /// lines (a sequence may start at the key's own indentation), or null.
-    fn block_value(&mut self, indent: usize) -> Read<Value> {
+    fn block_value(&mut self, indent: usize) -> Read<Node<'a>> {
         match self.line()? {
             Some(line) if line.indent == indent && line.is_entry() => self.sequence(indent),
             Some(line) if line.indent > indent => {
@@ -334,12 +337,12 @@ impl<'a> Reader<'a> {
                     self.mapping(line.indent, first, None)
                 }
             }
-            _ => Ok(Value::Null),
+            _ => Ok(Node::Null),
         }
     }
 
     /// A block sequence whose entries are at `indent`.
-    fn sequence(&mut self, indent: usize) -> Read<Value> {
+    fn sequence(&mut self, indent: usize) -> Read<Node<'a>> {
         let mut values = Vec::new();
         while let Some(line) = self.line()? {
             if line.indent != indent || !line.is_entry() {
@@ -350,12 +353,12 @@ impl<'a> Reader<'a> {
             }
             values.push(self.entry(indent)?);
         }
-        Ok(Value::Sequence(values))
+        Ok(Node::Sequence(values))
     }
 
     /// The sequence entry at the next line, whose `-` is at `indent`: a scalar, an empty
     /// collection, or a mapping starting on the same line.
-    fn entry(&mut self, indent: usize) -> Read<Value> {
+    fn entry(&mut self, indent: usize) -> Read<Node<'a>> {
         let line = self.line()?.ok_or(Refused)?;
         let after = line.content.strip_prefix("- ").ok_or(Refused)?;
         let content = after.trim_start_matches(' ');
@@ -365,7 +368,7 @@ impl<'a> Reader<'a> {
     }
 
     /// What follows an entry's `-` (at `indent`): `content`, at `column`, the rest of its line.
-    fn entry_node(&mut self, indent: usize, column: usize, content: &'a str) -> Read<Value> {
+    fn entry_node(&mut self, indent: usize, column: usize, content: &'a str) -> Read<Node<'a>> {
         if let Some(first) = split_key(content) {
             return self.mapping(column, first, None);
         }
@@ -378,13 +381,16 @@ impl<'a> Reader<'a> {
 
     /// A value on its key's line (the key at `indent`): a scalar, `{}`, `[]` or a literal block
     /// (`|` or `|-`, its lines following).
-    fn inline_value(&mut self, indent: usize, text: &'a str) -> Read<Value> {
+    fn inline_value(&mut self, indent: usize, text: &'a str) -> Read<Node<'a>> {
         // (The first byte alone first: comparing with each of these is a call each.)
         let value = match text {
             _ if !text.starts_with(['{', '[', '|']) => self.scalar(text)?,
-            "{}" => Value::Mapping(Mapping::new()),
-            "[]" => Value::Sequence(Vec::new()),
-            "|" | "|-" => return Ok(Value::String(self.literal(indent, text == "|-")?)),
+            "{}" => Node::Mapping(Vec::new()),
+            "[]" => Node::Sequence(Vec::new()),
+            "|" | "|-" => {
+                let literal = self.literal(indent, text == "|-")?;
+                return Ok(Node::String(Cow::Owned(literal)));
+            }
             _ => return Err(Refused),
         };
         // Nothing may be nested under a value given on its key's line.
@@ -394,10 +400,10 @@ impl<'a> Reader<'a> {
         Ok(value)
     }
 
-    fn scalar(&self, text: &str) -> Read<Value> {
+    fn scalar(&self, text: &'a str) -> Read<Node<'a>> {
         match scalar(text).ok_or(Refused)? {
-            (quoted, true) => Ok(Value::String(quoted.into_owned())),
-            (plain, false) => Ok(resolve(&plain).ok_or(Refused)?.value(&plain)),
+            (quoted, true) => Ok(Node::String(quoted)),
+            (plain, false) => Ok(resolve(&plain).ok_or(Refused)?.node(plain)),
         }
     }
 
@@ -452,6 +458,18 @@ impl<'a> Reader<'a> {
 
 /// A mapping entry's key and what follows its colon on its line (None when nothing does).
 type KeyLine<'a> = (Cow<'a, str>, Option<&'a str>);
+
+/// Whether two of a mapping's keys (strings) are the same: pair by pair in the small mappings
+/// objects have, sorted in a large one.
+fn has_duplicate_keys(entries: &[(Node<'_>, Node<'_>)]) -> bool {
+    if entries.len() <= 16 {
+        let seen_before = |i: usize| entries[..i].iter().any(|(key, _)| *key == entries[i].0);
+        return (1..entries.len()).any(seen_before);
+    }
+    let mut keys: Vec<_> = entries.iter().map(|(key, _)| key.as_str()).collect();
+    keys.sort_unstable();
+    keys.windows(2).any(|pair| pair[0] == pair[1])
+}
 
 /// A `key:` line's [`KeyLine`], or None when the content is not one this reader takes. Keys are
 /// strings: plain ones that would read as another type (`true:`, `80:`) are refused.
@@ -618,14 +636,14 @@ enum Plain {
 }
 
 impl Plain {
-    fn value(self, text: &str) -> Value {
+    fn node(self, text: Cow<'_, str>) -> Node<'_> {
         match self {
-            Plain::Null => Value::Null,
-            Plain::Bool(b) => Value::Bool(b),
-            Plain::Unsigned(n) => Value::from(n),
-            Plain::Negative(n) => Value::from(n),
-            Plain::Float(f) => Value::from(f),
-            Plain::String => Value::String(text.to_owned()),
+            Plain::Null => Node::Null,
+            Plain::Bool(b) => Node::Bool(b),
+            Plain::Unsigned(n) => Node::Unsigned(n),
+            Plain::Negative(n) => Node::integer(n),
+            Plain::Float(f) => Node::Float(f),
+            Plain::String => Node::String(text),
         }
     }
 }
@@ -751,7 +769,15 @@ fn leading_zero_digits(text: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use serde::Deserialize;
+    use std::fmt::Debug;
+
+    use k8s_openapi::api::{
+        core::v1::{Node as KubeNode, Service},
+        discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
+    };
+    use serde::{Deserialize, de::DeserializeOwned};
+    use serde_yaml::Value;
 
     use super::*;
 
@@ -768,7 +794,8 @@ mod tests {
     fn values(text: &str) -> Option<Values> {
         let mut values = Vec::new();
         read(text, &mut |document, item, value| {
-            values.push((document, item.map(|(i, kind)| (i, kind.to_owned())), value));
+            let item = item.map(|(i, kind)| (i, kind.to_owned()));
+            values.push((document, item, value.into_value()));
         })
         .ok()?;
         Some(values)
@@ -1084,7 +1111,7 @@ metadata:
             };
             match resolve(scalar) {
                 Some(plain) => {
-                    let value = plain.value(scalar);
+                    let value = plain.node(Cow::Borrowed(scalar)).into_value();
                     let same = match (&value, &expected) {
                         (Value::Number(a), Value::Number(b)) if a.is_nan() => b.is_nan(),
                         _ => value == expected,
@@ -1154,7 +1181,7 @@ metadata:
     #[test]
     fn edited_manifests_are_read_as_serde_yaml_reads_them_or_refused() {
         let mut random = Random(0x9e37_79b9_7f4a_7c15);
-        let (mut taken, mut tries) = (0, 0);
+        let (mut taken, mut tries, mut deserialized) = (0, 0, 0);
         // The same objects as `---` separated documents.
         let documents = KUBECTL
             .replace("apiVersion: v1\nitems:\n- ", "")
@@ -1178,6 +1205,19 @@ metadata:
             tries += 1;
             if reads_as_serde_yaml(&text) {
                 taken += 1;
+                let mut nodes = Vec::new();
+                read_ok(&text, &mut |_, _, node| nodes.push(node));
+                for node in &nodes {
+                    deserialized += [
+                        deserializes_as_its_value::<Service>(node),
+                        deserializes_as_its_value::<EndpointSlice>(node),
+                        deserializes_as_its_value::<KubeNode>(node),
+                        deserializes_as_its_value::<ServiceCIDR>(node),
+                    ]
+                    .iter()
+                    .filter(|&&ok| ok)
+                    .count();
+                }
                 // And the objects and errors made of what it read are those made of
                 // serde_yaml's documents (one text in 4: this costs more).
                 if i % 4 == 1 {
@@ -1186,7 +1226,67 @@ metadata:
                 }
             }
         }
-        // Most single edits keep the text in the subset: the comparison is not vacuous.
+        // Most single edits keep the text in the subset, and most objects in them still
+        // deserialize: the comparisons are not vacuous.
         assert!(taken * 5 > tries, "{taken} of {tries} taken");
+        assert!(
+            deserialized > taken,
+            "{deserialized} objects of {taken} texts"
+        );
+    }
+
+    fn read_ok<'a>(text: &'a str, found: &mut dyn FnMut(usize, Item<'_>, Node<'a>)) {
+        read(text, found).unwrap_or_else(|_| panic!("refused:\n{text}"));
+    }
+
+    /// Deserializing `node` as a `T` succeeds only where deserializing the same node as a
+    /// serde_yaml `Value` does, and makes the same object; whether it succeeded.
+    fn deserializes_as_its_value<T: DeserializeOwned + PartialEq + Debug>(node: &Node) -> bool {
+        let from_value = T::deserialize(node.clone().into_value());
+        match T::deserialize(node) {
+            Ok(object) => {
+                assert_eq!(Some(&object), from_value.as_ref().ok(), "{node:?}");
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    #[test]
+    fn objects_deserialize_from_nodes_as_from_values() {
+        let mut nodes = Vec::new();
+        read_ok(KUBECTL, &mut |_, _, node| nodes.push(node));
+        let [service, slice] = &nodes[..] else {
+            panic!("{nodes:?}");
+        };
+        assert!(deserializes_as_its_value::<Service>(service));
+        assert!(deserializes_as_its_value::<EndpointSlice>(slice));
+        // Every kind of scalar where each kind of field is: a string, a number, a bool, a
+        // map, a list, null.
+        let scalars = [
+            "x", "'8'", "80", "-1", "-0", "0x1f", "1.5", "true", "null", "{}", "[]",
+        ];
+        for scalar in scalars {
+            for field in [
+                "metadata:\n  name",
+                "metadata:\n  labels",
+                "metadata:\n  labels:\n    a",
+                "spec:\n  ports",
+                "spec:\n  ports:\n  - port",
+                "spec:\n  ports:\n  - targetPort",
+                "spec:\n  publishNotReadyAddresses",
+                "spec:\n  clusterIPs",
+                "spec:\n  clusterIPs:\n  - ",
+                "spec",
+                "status",
+            ] {
+                let text = format!("kind: Service\n{field}: {scalar}\n");
+                let text = text.replace(" : ", "").replace(":  ", ": ");
+                let mut nodes = Vec::new();
+                if read(&text, &mut |_, _, node| nodes.push(node)).is_ok() {
+                    deserializes_as_its_value::<Service>(&nodes[0]);
+                }
+            }
+        }
     }
 }

@@ -22,6 +22,7 @@ use serde_yaml::Value;
 use crate::model::NamespacedName;
 
 mod fast;
+mod node;
 mod split;
 use split::Piece;
 
@@ -283,15 +284,29 @@ impl<F: FnMut(Object) -> K, K> Parser<'_, F, K> {
     }
 
     /// Adds what the fast reader read: document `document`, or its List's item `item` (the
-    /// item's index and the List's kind).
-    fn add_read(&mut self, document: usize, item: fast::Item<'_>, value: Value) {
-        match item {
-            None => self.add(document, "", value, None),
-            Some((i, list_kind)) => {
-                let item_kind = list_kind.strip_suffix("List").filter(|k| !k.is_empty());
-                self.add(document, &format!("items[{i}]"), value, item_kind);
+    /// item's index and the List's kind). An object of a kind kept is deserialized from the
+    /// node itself; anything else, and an object that does not deserialize so, is added as a
+    /// `Value` (which gives serde_yaml's errors).
+    fn add_read(&mut self, document: usize, item: fast::Item<'_>, node: node::Node<'_>) {
+        let item_kind = item
+            .and_then(|(_, list_kind)| list_kind.strip_suffix("List").filter(|k| !k.is_empty()));
+        if let node::Node::Mapping(_) = node {
+            let kind = node.get("kind").and_then(node::Node::as_str).or(item_kind);
+            let object = match kind {
+                Some("Service") => Service::deserialize(&node).map(Object::Service),
+                Some("EndpointSlice") => {
+                    EndpointSlice::deserialize(&node).map(Object::EndpointSlice)
+                }
+                Some("Node") => Node::deserialize(&node).map(Object::Node),
+                Some("ServiceCIDR") => ServiceCIDR::deserialize(&node).map(Object::ServiceCidr),
+                _ => Err(node::Mismatch),
+            };
+            if let Ok(object) = object {
+                return self.keep(object);
             }
         }
+        let path = item.map_or_else(String::new, |(i, _)| format!("items[{i}]"));
+        self.add(document, &path, node.into_value(), item_kind);
     }
 
     /// Adds document `index` (or the item at `path` inside it). Items of a typed list such as
@@ -353,16 +368,19 @@ impl<F: FnMut(Object) -> K, K> Parser<'_, F, K> {
             }
         };
         match object {
-            Ok(mut object) => {
-                let meta = object.metadata_mut();
-                if meta.namespace.as_deref().is_none_or(str::is_empty) {
-                    meta.namespace = Some(DEFAULT_NAMESPACE.to_owned());
-                }
-                let kept = (self.each)(object);
-                self.kept.push(kept);
-            }
+            Ok(object) => self.keep(object),
             Err((object, message)) => self.parsed.errors.push(error(Some(object), message)),
         }
+    }
+
+    /// Hands a valid object to `each`, in the default namespace if it names none.
+    fn keep(&mut self, mut object: Object) {
+        let meta = object.metadata_mut();
+        if meta.namespace.as_deref().is_none_or(str::is_empty) {
+            meta.namespace = Some(DEFAULT_NAMESPACE.to_owned());
+        }
+        let kept = (self.each)(object);
+        self.kept.push(kept);
     }
 
     /// Deserializes one object; on failure returns its "Kind ns/name" and what is wrong.
@@ -670,6 +688,13 @@ items: []
         assert_eq!(keys(&manifest), ["Service demo/a", "Service default/b"]);
         assert_eq!(manifest.ignored, 1);
         assert!(manifest.errors.is_empty());
+        // The same in the block style the fast reader takes, with items that are not objects:
+        // null (skipped, as an empty document is), a string (an error).
+        let text = "kind: ServiceList\nitems:\n- null\n- x\n- metadata:\n    name: b\n";
+        let manifest = parse(text).unwrap();
+        assert_eq!(keys(&manifest), ["Service default/b"]);
+        assert_eq!(errors(&manifest).len(), 1, "{:?}", manifest.errors);
+        assert_eq!(Ok(manifest), tests::parse_whole(text));
     }
 
     #[test]
