@@ -96,11 +96,18 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
 
     /// `key`'s value, inserted from `make` if it had none.
     pub fn get_or_insert_with(&mut self, key: K, make: impl FnOnce() -> V) -> &mut V {
+        self.entry_or_insert_with(key, make).1
+    }
+
+    /// [`DenseMap::get_or_insert_with`], with the key the map holds (which may be an equal key
+    /// inserted before `key`).
+    pub fn entry_or_insert_with(&mut self, key: K, make: impl FnOnce() -> V) -> (&K, &mut V) {
         let i = match self.find(&key) {
             (_, Some(i)) => i,
             (hash, None) => self.push(hash, key, make()),
         };
-        &mut self.entries[i].1
+        let (key, value) = &mut self.entries[i];
+        (key, value)
     }
 
     /// Adds an entry whose key is not in the map yet; returns its position.

@@ -28,7 +28,7 @@ impl ReducedSlice {
             reason,
         })?;
         let (info, skipped) = match parsed {
-            Some((info, skipped)) => (Some(Arc::new(info)), skipped),
+            Some((info, skipped)) => (Some(info), skipped),
             None => (None, Vec::new()),
         };
         let trigger_time = slice

@@ -961,6 +961,9 @@ fn names_are_shared_not_copied() {
     let (spn, port) = state.services.first_key_value().unwrap();
     let (ep_spn, eps) = state.endpoints.first_key_value().unwrap();
     assert!(Arc::ptr_eq(&spn.service.name, &ep_spn.service.name));
+    // A slice names its Service with the tracker's copy of the name, not its label's.
+    let owner = tracker.slice_owner(&NamespacedName::new("default", "web-1"));
+    assert!(Arc::ptr_eq(&owner.unwrap().name, &spn.service.name));
     assert_eq!(std::mem::size_of::<ServicePortName>(), 8);
     assert_eq!(port.port, 80);
     let again = state.clone();

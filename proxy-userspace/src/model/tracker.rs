@@ -30,11 +30,14 @@ pub struct SkippedEndpoint {
 pub(crate) type ServicePorts = Arc<[(ServicePortName, Arc<ServicePort>)]>;
 
 /// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
-/// that comparing two versions says whether anything programmable changed.
-#[derive(Debug, PartialEq, Eq)]
+/// that comparing two versions says whether anything programmable changed. Cloning is cheap
+/// (reference counts).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct SliceInfo {
+    /// The Service it belongs to. The tracker's copy names it with the tracker's own copy of
+    /// the Service's name when it has one: one string for both.
     pub(crate) service: NamespacedName,
-    pub(crate) ports: Box<[SlicePort]>,
+    pub(crate) ports: Arc<[SlicePort]>,
 }
 
 /// A port of an EndpointSlice, with the slice's endpoints as that port's: each with the port's
@@ -85,7 +88,7 @@ pub struct ReducedService {
 pub struct ReducedSlice {
     pub key: NamespacedName,
     /// None: not proxied (headless, another proxy's, FQDN); the tracker treats it as deleted.
-    pub(crate) info: Option<Arc<SliceInfo>>,
+    pub(crate) info: Option<SliceInfo>,
     /// The endpoints left out of it.
     pub(crate) skipped: Vec<SkippedEndpoint>,
     /// [`crate::kubernetes::LAST_CHANGE_TRIGGER_TIME`], when the slice has a valid one.
@@ -96,7 +99,7 @@ pub struct ReducedSlice {
 #[derive(Debug, PartialEq)]
 struct Inputs {
     service: Option<ServicePorts>,
-    slices: Vec<(NamespacedName, Arc<SliceInfo>)>,
+    slices: Vec<(NamespacedName, SliceInfo)>,
 }
 
 /// What the tracker holds under a service's name.
@@ -119,7 +122,7 @@ pub struct ChangeTracker {
     /// are looked up together, and a table's spare room costs per entry.
     services: DenseMap<NamespacedName, ServiceEntry>,
     /// Keyed by the slice's own namespace/name.
-    slices: DenseMap<NamespacedName, Arc<SliceInfo>>,
+    slices: DenseMap<NamespacedName, SliceInfo>,
     /// The endpoints skipped in each slice's current version (slices with none are absent), so
     /// that each is reported once rather than on every update of its slice.
     skipped: HashMap<NamespacedName, Vec<SkippedEndpoint>>,
@@ -281,15 +284,19 @@ impl ChangeTracker {
             self.change(old_owner, |t| t.unlink_slice(old_owner, key));
         }
         self.change(owner, |t| {
-            let entry = t
+            let (service, entry) = t
                 .services
-                .get_or_insert_with(owner.clone(), Default::default);
+                .entry_or_insert_with(owner.clone(), Default::default);
             if let Err(at) = entry.slices.binary_search(key) {
                 let mut slices = std::mem::take(&mut entry.slices).into_vec();
                 slices.insert(at, key.clone());
                 entry.slices = slices.into();
             }
-            t.slices.insert(key.clone(), Arc::clone(info));
+            let info = SliceInfo {
+                service: service.clone(),
+                ports: Arc::clone(&info.ports),
+            };
+            t.slices.insert(key.clone(), info);
         });
         if let Some(time) = update.trigger_time
             && self.pending.contains_key(owner)
@@ -518,6 +525,12 @@ impl ChangeTracker {
         self.services.len() + self.slices.len()
     }
 
+    /// The name of the Service the slice `slice` is recorded under, as the tracker holds it.
+    #[cfg(test)]
+    pub(super) fn slice_owner(&self, slice: &NamespacedName) -> Option<&NamespacedName> {
+        self.slices.get(slice).map(|info| &info.service)
+    }
+
     /// The names of `service`'s slices.
     fn slices_of(&self, service: &NamespacedName) -> &[NamespacedName] {
         self.services
@@ -529,7 +542,7 @@ impl ChangeTracker {
         Inputs {
             service: self.ports_of(service).cloned(),
             slices: (self.slices_of(service).iter())
-                .map(|name| (name.clone(), Arc::clone(&self.slices[name])))
+                .map(|name| (name.clone(), self.slices[name].clone()))
                 .collect(),
         }
     }
@@ -545,7 +558,7 @@ impl ChangeTracker {
         let mut parts: Vec<Vec<&Arc<[Endpoint]>>> = vec![Vec::new(); ports.len()];
         for slice_name in self.slices_of(service) {
             let slice = &self.slices[slice_name];
-            for slice_port in &slice.ports {
+            for slice_port in slice.ports.iter() {
                 let Some(i) = ports.iter().position(|(spn, _)| {
                     spn.port == slice_port.name && spn.protocol == slice_port.protocol
                 }) else {
