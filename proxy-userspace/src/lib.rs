@@ -15,6 +15,7 @@ pub mod model;
 pub mod modes;
 pub mod netfilter;
 pub mod node;
+pub mod one_or_many;
 pub mod rows;
 pub mod serve;
 pub mod source;

@@ -11,7 +11,7 @@ use std::{
 // manifest's load. (Seeded at random a process, as std's.)
 use foldhash::{HashMap, HashSet};
 
-use crate::{dense_map::DenseMap, kubernetes::NodeInfo};
+use crate::{dense_map::DenseMap, kubernetes::NodeInfo, one_or_many::OneOrMany};
 
 use super::{Cidr, DesiredState, Endpoint, NamespacedName, Protocol, ServicePort, ServicePortName};
 
@@ -24,10 +24,10 @@ pub struct SkippedEndpoint {
     pub reason: String,
 }
 
-/// The ports of one service, as parsed from the Service object, sorted by name, shared. A slice
-/// rather than a map: most services have one or two ports, and a map's node would take about
-/// 2 KiB each. Each port is shared with the desired state.
-pub(crate) type ServicePorts = Arc<[(ServicePortName, Arc<ServicePort>)]>;
+/// The ports of one service, as parsed from the Service object, sorted by name. A list rather
+/// than a map: most services have one or two ports, and a map's node would take about 2 KiB
+/// each. Each port is shared with the desired state.
+pub(crate) type ServicePorts = OneOrMany<(ServicePortName, Arc<ServicePort>)>;
 
 /// What the tracker keeps of one EndpointSlice: only the fields that reach the desired state, so
 /// that comparing two versions says whether anything programmable changed. Cloning is cheap
@@ -107,63 +107,9 @@ struct Inputs {
 struct ServiceEntry {
     /// None: not proxied (headless, ExternalName...), or not known (yet).
     ports: Option<ServicePorts>,
-    /// Its slices (by their own namespace/name): slices may arrive before their service, so an
-    /// entry can have slices and no ports.
-    slices: SliceNames,
-}
-
-/// The names of a service's slices, sorted. Nearly every service has one: it is held in place,
-/// where a boxed list would be an allocation (48 bytes) per service. (Two variants, so that the
-/// enum is no larger than a name: none is an empty list, which allocates nothing.)
-#[derive(Debug)]
-enum SliceNames {
-    One(NamespacedName),
-    Many(Box<[NamespacedName]>),
-}
-
-impl Default for SliceNames {
-    fn default() -> Self {
-        SliceNames::Many(Box::default())
-    }
-}
-
-impl SliceNames {
-    fn as_slice(&self) -> &[NamespacedName] {
-        match self {
-            SliceNames::One(name) => std::slice::from_ref(name),
-            SliceNames::Many(names) => names,
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.as_slice().is_empty()
-    }
-
-    /// Adds `name` if it is not there.
-    fn insert(&mut self, name: &NamespacedName) {
-        if let Err(at) = self.as_slice().binary_search(name) {
-            let mut names = self.as_slice().to_vec();
-            names.insert(at, name.clone());
-            *self = Self::from(names);
-        }
-    }
-
-    fn remove(&mut self, name: &NamespacedName) {
-        if let Ok(at) = self.as_slice().binary_search(name) {
-            let mut names = self.as_slice().to_vec();
-            names.remove(at);
-            *self = Self::from(names);
-        }
-    }
-}
-
-impl From<Vec<NamespacedName>> for SliceNames {
-    fn from(mut names: Vec<NamespacedName>) -> Self {
-        match names.len() {
-            1 => SliceNames::One(names.pop().expect("one name")),
-            _ => SliceNames::Many(names.into()),
-        }
-    }
+    /// Its slices (by their own namespace/name), sorted: slices may arrive before their
+    /// service, so an entry can have slices and no ports. Nearly every service has one.
+    slices: OneOrMany<NamespacedName>,
 }
 
 /// Tracks Services and EndpointSlices and the services changed since the last [`apply`].
@@ -341,7 +287,7 @@ impl ChangeTracker {
             let (service, entry) = t
                 .services
                 .entry_or_insert_with(owner.clone(), Default::default);
-            entry.slices.insert(key);
+            entry.slices.insert_sorted(key);
             let info = SliceInfo {
                 service: service.clone(),
                 ports: Arc::clone(&info.ports),
@@ -563,7 +509,7 @@ impl ChangeTracker {
 
     fn unlink_slice(&mut self, owner: &NamespacedName, slice: &NamespacedName) {
         self.edit_entry(owner, |entry| {
-            entry.slices.remove(slice);
+            entry.slices.remove_sorted(slice);
         });
     }
 
@@ -583,7 +529,7 @@ impl ChangeTracker {
     fn slices_of(&self, service: &NamespacedName) -> &[NamespacedName] {
         self.services
             .get(service)
-            .map_or(&[], |entry| entry.slices.as_slice())
+            .map_or(&[], |entry| &entry.slices)
     }
 
     fn inputs(&self, service: &NamespacedName) -> Inputs {
@@ -681,37 +627,5 @@ fn sync_range<V: PartialEq>(
         }
         // Even when equal: the state then shares what the tracker holds now, not a copy it let go.
         map.insert(spn, value);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_services_slice_names_stay_sorted_and_one_is_held_in_place() {
-        let name = |n: &str| NamespacedName::new("default", n);
-        let mut names = SliceNames::default();
-        assert!(names.is_empty());
-        names.insert(&name("web-b"));
-        assert!(matches!(names, SliceNames::One(_)));
-        names.insert(&name("web-a"));
-        names.insert(&name("web-b"));
-        names.insert(&name("web-c"));
-        assert_eq!(
-            names.as_slice(),
-            [name("web-a"), name("web-b"), name("web-c")]
-        );
-        names.remove(&name("web-b"));
-        names.remove(&name("web-x"));
-        assert_eq!(names.as_slice(), [name("web-a"), name("web-c")]);
-        names.remove(&name("web-a"));
-        assert!(matches!(&names, SliceNames::One(n) if *n == name("web-c")));
-        names.remove(&name("web-c"));
-        assert!(names.is_empty());
-        assert_eq!(
-            std::mem::size_of::<SliceNames>(),
-            std::mem::size_of::<NamespacedName>()
-        );
     }
 }

@@ -62,6 +62,7 @@ use crate::{
     dataplane::{NotProgrammable, Scope},
     dense_map::DenseMap,
     model::{DesiredState, LbAlgorithm, ServicePortName},
+    one_or_many::OneOrMany,
 };
 
 /// How long a removed endpoint or Service keeps serving the TCP connections established
@@ -250,7 +251,7 @@ pub struct FamilyWriter<A: FamilyMaps> {
 #[derive(Default)]
 struct PortState<A> {
     /// The frontends.
-    frontends: Box<[Frontend<A>]>,
+    frontends: OneOrMany<Frontend<A>>,
     /// The backend ids of its endpoints. Ids come from a counter, are not reused soon, and
     /// belong to one port, so the draining flag of an id says whether that endpoint is still
     /// in that port, and a conntrack entry never finds a different backend.
@@ -433,7 +434,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         self.batch = None;
         // Phase 2: the frontends their ports no longer want, unless another port has them now.
         for (spn, old) in ports.iter().zip(previous) {
-            for fe in old {
+            for fe in old.into_vec() {
                 let claimed_by = self.frontends.get(&fe).and_then(|p| p.claim.as_ref());
                 if claimed_by == Some(spn) && self.owned_by(spn, &fe) {
                     continue; // still wanted
