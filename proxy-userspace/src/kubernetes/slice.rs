@@ -117,7 +117,8 @@ fn parse_slice(
         service,
         ports: (ports.into_iter())
             .map(|(name, protocol, port)| SlicePort::new(name, protocol, port, &endpoints))
-            .collect(),
+            .collect::<Vec<_>>()
+            .into(),
     };
     Ok(Some((info, skipped)))
 }

@@ -9,6 +9,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use super::*;
 use crate::kubernetes::*;
+use crate::one_or_many::OneOrMany;
 
 fn service(yaml: &str) -> Service {
     serde_yaml::from_str(yaml).expect("test Service must deserialize")
@@ -961,9 +962,12 @@ fn names_are_shared_not_copied() {
     let (spn, port) = state.services.first_key_value().unwrap();
     let (ep_spn, eps) = state.endpoints.first_key_value().unwrap();
     assert!(Arc::ptr_eq(&spn.service.name, &ep_spn.service.name));
-    // A slice names its Service with the tracker's copy of the name, not its label's.
-    let owner = tracker.slice_owner(&NamespacedName::new("default", "web-1"));
-    assert!(Arc::ptr_eq(&owner.unwrap().name, &spn.service.name));
+    // A slice names its Service with the tracker's copy of the name, not its label's, and
+    // holds its one port in place.
+    let record = tracker.slice_record(&NamespacedName::new("default", "web-1"));
+    let record = record.unwrap();
+    assert!(Arc::ptr_eq(&record.service.name, &spn.service.name));
+    assert!(matches!(record.ports, OneOrMany::One(_)));
     assert_eq!(std::mem::size_of::<ServicePortName>(), 8);
     assert_eq!(port.port, 80);
     let again = state.clone();

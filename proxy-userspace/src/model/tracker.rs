@@ -37,13 +37,14 @@ pub(crate) struct SliceInfo {
     /// The Service it belongs to. The tracker's copy names it with the tracker's own copy of
     /// the Service's name when it has one: one string for both.
     pub(crate) service: NamespacedName,
-    pub(crate) ports: Arc<[SlicePort]>,
+    /// Nearly every slice has one port, held in place.
+    pub(crate) ports: OneOrMany<SlicePort>,
 }
 
 /// A port of an EndpointSlice, with the slice's endpoints as that port's: each with the port's
 /// number, sorted and de-duplicated as the desired state holds a Service port's endpoints, so
 /// that the state can share them (a Service port's endpoints almost always come from one slice).
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct SlicePort {
     pub(crate) name: Arc<str>,
     pub(crate) protocol: Protocol,
@@ -290,7 +291,7 @@ impl ChangeTracker {
             entry.slices.insert_sorted(key);
             let info = SliceInfo {
                 service: service.clone(),
-                ports: Arc::clone(&info.ports),
+                ports: info.ports.clone(),
             };
             t.slices.insert(key.clone(), info);
         });
@@ -519,10 +520,10 @@ impl ChangeTracker {
         self.services.len() + self.slices.len()
     }
 
-    /// The name of the Service the slice `slice` is recorded under, as the tracker holds it.
+    /// What the tracker records of the slice `slice`.
     #[cfg(test)]
-    pub(super) fn slice_owner(&self, slice: &NamespacedName) -> Option<&NamespacedName> {
-        self.slices.get(slice).map(|info| &info.service)
+    pub(super) fn slice_record(&self, slice: &NamespacedName) -> Option<&SliceInfo> {
+        self.slices.get(slice)
     }
 
     /// The names of `service`'s slices.
