@@ -1002,6 +1002,18 @@ metadata:
         ] {
             assert!(values(text).is_none(), "taken:\n{text}");
         }
+        // A duplicate key in a large mapping (its keys are sorted to be compared), at either end.
+        let keys: Vec<String> = (0..20).map(|i| format!("k{i}: {i}\n")).collect();
+        assert!(values(&keys.concat()).is_some());
+        for (at, copy) in [(0, 19), (19, 0), (5, 12)] {
+            let mut keys = keys.clone();
+            keys[at] = keys[copy].replace(": ", ": x");
+            assert!(
+                values(&keys.concat()).is_none(),
+                "taken:\n{}",
+                keys.concat()
+            );
+        }
     }
 
     /// Characters libyaml reads differently are found wherever they stand, a chunk's edges

@@ -434,7 +434,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         self.batch = None;
         // Phase 2: the frontends their ports no longer want, unless another port has them now.
         for (spn, old) in ports.iter().zip(previous) {
-            for fe in old.into_vec() {
+            for &fe in old.iter() {
                 let claimed_by = self.frontends.get(&fe).and_then(|p| p.claim.as_ref());
                 if claimed_by == Some(spn) && self.owned_by(spn, &fe) {
                     continue; // still wanted
