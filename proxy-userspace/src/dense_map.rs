@@ -152,6 +152,18 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
         self.entries.clear();
         self.index.clear();
     }
+
+    /// Drops the entries' growth room (up to a quarter of them), after a bulk load: the next
+    /// insert grows it again.
+    pub fn shrink_to_fit(&mut self) {
+        self.entries.shrink_to_fit();
+    }
+
+    /// Entries it has room for beyond those it holds.
+    #[cfg(test)]
+    pub(crate) fn spare_room(&self) -> usize {
+        self.entries.capacity() - self.entries.len()
+    }
 }
 
 impl<K, V> DenseMap<K, V> {
@@ -266,5 +278,16 @@ mod tests {
             "{dense_bytes} {table_bytes}"
         );
         assert!((0..30_000).all(|i| dense.get(&i) == Some(&[i; 7])));
+    }
+
+    #[test]
+    fn a_bulk_load_s_growth_room_can_be_dropped() {
+        let mut dense: DenseMap<u32, u32> = (0..30_000).map(|i| (i, i)).collect();
+        assert!(dense.entries.capacity() > 30_000 * 11 / 10);
+        dense.shrink_to_fit();
+        assert_eq!(dense.entries.capacity(), 30_000);
+        assert!((0..30_000).all(|i| dense.get(&i) == Some(&i)));
+        dense.insert(30_000, 0);
+        assert_eq!(dense.get(&30_000), Some(&0));
     }
 }

@@ -979,6 +979,22 @@ fn names_are_shared_not_copied() {
 }
 
 #[test]
+fn the_first_apply_leaves_the_tables_no_growth_room() {
+    let mut tracker = ChangeTracker::new();
+    let mut state = DesiredState::default();
+    for i in 0..100 {
+        let web = WEB.replace("name: web", &format!("name: web{i}"));
+        tracker.update_service(&service(&web)).unwrap();
+        let slice = slice_of(&format!("web{i}"), &format!("web{i}-1"), "IPv4", "[]");
+        tracker.update_slice(&slice).unwrap();
+    }
+    assert!(tracker.spare_room() > 0);
+    tracker.apply(&mut state);
+    assert_eq!(state.port_count(), 200);
+    assert_eq!(tracker.spare_room(), 0);
+}
+
+#[test]
 fn a_ports_endpoints_are_shared_with_its_slice_not_copied() {
     let mut tracker = ChangeTracker::new();
     let mut state = DesiredState::default();

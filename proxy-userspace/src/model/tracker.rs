@@ -445,6 +445,9 @@ impl ChangeTracker {
         self.service_changes.pending = HashSet::default();
         self.slice_changes.pending = HashSet::default();
         let mut changed = if state.services.is_empty() && state.endpoints.is_empty() {
+            // After a first load the tables hardly grow: their growth room goes.
+            self.services.shrink_to_fit();
+            self.slices.shrink_to_fit();
             self.apply_fresh(pending.into_keys(), state)
         } else {
             let mut changed = BTreeSet::new();
@@ -518,6 +521,12 @@ impl ChangeTracker {
     #[cfg(test)]
     pub(super) fn entries(&self) -> usize {
         self.services.len() + self.slices.len()
+    }
+
+    /// Entries its tables have room for beyond those they hold.
+    #[cfg(test)]
+    pub(super) fn spare_room(&self) -> usize {
+        self.services.spare_room() + self.slices.spare_room()
     }
 
     /// What the tracker records of the slice `slice`.

@@ -461,6 +461,10 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             }
             // Claimed or draining now: the set of a restart's every id is not kept.
             self.unclaimed.shrink_to_fit();
+            // A full sync follows a bulk load (the first, a restart's), after which the tables
+            // hardly grow: their growth room goes.
+            self.frontends.shrink_to_fit();
+            self.ports.shrink_to_fit();
             if let Err(e) = self.expire(now) {
                 errors
                     .failures
