@@ -58,8 +58,8 @@ fn parse_slice(
     if has(SERVICE_PROXY_NAME_LABEL) || has(HEADLESS_LABEL) {
         return Ok(None);
     }
-    let service = match labels.and_then(|l| l.get(SERVICE_NAME_LABEL)) {
-        Some(name) if !name.is_empty() => NamespacedName::new(key.namespace.clone(), name.as_str()),
+    let service_name: Arc<str> = match labels.and_then(|l| l.get(SERVICE_NAME_LABEL)) {
+        Some(name) if !name.is_empty() => name.as_str().into(),
         _ => {
             return Err(format!(
                 "metadata.labels has no {SERVICE_NAME_LABEL}, so it belongs to no Service"
@@ -114,7 +114,7 @@ fn parse_slice(
         });
     }
     let info = SliceInfo {
-        service,
+        service_name,
         ports: (ports.into_iter())
             .map(|(name, protocol, port)| SlicePort::new(name, protocol, port, &endpoints))
             .collect::<Vec<_>>()

@@ -966,7 +966,7 @@ fn names_are_shared_not_copied() {
     // holds its one port in place.
     let record = tracker.slice_record(&NamespacedName::new("default", "web-1"));
     let record = record.unwrap();
-    assert!(Arc::ptr_eq(&record.service.name, &spn.service.name));
+    assert!(Arc::ptr_eq(&record.service_name, &spn.service.name));
     assert!(matches!(record.ports, OneOrMany::One(_)));
     assert_eq!(std::mem::size_of::<ServicePortName>(), 8);
     assert_eq!(port.port, 80);

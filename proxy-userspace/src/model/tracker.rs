@@ -34,11 +34,18 @@ pub(crate) type ServicePorts = OneOrMany<(ServicePortName, Arc<ServicePort>)>;
 /// (reference counts).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct SliceInfo {
-    /// The Service it belongs to. The tracker's copy names it with the tracker's own copy of
-    /// the Service's name when it has one: one string for both.
-    pub(crate) service: NamespacedName,
+    /// The name of the Service it belongs to, in the slice's own namespace. The tracker's copy
+    /// is the tracker's own copy of the Service's name when it has one: one string for both.
+    pub(crate) service_name: Arc<str>,
     /// Nearly every slice has one port, held in place.
     pub(crate) ports: OneOrMany<SlicePort>,
+}
+
+impl SliceInfo {
+    /// The Service that the slice named `slice` belongs to.
+    fn service(&self, slice: &NamespacedName) -> NamespacedName {
+        NamespacedName::new(Arc::clone(&slice.namespace), Arc::clone(&self.service_name))
+    }
 }
 
 /// A port of an EndpointSlice, with the slice's endpoints as that port's: each with the port's
@@ -274,11 +281,11 @@ impl ChangeTracker {
         if !skipped.is_empty() {
             self.skipped.insert(key.clone(), skipped.clone());
         }
-        let owner = &info.service;
+        let owner = &info.service(key);
         let old_owner = self
             .slices
             .get(key)
-            .map(|old| old.service.clone())
+            .map(|old| old.service(key))
             .filter(|old| old != owner);
         // A relabelled slice leaves its old service: both services change.
         if let Some(old_owner) = &old_owner {
@@ -290,7 +297,7 @@ impl ChangeTracker {
                 .entry_or_insert_with(owner.clone(), Default::default);
             entry.slices.insert_sorted(key);
             let info = SliceInfo {
-                service: service.clone(),
+                service_name: Arc::clone(&service.name),
                 ports: info.ports.clone(),
             };
             t.slices.insert(key.clone(), info);
@@ -310,7 +317,7 @@ impl ChangeTracker {
     /// Forgets the slice named `key` (its own namespace/name).
     pub fn delete_slice(&mut self, key: &NamespacedName) {
         self.skipped.remove(key);
-        let Some(owner) = self.slices.get(key).map(|s| s.service.clone()) else {
+        let Some(owner) = self.slices.get(key).map(|s| s.service(key)) else {
             return;
         };
         self.slice_changes.record(key);
