@@ -38,14 +38,10 @@ impl<T> Deref for OneOrMany<T> {
 }
 
 impl<T> From<Vec<T>> for OneOrMany<T> {
-    fn from(mut items: Vec<T>) -> Self {
-        match items.pop() {
-            Some(item) if items.is_empty() => OneOrMany::One(item),
-            Some(item) => {
-                items.push(item);
-                OneOrMany::Many(items.into())
-            }
-            None => OneOrMany::default(),
+    fn from(items: Vec<T>) -> Self {
+        match <[T; 1]>::try_from(items) {
+            Ok([item]) => OneOrMany::One(item),
+            Err(items) => OneOrMany::Many(items.into()),
         }
     }
 }

@@ -98,6 +98,16 @@ impl de::Error for Mismatch {
 
 type Result<T> = std::result::Result<T, Mismatch>;
 
+/// The numeric requests, each answered as serde_yaml answers them (a number's own visit, else a
+/// failure).
+macro_rules! numbers {
+    ($($method:ident)*) => {$(
+        fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+            self.deserialize_number(visitor)
+        }
+    )*};
+}
+
 // Each method visits what serde_yaml's `impl Deserializer for &Value` (serde_yaml 0.9,
 // value/de.rs) visits for the same node, and fails where it fails.
 impl<'de> Deserializer<'de> for &'de Node<'_> {
@@ -123,52 +133,10 @@ impl<'de> Deserializer<'de> for &'de Node<'_> {
         }
     }
 
-    fn deserialize_i8<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_i16<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_i32<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_i64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_i128<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_u8<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_u16<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_u32<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_u64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_u128<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_f32<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
-    }
-
-    fn deserialize_f64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.deserialize_number(visitor)
+    numbers! {
+        deserialize_i8 deserialize_i16 deserialize_i32 deserialize_i64 deserialize_i128
+        deserialize_u8 deserialize_u16 deserialize_u32 deserialize_u64 deserialize_u128
+        deserialize_f32 deserialize_f64
     }
 
     fn deserialize_char<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
