@@ -34,12 +34,31 @@ fn first_query(pod: &Pod) -> anyhow::Result<String> {
             let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
             socket.connect(DNS)?;
             socket.set_read_timeout(Some(patience(Duration::from_secs(1))))?;
+            let sent = utc_time_of_day();
             socket.send(b"first\n")?;
             let mut buf = [0; 512];
-            let n = socket.recv(&mut buf).context("no answer")?;
+            let n = socket
+                .recv(&mut buf)
+                .with_context(|| format!("no answer to the query sent at {sent}"))?;
             Ok(String::from_utf8_lossy(&buf[..n]).trim().to_owned())
         })?
         .with_context(|| format!("the first query of pod {} to {DNS}", pod.name))
+}
+
+/// The time of day, as the agent's log shows it (`13:42:28.268228`): a failure's message then
+/// says whether the pod's query went before its interface's programs were attached.
+fn utc_time_of_day() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let s = now.as_secs() % 86_400;
+    format!(
+        "{:02}:{:02}:{:02}.{:06}",
+        s / 3600,
+        s / 60 % 60,
+        s % 60,
+        now.subsec_micros()
+    )
 }
 
 fn assert_served(pod: &Pod, log: impl Fn() -> String) {

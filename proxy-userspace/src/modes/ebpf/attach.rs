@@ -7,6 +7,7 @@
 //! Kernels 6.6 and later attach through tcx links, pinned in `<pin dir>/links/` (a link lives
 //! while its pin does). Older kernels attach cls_bpf filters through netlink at a fixed
 //! priority and handle, replaced in place; such filters outlive the process by themselves.
+//! Both by the interface's index (tc_link.rs), which a rename does not change.
 //!
 //! A new pod's first packets (typically its first DNS query) must already be translated, so
 //! the programs are attached as the kernel announces the interface (see [`AttachThread`]), on
@@ -32,7 +33,7 @@ use aya::{
     programs::{
         ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode as AttachMode,
         links::{FdLink, LinkError, PinnedLink},
-        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+        tc::{self, SchedClassifierLink},
         xdp::XdpLink,
     },
     sys::SyscallError,
@@ -48,6 +49,7 @@ use super::{
     external::{self, SnatPorts, XdpMode},
     link_events::{self, LinkEvent, LinkEvents},
     pod_interfaces::{BRIDGE_DRIVER, Link, PodInterfaces},
+    tc_link,
 };
 use crate::{
     model::Family,
@@ -58,11 +60,6 @@ use crate::{
 /// for notifications lost without the kernel saying so (when it says so, they are listed at
 /// once).
 const RESCAN_PERIOD: Duration = Duration::from_secs(10);
-
-/// Where our netlink filters sit (kernels before 6.6): a fixed place, so a restarted agent
-/// replaces them instead of adding more.
-const NL_PRIORITY: u16 = 0x4b50;
-const NL_HANDLE: TcHandle = TcHandle::new(0, 1);
 
 const DIRECTIONS: [(&str, TcAttachType, &str); 2] = [
     (PROG_INGRESS, TcAttachType::Ingress, "ingress"),
@@ -761,8 +758,9 @@ impl Attacher {
     }
 
     fn attach_and_record(&mut self, ebpf: &mut Ebpf, name: String, index: u32) {
-        // The programs are attached by name: the name must still be this interface's (it may
-        // have been renamed or deleted since it was listed; the next notification says).
+        // The name must still be this interface's: it was chosen by that name (renamed or
+        // deleted since it was listed, the next notification says). A rename from here on
+        // does not stop the attach, which goes by index.
         if ifindex(&name) != Some(index) {
             tracing::debug!(interface = %name, index, "no longer there under that name");
             return;
@@ -797,21 +795,16 @@ impl Attacher {
         index: u32,
         directions: &[(&str, TcAttachType, &str)],
     ) -> anyhow::Result<()> {
-        if !self.tcx {
-            // cls_bpf needs the clsact qdisc; it may exist already.
-            if let Err(e) = tc::qdisc_add_clsact(interface) {
-                tracing::debug!(interface, "clsact qdisc not added (may exist already): {e}");
-            }
-        }
         for &(name, attach_type, direction) in directions {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .context("program missing")?
                 .try_into()?;
             if self.tcx {
-                attach_tcx(prog, interface, attach_type, &self.pin(index, direction))
+                attach_tcx(prog, index, attach_type, &self.pin(index, direction))
             } else {
-                attach_netlink(prog, interface, attach_type)
+                let fd = prog.fd()?.as_fd();
+                tc_link::set_filter(index, attach_type, fd, name).map_err(Into::into)
             }
             .with_context(|| format!("attaching {name} to {interface}"))?;
         }
@@ -848,7 +841,7 @@ fn tcx_supported() -> bool {
 /// throughout, so a crash halfway leaves the old program serving), or makes a new link there.
 fn attach_tcx(
     prog: &mut SchedClassifier,
-    interface: &str,
+    index: u32,
     attach_type: TcAttachType,
     pin: &Path,
 ) -> anyhow::Result<()> {
@@ -860,8 +853,8 @@ fn attach_tcx(
     if updated {
         return Ok(());
     }
-    let id = prog.attach(interface, attach_type)?;
-    pin_link(prog.take_link(id)?.try_into()?, pin)
+    tc_link::pin_tcx_link(index, attach_type, prog.fd()?.as_fd(), pin)
+        .with_context(|| format!("linking and pinning at {}", pin.display()))
 }
 
 /// Puts a new program into the link pinned at `pin` through `update`: true when done; false
@@ -899,31 +892,6 @@ where
 fn pin_link(link: FdLink, pin: &Path) -> anyhow::Result<()> {
     link.pin(pin)
         .with_context(|| format!("pinning the link at {}", pin.display()))?;
-    Ok(())
-}
-
-/// Replaces the program of our filter, or creates the filter; then lets it outlive us.
-fn attach_netlink(
-    prog: &mut SchedClassifier,
-    interface: &str,
-    attach_type: TcAttachType,
-) -> anyhow::Result<()> {
-    let existing =
-        SchedClassifierLink::attached(interface, attach_type, NL_PRIORITY, NL_HANDLE, None)?;
-    let id = match prog.attach_to_link(existing) {
-        Ok(id) => id,
-        Err(_) => prog.attach_with_options(
-            interface,
-            attach_type,
-            TcAttachOptions::Netlink(NlOptions {
-                priority: NL_PRIORITY,
-                handle: NL_HANDLE,
-                ..Default::default()
-            }),
-        )?,
-    };
-    // Dropping the link would detach the filter.
-    std::mem::forget(prog.take_link(id)?);
     Ok(())
 }
 

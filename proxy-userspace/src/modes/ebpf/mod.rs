@@ -14,6 +14,7 @@ pub mod plan;
 pub mod pod_interfaces;
 pub mod sctp;
 mod stale_sockets;
+mod tc_link;
 pub mod writer;
 
 use std::{
