@@ -120,11 +120,9 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         for fe in stale {
             self.drain_frontend(&fe, now)?;
         }
-        let unclaimed: Vec<(u32, Backend<A>)> = self
-            .unclaimed
-            .iter()
-            .filter(|id| !self.draining.contains_key(id))
-            .filter_map(|id| Some((*id, *self.by_id.get(id)?)))
+        let unclaimed: Vec<(u32, Backend<A>)> = (self.unclaimed.iter())
+            .filter(|(id, _)| !self.draining.contains_key(id))
+            .map(|(id, b)| (*id, *b))
             .collect();
         for (id, b) in unclaimed {
             self.flag_draining(id, b)?;
@@ -194,13 +192,13 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                     return Err(e).with_context(|| format!("deleting backend {id}"));
                 }
             }
+            self.ids_in_use.remove(&id);
             self.unclaimed.remove(&id);
             let owner = self.draining.remove(&id).and_then(|d| d.owner);
-            if let Some(backend) = self.by_id.remove(&id)
-                && let Some(owner) = owner
+            if let Some(owner) = owner
                 && let Some(port) = self.ports.get_mut(&owner)
             {
-                port.ids.remove(&backend);
+                port.ids.remove_id(id);
                 self.tidy(&owner);
             }
         }

@@ -23,10 +23,13 @@ impl<A: Addr> PortIds<A> {
         }
     }
 
-    pub(super) fn remove(&mut self, b: &Backend<A>) {
-        if let Ok(i) = self.find(b) {
-            self.0.remove(i);
-        }
+    /// The endpoint of `id` (a linear search: a port has a few).
+    pub(super) fn backend_of(&self, id: u32) -> Option<Backend<A>> {
+        self.0.iter().find(|(_, i)| *i == id).map(|(b, _)| *b)
+    }
+
+    pub(super) fn remove_id(&mut self, id: u32) {
+        self.0.retain(|(_, i)| *i != id);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -53,9 +56,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             return Some(id);
         }
         old.iter().copied().find(|id| {
-            self.unclaimed.contains(id)
-                && (self.by_id.get(id))
-                    .is_some_and(|was| was.flags & BACKEND_DRAINING == 0 && was == b)
+            (self.unclaimed.get(id))
+                .is_some_and(|was| was.flags & BACKEND_DRAINING == 0 && was == b)
         })
     }
 
@@ -72,7 +74,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 self.write_backend(id, b)?;
                 self.draining.remove(&id);
             }
-            if self.unclaimed.remove(&id) {
+            if self.unclaimed.remove(&id).is_some() {
                 self.ports
                     .get_or_insert_with(spn.clone(), Default::default)
                     .ids
@@ -81,7 +83,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             return Ok(id);
         }
         let mut id = self.next_id;
-        while id == LOST || self.by_id.contains_key(&id) {
+        while id == LOST || self.ids_in_use.contains(&id) {
             id = id.wrapping_add(1);
         }
         if id >= self.reserved_until {
@@ -97,7 +99,20 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .get_or_insert_with(spn.clone(), Default::default)
             .ids
             .insert(*b, id);
-        self.by_id.insert(id, *b);
+        self.ids_in_use.insert(id);
         Ok(id)
+    }
+
+    /// The endpoint of backend `id`, a slot of a frontend `claim` programmed (None: recovered
+    /// and not claimed).
+    pub(super) fn backend_of(
+        &self,
+        claim: Option<&ServicePortName>,
+        id: u32,
+    ) -> Option<Backend<A>> {
+        match claim {
+            Some(spn) => self.ports.get(spn)?.ids.backend_of(id),
+            None => self.unclaimed.get(&id).copied(),
+        }
     }
 }

@@ -217,12 +217,14 @@ pub struct FamilyWriter<A: FamilyMaps> {
     used_slots: usize,
     /// What each service port put in the maps.
     ports: DenseMap<ServicePortName, PortState<A>>,
-    /// The endpoint of each id the backends map holds.
-    by_id: HashMap<u32, Backend<A>>,
-    /// The ids recovered from the pinned maps that no port has claimed yet.
-    unclaimed: HashSet<u32>,
+    /// Every id the backends map holds. Their endpoints are in the ports' [`PortState::ids`],
+    /// or in `unclaimed`: a table of ids alone is a third the size of one with endpoints.
+    ids_in_use: HashSet<u32>,
+    /// The ids recovered from the pinned maps that no port has claimed yet, with the endpoint
+    /// each had there.
+    unclaimed: HashMap<u32, Backend<A>>,
     /// The ids flagged draining in the map (no new flows, established TCP connections stay):
-    /// apart from `by_id` for the same reason as `draining_frontends`.
+    /// apart from the others for the same reason as `draining_frontends`.
     draining: HashMap<u32, DrainingId>,
     /// When the first draining backend's period ends (None: none drains for a period).
     backend_expiry: Option<Instant>,
@@ -352,7 +354,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 continue;
             }
             for id in &programmed.slots {
-                let Some(&b) = self.by_id.get(id) else {
+                let Some(b) = self.backend_of(programmed.claim.as_ref(), *id) else {
                     continue;
                 };
                 if !self.draining.contains_key(id) {
@@ -657,11 +659,11 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .iter()
             .filter(|b| self.id_of(spn, &old, b).is_none())
             .count();
-        if self.by_id.len() + new_backends > self.backends_max {
+        if self.ids_in_use.len() + new_backends > self.backends_max {
             return Err(NotProgrammable(format!(
                 "backends map full ({} of {} entries used, {} more needed): raise \
                  --bpf-backends-max (a map already pinned keeps its size until its pin is removed)",
-                self.by_id.len(),
+                self.ids_in_use.len(),
                 self.backends_max,
                 new_backends
             ))

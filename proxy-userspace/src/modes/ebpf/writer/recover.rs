@@ -97,8 +97,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             frontend_expiry: None,
             used_slots: 0,
             ports: DenseMap::default(),
-            by_id: HashMap::default(),
-            unclaimed: HashSet::default(),
+            ids_in_use: HashSet::default(),
+            unclaimed: HashMap::default(),
             draining: HashMap::default(),
             backend_expiry: None,
             next_id: 1,
@@ -119,7 +119,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     /// anything until the next full sync, which adopts what it still wants and drains the rest.
     pub(super) fn read_back(&mut self) -> anyhow::Result<()> {
         let now = Instant::now();
-        let mut by_id = HashMap::default();
+        let mut unclaimed = HashMap::default();
         let mut draining = HashMap::default();
         let backends = batch::entries(&self.backends).context("reading the pinned backends")?;
         for (id, backend) in backends {
@@ -128,7 +128,7 @@ impl<A: FamilyMaps> FamilyWriter<A> {
                 let drain = Drain::Until(now + self.drain_period);
                 draining.insert(id, DrainingId { drain, owner: None });
             }
-            by_id.insert(id, backend);
+            unclaimed.insert(id, backend);
         }
         let services: HashMap<ServiceKey<A>, ServiceValue> = batch::entries(&self.services)
             .context("reading the pinned services")?
@@ -185,12 +185,12 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         // Never below an id still in the maps, nor below one handed out before (conntrack may
         // name it although its backend is gone).
         let saved = self.agent_state.get(&A::NEXT_BACKEND_ID, 0)? as u32;
-        let after_max = by_id.keys().max().map_or(1, |m| m.wrapping_add(1));
+        let after_max = unclaimed.keys().max().map_or(1, |m| m.wrapping_add(1));
         let next_id = saved.max(after_max).max(self.next_id).max(1);
         if !frontends.is_empty() {
             tracing::info!(
                 frontends = frontends.len(),
-                backends = by_id.len(),
+                backends = unclaimed.len(),
                 next_id,
                 "recovered services from the pinned maps"
             );
@@ -201,8 +201,8 @@ impl<A: FamilyMaps> FamilyWriter<A> {
         self.draining_frontends = draining_frontends;
         self.used_slots = used_slots;
         self.ports.clear();
-        self.unclaimed = by_id.keys().copied().collect();
-        self.by_id = by_id;
+        self.ids_in_use = unclaimed.keys().copied().collect();
+        self.unclaimed = unclaimed;
         self.backend_expiry = (!draining.is_empty()).then_some(now + self.drain_period);
         self.draining = draining;
         self.next_id = next_id;
