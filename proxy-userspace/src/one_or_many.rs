@@ -1,12 +1,12 @@
 //! A list that nearly always holds one item (a service's one port, its one EndpointSlice, a
 //! service port's one frontend). With tens of thousands of services, a boxed list for each is
 //! an allocation each, with malloc's overhead: the one item is held in place instead.
-use std::ops::Deref;
+use std::{fmt, ops::Deref};
 
 /// Read (and compared) as a slice. Two variants, so that it is no larger than the item where
 /// the item leaves room for a boxed list's niche (a name does); none is an empty list, which
 /// allocates nothing.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub enum OneOrMany<T> {
     One(T),
     Many(Box<[T]>),
@@ -19,6 +19,12 @@ impl<T: PartialEq> PartialEq for OneOrMany<T> {
 }
 
 impl<T: Eq> Eq for OneOrMany<T> {}
+
+impl<T: fmt::Debug> fmt::Debug for OneOrMany<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        (**self).fmt(f)
+    }
+}
 
 impl<T> Default for OneOrMany<T> {
     fn default() -> Self {
@@ -43,6 +49,12 @@ impl<T> From<Vec<T>> for OneOrMany<T> {
             Ok([item]) => OneOrMany::One(item),
             Err(items) => OneOrMany::Many(items.into()),
         }
+    }
+}
+
+impl<T, const N: usize> From<[T; N]> for OneOrMany<T> {
+    fn from(items: [T; N]) -> Self {
+        Vec::from(items).into()
     }
 }
 

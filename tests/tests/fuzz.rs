@@ -343,7 +343,7 @@ impl World {
         port.cluster_ips = [&port.cluster_ips[..], &[in_family(def.vip, true)]]
             .concat()
             .into();
-        port.session_affinity_timeout = def.affinity;
+        port.session_affinity_timeout = def.affinity.and_then(std::num::NonZeroU32::new);
         port.internal_traffic_local = def.local;
         self.state
             .set_endpoints(key.clone(), [endpoints, endpoints6].concat());

@@ -417,7 +417,7 @@ fn lab_state() -> DesiredState {
     state.set_endpoints(empty.clone(), Vec::new());
     // Its endpoint has no node: not local.
     state.port_mut(&local).unwrap().internal_traffic_local = true;
-    state.port_mut(&sticky).unwrap().session_affinity_timeout = Some(3600);
+    state.port_mut(&sticky).unwrap().session_affinity_timeout = std::num::NonZeroU32::new(3600);
     state
 }
 

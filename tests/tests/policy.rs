@@ -157,7 +157,9 @@ fn session_affinity_sends_a_clients_new_connections_to_one_backend() {
     let endpoints = [BE1, BE2, BE3]
         .map(|ip| ep(ip, "node1", true, true, false))
         .to_vec();
-    let mut state = web(endpoints, |sp| sp.session_affinity_timeout = Some(60));
+    let mut state = web(endpoints, |sp| {
+        sp.session_affinity_timeout = std::num::NonZeroU32::new(60)
+    });
     let Some(mut p) = load(
         "session_affinity_sends_a_clients_new_connections_to_one_backend",
         &state,

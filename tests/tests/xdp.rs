@@ -1376,7 +1376,7 @@ fn session_affinity_follows_a_policy_turned_local() {
     };
     let mut state = DesiredState::new("node1");
     let spn = add_external_service(&mut state, &svc);
-    state.port_mut(&spn).unwrap().session_affinity_timeout = Some(3600);
+    state.port_mut(&spn).unwrap().session_affinity_timeout = std::num::NonZeroU32::new(3600);
     lab.p.program(&state).unwrap();
     // The verdict, and where the frame goes.
     let connect = |lab: &Lab, client, client_port| {

@@ -1,5 +1,8 @@
 //! Services: which are proxied, and each port's frontends and policies.
-use std::sync::Arc;
+use std::{
+    num::{NonZeroU16, NonZeroU32},
+    sync::Arc,
+};
 
 use k8s_openapi::{api::core::v1::Service, apimachinery::pkg::util::intstr::IntOrString};
 
@@ -115,8 +118,8 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePo
                 .and_then(|config| config.client_ip.as_ref())
                 .and_then(|client_ip| client_ip.timeout_seconds);
             match timeout {
-                None => Some(DEFAULT_AFFINITY_TIMEOUT),
-                Some(t @ 1..=MAX_AFFINITY_TIMEOUT) => Some(t as u32),
+                None => NonZeroU32::new(DEFAULT_AFFINITY_TIMEOUT),
+                Some(t @ 1..=MAX_AFFINITY_TIMEOUT) => NonZeroU32::new(t as u32),
                 Some(t) => {
                     return Err(format!(
                         "spec.sessionAffinityConfig.clientIP.timeoutSeconds {t} is not in 1..={MAX_AFFINITY_TIMEOUT}"
@@ -137,7 +140,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePo
     // kube-proxy's NeedsHealthCheck: anywhere else the field is ignored, so not validated.
     let health_check_node_port = match spec.health_check_node_port {
         Some(n) if n != 0 && type_ == "LoadBalancer" && external_traffic_local => {
-            Some(port_number("spec.healthCheckNodePort", n)?)
+            NonZeroU16::new(port_number("spec.healthCheckNodePort", n)?)
         }
         _ => None,
     };
@@ -201,7 +204,7 @@ fn parse_service(key: &NamespacedName, svc: &Service) -> Result<Option<ServicePo
         ports.push((
             spn,
             Arc::new(ServicePort {
-                cluster_ips: cluster_ips.as_slice().into(),
+                cluster_ips: cluster_ips.clone().into(),
                 port: number,
                 protocol,
                 target_port,

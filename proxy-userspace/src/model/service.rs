@@ -2,9 +2,12 @@
 use std::{
     fmt,
     net::{IpAddr, Ipv4Addr},
+    num::{NonZeroU16, NonZeroU32},
     str::FromStr,
     sync::{Arc, LazyLock, Mutex, PoisonError},
 };
+
+use crate::one_or_many::OneOrMany;
 
 use super::{
     Cidr, Family, Protocol,
@@ -30,7 +33,7 @@ impl fmt::Display for TargetPort {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
     /// spec.clusterIPs (or spec.clusterIP), primary family first.
-    pub cluster_ips: Box<[IpAddr]>,
+    pub cluster_ips: OneOrMany<IpAddr>,
     pub port: u16,
     pub protocol: Protocol,
     pub target_port: TargetPort,
@@ -39,7 +42,7 @@ pub struct ServicePort {
     /// status.loadBalancer.ingress[].ip (hostname-only entries carry no address to program).
     pub load_balancer_ips: Box<[IpAddr]>,
     /// Some(seconds) when sessionAffinity is ClientIP.
-    pub session_affinity_timeout: Option<u32>,
+    pub session_affinity_timeout: Option<NonZeroU32>,
     /// externalTrafficPolicy is Local and the service is reachable from outside the cluster.
     pub external_traffic_local: bool,
     /// internalTrafficPolicy is Local.
@@ -53,7 +56,7 @@ pub struct ServicePort {
     /// spec.healthCheckNodePort, kept only where kube-proxy serves it: LoadBalancer Services
     /// with externalTrafficPolicy Local (see `serve/health_check_ports.rs`). A Service-wide field, on
     /// each of its ports.
-    pub health_check_node_port: Option<u16>,
+    pub health_check_node_port: Option<NonZeroU16>,
 }
 
 /// How new flows pick an endpoint.

@@ -274,7 +274,7 @@ status:
     );
     assert_eq!(
         port.session_affinity_timeout,
-        Some(DEFAULT_AFFINITY_TIMEOUT)
+        std::num::NonZeroU32::new(DEFAULT_AFFINITY_TIMEOUT)
     );
     assert!(port.external_traffic_local);
     assert!(port.internal_traffic_local);
@@ -970,6 +970,10 @@ fn names_are_shared_not_copied() {
     assert!(matches!(record.ports, OneOrMany::One(_)));
     assert_eq!(std::mem::size_of::<ServicePortName>(), 8);
     assert_eq!(port.port, 80);
+    // Its one cluster IP in place, and the port with the Arc's two counts still within one of
+    // malloc's 128-byte chunks (120 bytes usable): 16 bytes more a port past it.
+    assert!(matches!(port.cluster_ips, OneOrMany::One(_)));
+    assert!(std::mem::size_of::<ServicePort>() + 16 <= 120);
     let again = state.clone();
     let placement = eps[0].placement.as_ref().unwrap();
     let copy = again.endpoints[ep_spn][0].placement.as_ref().unwrap();

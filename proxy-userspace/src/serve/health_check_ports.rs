@@ -74,7 +74,7 @@ pub type HealthChecks = BTreeMap<NamespacedName, HealthCheck>;
 pub fn health_checks(state: &DesiredState) -> HealthChecks {
     let mut found: BTreeMap<&NamespacedName, (u16, BTreeSet<IpAddr>)> = BTreeMap::new();
     for (spn, port) in state.ports() {
-        let Some(hc_port) = port.health_check_node_port else {
+        let Some(hc_port) = port.health_check_node_port.map(u16::from) else {
             continue;
         };
         // A Service-wide field, so every port of the Service carries the same number.
@@ -292,7 +292,7 @@ mod tests {
             internal_traffic_local: false,
             lb_algorithm: None,
             source_ranges: Box::default(),
-            health_check_node_port,
+            health_check_node_port: health_check_node_port.and_then(std::num::NonZeroU16::new),
         }
     }
 
@@ -386,7 +386,7 @@ spec:
             let ports: BTreeSet<Option<u16>> = state
                 .ports()
                 .map(|(_, port)| port)
-                .map(|p| p.health_check_node_port)
+                .map(|p| p.health_check_node_port.map(u16::from))
                 .collect();
             assert_eq!(ports.len(), 1, "every port carries the Service's value");
             Ok::<_, String>(ports.into_iter().next().unwrap())

@@ -98,7 +98,11 @@ pub fn frontends<A: Addr>(
         policy |= SERVICE_MAGLEV;
     }
     let head = |flags: u16| {
-        ServiceValue::head(0, policy | flags, sp.session_affinity_timeout.unwrap_or(0))
+        ServiceValue::head(
+            0,
+            policy | flags,
+            sp.session_affinity_timeout.map_or(0, u32::from),
+        )
     };
     let internal_flags = if sp.internal_traffic_local {
         SERVICE_LOCAL_ONLY

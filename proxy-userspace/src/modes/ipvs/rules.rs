@@ -201,7 +201,7 @@ pub fn plan(state: &DesiredState, settings: &Settings) -> Plan {
         let internal = for_policy(port.internal_traffic_local);
         let external = for_policy(port.external_traffic_local);
         let (flags, timeout) = match port.session_affinity_timeout {
-            Some(t) => (FLAG_PERSISTENT, t),
+            Some(t) => (FLAG_PERSISTENT, t.get()),
             None => (0, 0),
         };
         // Persistence per client address: all of it (a mask for IPv4, a prefix for IPv6).

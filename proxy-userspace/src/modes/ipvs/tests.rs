@@ -245,7 +245,8 @@ fn ipvs_dataplane_syncs_and_cleans_up() {
             let web_spn = spn("shop", "web", "http", Protocol::Tcp);
             let dns_spn = spn("kube-system", "dns", "dns", Protocol::Udp);
             state.remove_port(&web_spn);
-            state.port_mut(&dns_spn).unwrap().session_affinity_timeout = Some(60);
+            state.port_mut(&dns_spn).unwrap().session_affinity_timeout =
+                std::num::NonZeroU32::new(60);
             dp.sync(&state, Scope::Changed(&BTreeSet::from([web_spn, dns_spn])))
                 .unwrap();
             let services: BTreeMap<ServiceKey, Service> = ipvs

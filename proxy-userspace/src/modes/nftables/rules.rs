@@ -650,7 +650,7 @@ fn service_port(
     let goto = |chain: &str| format!(" : goto {chain}");
 
     let mut p = PortRules {
-        affinity_timeout: port.session_affinity_timeout.unwrap_or(0),
+        affinity_timeout: port.session_affinity_timeout.map_or(0, u32::from),
         ..PortRules::default()
     };
     let frontend = |ip: &IpAddr| format!("{ip} . {proto} . {}", port.port);
@@ -1117,7 +1117,7 @@ pub(super) mod tests {
         state.edit_endpoints(&elsewhere, |eps| eps.insert(0, endpoint));
         state.remove_port(&empty);
         let mut port = ServicePort::clone(s0.port(&dns()).unwrap());
-        port.session_affinity_timeout = Some(60);
+        port.session_affinity_timeout = std::num::NonZeroU32::new(60);
         state.insert_port(dns(), port);
         state.set_endpoints(dns(), s0.endpoints_of(&dns()).to_vec());
         state.port_mut(&local).unwrap().source_ranges = Box::default();
@@ -1126,7 +1126,7 @@ pub(super) mod tests {
         assert!(listed.contains("timeout 1m"), "{listed}");
         assert!(!listed.contains("firewall-NEUDBC3L"), "{listed}");
 
-        state.port_mut(&dns()).unwrap().session_affinity_timeout = Some(120);
+        state.port_mut(&dns()).unwrap().session_affinity_timeout = std::num::NonZeroU32::new(120);
         let listed = sync(
             &state,
             &settings(),

@@ -282,7 +282,7 @@ impl Proxier {
         };
         let affinity = port
             .session_affinity_timeout
-            .map(|s| Duration::from_secs(s.into()));
+            .map(|s| Duration::from_secs(s.get().into()));
         let opener = Opener {
             runtime,
             udp_timeout,

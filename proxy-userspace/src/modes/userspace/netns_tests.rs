@@ -314,7 +314,7 @@ async fn scenario() {
     state.set_endpoints(rr.clone(), both.clone());
     let sticky = spn("sticky", Protocol::Tcp);
     let mut port = service([10, 96, 0, 11], 80, Protocol::Tcp);
-    port.session_affinity_timeout = Some(60);
+    port.session_affinity_timeout = std::num::NonZeroU32::new(60);
     state.insert_port(sticky.clone(), port);
     state.set_endpoints(sticky.clone(), both.clone());
     let retry = spn("retry", Protocol::Tcp);

@@ -331,7 +331,7 @@ fn service_rules(
             }
         }
     }
-    if let Some(hc) = port.health_check_node_port {
+    if let Some(hc) = port.health_check_node_port.map(u16::from) {
         rules.add(
             NON_LOCAL_NODEPORTS,
             format!(
