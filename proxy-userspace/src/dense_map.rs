@@ -3,10 +3,11 @@
 //! A `HashMap` keeps each entry in a bucket of its table, a power of two between 7/16 and 7/8
 //! full: 30k entries take 65,536 buckets, so more than half the entry-sized buckets stand empty.
 //! The agent's largest tables (the tracker's Services and slices, the map writer's frontends
-//! and ports) hold one entry a Service or Service port, of 40 to 64 bytes. Here an empty bucket
-//! costs 5 bytes, and the entries' vector grows by a quarter at a time. A lookup follows one
-//! more pointer. A removal moves the last entry into its place: the order is not kept (nothing
-//! that uses this map relies on one).
+//! and ports) hold one entry a Service or Service port, of 40 to 64 bytes. Here a slot of the
+//! table costs 5 bytes, the table is sized to its entries rather than to a power of two (see
+//! [`Positions`]), and the entries' vector grows by a quarter at a time. A lookup follows one more
+//! pointer. A removal moves the last entry into its place: the order is not kept (nothing that
+//! uses this map relies on one).
 use std::{
     borrow::Borrow,
     fmt,
@@ -15,12 +16,11 @@ use std::{
 };
 
 use foldhash::fast::RandomState;
-use hashbrown::HashTable;
 
 pub struct DenseMap<K, V> {
     entries: Vec<(K, V)>,
     /// Each entry's position in `entries`.
-    index: HashTable<u32>,
+    index: Positions,
     hasher: RandomState,
 }
 
@@ -28,9 +28,117 @@ impl<K, V> Default for DenseMap<K, V> {
     fn default() -> Self {
         Self {
             entries: Vec::new(),
-            index: HashTable::new(),
+            index: Positions::default(),
             hasher: RandomState::default(),
         }
+    }
+}
+
+/// The positions of a [`DenseMap`]'s entries by their keys' hashes: open addressing, a key's
+/// position in the first free slot from the one its hash picks (linear probing), the table at
+/// most four fifths full and of any size. A removal shifts back the positions after it that
+/// would no longer be found, so no tombstones build up. Beside each position, a byte of its
+/// key's hash spares most key comparisons. (hashbrown's tables are a power of two in size:
+/// 65,536 slots for 30k entries, here 37,500.)
+#[derive(Default)]
+struct Positions {
+    /// [`FREE`] or an entry's position.
+    slots: Box<[u32]>,
+    /// The low byte of the hash of the key at each slot's position (the high bits pick the
+    /// slot, so neighbours share them).
+    tags: Box<[u8]>,
+    len: usize,
+}
+
+/// A slot that holds no position.
+const FREE: u32 = u32::MAX;
+
+impl Positions {
+    /// The slots `len` positions need: four fifths of them used at most.
+    fn slots_for(len: usize) -> usize {
+        len + len / 4 + 1
+    }
+
+    /// The slot where the probe for `hash` starts.
+    fn home(&self, hash: u64) -> usize {
+        ((u128::from(hash) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    fn next(&self, slot: usize) -> usize {
+        if slot + 1 == self.slots.len() {
+            0
+        } else {
+            slot + 1
+        }
+    }
+
+    /// The slot of the position of a key hashing to `hash` that `is_key` accepts.
+    fn find(&self, hash: u64, mut is_key: impl FnMut(u32) -> bool) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let tag = hash as u8;
+        let mut slot = self.home(hash);
+        loop {
+            match self.slots[slot] {
+                FREE => return None,
+                position if self.tags[slot] == tag && is_key(position) => return Some(slot),
+                _ => slot = self.next(slot),
+            }
+        }
+    }
+
+    /// Adds `position`, of a key hashing to `hash` that is not in the index. When the table is
+    /// full it is made a quarter larger than it needs to be, `rehash` giving each position's hash.
+    fn insert(&mut self, hash: u64, position: u32, rehash: impl Fn(u32) -> u64) {
+        if Self::slots_for(self.len + 1) > self.slots.len() {
+            let len = self.len + 1;
+            self.resize(Self::slots_for(len + len / 4 + 8), rehash);
+        }
+        self.place(hash, position);
+        self.len += 1;
+    }
+
+    fn place(&mut self, hash: u64, position: u32) {
+        let mut slot = self.home(hash);
+        while self.slots[slot] != FREE {
+            slot = self.next(slot);
+        }
+        self.slots[slot] = position;
+        self.tags[slot] = hash as u8;
+    }
+
+    /// Rebuilds the table with `size` slots.
+    fn resize(&mut self, size: usize, rehash: impl Fn(u32) -> u64) {
+        let old = std::mem::replace(&mut self.slots, vec![FREE; size].into());
+        self.tags = vec![0; size].into();
+        for position in old.iter().copied().filter(|&p| p != FREE) {
+            self.place(rehash(position), position);
+        }
+    }
+
+    /// Frees slot `hole`, then moves back into it each following position whose probe starts
+    /// at or before the hole (it would stop there and miss it), up to the next free slot.
+    fn remove(&mut self, mut hole: usize, rehash: impl Fn(u32) -> u64) {
+        self.slots[hole] = FREE;
+        self.len -= 1;
+        let size = self.slots.len();
+        let mut slot = self.next(hole);
+        while self.slots[slot] != FREE {
+            let home = self.home(rehash(self.slots[slot]));
+            // Distances walked back from `slot`, around the end of the table.
+            if (slot + size - home) % size >= (slot + size - hole) % size {
+                self.slots[hole] = self.slots[slot];
+                self.tags[hole] = self.tags[slot];
+                self.slots[slot] = FREE;
+                hole = slot;
+            }
+            slot = self.next(slot);
+        }
+    }
+
+    fn clear(&mut self) {
+        *self = Self::default();
     }
 }
 
@@ -53,8 +161,8 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
         let entries = &self.entries;
         let found = self
             .index
-            .find(hash, |&i| entries[i as usize].0.borrow() == key);
-        (hash, found.map(|&i| i as usize))
+            .find(hash, |i| entries[i as usize].0.borrow() == key);
+        (hash, found.map(|slot| self.index.slots[slot] as usize))
     }
 
     pub fn get<Q>(&self, key: &Q) -> Option<&V>
@@ -118,9 +226,12 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
             self.entries.reserve_exact(i / 4 + 4);
         }
         let (entries, hasher) = (&self.entries, &self.hasher);
-        let position = u32::try_from(i).expect("fewer than 2^32 entries");
+        let position = u32::try_from(i)
+            .ok()
+            .filter(|&p| p != FREE)
+            .expect("fewer than 2^32 - 1 entries");
         self.index
-            .insert_unique(hash, position, |&j| hasher.hash_one(&entries[j as usize].0));
+            .insert(hash, position, |j| hasher.hash_one(&entries[j as usize].0));
         self.entries.push((key, value));
         i
     }
@@ -130,20 +241,21 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let hash = self.hasher.hash_one(key);
-        let entries = &self.entries;
-        let found = (self.index)
-            .find_entry(hash, |&i| entries[i as usize].0.borrow() == key)
-            .ok()?;
-        let i = found.remove().0 as usize;
+        let (hash, i) = self.find(key);
+        let i = i?;
+        let (entries, hasher) = (&self.entries, &self.hasher);
+        let slot = (self.index)
+            .find(hash, |j| j as usize == i)
+            .expect("every entry is indexed");
+        (self.index).remove(slot, |j| hasher.hash_one(&entries[j as usize].0));
         let last = self.entries.len() - 1;
         if i != last {
             // The last entry moves to `i`.
             let moved = self.hasher.hash_one(&self.entries[last].0);
-            let position = (self.index)
-                .find_mut(moved, |&j| j as usize == last)
+            let slot = (self.index)
+                .find(moved, |j| j as usize == last)
                 .expect("every entry is indexed");
-            *position = i as u32;
+            self.index.slots[slot] = i as u32;
         }
         Some(self.entries.swap_remove(i).1)
     }
@@ -153,10 +265,13 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
         self.index.clear();
     }
 
-    /// Drops the entries' growth room (up to a quarter of them), after a bulk load: the next
-    /// insert grows it again.
+    /// Drops the growth room of the entries and of the table (up to a quarter of each), after
+    /// a bulk load: the next insert grows them again.
     pub fn shrink_to_fit(&mut self) {
         self.entries.shrink_to_fit();
+        let (entries, hasher) = (&self.entries, &self.hasher);
+        let size = Positions::slots_for(entries.len());
+        (self.index).resize(size, |j| hasher.hash_one(&entries[j as usize].0));
     }
 
     /// Entries it has room for beyond those it holds.
@@ -271,7 +386,7 @@ mod tests {
         // A table's buckets (7/8 of which it fills at most) hold an entry, or a position, and
         // a control byte each.
         let buckets = |capacity: usize| capacity / 7 * 8;
-        let dense_bytes = room * 64 + buckets(dense.index.capacity()) * 5;
+        let dense_bytes = room * 64 + dense.index.slots.len() * 5;
         let table_bytes = buckets(hash_map.capacity()) * 65;
         assert!(
             dense_bytes * 3 < table_bytes * 2,
@@ -280,12 +395,48 @@ mod tests {
         assert!((0..30_000).all(|i| dense.get(&i) == Some(&[i; 7])));
     }
 
+    /// At the table's fullest (four fifths, after `shrink_to_fit`), a key removed and another
+    /// added at each step, long runs of taken slots wrapping around the table's end: every key
+    /// is still found, and none that is gone.
+    #[test]
+    fn a_full_table_finds_every_key_through_removals() {
+        let mut dense: DenseMap<u64, u64> = (0..1000).map(|k| (k, k)).collect();
+        dense.shrink_to_fit();
+        assert_eq!(dense.index.slots.len(), 1251);
+        let mut present: Vec<u64> = (0..1000).collect();
+        let mut random = 0x9e37_79b9_7f4a_7c15_u64;
+        for step in 0..20_000u64 {
+            random ^= random << 13;
+            random ^= random >> 7;
+            random ^= random << 17;
+            let gone = present.swap_remove((random % 1000) as usize);
+            assert_eq!(dense.remove(&gone), Some(gone));
+            assert_eq!(dense.get(&gone), None);
+            let new = 1000 + step;
+            dense.insert(new, new);
+            present.push(new);
+            if step % 1000 == 0 {
+                assert!(present.iter().all(|k| dense.get(k) == Some(k)));
+            }
+        }
+        assert_eq!(
+            dense.index.slots.len(),
+            1251,
+            "no growth at a constant size"
+        );
+        assert!(present.iter().all(|k| dense.get(k) == Some(k)));
+        assert_eq!(dense.len(), 1000);
+    }
+
     #[test]
     fn a_bulk_load_s_growth_room_can_be_dropped() {
         let mut dense: DenseMap<u32, u32> = (0..30_000).map(|i| (i, i)).collect();
         assert!(dense.entries.capacity() > 30_000 * 11 / 10);
         dense.shrink_to_fit();
         assert_eq!(dense.entries.capacity(), 30_000);
+        // 5 bytes a slot, and a slot for each entry and a quarter more: 183 KiB, where a
+        // power-of-two table's 65,536 slots took 320.
+        assert_eq!(dense.index.slots.len(), 37_501);
         assert!((0..30_000).all(|i| dense.get(&i) == Some(&i)));
         dense.insert(30_000, 0);
         assert_eq!(dense.get(&30_000), Some(&0));

@@ -3,9 +3,10 @@
 use super::*;
 
 /// The backend ids of one service port, by endpoint, sorted: a port has a few endpoints, where a
-/// hash map's table would take several times their size (megabytes at 30k Services).
+/// hash map's table would take several times their size (megabytes at 30k Services). Boxed, not
+/// a `Vec`: no spare room, and 8 bytes less a port (its ids change only with its endpoints).
 #[derive(Default)]
-pub(super) struct PortIds<A>(Vec<(Backend<A>, u32)>);
+pub(super) struct PortIds<A>(Box<[(Backend<A>, u32)]>);
 
 impl<A: Addr> PortIds<A> {
     pub(super) fn find(&self, b: &Backend<A>) -> Result<usize, usize> {
@@ -19,7 +20,13 @@ impl<A: Addr> PortIds<A> {
     pub(super) fn insert(&mut self, b: Backend<A>, id: u32) {
         match self.find(&b) {
             Ok(i) => self.0[i].1 = id,
-            Err(i) => self.0.insert(i, (b, id)),
+            Err(i) => {
+                let mut ids = Vec::with_capacity(self.0.len() + 1);
+                ids.extend_from_slice(&self.0[..i]);
+                ids.push((b, id));
+                ids.extend_from_slice(&self.0[i..]);
+                self.0 = ids.into();
+            }
         }
     }
 
@@ -29,15 +36,13 @@ impl<A: Addr> PortIds<A> {
     }
 
     pub(super) fn remove_id(&mut self, id: u32) {
-        self.0.retain(|(_, i)| *i != id);
+        if self.0.iter().any(|(_, i)| *i == id) {
+            self.0 = self.0.iter().copied().filter(|(_, i)| *i != id).collect();
+        }
     }
 
     pub(super) fn is_empty(&self) -> bool {
         self.0.is_empty()
-    }
-
-    pub(super) fn shrink_to_fit(&mut self) {
-        self.0.shrink_to_fit();
     }
 
     pub(super) fn iter(&self) -> impl Iterator<Item = (Backend<A>, u32)> + '_ {

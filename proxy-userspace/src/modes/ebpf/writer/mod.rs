@@ -616,14 +616,14 @@ impl<A: FamilyMaps> FamilyWriter<A> {
             .is_some_and(|p| p.frontends.contains(fe))
     }
 
-    /// Drops the entry of `spn` if it holds nothing, else its spare room (kept until the port
-    /// changes).
+    /// Drops the entry of `spn` if it holds nothing.
     fn tidy(&mut self, spn: &ServicePortName) {
-        if let Some(port) = self.ports.get_mut(spn) {
-            match port.frontends.is_empty() && port.ids.is_empty() {
-                true => drop(self.ports.remove(spn)),
-                false => port.ids.shrink_to_fit(),
-            }
+        if self
+            .ports
+            .get(spn)
+            .is_some_and(|port| port.frontends.is_empty() && port.ids.is_empty())
+        {
+            self.ports.remove(spn);
         }
     }
 
