@@ -223,7 +223,7 @@ fn request(kind: u16, flags: libc::c_int, tcmsg: [u8; TCMSG_LEN], attrs: &[Vec<u
     msg
 }
 
-/// Sends `request` to the kernel on a socket of its own and returns its answer.
+/// Sends `request` to the kernel on a socket of its own: Ok once acknowledged, else its error.
 fn talk(request: &[u8]) -> io::Result<()> {
     let fd = link_events::netlink_socket(libc::NETLINK_ROUTE)?;
     link_events::send(&fd, request)?;

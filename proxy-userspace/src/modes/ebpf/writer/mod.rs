@@ -218,7 +218,8 @@ pub struct FamilyWriter<A: FamilyMaps> {
     /// What each service port put in the maps.
     ports: DenseMap<ServicePortName, PortState<A>>,
     /// Every id the backends map holds. Their endpoints are in the ports' [`PortState::ids`],
-    /// or in `unclaimed`: a table of ids alone is a third the size of one with endpoints.
+    /// or in `unclaimed`: a table of ids alone takes 5 bytes a slot, with the endpoints 13
+    /// (IPv4) or 25 (IPv6).
     ids_in_use: HashSet<u32>,
     /// The ids recovered from the pinned maps that no port has claimed yet, with the endpoint
     /// each had there.
