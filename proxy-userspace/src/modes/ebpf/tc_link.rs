@@ -45,6 +45,8 @@ const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_TCX_INGRESS: u32 = 46;
 const BPF_TCX_EGRESS: u32 = 47;
+/// With no program named relative to it: after every other program of the hook.
+const BPF_F_AFTER: u32 = 16;
 
 /// Puts `prog` (named `name`) in our cls_bpf filter on the `attach_type` hook of interface
 /// `index`: adds the clsact qdisc if the interface has none, then creates the filter or
@@ -101,8 +103,8 @@ pub(super) fn pin_tcx_link(
     prog: BorrowedFd<'_>,
     pin: &Path,
 ) -> io::Result<()> {
-    /// The `BPF_LINK_CREATE` part of `union bpf_attr`, up to its tcx options (all zero: the
-    /// link goes after the hook's other programs).
+    /// The `BPF_LINK_CREATE` part of `union bpf_attr`, up to its tcx options (the link goes
+    /// after the hook's other programs, as aya puts it).
     #[repr(C)]
     struct LinkCreate {
         prog_fd: u32,
@@ -129,7 +131,7 @@ pub(super) fn pin_tcx_link(
         prog_fd: prog.as_raw_fd() as u32,
         target_ifindex: index,
         attach_type,
-        flags: 0,
+        flags: BPF_F_AFTER,
         relative_fd: 0,
         _pad: 0,
         expected_revision: 0,
