@@ -39,7 +39,7 @@ impl<K, V> Default for DenseMap<K, V> {
 /// most four fifths full and of any size. A removal shifts back the positions after it that
 /// would no longer be found, so no tombstones build up. Beside each position, a byte of its
 /// key's hash spares most key comparisons. (hashbrown's tables are a power of two in size:
-/// 65,536 slots for 30k entries, here 37,500.)
+/// 65,536 slots for 30k entries, here 37,501.)
 #[derive(Default)]
 struct Positions {
     /// [`FREE`] or an entry's position.
