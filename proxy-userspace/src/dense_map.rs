@@ -151,8 +151,8 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
         self.entries.is_empty()
     }
 
-    /// The position of `key`'s entry, with `key`'s hash.
-    fn find<Q>(&self, key: &Q) -> (u64, Option<usize>)
+    /// The slot of the table that holds `key`'s position, with `key`'s hash.
+    fn find_slot<Q>(&self, key: &Q) -> (u64, Option<usize>)
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
@@ -162,7 +162,17 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
         let found = self
             .index
             .find(hash, |i| entries[i as usize].0.borrow() == key);
-        (hash, found.map(|slot| self.index.slots[slot] as usize))
+        (hash, found)
+    }
+
+    /// The position of `key`'s entry, with `key`'s hash.
+    fn find<Q>(&self, key: &Q) -> (u64, Option<usize>)
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let (hash, slot) = self.find_slot(key);
+        (hash, slot.map(|slot| self.index.slots[slot] as usize))
     }
 
     pub fn get<Q>(&self, key: &Q) -> Option<&V>
@@ -241,12 +251,9 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let (hash, i) = self.find(key);
-        let i = i?;
+        let slot = self.find_slot(key).1?;
+        let i = self.index.slots[slot] as usize;
         let (entries, hasher) = (&self.entries, &self.hasher);
-        let slot = (self.index)
-            .find(hash, |j| j as usize == i)
-            .expect("every entry is indexed");
         (self.index).remove(slot, |j| hasher.hash_one(&entries[j as usize].0));
         let last = self.entries.len() - 1;
         if i != last {
@@ -266,12 +273,15 @@ impl<K: Hash + Eq, V> DenseMap<K, V> {
     }
 
     /// Drops the growth room of the entries and of the table (up to a quarter of each), after
-    /// a bulk load: the next insert grows them again.
+    /// a bulk load: the next insert grows them again. A map with no room to drop is left as it
+    /// is (the map writer calls this at every full sync).
     pub fn shrink_to_fit(&mut self) {
         self.entries.shrink_to_fit();
         let (entries, hasher) = (&self.entries, &self.hasher);
         let size = Positions::slots_for(entries.len());
-        (self.index).resize(size, |j| hasher.hash_one(&entries[j as usize].0));
+        if self.index.slots.len() > size {
+            (self.index).resize(size, |j| hasher.hash_one(&entries[j as usize].0));
+        }
     }
 
     /// Entries it has room for beyond those it holds.
@@ -437,6 +447,10 @@ mod tests {
         // 5 bytes a slot, and a slot for each entry and a quarter more: 183 KiB, where a
         // power-of-two table's 65,536 slots took 320.
         assert_eq!(dense.index.slots.len(), 37_501);
+        // Nothing to drop: the table is not built again.
+        let table = dense.index.slots.as_ptr();
+        dense.shrink_to_fit();
+        assert_eq!(dense.index.slots.as_ptr(), table);
         assert!((0..30_000).all(|i| dense.get(&i) == Some(&i)));
         dense.insert(30_000, 0);
         assert_eq!(dense.get(&30_000), Some(&0));
