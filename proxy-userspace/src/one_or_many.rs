@@ -1,5 +1,5 @@
 //! A list that nearly always holds one item (a service's one port, its one EndpointSlice, a
-//! service port's one frontend). With tens of thousands of services, a boxed list for each is
+//! service port's one frontend or cluster IP). With tens of thousands of services, a boxed list for each is
 //! an allocation each, with malloc's overhead: the one item is held in place instead.
 use std::{fmt, ops::Deref};
 

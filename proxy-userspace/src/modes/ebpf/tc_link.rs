@@ -67,11 +67,7 @@ pub(super) fn set_filter(
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
         result => result?,
     }
-    let parent = if is_ingress(attach_type)? {
-        INGRESS_PARENT
-    } else {
-        EGRESS_PARENT
-    };
+    let (parent, _) = hook(attach_type)?;
     // The priority in the upper half, the protocol (ETH_P_ALL, in network order) in the lower.
     let info = (u32::from(FILTER_PRIORITY) << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
     let mut bpf_name = name.as_bytes().to_vec();
@@ -122,11 +118,7 @@ pub(super) fn pin_tcx_link(
         bpf_fd: u32,
         file_flags: u32,
     }
-    let attach_type = if is_ingress(attach_type)? {
-        BPF_TCX_INGRESS
-    } else {
-        BPF_TCX_EGRESS
-    };
+    let (_, attach_type) = hook(attach_type)?;
     let mut create = LinkCreate {
         prog_fd: prog.as_raw_fd() as u32,
         target_ifindex: index,
@@ -165,11 +157,11 @@ pub(super) fn pin_tcx_link(
     Ok(())
 }
 
-/// Whether `attach_type` is the ingress hook (else egress; clsact has no other).
-fn is_ingress(attach_type: TcAttachType) -> io::Result<bool> {
+/// The cls_bpf parent and the tcx attach type of `attach_type`'s hook (clsact has two).
+fn hook(attach_type: TcAttachType) -> io::Result<(u32, u32)> {
     match attach_type {
-        TcAttachType::Ingress => Ok(true),
-        TcAttachType::Egress => Ok(false),
+        TcAttachType::Ingress => Ok((INGRESS_PARENT, BPF_TCX_INGRESS)),
+        TcAttachType::Egress => Ok((EGRESS_PARENT, BPF_TCX_EGRESS)),
         TcAttachType::Custom(_) => Err(io::Error::other("only clsact's two hooks are used")),
     }
 }
