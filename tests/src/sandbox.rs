@@ -1,6 +1,6 @@
 //! The two-node cluster in network namespaces (see DESIGN.md, "The sandbox").
 
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Once;
@@ -572,32 +572,37 @@ impl Sandbox {
         Ok(())
     }
 
-    /// Resolves the IPv6 neighbours on every path between a node and a pod (both ways): one
-    /// ping from each node to each pod, all at once. A running cluster's caches are warm; the
-    /// sandbox's first IPv6 contact of a node with another node's pod sometimes waits for one
-    /// neighbour discovery retransmission (1 s, cause not found), which the userspace mode's
-    /// UDP sessions (kube-proxy's 250 ms `--udp-timeout`) do not outlive.
-    pub fn resolve_ipv6_neighbours(&self) -> Result<()> {
+    /// Resolves the neighbours on every path between a node and a pod (both ways, both
+    /// families): one ping from each node to each pod address, all at once. A running
+    /// cluster's caches are warm; the sandbox's first contact of a node with another node's
+    /// pod sometimes waits for one neighbour resolution retransmission (1 s; IPv4 and IPv6
+    /// alike, seen about once in 40 fresh sandboxes on a loaded machine, cause not found),
+    /// which the userspace mode's UDP sessions (kube-proxy's 250 ms `--udp-timeout`) do not
+    /// outlive.
+    pub fn resolve_neighbours(&self) -> Result<()> {
         let pings: Vec<_> = [&self.node1, &self.node2]
             .into_iter()
             .flat_map(|node| self.pods.iter().map(move |pod| (node, pod)))
-            .map(|(node, pod)| {
+            .flat_map(|(node, pod)| {
+                [("-4", IpAddr::from(pod.ip)), ("-6", IpAddr::from(pod.ip6))]
+                    .map(|(family, ip)| (node, family, ip))
+            })
+            .map(|(node, family, ip)| {
                 let mut ping = node.cmd("ping");
-                ping.args(["-6", "-c1", "-W3", &pod.ip6.to_string()])
+                ping.args([family, "-c1", "-W3", &ip.to_string()])
                     .stdout(std::process::Stdio::null())
                     .stderr(std::process::Stdio::null());
                 let child = ping
                     .spawn()
-                    .with_context(|| format!("pinging {} from {}", pod.ip6, node.name));
-                (node, pod, child)
+                    .with_context(|| format!("pinging {ip} from {}", node.name));
+                (node, ip, child)
             })
             .collect();
-        for (node, pod, child) in pings {
+        for (node, ip, child) in pings {
             let status = child?.wait()?;
             ensure!(
                 status.success(),
-                "{} does not answer {}: {status}",
-                pod.ip6,
+                "{ip} does not answer {}: {status}",
                 node.name
             );
         }

@@ -717,10 +717,10 @@ impl World {
         sandbox
             .start_backends(BACKEND_PORT)
             .expect("starting the backends");
-        if mode.id == "userspace" && stack != Stack::Ipv4 {
+        if mode.id == "userspace" {
             sandbox
-                .resolve_ipv6_neighbours()
-                .expect("resolving the sandbox's IPv6 neighbours");
+                .resolve_neighbours()
+                .expect("resolving the sandbox's neighbours");
         }
         let manifest = stack
             .manifest(&manifest())
