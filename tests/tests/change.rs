@@ -5,7 +5,7 @@
 //! leaves every service serving, and pinned maps left by another release are checked.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     time::Duration,
 };
 
@@ -22,7 +22,7 @@ use proxy_tests::{
 };
 use proxy_userspace::{
     dataplane::Scope,
-    model::{DesiredState, Protocol, ServicePortName},
+    model::{DesiredState, LbAlgorithm, Protocol, ServicePortName},
     modes::ebpf::inspect,
     modes::ebpf::{
         self, MapSizes, MapWriter, WriterConfig, bpffs::PinDirLock, writer::DEFAULT_DRAIN_PERIOD,
@@ -362,6 +362,61 @@ fn recovery_rewrites_a_damaged_service() {
             .collect::<Vec<_>>(),
         vec![BE1, BE2]
     );
+}
+
+/// After a restart, a recovered frontend whose reprogramming fails halfway (its endpoints' ids
+/// taken over by its port, the new endpoint's refused by a backends map that others filled)
+/// keeps serving its endpoints, and the UDP routes still name them: the sockets connected
+/// through them are not stale.
+#[test]
+fn a_recovered_frontend_whose_reprogramming_failed_keeps_its_udp_routes() {
+    let Some((mut p, mut state)) = setup(
+        "a_recovered_frontend_whose_reprogramming_failed_keeps_its_udp_routes",
+        &[(BE1, 8080), (BE2, 8080)],
+    ) else {
+        return;
+    };
+    // Maglev tables are written at once, not in a batch: the failure comes in the middle of
+    // reprogramming dns (batched, it would come after, when the batch is written).
+    restart_with(
+        &mut p,
+        SMALL,
+        WriterConfig {
+            lb_algorithm: LbAlgorithm::Maglev,
+            ..WriterConfig::default()
+        },
+    );
+    let mut backends: BpfHashMap<MapData, u32, Backend> =
+        Map::HashMap(MapData::from_pin(p.bpffs.path().join(MAP_BACKENDS)).unwrap())
+            .try_into()
+            .unwrap();
+    let mut foreign = 0x8000_0000u32;
+    while backends.insert(foreign, Backend::default(), 0).is_ok() {
+        foreign += 1;
+    }
+    add_service(
+        &mut state,
+        &Svc {
+            name: "dns",
+            vip: VIP,
+            port: 80,
+            protocol: Protocol::Udp,
+            endpoints: &[(BE1, 8080), (BE2, 8080), (BE3, 8080)],
+        },
+    );
+    p.program(&state).expect_err("the backends map is full");
+    assert_eq!(
+        flows_by_backend(&p, packet::UDP, VIP, 80)
+            .into_keys()
+            .collect::<Vec<_>>(),
+        vec![BE1, BE2],
+        "dns keeps serving what it had"
+    );
+    let routes = p.maps.udp_routes();
+    for be in [BE1, BE2] {
+        let route = (IpAddr::from(VIP), 80, IpAddr::from(be), 8080);
+        assert!(routes.contains(&route), "no route {route:?} in {routes:?}");
+    }
 }
 
 /// Creates and pins a map by hand, as another release of the agent might have left it.

@@ -109,15 +109,13 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     }
 
     /// The endpoint of backend `id`, a slot of a frontend `claim` programmed (None: recovered
-    /// and not claimed).
+    /// and not claimed): in the claim's record, or recovered and not claimed yet.
     pub(super) fn backend_of(
         &self,
         claim: Option<&ServicePortName>,
         id: u32,
     ) -> Option<Backend<A>> {
-        match claim {
-            Some(spn) => self.ports.get(spn)?.ids.backend_of(id),
-            None => self.unclaimed.get(&id).copied(),
-        }
+        let claimed = claim.and_then(|spn| self.ports.get(spn)?.ids.backend_of(id));
+        claimed.or_else(|| self.unclaimed.get(&id).copied())
     }
 }

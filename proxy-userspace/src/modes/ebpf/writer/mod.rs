@@ -350,15 +350,27 @@ impl<A: FamilyMaps> FamilyWriter<A> {
     /// may go now: a NodePort's frontend address is unspecified.
     fn udp_routes(&self) -> HashSet<(IpAddr, u16, IpAddr, u16)> {
         let mut routes = HashSet::default();
+        // Every port's ids, made only for a slot whose id neither its claim's record nor
+        // `unclaimed` holds: a frontend whose reprogramming failed halfway keeps slots whose ids
+        // the failed port took (out of `unclaimed` after a restart, or as new ids).
+        let mut every_port: Option<HashMap<u32, Backend<A>>> = None;
         for (fe, programmed) in &self.frontends {
             if fe.proto != IPPROTO_UDP {
                 continue;
             }
-            for id in &programmed.slots {
-                let Some(b) = self.backend_of(programmed.claim.as_ref(), *id) else {
+            for &id in &programmed.slots {
+                if id == LOST || self.draining.contains_key(&id) {
                     continue;
-                };
-                if !self.draining.contains_key(id) {
+                }
+                let b = self.backend_of(programmed.claim.as_ref(), id).or_else(|| {
+                    let every_port = every_port.get_or_insert_with(|| {
+                        (self.ports.values())
+                            .flat_map(|port| port.ids.iter().map(|(b, id)| (id, b)))
+                            .collect()
+                    });
+                    every_port.get(&id).copied()
+                });
+                if let Some(b) = b {
                     routes.insert((fe.addr.ip(), fe.port.get(), b.addr.ip(), b.port.get()));
                 }
             }
