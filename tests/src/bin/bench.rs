@@ -588,7 +588,7 @@ struct Row {
     pass: f64,
     established: f64,
     established_single: f64,
-    /// One packet of each of the new flows' in turn, once they are established.
+    /// One packet of each of the new flows in turn, once they are established.
     established_many: f64,
     new_flow: f64,
 }
@@ -672,42 +672,61 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
     let mut frame = Spec::tcp(CLIENT, 0, vip(0), 80).build();
     let sport_off = ETH_HLEN + 20;
     let mut total = 0.0;
-    let mut opened = Vec::with_capacity(args.new_flows as usize);
+    // Where each flow went (its endpoint), to establish it below.
+    let mut sent_to = Vec::with_capacity(args.new_flows as usize);
+    let client = |i: u32| {
+        let [a, b, _, d] = CLIENT.octets();
+        Ipv4Addr::new(a, b, (i >> 16) as u8, d)
+    };
     for i in 0..args.new_flows {
         frame[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&vip(i % count).octets());
         // A distinct 5-tuple: client address low bits and source port from the flow number.
         frame[ETH_HLEN + 14] = (i >> 16) as u8;
         frame[sport_off..sport_off + 2].copy_from_slice(&((i & 0xffff) as u16).to_be_bytes());
         let (verdict, out, took) = p.run_timed("tc_ingress", &frame);
-        let backend = u32::from(packet::read(&out).dst).wrapping_sub(u32::from(FIRST_BACKEND));
+        let seen = packet::read(&out);
+        let backend = u32::from(seen.dst).wrapping_sub(u32::from(FIRST_BACKEND));
         if verdict != TC_ACT_UNSPEC || backend >= count * args.backends {
             bail!("new flow {i} was not sent to a backend (verdict {verdict})");
         }
         total += ns(took);
-        let client = packet::read(&frame).src;
-        let ack = Spec {
-            tcp_flags: 0x10,
-            ..Spec::tcp(client, (i & 0xffff) as u16, vip(i % count), 80)
-        };
-        opened.push((ack.build(), out));
+        sent_to.push((seen.dst, seen.dport));
     }
     let new_flow = total / args.new_flows as f64;
-    // The same flows established (answered, and acknowledged by the client), then one packet
-    // of each in turn: an established packet whose flow is no warmer in the caches than a new
-    // flow's lookups were.
-    for (ack, sent) in &opened {
-        answer(&p, "tc_egress", sent);
-        p.run("tc_ingress", ack);
-    }
-    let mut total = 0.0;
-    for (ack, _) in &opened {
-        let (verdict, _, took) = p.run_timed("tc_ingress", ack);
-        if verdict != TC_ACT_UNSPEC {
-            bail!("an established flow's packet was not passed on (verdict {verdict})");
+    // The same flows established (answered, and acknowledged by the client), a block at a
+    // time, then one packet of each in turn: established packets whose conntrack entries are no
+    // warmer in the caches than a new flow's lookups were, each well within a second of its
+    // flow's last packet (a flow quiet longer has its reply entry looked at too).
+    let ack = |i: u32| {
+        let sport = (i & 0xffff) as u16;
+        Spec {
+            tcp_flags: 0x10,
+            ..Spec::tcp(client(i), sport, vip(i % count), 80)
         }
-        total += ns(took);
+        .build()
+    };
+    let mut total = 0.0;
+    const BLOCK: u32 = 16_384;
+    for start in (0..args.new_flows).step_by(BLOCK as usize) {
+        let block = start..(start + BLOCK).min(args.new_flows);
+        for i in block.clone() {
+            let (endpoint, port) = sent_to[i as usize];
+            let reply = Spec {
+                tcp_flags: 0x10,
+                ..Spec::tcp(endpoint, port, client(i), (i & 0xffff) as u16)
+            };
+            p.run("tc_egress", &reply.build());
+            p.run("tc_ingress", &ack(i));
+        }
+        for i in block {
+            let (verdict, _, took) = p.run_timed("tc_ingress", &ack(i));
+            if verdict != TC_ACT_UNSPEC {
+                bail!("established flow {i}'s packet was not passed on (verdict {verdict})");
+            }
+            total += ns(took);
+        }
     }
-    let established_many = total / opened.len() as f64;
+    let established_many = total / args.new_flows as f64;
     let mut total = 0.0;
     let single_runs = args.new_flows.min(200_000);
     let established_frame = Spec {
