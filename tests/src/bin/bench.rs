@@ -669,21 +669,17 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
     let established = ns(ping_pong(&p, CLIENT, VIP_A, args.repeat)?);
 
     // One run each: new flows to every service in turn, then one established flow as often.
-    let mut frame = Spec::tcp(CLIENT, 0, vip(0), 80).build();
-    let sport_off = ETH_HLEN + 20;
+    // Flow `i`: a distinct 5-tuple, its client address and source port from the flow number.
+    let flow = |i: u32| {
+        let [a, b, _, d] = CLIENT.octets();
+        let client = Ipv4Addr::new(a, b, (i >> 16) as u8, d);
+        Spec::tcp(client, (i & 0xffff) as u16, vip(i % count), 80)
+    };
     let mut total = 0.0;
     // Where each flow went (its endpoint), to establish it below.
     let mut sent_to = Vec::with_capacity(args.new_flows as usize);
-    let client = |i: u32| {
-        let [a, b, _, d] = CLIENT.octets();
-        Ipv4Addr::new(a, b, (i >> 16) as u8, d)
-    };
     for i in 0..args.new_flows {
-        frame[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&vip(i % count).octets());
-        // A distinct 5-tuple: client address low bits and source port from the flow number.
-        frame[ETH_HLEN + 14] = (i >> 16) as u8;
-        frame[sport_off..sport_off + 2].copy_from_slice(&((i & 0xffff) as u16).to_be_bytes());
-        let (verdict, out, took) = p.run_timed("tc_ingress", &frame);
+        let (verdict, out, took) = p.run_timed("tc_ingress", &flow(i).build());
         let seen = packet::read(&out);
         let backend = u32::from(seen.dst).wrapping_sub(u32::from(FIRST_BACKEND));
         if verdict != TC_ACT_UNSPEC || backend >= count * args.backends {
@@ -698,10 +694,9 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
     // warmer in the caches than a new flow's lookups were, each well within a second of its
     // flow's last packet (a flow quiet longer has its reply entry looked at too).
     let ack = |i: u32| {
-        let sport = (i & 0xffff) as u16;
         Spec {
             tcp_flags: 0x10,
-            ..Spec::tcp(client(i), sport, vip(i % count), 80)
+            ..flow(i)
         }
         .build()
     };
@@ -710,12 +705,11 @@ fn measure(args: &Datapath, count: u32) -> anyhow::Result<(Row, XdpRow)> {
     for start in (0..args.new_flows).step_by(BLOCK as usize) {
         let block = start..(start + BLOCK).min(args.new_flows);
         for i in block.clone() {
+            // The flow's first packet as the program sent it on: to its endpoint.
             let (endpoint, port) = sent_to[i as usize];
-            let reply = Spec {
-                tcp_flags: 0x10,
-                ..Spec::tcp(endpoint, port, client(i), (i & 0xffff) as u16)
-            };
-            p.run("tc_egress", &reply.build());
+            let first = flow(i);
+            let sent = Spec::tcp(first.src, first.sport, endpoint, port);
+            answer(&p, "tc_egress", &sent.build());
             p.run("tc_ingress", &ack(i));
         }
         for i in block {
