@@ -1,6 +1,6 @@
 //! A list that nearly always holds one item (a service's one port, its one EndpointSlice, a
-//! service port's one frontend or cluster IP). With tens of thousands of services, a boxed list for each is
-//! an allocation each, with malloc's overhead: the one item is held in place instead.
+//! service port's one frontend or cluster IP). With tens of thousands of services, a boxed list
+//! for each is an allocation each, with malloc's overhead: the one item is held in place instead.
 use std::{fmt, ops::Deref};
 
 /// Read (and compared) as a slice. Two variants, so that it is no larger than the item where
