@@ -33,7 +33,10 @@ fn first_query(pod: &Pod) -> anyhow::Result<String> {
         .try_run(|| -> anyhow::Result<String> {
             let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
             socket.connect(DNS)?;
-            socket.set_read_timeout(Some(patience(Duration::from_secs(1))))?;
+            // Long enough for two neighbour resolution retransmissions (1 s each): the pod and
+            // its node-side interface are seconds old, and a fresh sandbox's first contact
+            // sometimes waits for one (see `Sandbox::resolve_neighbours`).
+            socket.set_read_timeout(Some(patience(Duration::from_secs(3))))?;
             let sent = utc_time_of_day();
             socket.send(b"first\n")?;
             let mut buf = [0; 512];
